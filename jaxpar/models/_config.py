@@ -1,0 +1,242 @@
+"""Model configuration: one frozen dataclass for every supported decoder-only architecture."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.errors import ConfigError
+
+ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "gpt2")
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "norm": ("rms", "layer"),
+    "activation": ("silu", "gelu_tanh"),
+    "positional": ("rope", "learned"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama 3.x RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.low_freq_factor <= 0:
+            raise ConfigError(f"rope_scaling: factors must be positive, got {self}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                "rope_scaling: high_freq_factor must exceed low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("rope_scaling: original_max_position_embeddings must be positive")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> Llama3RopeScaling:
+        """Builds the scaling from a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict."""
+        kind = m.get("rope_type", m.get("type", "llama3"))
+        if kind != "llama3":
+            raise ConfigError(f"rope_scaling type {kind!r} is not supported; legal: 'llama3'")
+        try:
+            return cls(
+                factor=float(m["factor"]),
+                low_freq_factor=float(m["low_freq_factor"]),
+                high_freq_factor=float(m["high_freq_factor"]),
+                original_max_position_embeddings=int(m["original_max_position_embeddings"]),
+            )
+        except KeyError as e:
+            raise ConfigError(f"rope_scaling of type 'llama3' lacks key {e.args[0]!r}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Sizes and architectural switches of a decoder-only Transformer.
+
+    Satisfies :class:`jaxpar.spec._dims.ModelDims`. Frozen and hashable, so it can live in
+    an NNX graphdef as static data. ``rope_scaling`` may be given as a mapping; it is
+    stored as a :class:`Llama3RopeScaling`. Dtypes may be given as names or dtypes.
+    """
+
+    arch: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+    activation: str = "silu"
+    gated_ffn: bool = True
+    positional: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    sliding_window: int | None = None
+    n_experts: int = 0
+    top_k: int = 0
+    moe_capacity_factor: float | None = None
+    dtype: Any = "float32"
+    param_dtype: Any = "float32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(
+                self, "rope_scaling", Llama3RopeScaling.from_mapping(self.rope_scaling)
+            )
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, _float_dtype(name, getattr(self, name)))
+        self._check()
+
+    def _check(self) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"unknown arch {self.arch!r}; legal: {', '.join(ARCHS)}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.d_ff <= 0 or self.max_position_embeddings <= 0:
+            raise ConfigError("d_ff and max_position_embeddings must be positive")
+        for name, legal in _CHOICES.items():
+            if getattr(self, name) not in legal:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; legal: {', '.join(legal)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(grouped-query attention shares each kv head among n_heads/n_kv_heads heads)"
+            )
+        if self.norm_eps <= 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.positional == "rope":
+            if self.head_dim % 2:
+                raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
+            if self.rope_theta <= 0:
+                raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        elif self.rope_scaling is not None:
+            raise ConfigError("rope_scaling is only meaningful with positional='rope'")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be None or positive, got {self.sliding_window}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.n_experts < 0:
+            raise ConfigError(f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
+        if (self.arch == "mixtral") != self.is_moe:
+            raise ConfigError(f"arch {self.arch!r} with n_experts={self.n_experts}: only "
+                              "'mixtral' is a mixture of experts, and it needs n_experts > 0")
+        if not self.is_moe:
+            if self.top_k or self.moe_capacity_factor is not None:
+                raise ConfigError("top_k and moe_capacity_factor need n_experts > 0")
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
+        if not self.gated_ffn or self.activation != "silu":
+            raise ConfigError("experts are SwiGLU: MoE needs gated_ffn=True, activation='silu'")
+        if self.mlp_bias:
+            raise ConfigError("experts have no biases: MoE needs mlp_bias=False")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(
+                f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the feed-forward blocks are mixtures of experts."""
+        return self.n_experts > 0
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads per kv head (G in einsum strings)."""
+        return self.n_heads // self.n_kv_heads
+
+    def expert_capacity(self, group_size: int) -> int:
+        """Slots per expert per group of ``group_size`` tokens.
+
+        Dropless (``moe_capacity_factor=None``) gives ``group_size``: top-k experts are
+        distinct, so an expert sees each token of a group at most once. A factor ``cf``
+        gives ``min(T, ceil(cf * T * top_k / E))``.
+        """
+        if self.moe_capacity_factor is None:
+            return group_size
+        cap = math.ceil(self.moe_capacity_factor * group_size * self.top_k / self.n_experts)
+        return max(1, min(group_size, cap))
+
+
+def _float_dtype(name: str, value: Any) -> np.dtype:
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        raise ConfigError(f"{name}={value!r} is not a dtype") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ConfigError(f"{name} must be a floating dtype, got {dt}")
+    return dt
+
+
+_TINY = dict(vocab_size=256, d_model=64, n_layers=4, n_heads=8, head_dim=8, max_position_embeddings=128)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-dense": ModelConfig(arch="llama", n_kv_heads=8, d_ff=128, **_TINY),
+    "tiny-gqa": ModelConfig(arch="llama", n_kv_heads=2, d_ff=128, **_TINY),
+    "tiny-moe": ModelConfig(arch="mixtral", n_kv_heads=8, d_ff=64, n_experts=8, top_k=2, **_TINY),
+    "tiny-gpt2": ModelConfig(
+        arch="gpt2",
+        n_kv_heads=8,
+        d_ff=256,
+        norm="layer",
+        activation="gelu_tanh",
+        gated_ffn=False,
+        positional="learned",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=True,
+        **_TINY,
+    ),
+    # Llama-3.2-1B shapes (~1.24B parameters), bfloat16: for GPU benchmarks only.
+    "llama-1b": ModelConfig(
+        arch="llama",
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        d_ff=8192,
+        rope_theta=500000.0,
+        rope_scaling=Llama3RopeScaling(
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
+        tie_embeddings=True,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """Returns the preset configuration called ``name``.
+
+    Raises:
+        ConfigError: ``name`` is not a preset; the message lists the presets.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None

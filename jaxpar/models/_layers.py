@@ -1,0 +1,183 @@
+"""Small building blocks: parameters with logical axes, norms, embedding, dense FFN, LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.models._config import ModelConfig
+from jaxpar.spec._constrain import constrain
+from jaxpar.spec._enums import Module
+
+Initializer = Callable[..., jax.Array]
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+}
+BTD = ("batch", "seq", "embed")
+
+
+def param(
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: Sequence[int],
+    axes: tuple[str | None, ...],
+    dtype: jnp.dtype,
+) -> nnx.Param:
+    """A parameter tagged with its logical axis names (``out_sharding`` metadata).
+
+    Eager sharding is off: the names are logical, only the engine maps them to a mesh.
+    """
+    assert len(axes) == len(shape), (shape, axes)
+    return nnx.Param(
+        init(rngs.params(), tuple(shape), dtype), out_sharding=axes, eager_sharding=False
+    )
+
+
+def fan_in_normal(*in_dims: int) -> Initializer:
+    """Normal init with std 1/sqrt(fan_in): activations stay O(1) at any depth or width."""
+    fan_in = 1
+    for d in in_dims:
+        fan_in *= d
+    return nnx.initializers.normal(stddev=fan_in**-0.5)
+
+
+def bias_init(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...], dtype):
+    """A small random bias (random so tests exercise it; real values come from checkpoints)."""
+    return param(rngs, nnx.initializers.normal(stddev=0.02), shape, axes, dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale, statistics in float32."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = config.norm_eps
+        self.scale = param(rngs, nnx.initializers.ones, (config.d_model,), ("embed",),
+                           config.param_dtype)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        """Normalises the last dimension; returns the input dtype."""
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        # Cast before scaling, as Hugging Face does.
+        return x.astype(x_BTD.dtype) * self.scale[...].astype(x_BTD.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """Layer norm with learned scale and bias (GPT-2), statistics in float32."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = config.norm_eps
+        d, pd = config.d_model, config.param_dtype
+        self.scale = param(rngs, nnx.initializers.ones, (d,), ("embed",), pd)
+        self.bias = param(rngs, nnx.initializers.zeros, (d,), ("embed",), pd)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        """Normalises the last dimension; returns the input dtype."""
+        x = x_BTD.astype(jnp.float32)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x_BTD.dtype)
+
+
+def make_norm(config: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm | LayerNorm:
+    """The norm the config asks for."""
+    return RMSNorm(config, rngs=rngs) if config.norm == "rms" else LayerNorm(config, rngs=rngs)
+
+
+class Embedding(nnx.Module):
+    """Token embedding, plus learned absolute positions when ``positional='learned'``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.dtype = config.dtype
+        v, d, pd = config.vocab_size, config.d_model, config.param_dtype
+        self.token_table = param(rngs, nnx.initializers.normal(1.0), (v, d), ("vocab", "embed"),
+                                 pd)
+        self.position_table = None
+        if config.positional == "learned":
+            q = config.max_position_embeddings
+            self.position_table = param(
+                rngs, nnx.initializers.normal(0.1), (q, d), ("positions", "embed"), pd
+            )
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
+        """Looks up token (and position) vectors: [B, T] ints -> x [B, T, D]."""
+        with jax.named_scope(Module.EMBEDDING.value):
+            x_BTD = jnp.take(self.token_table[...], tokens_BT, axis=0).astype(self.dtype)
+            if self.position_table is not None:
+                pos_BTD = jnp.take(self.position_table[...], positions_BT, axis=0)
+                x_BTD = x_BTD + pos_BTD.astype(self.dtype)
+            return constrain(x_BTD, BTD, Module.EMBEDDING)
+
+
+class LMHead(nnx.Module):
+    """Projection to vocabulary logits; tied heads reuse the token embedding table."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.dtype = config.dtype
+        self.kernel = None
+        if not config.tie_embeddings:
+            d, v = config.d_model, config.vocab_size
+            self.kernel = param(rngs, fan_in_normal(d), (d, v), ("embed", "vocab"),
+                                config.param_dtype)
+
+    def __call__(self, x_BxD: jax.Array, tied_table_VD: jax.Array | None) -> jax.Array:
+        """Logits in float32: x [B, D] -> [B, V], or x [B, T, D] -> [B, T, V].
+
+        Args:
+            x_BxD: Final-norm hidden states, with or without a seq dimension.
+            tied_table_VD: The token embedding table when embeddings are tied, else unused.
+        """
+        with jax.named_scope(Module.LM_HEAD.value):
+            lead = ("batch", "seq") if x_BxD.ndim == 3 else ("batch",)
+            x_BxD = constrain(x_BxD, (*lead, "embed"), Module.LM_HEAD)
+            if self.kernel is None:
+                logits = jnp.einsum("...D,VD->...V", x_BxD, tied_table_VD.astype(self.dtype),
+                                    preferred_element_type=jnp.float32)
+            else:
+                logits = jnp.einsum("...D,DV->...V", x_BxD, self.kernel[...].astype(self.dtype),
+                                    preferred_element_type=jnp.float32)
+            return constrain(logits, (*lead, "vocab"), Module.LM_HEAD)
+
+
+class FFN(nnx.Module):
+    """Dense feed-forward block: SwiGLU (gate, up, down) or a plain MLP (up, down)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pd = config.d_model, config.d_ff, config.param_dtype
+        self.dtype = config.dtype
+        self.act = config.activation
+        self.gate_kernel = None
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if config.gated_ffn:
+            self.gate_kernel = param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
+        self.up_kernel = param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
+        self.down_kernel = param(rngs, fan_in_normal(f), (f, d), ("mlp", "embed"), pd)
+        if config.mlp_bias:
+            if config.gated_ffn:
+                self.gate_bias = bias_init(rngs, (f,), ("mlp",), pd)
+            self.up_bias = bias_init(rngs, (f,), ("mlp",), pd)
+            self.down_bias = bias_init(rngs, (d,), ("embed",), pd)
+
+    def _proj(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, spec: str):
+        y = jnp.einsum(spec, x, kernel[...].astype(self.dtype))
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]."""
+        with jax.named_scope(Module.FFN.value):
+            x_BTD = constrain(x_BTD, BTD, Module.FFN)
+            up_BTF = self._proj(x_BTD, self.up_kernel, self.up_bias, "BTD,DF->BTF")
+            if self.gate_kernel is None:
+                h_BTF = ACTIVATIONS[self.act](up_BTF)
+            else:
+                gate_BTF = self._proj(x_BTD, self.gate_kernel, self.gate_bias, "BTD,DF->BTF")
+                h_BTF = ACTIVATIONS[self.act](gate_BTF) * up_BTF
+            h_BTF = constrain(h_BTF, ("batch", "seq", "mlp"), Module.FFN)
+            y_BTD = self._proj(h_BTF, self.down_kernel, self.down_bias, "BTF,FD->BTD")
+            return constrain(y_BTD, BTD, Module.FFN)

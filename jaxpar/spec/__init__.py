@@ -1,0 +1,43 @@
+"""The spec layer: legality tables, validation, logical-axis rules, mesh.
+
+Importable on its own (it needs JAX, not Flax) by people who bring their own model.
+"""
+
+from jaxpar.spec._config import ParallelConfig
+from jaxpar.spec._constrain import active_phase, constrain, sharding_context
+from jaxpar.spec._dims import Dims, ModelDims
+from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
+from jaxpar.spec._mesh import make_mesh
+from jaxpar.spec._rules import logical_axis_rules, mesh_axes, partition_spec
+from jaxpar.spec._tables import Entry, Role, Rule, SpecTable, load_spec_table, spec_table
+from jaxpar.spec._validate import Assignment, Plan, Violation, modules_of, validate
+
+__all__ = [
+    "LOGICAL_AXES",
+    "MESH_AXES",
+    "Assignment",
+    "Dims",
+    "Entry",
+    "ModelDims",
+    "Module",
+    "ParallelConfig",
+    "Phase",
+    "Plan",
+    "Primitive",
+    "Role",
+    "Rule",
+    "SpecTable",
+    "Status",
+    "Violation",
+    "active_phase",
+    "constrain",
+    "load_spec_table",
+    "logical_axis_rules",
+    "make_mesh",
+    "mesh_axes",
+    "modules_of",
+    "partition_spec",
+    "sharding_context",
+    "spec_table",
+    "validate",
+]

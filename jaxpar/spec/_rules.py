@@ -1,0 +1,138 @@
+"""Logical axis names -> mesh axes, per (module, phase), computed from the tables.
+
+For a module in a phase every primitive whose status lets it split (``allowed``,
+``layer_only``, and ``only_if_moe`` rows — whose ``splits`` are empty unless the module is
+the MoE layer itself) contributes its mesh axis to the logical dimensions of its row's
+``splits``. Axes whose primitive does not split the module's tokens then take the roles of
+``rules.toml`` (in decode ``sp`` carries batch; ``ep`` carries the batch of token
+activations everywhere). Axes of degree 1 are left out, so specs stay readable.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from jax.sharding import PartitionSpec
+
+from jaxpar.errors import IllegalStrategyError, JaxparError
+from jaxpar.spec._config import ParallelConfig
+from jaxpar.spec._dims import ModelDims
+from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
+from jaxpar.spec._tables import SpecTable, spec_table
+
+SPLITTING = frozenset({Status.ALLOWED, Status.LAYER_ONLY, Status.ONLY_IF_MOE})
+
+MeshAxes = tuple[str, ...]
+
+
+def _kv_heads_replicated(config: ParallelConfig, dims: ModelDims | None) -> bool:
+    """Policy for ``n_kv_heads < tp``: K/V heads are replicated over ``tp`` (each device
+    computes and caches all K/V heads of its query-head group) when ``tp`` is a multiple of
+    ``n_kv_heads``; any other non-divisible case is refused by the validator."""
+    return dims is not None and config.tp > 1 and dims.n_kv_heads % config.tp != 0
+
+
+@functools.cache
+def _resolve(
+    module: Module, phase: Phase, config: ParallelConfig, kv_replicated: bool, table: SpecTable
+) -> dict[str, MeshAxes]:
+    axes: dict[str, list[str]] = {name: [] for name in LOGICAL_AXES}
+    for primitive in Primitive:
+        if config.degree(primitive) == 1:
+            continue
+        entry = table.entry(module, primitive)
+        status = entry.status[phase]
+        if status in SPLITTING:
+            for name in entry.splits:
+                axes[name].append(primitive.value)
+        for role in table.roles:
+            if role.axis is primitive and phase in role.phases:
+                if role.when == "always" or status not in SPLITTING:
+                    axes[role.carries].append(primitive.value)
+    if kv_replicated:
+        axes["kv_heads"] = [a for a in axes["kv_heads"] if a != Primitive.TP.value]
+    # Token groups of an expert-sharded dispatch tensor: the batch axes that do not hold experts.
+    axes["expert_batch"] += [a for a in axes["batch"] if a not in axes["experts"]]
+    order = {name: i for i, name in enumerate(MESH_AXES)}
+    return {name: tuple(sorted(set(v), key=order.__getitem__)) for name, v in axes.items()}
+
+
+def mesh_axes(
+    module: Module | str,
+    phase: Phase | str,
+    config: ParallelConfig,
+    *,
+    dims: ModelDims | None = None,
+    table: SpecTable | None = None,
+) -> dict[str, MeshAxes]:
+    """Every logical axis name -> the mesh axes that split it, for ``module`` in ``phase``."""
+    return _resolve(
+        Module.coerce(module),
+        Phase.coerce(phase),
+        config,
+        _kv_heads_replicated(config, dims),
+        table or spec_table(),
+    )
+
+
+def logical_axis_rules(
+    module: Module | str,
+    phase: Phase | str,
+    config: ParallelConfig,
+    *,
+    dims: ModelDims | None = None,
+    table: SpecTable | None = None,
+) -> list[tuple[str, str | tuple[str, ...] | None]]:
+    """The rules in Flax's list-of-pairs form, e.g. ``[("heads", "tp"), ("batch", ("dp", "ep"))]``.
+
+    Every logical name appears once; ``None`` means replicated.
+    """
+    resolved = mesh_axes(module, phase, config, dims=dims, table=table)
+    return [(name, _entry(axes)) for name, axes in resolved.items()]
+
+
+def _entry(axes: MeshAxes) -> str | tuple[str, ...] | None:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def partition_spec(
+    logical_axes: Sequence[str | None],
+    module: Module | str,
+    phase: Phase | str,
+    config: ParallelConfig,
+    *,
+    dims: ModelDims | None = None,
+    table: SpecTable | None = None,
+) -> PartitionSpec:
+    """The ``PartitionSpec`` of a tensor with ``logical_axes`` in ``module`` during ``phase``.
+
+    Example: ``partition_spec(("batch", "seq", "embed"), "attention", "prefill",
+    ParallelConfig(dp=2, sp=2, tp=2))`` is ``PartitionSpec("dp", "sp", None)``.
+
+    Raises:
+        JaxparError: an unknown logical name, or two dimensions that would need one mesh axis.
+    """
+    resolved = mesh_axes(module, phase, config, dims=dims, table=table)
+    used: dict[str, str] = {}
+    out = []
+    for name in logical_axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in resolved:
+            raise JaxparError(
+                f"unknown logical axis {name!r}; legal: {sorted(resolved)} (or None for replicated)"
+            )
+        for axis in resolved[name]:
+            if axis in used:
+                raise IllegalStrategyError(
+                    f"{Module.coerce(module)}/{axis}/{Phase.coerce(phase)}: logical axes "
+                    f"{used[axis]!r} and {name!r} of {tuple(logical_axes)} both map to mesh axis "
+                    f"{axis!r}; a tensor can be split over a mesh axis only once"
+                )
+            used[axis] = name
+        out.append(_entry(resolved[name]))
+    return PartitionSpec(*out)

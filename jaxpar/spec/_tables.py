@@ -1,0 +1,274 @@
+"""Loads the specification tables (``sharding_specs/*.toml``) and checks them.
+
+The files are the single source of legality: which primitive may split which module in
+which phase, along which logical dimension, and the named rules the validator enforces.
+Loading is strict: anything unknown or missing is a :class:`SpecFileError` naming the file
+and the key, so a typo can never silently widen what is legal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxpar.errors import SpecFileError
+from jaxpar.spec._enums import LOGICAL_AXES, Module, Phase, Primitive, Status
+
+_ENTRY_KEYS = {"prefill", "decode", "applies_to", "splits", "may_split", "sync", "row", "placement"}
+_ENTRY_REQUIRED = {"prefill", "decode", "applies_to", "splits", "sync", "row"}
+_RULE_KEYS = {"id", "text", "sources", "section", "enforced_by"}
+_ROLE_KEYS = {"axis", "phases", "carries", "when", "why"}
+_ENFORCERS = {"validator", "model", "inspect", "tests"}
+_PLACEMENTS = {"first_stage", "last_stage"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One row of a module's phase-specific summary table."""
+
+    module: Module
+    primitive: Primitive
+    status: Mapping[Phase, Status]
+    applies_to: tuple[str, ...]
+    splits: tuple[str, ...]
+    may_split: tuple[str, ...]
+    sync: str
+    row: str
+    source: str
+    placement: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """A named rule of the specification, with where it comes from and who enforces it."""
+
+    id: str
+    text: str
+    sources: tuple[str, ...]
+    section: str
+    enforced_by: str
+
+    def cite(self) -> str:
+        return f'rule "{self.id}" ({", ".join(self.sources)}, {self.section}: "{self.text}")'
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Role:
+    """What a mesh axis carries where its primitive does not split a module's tokens."""
+
+    axis: Primitive
+    phases: tuple[Phase, ...]
+    carries: str
+    when: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity hash: tables key caches
+class SpecTable:
+    """All tables and rules, queryable by (module, primitive, phase)."""
+
+    entries: Mapping[tuple[Module, Primitive], Entry]
+    rules: Mapping[str, Rule]
+    roles: tuple[Role, ...]
+    directory: Path
+
+    def entry(self, module: Module | str, primitive: Primitive | str) -> Entry:
+        return self.entries[Module.coerce(module), Primitive.coerce(primitive)]
+
+    def status(
+        self, module: Module | str, primitive: Primitive | str, phase: Phase | str
+    ) -> Status:
+        """The table's status, e.g. ``status("attention", "sp", "decode")`` is NOT_ALLOWED."""
+        return self.entry(module, primitive).status[Phase.coerce(phase)]
+
+    def rule(self, rule_id: str) -> Rule:
+        return self.rules[rule_id]
+
+
+def default_spec_dir() -> Path:
+    """``sharding_specs/`` of a source checkout, else the copy packaged in the wheel."""
+    checkout = Path(__file__).resolve().parents[2] / "sharding_specs"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(importlib.resources.files("jaxpar._sharding_specs")))
+
+
+@functools.cache
+def _cached(directory: Path) -> SpecTable:
+    return load_spec_table(directory)
+
+
+def spec_table(directory: str | Path | None = None) -> SpecTable:
+    """The specification tables (loaded once per directory and checked)."""
+    return _cached(Path(directory) if directory else default_spec_dir())
+
+
+def load_spec_table(directory: str | Path) -> SpecTable:
+    """Loads and checks every table in ``directory``; raises SpecFileError on any defect."""
+    directory = Path(directory)
+    entries: dict[tuple[Module, Primitive], Entry] = {}
+    for module in Module:
+        path = directory / f"{module.value}.toml"
+        entries.update(_load_module(path, module))
+    rules, roles = _load_rules(directory / "rules.toml")
+    extra = {p.stem for p in directory.glob("*.toml")} - {m.value for m in Module} - {"rules"}
+    if extra:
+        raise SpecFileError(
+            f"{directory}: unknown table file(s) {sorted(extra)}; modules are "
+            f"{[m.value for m in Module]} plus rules.toml"
+        )
+    return SpecTable(entries=entries, rules=rules, roles=roles, directory=directory)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise SpecFileError(f"{path}: missing specification file")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecFileError(f"{path}: not valid TOML: {e}") from e
+
+
+def _words(path: Path, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecFileError(f"{path}: key {key!r} must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
+def _text(path: Path, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise SpecFileError(f"{path}: key {key!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _load_module(path: Path, module: Module) -> dict[tuple[Module, Primitive], Entry]:
+    data = _read(path)
+    if data.get("module") != module.value:
+        raise SpecFileError(
+            f"{path}: key 'module' must be {module.value!r}, got {data.get('module')!r}"
+        )
+    source = _text(path, "source", data.get("source"))
+    components = _words(path, "components", data.get("components"))
+    unknown = set(data) - {"module", "source", "components"} - {p.value for p in Primitive}
+    if unknown:
+        raise SpecFileError(
+            f"{path}: unknown key(s) {sorted(unknown)}; primitives are {[p.value for p in Primitive]}"
+        )
+    out = {}
+    for primitive in Primitive:
+        key = primitive.value
+        row = data.get(key)
+        if not isinstance(row, dict):
+            raise SpecFileError(f"{path}: missing row [{key}] (every primitive needs a row)")
+        out[module, primitive] = _entry(path, module, primitive, row, source, components)
+    return out
+
+
+def _entry(
+    path: Path,
+    module: Module,
+    primitive: Primitive,
+    row: dict[str, Any],
+    source: str,
+    components: tuple[str, ...],
+) -> Entry:
+    where = f"{path}: [{primitive.value}]"
+    if unknown := set(row) - _ENTRY_KEYS:
+        raise SpecFileError(
+            f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(_ENTRY_KEYS)}"
+        )
+    if missing := _ENTRY_REQUIRED - set(row):
+        raise SpecFileError(f"{where}: missing key(s) {sorted(missing)}")
+    status = {}
+    for phase in Phase:
+        word = row[phase.value]
+        try:
+            status[phase] = Status(word)
+        except ValueError:
+            raise SpecFileError(
+                f"{where}.{phase.value}: unknown status {word!r}; "
+                f"legal: {[s.value for s in Status]}"
+            ) from None
+    applies_to = _words(path, f"{primitive.value}.applies_to", row["applies_to"])
+    if bad := set(applies_to) - set(components):
+        raise SpecFileError(
+            f"{where}.applies_to: unknown sub-component(s) {sorted(bad)}; "
+            f"the module's components are {list(components)}"
+        )
+    splits = _words(path, f"{primitive.value}.splits", row["splits"])
+    may_split = _words(path, f"{primitive.value}.may_split", row.get("may_split", list(splits)))
+    for key, dims in (("splits", splits), ("may_split", may_split)):
+        if bad := set(dims) - set(LOGICAL_AXES):
+            raise SpecFileError(
+                f"{where}.{key}: unknown logical axis {sorted(bad)}; legal: {list(LOGICAL_AXES)}"
+            )
+    if not set(splits) <= set(may_split):
+        raise SpecFileError(
+            f"{where}.splits: {list(splits)} not within may_split {list(may_split)}"
+        )
+    placement = row.get("placement")
+    if placement is not None and placement not in _PLACEMENTS:
+        raise SpecFileError(f"{where}.placement: {placement!r} not in {sorted(_PLACEMENTS)}")
+    return Entry(
+        module=module,
+        primitive=primitive,
+        status=status,
+        applies_to=applies_to,
+        splits=splits,
+        may_split=may_split,
+        sync=_text(path, f"{primitive.value}.sync", row["sync"]),
+        row=_text(path, f"{primitive.value}.row", row["row"]),
+        source=source,
+        placement=placement,
+    )
+
+
+def _load_rules(path: Path) -> tuple[dict[str, Rule], tuple[Role, ...]]:
+    data = _read(path)
+    if unknown := set(data) - {"rule", "role"}:
+        raise SpecFileError(f"{path}: unknown key(s) {sorted(unknown)}; known: ['role', 'rule']")
+    rules: dict[str, Rule] = {}
+    for i, raw in enumerate(data.get("rule", [])):
+        where = f"{path}: rule[{i}]"
+        if unknown := set(raw) - _RULE_KEYS:
+            raise SpecFileError(f"{where}: unknown key(s) {sorted(unknown)}")
+        if missing := _RULE_KEYS - set(raw):
+            raise SpecFileError(f"{where}: missing key(s) {sorted(missing)}")
+        if raw["enforced_by"] not in _ENFORCERS:
+            raise SpecFileError(
+                f"{where}.enforced_by: {raw['enforced_by']!r} not in {sorted(_ENFORCERS)}"
+            )
+        rule = Rule(
+            id=_text(path, "id", raw["id"]),
+            text=_text(path, "text", raw["text"]),
+            sources=_words(path, "sources", raw["sources"]),
+            section=_text(path, "section", raw["section"]),
+            enforced_by=raw["enforced_by"],
+        )
+        if rule.id in rules:
+            raise SpecFileError(f"{where}.id: duplicate rule id {rule.id!r}")
+        rules[rule.id] = rule
+    roles = []
+    for i, raw in enumerate(data.get("role", [])):
+        where = f"{path}: role[{i}]"
+        if set(raw) != _ROLE_KEYS:
+            raise SpecFileError(f"{where}: keys must be {sorted(_ROLE_KEYS)}, got {sorted(raw)}")
+        try:
+            axis = Primitive(raw["axis"])
+            phases = tuple(Phase(p) for p in raw["phases"])
+        except ValueError as e:
+            raise SpecFileError(f"{where}: {e}") from None
+        if raw["carries"] not in LOGICAL_AXES:
+            raise SpecFileError(f"{where}.carries: unknown logical axis {raw['carries']!r}")
+        if raw["when"] not in {"always", "not_allowed"}:
+            raise SpecFileError(f"{where}.when: {raw['when']!r} not in ['always', 'not_allowed']")
+        roles.append(
+            Role(axis=axis, phases=phases, carries=raw["carries"], when=raw["when"], why=raw["why"])
+        )
+    return rules, tuple(roles)

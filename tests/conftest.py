@@ -1,0 +1,16 @@
+"""Test set-up: 8 simulated CPU devices, forced before JAX initialises its backends."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+assert jax.device_count() == 8, f"tests need 8 simulated CPU devices, got {jax.device_count()}"
