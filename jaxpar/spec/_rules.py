@@ -47,9 +47,9 @@ def _resolve(
             for name in entry.splits:
                 axes[name].append(primitive.value)
         for role in table.roles:
-            if role.axis is primitive and phase in role.phases:
-                if role.when == "always" or status not in SPLITTING:
-                    axes[role.carries].append(primitive.value)
+            applies = role.when == "always" or status not in SPLITTING
+            if role.axis is primitive and phase in role.phases and applies:
+                axes[role.carries].append(primitive.value)
     if kv_replicated:
         axes["kv_heads"] = [a for a in axes["kv_heads"] if a != Primitive.TP.value]
     # Token groups of an expert-sharded dispatch tensor: the batch axes that do not hold experts.
