@@ -8,7 +8,12 @@ from jaxpar.spec._constrain import active_phase, constrain, sharding_context
 from jaxpar.spec._dims import Dims, ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
 from jaxpar.spec._mesh import make_mesh
-from jaxpar.spec._rules import logical_axis_rules, mesh_axes, partition_spec
+from jaxpar.spec._rules import (
+    logical_axis_rules,
+    mesh_axes,
+    param_partition_spec,
+    partition_spec,
+)
 from jaxpar.spec._tables import Entry, Role, Rule, SpecTable, load_spec_table, spec_table
 from jaxpar.spec._validate import Assignment, Plan, Violation, modules_of, validate
 
@@ -36,6 +41,7 @@ __all__ = [
     "make_mesh",
     "mesh_axes",
     "modules_of",
+    "param_partition_spec",
     "partition_spec",
     "sharding_context",
     "spec_table",

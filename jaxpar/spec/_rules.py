@@ -136,3 +136,52 @@ def partition_spec(
             used[axis] = name
         out.append(_entry(resolved[name]))
     return PartitionSpec(*out)
+
+
+_PARAM_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers", "positions")
+
+
+@functools.cache
+def _param_rules(
+    config: ParallelConfig, kv_replicated: bool, table: SpecTable
+) -> dict[str, MeshAxes]:
+    owners: dict[str, dict[MeshAxes, list[str]]] = {d: {} for d in _PARAM_DIMS}
+    for module in Module:
+        for phase in Phase:
+            resolved = _resolve(module, phase, config, kv_replicated, table)
+            for dim in _PARAM_DIMS:
+                if resolved[dim]:
+                    owners[dim].setdefault(resolved[dim], []).append(f"{module}/{phase}")
+    rules = {}
+    for dim, choices in owners.items():
+        if len(choices) > 1:
+            detail = "; ".join(f"{axes} in {', '.join(where)}" for axes, where in choices.items())
+            raise IllegalStrategyError(
+                f"parameter dim {dim!r} would be split differently by module or phase ({detail}); "
+                "weights must keep one layout in both phases so they never move"
+            )
+        rules[dim] = next(iter(choices), ())
+    return rules
+
+
+def param_partition_spec(
+    logical_axes: Sequence[str | None],
+    config: ParallelConfig,
+    *,
+    dims: ModelDims | None = None,
+    table: SpecTable | None = None,
+) -> PartitionSpec:
+    """The one ``PartitionSpec`` of a parameter, shared by prefill and decode.
+
+    Each dimension is split as in the modules that split it (``vocab`` as in embedding and
+    LM head, ``heads`` as in attention, ``mlp`` as in FFN/MoE, ``experts`` as in MoE,
+    ``layers`` as in the layer stack); the tables must agree across modules and phases,
+    so weights are placed once and never move between phases.
+    """
+    rules = _param_rules(config, _kv_heads_replicated(config, dims), table or spec_table())
+    out = []
+    for name in logical_axes:
+        if name is not None and name not in rules:
+            raise JaxparError(f"unknown parameter logical axis {name!r}; legal: {list(rules)} or None")
+        out.append(None if name is None else _entry(rules[name]))
+    return PartitionSpec(*out)

@@ -1,0 +1,286 @@
+"""``InferenceEngine``: validated, placed once, separate prefill and decode programs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxpar.engine._placement import param_shardings, put_global
+from jaxpar.engine._sampling import Sampling
+from jaxpar.engine._steps import Layouts, Steps
+from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
+from jaxpar.models._cache import KVCache
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._decoder import Decoder
+from jaxpar.spec import ParallelConfig, Plan, make_mesh, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What :meth:`InferenceEngine.generate` returns."""
+
+    tokens: list[list[int]]  # new tokens per prompt (up to and including a stop token)
+    prefill_seconds: float
+    decode_seconds: float
+    prompt_tokens: int
+    new_tokens: int
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else math.nan
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds else math.nan
+
+
+class InferenceEngine:
+    """Sharded inference for one model under one parallel strategy.
+
+    Validates the strategy against the specification tables first (nothing compiles for an
+    illegal one), places the parameters once in their shardings (identical in both phases),
+    and compiles separate prefill and decode programs whose in/out shardings come from the
+    spec layer for their phase.
+
+    Args:
+        model_config: the model.
+        params: its parameters (``nnx.State`` as from ``init_params`` or
+            ``load_hf_checkpoint``); host or device arrays.
+        parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
+        max_batch: sequences per step; prompts are padded up to it.
+        max_seq_len: KV cache length per sequence (prompt + new tokens).
+        mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``make_mesh(parallel_config)``.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        params: nnx.State,
+        parallel_config: ParallelConfig | None = None,
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        mesh: Mesh | None = None,
+    ):
+        config = parallel_config or ParallelConfig()
+        if config.pp > 1:
+            raise ConfigError(
+                f"pp={config.pp}: pipeline parallelism is not implemented in this engine yet; "
+                "use pp=1"
+            )
+        devices = mesh.devices.size if mesh is not None else config.size
+        self.plan: Plan = validate(
+            model_config, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
+        )
+        self.mesh = mesh if mesh is not None else make_mesh(config)
+        self.model_config = model_config
+        self.parallel_config = config
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+
+        abstract = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
+        graphdef, abstract_state = nnx.split(abstract)
+        _check_params(abstract_state, params)
+        shardings = param_shardings(abstract_state, self.mesh, config, model_config)
+        self.params = jax.tree.map(
+            lambda x, s: put_global(x, s) if not isinstance(x, jax.Array) else jax.device_put(x, s),
+            params,
+            shardings,
+        )
+        self.layouts = Layouts.build(self.mesh, config, model_config, shardings)
+        self.steps = Steps(graphdef, self.layouts, self.mesh, config, model_config, max_seq_len)
+
+    # --- inputs ------------------------------------------------------------------------
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ShapeError("prompts must be a non-empty list of token-id lists")
+        if len(prompts) > self.max_batch:
+            raise ShapeError(
+                f"{len(prompts)} prompts exceed the engine's max_batch={self.max_batch}; "
+                "split them into batches or build the engine with a larger max_batch"
+            )
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ShapeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        vocab = self.model_config.vocab_size
+        for i, prompt in enumerate(prompts):
+            ids = np.asarray(prompt)
+            if ids.ndim != 1:
+                raise ShapeError(f"prompt {i} must be a 1-D sequence of token ids, got shape {ids.shape}")
+            if ids.size == 0:
+                raise ShapeError(f"prompt {i} is empty; every prompt needs at least one token")
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise ShapeError(f"prompt {i} has dtype {ids.dtype}; token ids must be integers")
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            if bad.size:
+                raise ShapeError(
+                    f"prompt {i} has token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab})"
+                )
+            if ids.size + max_new_tokens > self.max_seq_len:
+                raise CacheOverflowError(
+                    f"prompt {i} ({ids.size} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                    f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len"
+                )
+
+    def _bucket(self, longest: int) -> int:
+        """Padded prompt length: a power of two >= 8, a multiple of sp, <= max_seq_len.
+
+        Few distinct lengths keep the number of prefill compilations small.
+        """
+        sp = self.parallel_config.sp
+        length = max(8, 1 << (longest - 1).bit_length())
+        length = -(-length // sp) * sp
+        return min(length, self.max_seq_len)
+
+    def pad_prompts(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Right-pads prompts into ``tokens [max_batch, T]`` and ``lengths [max_batch]``.
+
+        Rows past ``len(prompts)`` hold a one-token dummy prompt (they are never returned).
+        """
+        lengths = np.ones(self.max_batch, np.int32)
+        lengths[: len(prompts)] = [len(p) for p in prompts]
+        tokens = np.zeros((self.max_batch, self._bucket(int(lengths.max()))), np.int32)
+        for i, prompt in enumerate(prompts):
+            tokens[i, : len(prompt)] = prompt
+        return tokens, lengths
+
+    # --- steps -------------------------------------------------------------------------
+
+    def prefill(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, *, seed: int = 0,
+                sampling: Sampling | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
+        """Prefill, then the one handoff into the decode layout.
+
+        Returns the last-position logits ``[B, V]``, the cache in the decode layout, and
+        each sequence's first new token.
+        """
+        lay = self.layouts
+        tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
+        lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
+        logits_BV, k, v = self.steps.prefill(self.params, tokens, lengths)
+        key = put_global(np.asarray(jax.random.key_data(jax.random.key(seed))), lay.replicated)
+        cache, first_B = self.steps.handoff(
+            k, v, lengths, logits_BV, jax.random.wrap_key_data(key), sampling or Sampling()
+        )
+        return logits_BV, cache, first_B
+
+    def prefill_logits(self, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> jax.Array:
+        """Logits at every prompt position, ``[B, T, V]`` (for checks against references)."""
+        lay = self.layouts
+        tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
+        lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
+        return self.steps.prefill(self.params, tokens, lengths, all_logits=True)[0]
+
+    def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
+        """One decode step (the cache is donated: do not reuse the argument)."""
+        cache.check_room(1)
+        if not isinstance(tokens_B, jax.Array):
+            tokens_B = put_global(np.asarray(tokens_B, np.int32), self.layouts.tokens_B)
+        return self.steps.decode(self.params, cache, tokens_B)
+
+    # --- generation ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        sampling: Sampling | None = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+        callback: Callable[[int, np.ndarray], None] | None = None,
+    ) -> Generation:
+        """Generates up to ``max_new_tokens`` for each prompt.
+
+        Args:
+            prompts: token-id lists of different lengths (at most ``max_batch``).
+            max_new_tokens: new tokens per prompt, counting the stop token.
+            sampling: greedy by default; temperature / top-k / top-p otherwise.
+            seed: sampling seed; the same seed gives bitwise-identical tokens.
+            stop_tokens: a sequence finishes after emitting one of these.
+            callback: streaming: called as ``callback(step, tokens_B)`` after every token;
+                decoding then runs one dispatched step per token. Without it, all decode
+                steps run inside one compiled ``while_loop``.
+        """
+        self._check_prompts(prompts, max_new_tokens)
+        sampling = sampling or Sampling()
+        tokens_BT, lengths_B = self.pad_prompts(prompts)
+        n = len(prompts)
+        start = time.perf_counter()
+        _, cache, first_B = self.prefill(tokens_BT, lengths_B, seed=seed, sampling=sampling)
+        first_B.block_until_ready()
+        prefill_seconds = time.perf_counter() - start
+
+        lay = self.layouts
+        done = np.arange(self.max_batch) >= n
+        done_B = put_global(done, lay.tokens_B)
+        stop_S = put_global(np.asarray(list(stop_tokens) or [-1], np.int32), lay.replicated)
+        key = jax.random.wrap_key_data(
+            put_global(np.asarray(jax.random.key_data(jax.random.key(seed))), lay.replicated)
+        )
+        start = time.perf_counter()
+        if callback is None:
+            out_BN, cache = self.steps.decode_loop(
+                self.params, cache, first_B, done_B, key, stop_S, max_new_tokens, sampling
+            )
+            out = np.asarray(out_BN)
+        else:
+            out = self._stream(cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback)
+        decode_seconds = time.perf_counter() - start
+
+        tokens = []
+        for row in out[:n]:
+            kept = row[row >= 0] if (row < 0).any() else row
+            tokens.append([int(t) for t in kept])
+        return Generation(
+            tokens=tokens,
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            prompt_tokens=int(lengths_B[:n].sum()),
+            new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
+        )
+
+    def _stream(self, cache, first_B, done, key, stop_tokens, n_new, sampling, callback):
+        out = np.full((self.max_batch, n_new), -1, np.int32)
+        tokens_B = first_B
+        host = np.asarray(jax.device_get(first_B))
+        stop = np.asarray(list(stop_tokens), np.int32)
+        for step in range(n_new):
+            if step:
+                step_arr = put_global(np.asarray(step, np.int32), self.layouts.replicated)
+                tokens_B, cache = self.steps.decode_select(self.params, cache, tokens_B, key, step_arr, sampling)
+                host = np.asarray(jax.device_get(tokens_B))
+            out[:, step] = np.where(done, -1, host)
+            callback(step, out[:, step].copy())
+            done = done | np.isin(host, stop)
+            if done.all():
+                break
+        return out
+
+
+def _check_params(abstract: nnx.State, params: nnx.State) -> None:
+    """Same tree and shapes as the model expects, before anything is placed."""
+    want = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    got_paths = {jax.tree_util.keystr(p): v for p, v in got.items()}
+    for path, leaf in want:
+        name = jax.tree_util.keystr(path)
+        if name not in got_paths:
+            raise ConfigError(f"parameter {name} is missing (expected shape {leaf.shape})")
+        shape = np.shape(got_paths[name])
+        if tuple(shape) != tuple(leaf.shape):
+            raise ConfigError(f"parameter {name} has shape {shape}, the model expects {leaf.shape}")
+    extra = set(got_paths) - {jax.tree_util.keystr(p) for p, _ in want}
+    if extra:
+        raise ConfigError(f"unexpected parameter(s) {sorted(extra)[:5]}")
+
+
+def abstract_params(model_config: ModelConfig) -> Any:
+    return nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))[1]

@@ -1,0 +1,68 @@
+"""Shardings of parameters, caches and step inputs, from logical names via the spec layer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.errors import ConfigError
+from jaxpar.spec import Module, ModelDims, ParallelConfig, Phase, param_partition_spec, partition_spec
+
+
+def logical_axes_of(state: nnx.State) -> Any:
+    """The logical axis names of every parameter leaf (a pytree of tuples, like ``state``).
+
+    Raises:
+        ConfigError: a parameter without names, or with a rank that disagrees with them.
+    """
+    specs = nnx.get_partition_spec(state)
+
+    def names(path, spec, value) -> tuple[str | None, ...]:
+        where = "/".join(str(getattr(k, "key", k)) for k in path)
+        if not isinstance(spec, PartitionSpec):
+            raise ConfigError(f"parameter {where} carries no logical axis names")
+        axes = tuple(spec)
+        if len(axes) != np.ndim(value):
+            raise ConfigError(f"parameter {where}: {len(axes)} logical names {axes} for shape {np.shape(value)}")
+        return axes
+
+    values = jax.tree.map(lambda v: v, state)
+    return jax.tree_util.tree_map_with_path(
+        names, specs, values, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, config: ParallelConfig, dims: ModelDims) -> Any:
+    """One ``NamedSharding`` per parameter, the same in prefill and decode."""
+    axes = logical_axes_of(state)
+    return jax.tree.map(
+        lambda names: NamedSharding(mesh, param_partition_spec(names, config, dims=dims)),
+        axes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def sharding(
+    mesh: Mesh,
+    logical_axes: Sequence[str | None],
+    module: Module,
+    phase: Phase,
+    config: ParallelConfig,
+    dims: ModelDims,
+) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(logical_axes, module, phase, config, dims=dims))
+
+
+def put_global(value: np.ndarray, target: NamedSharding) -> jax.Array:
+    """A host array (identical on every process) placed as one global array.
+
+    Each process only materialises the shards of its own devices, so this works the same
+    on one host and after ``jax.distributed.initialize`` on many.
+    """
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])

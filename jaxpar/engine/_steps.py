@@ -1,0 +1,229 @@
+"""The jit-compiled step functions, each with explicit per-phase shardings.
+
+* ``prefill``: whole prompts in the prefill layout (tokens may be split over ``sp``);
+* ``handoff``: pads the prefill K/V to ``max_seq_len`` and reshards it once into the decode
+  layout, and picks each sequence's first new token;
+* ``decode``: one token per sequence, cache donated and updated in place;
+* ``decode_loop``: many decode steps inside one ``lax.while_loop``, so the host does not
+  dispatch every token.
+
+Model code only names logical axes; the ``sharding_context`` around each traced body turns
+them into this phase's ``PartitionSpec``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.engine._sampling import Sampling, select
+from jaxpar.models._cache import KVCache
+from jaxpar.spec import Module, ModelDims, ParallelConfig, Phase, sharding_context
+
+PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+    """Every sharding the steps use, computed once from the spec layer."""
+
+    params: Any
+    tokens_BT: NamedSharding  # prefill
+    lengths_prefill_B: NamedSharding
+    logits_prefill_BV: NamedSharding
+    kv_prefill: NamedSharding  # [L, B, T, K, H]
+    cache: KVCache  # of NamedSharding, decode layout
+    tokens_B: NamedSharding  # decode
+    logits_BV: NamedSharding  # decode
+    replicated: NamedSharding
+
+    @classmethod
+    def build(
+        cls, mesh: Mesh, config: ParallelConfig, dims: ModelDims, params: Any
+    ) -> Layouts:
+        def at(axes, module, phase):
+            from jaxpar.spec import partition_spec
+
+            return NamedSharding(mesh, partition_spec(axes, module, phase, config, dims=dims))
+
+        kv_decode = at(KVCache.KV_AXES, Module.ATTENTION, DECODE)
+        lengths_decode = at(KVCache.LENGTHS_AXES, Module.ATTENTION, DECODE)
+        return cls(
+            params=params,
+            tokens_BT=at(("batch", "seq"), Module.EMBEDDING, PREFILL),
+            lengths_prefill_B=at(("batch",), Module.ATTENTION, PREFILL),
+            logits_prefill_BV=at(("batch", "vocab"), Module.LM_HEAD, PREFILL),
+            kv_prefill=at(KVCache.KV_AXES, Module.ATTENTION, PREFILL),
+            cache=KVCache(k_LBSKH=kv_decode, v_LBSKH=kv_decode, lengths_B=lengths_decode),
+            tokens_B=at(("batch",), Module.EMBEDDING, DECODE),
+            logits_BV=at(("batch", "vocab"), Module.LM_HEAD, DECODE),
+            replicated=NamedSharding(mesh, PartitionSpec()),
+        )
+
+
+class Steps:
+    """Builds, compiles (ahead of time, timed) and caches the step functions."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        layouts: Layouts,
+        mesh: Mesh,
+        config: ParallelConfig,
+        dims: ModelDims,
+        max_seq_len: int,
+    ):
+        self.graphdef = graphdef
+        self.layouts = layouts
+        self.mesh = mesh
+        self.config = config
+        self.dims = dims
+        self.max_seq_len = max_seq_len
+        self.compile_seconds: dict[str, float] = {}
+        self._compiled: dict[tuple, Any] = {}
+
+    # --- traced bodies -------------------------------------------------------------------
+
+    def _model(self, params):
+        return nnx.merge(self.graphdef, params)
+
+    def _prefill(self, params, tokens_BT, lengths_B, all_logits=False):
+        with sharding_context(self.mesh, PREFILL, self.config, self.dims):
+            return self._model(params).prefill(tokens_BT, lengths_B, all_logits=all_logits)
+
+    def _handoff(self, k_LBTKH, v_LBTKH, lengths_B, logits_BV, key, sampling):
+        with sharding_context(self.mesh, DECODE, self.config, self.dims):
+            cache = KVCache.from_prefill(k_LBTKH, v_LBTKH, lengths_B, self.max_seq_len)
+            first_B = select(logits_BV, jax.random.fold_in(key, 0), sampling)
+        return cache, first_B
+
+    def _decode(self, params, cache, tokens_B):
+        with sharding_context(self.mesh, DECODE, self.config, self.dims):
+            return self._model(params).decode(tokens_B, cache)
+
+    def _decode_select(self, params, cache, tokens_B, key, step, sampling):
+        logits_BV, cache = self._decode(params, cache, tokens_B)
+        with sharding_context(self.mesh, DECODE, self.config, self.dims):
+            return select(logits_BV, jax.random.fold_in(key, step), sampling), cache
+
+    def _decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+        batch = first_B.shape[0]
+        out_BN = jnp.full((batch, n_new), -1, jnp.int32).at[:, 0].set(first_B)
+        done_B = done_B | jnp.isin(first_B, stop_S)
+
+        def cond(carry):
+            i, _, _, done_B, _ = carry
+            return (i < n_new) & ~jnp.all(done_B)
+
+        def body(carry):
+            i, tokens_B, cache, done_B, out_BN = carry
+            next_B, cache = self._decode_select(params, cache, tokens_B, key, i, sampling)
+            out_BN = out_BN.at[:, i].set(jnp.where(done_B, -1, next_B))
+            done_B = done_B | jnp.isin(next_B, stop_S)
+            return i + 1, next_B, cache, done_B, out_BN
+
+        init = (jnp.int32(1), first_B, cache, done_B, out_BN)
+        _, _, cache, _, out_BN = jax.lax.while_loop(cond, body, init)
+        return out_BN, cache
+
+    # --- compiled entry points -----------------------------------------------------------
+
+    def _compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
+        cache_key = (name, *key)
+        if cache_key not in self._compiled:
+            jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
+            start = time.perf_counter()
+            compiled = jitted.lower(*args).compile()
+            self.compile_seconds[name] = time.perf_counter() - start
+            self._compiled[cache_key] = compiled
+        return self._compiled[cache_key]
+
+    def lower_prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
+        """The ``jax.stages.Lowered`` prefill for these shapes (for inspection)."""
+        return self._jit_prefill(all_logits).lower(params, tokens_BT, lengths_B)
+
+    def _jit_prefill(self, all_logits: bool):
+        lay = self.layouts
+        logits = (
+            NamedSharding(self.mesh, _logits_BTV_spec(self)) if all_logits else lay.logits_prefill_BV
+        )
+        return jax.jit(
+            lambda p, t, n: self._prefill(p, t, n, all_logits),
+            in_shardings=(lay.params, lay.tokens_BT, lay.lengths_prefill_B),
+            out_shardings=(logits, lay.kv_prefill, lay.kv_prefill),
+        )
+
+    def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
+        key = ("prefill", tokens_BT.shape, all_logits)
+        if key not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[key] = self._jit_prefill(all_logits).lower(params, tokens_BT, lengths_B).compile()
+            self.compile_seconds["prefill"] = time.perf_counter() - start
+        return self._compiled[key](params, tokens_BT, lengths_B)
+
+    def handoff(self, k, v, lengths_B, logits_BV, key, sampling: Sampling):
+        lay = self.layouts
+        compiled = self._compile(
+            "handoff",
+            (k.shape, sampling),
+            lambda k, v, n, lg, key: self._handoff(k, v, n, lg, key, sampling),
+            (lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, lay.logits_prefill_BV, lay.replicated),
+            (lay.cache, lay.tokens_B),
+            (k, v, lengths_B, logits_BV, key),
+        )
+        return compiled(k, v, lengths_B, logits_BV, key)
+
+    def jit_decode(self):
+        lay = self.layouts
+        return jax.jit(
+            self._decode,
+            in_shardings=(lay.params, lay.cache, lay.tokens_B),
+            out_shardings=(lay.logits_BV, lay.cache),
+            donate_argnums=(1,),
+        )
+
+    def decode(self, params, cache, tokens_B):
+        key = ("decode",)
+        if key not in self._compiled:
+            start = time.perf_counter()
+            self._compiled[key] = self.jit_decode().lower(params, cache, tokens_B).compile()
+            self.compile_seconds["decode"] = time.perf_counter() - start
+        return self._compiled[key](params, cache, tokens_B)
+
+    def decode_select(self, params, cache, tokens_B, key, step, sampling: Sampling):
+        lay = self.layouts
+        compiled = self._compile(
+            "decode_step",
+            (sampling,),
+            lambda p, c, t, k, s: self._decode_select(p, c, t, k, s, sampling),
+            (lay.params, lay.cache, lay.tokens_B, lay.replicated, lay.replicated),
+            (lay.tokens_B, lay.cache),
+            (params, cache, tokens_B, key, step),
+            donate_argnums=(1,),
+        )
+        return compiled(params, cache, tokens_B, key, step)
+
+    def decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+        lay = self.layouts
+        compiled = self._compile(
+            "decode_loop",
+            (n_new, sampling, stop_S.shape),
+            lambda p, c, f, d, k, s: self._decode_loop(p, c, f, d, k, s, n_new, sampling),
+            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated),
+            (lay.replicated, lay.cache),
+            (params, cache, first_B, done_B, key, stop_S),
+            donate_argnums=(1,),
+        )
+        return compiled(params, cache, first_B, done_B, key, stop_S)
+
+
+def _logits_BTV_spec(steps: Steps) -> PartitionSpec:
+    from jaxpar.spec import partition_spec
+
+    return partition_spec(("batch", "seq", "vocab"), Module.LM_HEAD, PREFILL, steps.config, dims=steps.dims)
