@@ -11,6 +11,14 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 import jax  # noqa: E402
 
+import tempfile  # noqa: E402
+
 jax.config.update("jax_enable_x64", False)
+# Identical programs (same model, strategy and shapes) recur across test files; a cache
+# private to this run compiles each once. It starts empty, so every program is still
+# compiled and checked at least once per run.
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxpar-test-xla-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 assert jax.device_count() == 8, f"tests need 8 simulated CPU devices, got {jax.device_count()}"
