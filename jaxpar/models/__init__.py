@@ -1,0 +1,56 @@
+"""The model layer: single-device Flax NNX decoders that the engine shards.
+
+Models name logical axes only (``constrain`` at module boundaries, ``out_sharding``
+metadata on every parameter); the engine maps them to mesh axes.
+"""
+
+from jaxpar.models._attention import Attention
+from jaxpar.models._cache import KVCache, check_room
+from jaxpar.models._config import ARCHS, PRESETS, Llama3RopeScaling, ModelConfig, preset
+from jaxpar.models._decoder import (
+    Decoder,
+    DecoderLayer,
+    abstract_model,
+    decode,
+    init_model,
+    init_params,
+    param_logical_axes,
+    prefill,
+)
+from jaxpar.models._hf import load_hf_checkpoint
+from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES
+from jaxpar.models._layers import FFN, Embedding, LayerNorm, LMHead, RMSNorm
+from jaxpar.models._moe import MoE, Experts, Router, dispatch_masks
+from jaxpar.models._rope import apply_rope, rope_inv_freq
+
+__all__ = [
+    "ARCHS",
+    "FFN",
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "Attention",
+    "Decoder",
+    "DecoderLayer",
+    "Embedding",
+    "Experts",
+    "KVCache",
+    "LMHead",
+    "LayerNorm",
+    "Llama3RopeScaling",
+    "ModelConfig",
+    "MoE",
+    "RMSNorm",
+    "Router",
+    "abstract_model",
+    "apply_rope",
+    "check_room",
+    "decode",
+    "dispatch_masks",
+    "init_model",
+    "init_params",
+    "load_hf_checkpoint",
+    "param_logical_axes",
+    "preset",
+    "prefill",
+    "rope_inv_freq",
+]

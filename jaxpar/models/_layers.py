@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.models._config import ModelConfig
 from jaxpar.spec._constrain import constrain
 from jaxpar.spec._enums import Module
 
-Initializer = Callable[..., jax.Array]
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
@@ -20,34 +23,58 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 BTD = ("batch", "seq", "embed")
 
 
+@dataclasses.dataclass(frozen=True)
+class Init:
+    """A parameter initialiser that can also run on the host.
+
+    Kept as parameter metadata, so :func:`jaxpar.models.init_params` can fill an abstract
+    model with numpy (no random kernels to compile) while ``Decoder(config, rngs=...)``
+    stays an ordinary NNX constructor (for ``nnx.eval_shape`` or a sharded ``jit``).
+    """
+
+    kind: str  # "normal", "ones" or "zeros"
+    std: float = 0.0
+
+    def __call__(self, key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """JAX initialisation (traceable)."""
+        if self.kind == "normal":
+            return (self.std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return (jnp.ones if self.kind == "ones" else jnp.zeros)(shape, dtype)
+
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """Numpy initialisation with the same distribution."""
+        if self.kind == "normal":
+            return (self.std * rng.standard_normal(shape, np.float32)).astype(dtype)
+        return (np.ones if self.kind == "ones" else np.zeros)(shape, dtype)
+
+
+ONES, ZEROS = Init("ones"), Init("zeros")
+
+
 def param(
     rngs: nnx.Rngs,
-    init: Initializer,
+    init: Init,
     shape: Sequence[int],
     axes: tuple[str | None, ...],
-    dtype: jnp.dtype,
+    dtype: Any,
 ) -> nnx.Param:
     """A parameter tagged with its logical axis names (``out_sharding`` metadata).
 
     Eager sharding is off: the names are logical, only the engine maps them to a mesh.
     """
     assert len(axes) == len(shape), (shape, axes)
-    return nnx.Param(
-        init(rngs.params(), tuple(shape), dtype), out_sharding=axes, eager_sharding=False
-    )
+    value = init(rngs.params(), tuple(shape), dtype)
+    return nnx.Param(value, out_sharding=axes, init=init, eager_sharding=False)
 
 
-def fan_in_normal(*in_dims: int) -> Initializer:
+def fan_in_normal(*in_dims: int) -> Init:
     """Normal init with std 1/sqrt(fan_in): activations stay O(1) at any depth or width."""
-    fan_in = 1
-    for d in in_dims:
-        fan_in *= d
-    return nnx.initializers.normal(stddev=fan_in**-0.5)
+    return Init("normal", math.prod(in_dims) ** -0.5)
 
 
-def bias_init(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...], dtype):
+def bias_init(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...], dtype: Any):
     """A small random bias (random so tests exercise it; real values come from checkpoints)."""
-    return param(rngs, nnx.initializers.normal(stddev=0.02), shape, axes, dtype)
+    return param(rngs, Init("normal", 0.02), shape, axes, dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -55,7 +82,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.eps = config.norm_eps
-        self.scale = param(rngs, nnx.initializers.ones, (config.d_model,), ("embed",),
+        self.scale = param(rngs, ONES, (config.d_model,), ("embed",),
                            config.param_dtype)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -72,8 +99,8 @@ class LayerNorm(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.eps = config.norm_eps
         d, pd = config.d_model, config.param_dtype
-        self.scale = param(rngs, nnx.initializers.ones, (d,), ("embed",), pd)
-        self.bias = param(rngs, nnx.initializers.zeros, (d,), ("embed",), pd)
+        self.scale = param(rngs, ONES, (d,), ("embed",), pd)
+        self.bias = param(rngs, ZEROS, (d,), ("embed",), pd)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         """Normalises the last dimension; returns the input dtype."""
@@ -96,14 +123,15 @@ class Embedding(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = config.dtype
         v, d, pd = config.vocab_size, config.d_model, config.param_dtype
-        self.token_table = param(rngs, nnx.initializers.normal(1.0), (v, d), ("vocab", "embed"),
-                                 pd)
-        self.position_table = None
-        if config.positional == "learned":
-            q = config.max_position_embeddings
-            self.position_table = param(
-                rngs, nnx.initializers.normal(0.1), (q, d), ("positions", "embed"), pd
-            )
+        # std 1/sqrt(D): a tied LM head then gives O(1) logits.
+        init = Init("normal", d**-0.5)
+        self.token_table = param(rngs, init, (v, d), ("vocab", "embed"), pd)
+        q = config.max_position_embeddings
+        self.position_table = (
+            param(rngs, init, (q, d), ("positions", "embed"), pd)
+            if config.positional == "learned"
+            else None
+        )
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
         """Looks up token (and position) vectors: [B, T] ints -> x [B, T, D]."""
@@ -120,11 +148,12 @@ class LMHead(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = config.dtype
-        self.kernel = None
-        if not config.tie_embeddings:
-            d, v = config.d_model, config.vocab_size
-            self.kernel = param(rngs, fan_in_normal(d), (d, v), ("embed", "vocab"),
-                                config.param_dtype)
+        d, v = config.d_model, config.vocab_size
+        self.kernel = (
+            None
+            if config.tie_embeddings
+            else param(rngs, fan_in_normal(d), (d, v), ("embed", "vocab"), config.param_dtype)
+        )
 
     def __call__(self, x_BxD: jax.Array, tied_table_VD: jax.Array | None) -> jax.Array:
         """Logits in float32: x [B, D] -> [B, V], or x [B, T, D] -> [B, T, V].
@@ -152,17 +181,16 @@ class FFN(nnx.Module):
         d, f, pd = config.d_model, config.d_ff, config.param_dtype
         self.dtype = config.dtype
         self.act = config.activation
-        self.gate_kernel = None
-        self.gate_bias = self.up_bias = self.down_bias = None
-        if config.gated_ffn:
-            self.gate_kernel = param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
+        gated, biased = config.gated_ffn, config.mlp_bias
+        # Optional parameters are None (static) when absent: assign each attribute once.
+        self.gate_kernel = (
+            param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd) if gated else None
+        )
         self.up_kernel = param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
         self.down_kernel = param(rngs, fan_in_normal(f), (f, d), ("mlp", "embed"), pd)
-        if config.mlp_bias:
-            if config.gated_ffn:
-                self.gate_bias = bias_init(rngs, (f,), ("mlp",), pd)
-            self.up_bias = bias_init(rngs, (f,), ("mlp",), pd)
-            self.down_bias = bias_init(rngs, (d,), ("embed",), pd)
+        self.gate_bias = bias_init(rngs, (f,), ("mlp",), pd) if gated and biased else None
+        self.up_bias = bias_init(rngs, (f,), ("mlp",), pd) if biased else None
+        self.down_bias = bias_init(rngs, (d,), ("embed",), pd) if biased else None
 
     def _proj(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, spec: str):
         y = jnp.einsum(spec, x, kernel[...].astype(self.dtype))

@@ -1,0 +1,173 @@
+"""Multi-head attention with grouped-query heads, RoPE, causal/padding/sliding-window masks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
+from jaxpar.models._rope import apply_rope, rope_inv_freq
+from jaxpar.spec._constrain import constrain
+from jaxpar.spec._enums import Module
+
+Q_AXES = ("batch", "seq", "heads", "head_dim")
+# K/V the scores see in prefill: key positions replicated, so under sequence parallelism
+# XLA gathers every earlier token before the causal product.
+KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
+# K/V handed to (or read from) the cache.
+KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+# Large finite negative rather than -inf: a fully masked row gives a uniform softmax, not NaN.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def key_mask(
+    q_pos_BT: jax.Array, k_pos_S: jax.Array, k_valid_BS: jax.Array, window: int | None
+) -> jax.Array:
+    """Which keys each query may see: causal, valid (not padding), inside the window.
+
+    Window semantics follow Hugging Face: key j is visible from query i iff
+    ``i - window < j <= i``.
+
+    Returns:
+        Boolean [B, T, S].
+    """
+    q = q_pos_BT[:, :, None]
+    k = k_pos_S[None, None, :]
+    mask_BTS = (k <= q) & k_valid_BS[:, None, :]
+    if window is not None:
+        mask_BTS &= k > q - window
+    return mask_BTS
+
+
+class Attention(nnx.Module):
+    """Self-attention; Q/K/V kernels [D,N,H], [D,K,H], [D,K,H]; output kernel [N,H,D].
+
+    Grouped-query attention reshapes the N query heads into (K, G=N/K) and contracts with
+    a grouped einsum, so K/V are never repeated. Head n uses kv head n // G, as in
+    Hugging Face's ``repeat_kv``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        d, n, k, h, pd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.param_dtype
+        self.dtype = c.dtype
+        self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
+        self.window = c.sliding_window
+        self.rope_theta = c.rope_theta if c.positional == "rope" else None
+        self.rope_scaling = c.rope_scaling
+        self.q_kernel = param(rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), pd)
+        kv_axes = ("embed", "kv_heads", "head_dim")
+        self.k_kernel = param(rngs, fan_in_normal(d), (d, k, h), kv_axes, pd)
+        self.v_kernel = param(rngs, fan_in_normal(d), (d, k, h), kv_axes, pd)
+        self.o_kernel = param(
+            rngs, fan_in_normal(n, h), (n, h, d), ("heads", "head_dim", "embed"), pd
+        )
+        # Optional biases are None (static) when absent: assign each attribute once.
+        qkv = c.qkv_bias
+        self.q_bias = bias_init(rngs, (n, h), ("heads", "head_dim"), pd) if qkv else None
+        self.k_bias = bias_init(rngs, (k, h), ("kv_heads", "head_dim"), pd) if qkv else None
+        self.v_bias = bias_init(rngs, (k, h), ("kv_heads", "head_dim"), pd) if qkv else None
+        self.o_bias = bias_init(rngs, (d,), ("embed",), pd) if c.out_bias else None
+
+    def _project(self, x_BTD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        y_BTXH = jnp.einsum("BTD,DXH->BTXH", x_BTD, kernel[...].astype(self.dtype))
+        return y_BTXH if bias is None else y_BTXH + bias[...].astype(self.dtype)
+
+    def _qkv(self, x_BTD: jax.Array, pos_BT: jax.Array) -> tuple[jax.Array, ...]:
+        """Projected, rotated q [B,T,N,H], k and v [B,T,K,H]."""
+        q_BTNH = self._project(x_BTD, self.q_kernel, self.q_bias)
+        k_BTKH = self._project(x_BTD, self.k_kernel, self.k_bias)
+        v_BTKH = self._project(x_BTD, self.v_kernel, self.v_bias)
+        if self.rope_theta is not None:
+            inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+            q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq)
+            k_BTKH = apply_rope(k_BTKH, pos_BT, inv_freq)
+        q_BTNH = constrain(q_BTNH, Q_AXES, Module.ATTENTION)
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def _scores(self, q_BTNH: jax.Array, k_BSKH: jax.Array) -> jax.Array:
+        """Scaled scores [B, K, G, T, S] in float32."""
+        b, t, _, h = q_BTNH.shape
+        q_BTKGH = q_BTNH.reshape(b, t, self.n_kv_heads, self.q_per_kv, h)
+        s = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+        return s * (h**-0.5)
+
+    def _output(self, out_BKGTH: jax.Array) -> jax.Array:
+        """Merges heads and projects back to the residual stream."""
+        b, _, _, t, h = out_BKGTH.shape
+        out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, -1, h)
+        out_BTNH = constrain(out_BTNH, Q_AXES, Module.ATTENTION)
+        y_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_kernel[...].astype(self.dtype))
+        if self.o_bias is not None:
+            y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
+        return constrain(y_BTD, BTD, Module.ATTENTION)
+
+    def prefill(
+        self, x_BTD: jax.Array, pos_BT: jax.Array, lengths_B: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention over a right-padded prompt.
+
+        Args:
+            x_BTD: Normalised hidden states.
+            pos_BT: Positions 0..T-1 of every row.
+            lengths_B: Real tokens per row; keys at positions >= length are padding.
+
+        Returns:
+            (y [B, T, D], k [B, T, K, H], v [B, T, K, H]); k/v are what the cache keeps.
+        """
+        with jax.named_scope(Module.ATTENTION.value):
+            x_BTD = constrain(x_BTD, BTD, Module.ATTENTION)
+            q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT)
+            k_cache = constrain(k_BTKH, KV_CACHE_AXES, Module.ATTENTION)
+            v_cache = constrain(v_BTKH, KV_CACHE_AXES, Module.ATTENTION)
+            k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
+            v_BSKH = constrain(v_BTKH, KV_SCORE_AXES, Module.ATTENTION)
+            t = x_BTD.shape[1]
+            k_pos_S = jnp.arange(t, dtype=jnp.int32)
+            valid_BS = k_pos_S[None, :] < lengths_B[:, None]
+            mask_BTS = key_mask(pos_BT, k_pos_S, valid_BS, self.window)
+            s_BKGTS = jnp.where(mask_BTS[:, None, None], self._scores(q_BTNH, k_BSKH), _MASKED)
+            p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(self.dtype)
+            out_BKGTH = jnp.einsum("BKGTS,BSKH->BKGTH", p_BKGTS, v_BSKH)
+            return self._output(out_BKGTH), k_cache, v_cache
+
+    def decode(
+        self, x_B1D: jax.Array, pos_B: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One new token per row, attending to its cache plus itself.
+
+        The cache is only read: the new key's score and value enter at column pos_B
+        through a ``where``, so no copy of the cache is made here; the caller writes the
+        returned k/v into the cache once for all layers.
+
+        Args:
+            x_B1D: Normalised hidden state of the new token.
+            pos_B: Its position (= tokens already cached).
+            k_BSKH: This layer's cached keys; v_BSKH likewise.
+
+        Returns:
+            (y [B, 1, D], k_new [B, K, H], v_new [B, K, H]).
+        """
+        with jax.named_scope(Module.ATTENTION.value):
+            x_B1D = constrain(x_B1D, BTD, Module.ATTENTION)
+            q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, pos_B[:, None])
+            k_BSKH = constrain(k_BSKH.astype(self.dtype), KV_CACHE_AXES, Module.ATTENTION)
+            v_BSKH = constrain(v_BSKH.astype(self.dtype), KV_CACHE_AXES, Module.ATTENTION)
+            k_pos_S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)
+            is_new_BS = k_pos_S[None, :] == pos_B[:, None]
+            # Cache keys j < pos are valid; the slot j == pos is stale and replaced below.
+            mask_BS = key_mask(pos_B[:, None], k_pos_S, k_pos_S[None, :] < pos_B[:, None],
+                               self.window)[:, 0]
+            s_BKG1S = self._scores(q_B1NH, k_BSKH)
+            s_new_BKG1 = self._scores(q_B1NH, k_B1KH)[..., 0]
+            s_BKG1S = jnp.where(is_new_BS[:, None, None, None], s_new_BKG1[..., None], s_BKG1S)
+            s_BKG1S = jnp.where((mask_BS | is_new_BS)[:, None, None, None], s_BKG1S, _MASKED)
+            p_BKG1S = jax.nn.softmax(s_BKG1S, axis=-1)
+            p_new_BKG1 = jnp.sum(jnp.where(is_new_BS[:, None, None, None], p_BKG1S, 0), -1)
+            p_old_BKG1S = jnp.where(is_new_BS[:, None, None, None], 0, p_BKG1S)
+            out_BKG1H = jnp.einsum("BKGTS,BSKH->BKGTH", p_old_BKG1S.astype(self.dtype), v_BSKH)
+            v_new_BK11H = v_B1KH.transpose(0, 2, 1, 3)[:, :, None]
+            out_BKG1H = out_BKG1H + p_new_BKG1[..., None].astype(self.dtype) * v_new_BK11H
+            return self._output(out_BKG1H), k_B1KH[:, 0], v_B1KH[:, 0]

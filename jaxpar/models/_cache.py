@@ -1,0 +1,138 @@
+"""The KV cache: a pytree of per-layer keys/values and per-row lengths."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.errors import CacheOverflowError, ShapeError
+from jaxpar.models._config import ModelConfig
+from jaxpar.spec._constrain import constrain
+from jaxpar.spec._enums import Module
+
+
+def check_room(lengths_host: np.ndarray | jax.Array, n_new: int, max_seq_len: int) -> None:
+    """Raises before a step that would write past the end of the cache.
+
+    Call on the host before prefill handoff (``n_new`` = prompt length, from 0) or each
+    decode step (``n_new`` = 1). The device code never clips or wraps.
+
+    Args:
+        lengths_host: Tokens already cached per row.
+        n_new: Tokens each row is about to append.
+        max_seq_len: Cache capacity S.
+
+    Raises:
+        CacheOverflowError: Some row would end past ``max_seq_len``; names the rows.
+    """
+    lengths = np.asarray(jax.device_get(lengths_host)).reshape(-1)
+    over = np.nonzero(lengths + n_new > max_seq_len)[0]
+    if over.size:
+        rows = ", ".join(f"row {i} (length {lengths[i]})" for i in over[:8])
+        more = f" and {over.size - 8} more" if over.size > 8 else ""
+        raise CacheOverflowError(
+            f"KV cache overflow: appending {n_new} token(s) would exceed max_seq_len="
+            f"{max_seq_len} for {rows}{more}; raise max_seq_len or stop these rows"
+        )
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer, [L, B, S, K, H], plus tokens cached per row.
+
+    Positions >= ``lengths_B[b]`` hold stale data and are masked; decode writes the new
+    token of row b at position ``lengths_B[b]`` then increments it.
+    """
+
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
+    lengths_B: jax.Array
+
+    KV_AXES: ClassVar[tuple[str, ...]] = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    LENGTHS_AXES: ClassVar[tuple[str, ...]] = ("batch",)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Cache capacity S."""
+        return self.k_LBSKH.shape[2]
+
+    @classmethod
+    def logical_axes(cls) -> KVCache:
+        """A KVCache-shaped pytree of logical axis tuples (for building shardings)."""
+        return cls(k_LBSKH=cls.KV_AXES, v_LBSKH=cls.KV_AXES, lengths_B=cls.LENGTHS_AXES)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
+        """A zero cache with all lengths 0 (compute dtype)."""
+        shape = (config.n_layers, batch, max_seq_len, config.n_kv_heads, config.head_dim)
+        zeros = jnp.zeros(shape, config.dtype)
+        return cls(k_LBSKH=zeros, v_LBSKH=zeros, lengths_B=jnp.zeros((batch,), jnp.int32))
+
+    @classmethod
+    def abstract(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
+        """Shapes and dtypes of a cache, without allocating."""
+        return jax.eval_shape(lambda: cls.empty(config, batch, max_seq_len))
+
+    @classmethod
+    def from_prefill(
+        cls, k_LBTKH: jax.Array, v_LBTKH: jax.Array, lengths_B: jax.Array, max_seq_len: int
+    ) -> KVCache:
+        """Pads prefill K/V [L, B, T, K, H] to a cache of S = ``max_seq_len`` positions.
+
+        Jit-able (``max_seq_len`` static). Lengths are checked here when concrete.
+
+        Raises:
+            CacheOverflowError: The prompt is longer than ``max_seq_len``.
+            ShapeError: k and v disagree, or lengths do not match the batch.
+        """
+        if k_LBTKH.shape != v_LBTKH.shape or k_LBTKH.ndim != 5:
+            raise ShapeError(f"prefill k {k_LBTKH.shape} and v {v_LBTKH.shape} must be equal "
+                             "[L, B, T, K, H] arrays")
+        _, b, t, _, _ = k_LBTKH.shape
+        if lengths_B.shape != (b,):
+            raise ShapeError(f"lengths shape {lengths_B.shape} != (batch={b},)")
+        if t > max_seq_len:
+            raise CacheOverflowError(f"prompt of {t} positions does not fit max_seq_len="
+                                     f"{max_seq_len}; raise max_seq_len or shorten the prompt")
+        if not isinstance(lengths_B, jax.core.Tracer):
+            check_room(lengths_B, 0, max_seq_len)
+        pad = ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0), (0, 0))
+        k = constrain(jnp.pad(k_LBTKH, pad), cls.KV_AXES, Module.ATTENTION)
+        v = constrain(jnp.pad(v_LBTKH, pad), cls.KV_AXES, Module.ATTENTION)
+        return cls(k_LBSKH=k, v_LBSKH=v, lengths_B=lengths_B.astype(jnp.int32))
+
+    def check_room(self, n_new: int = 1) -> None:
+        """:func:`check_room` on this cache's lengths (a device-to-host read)."""
+        check_room(self.lengths_B, n_new, self.max_seq_len)
+
+    def append(self, k_new_LBKH: jax.Array, v_new_LBKH: jax.Array) -> KVCache:
+        """Writes one token per row at position ``lengths_B[b]``, then increments lengths.
+
+        A scatter of [L, B, K, H] into the cache: with the cache donated, XLA updates it
+        in place (no concat, no full copy). Call :meth:`check_room` on the host first.
+        """
+        pos_B = self.lengths_B
+        k = _write_rows(self.k_LBSKH, k_new_LBKH, pos_B)
+        v = _write_rows(self.v_LBSKH, v_new_LBKH, pos_B)
+        k = constrain(k, self.KV_AXES, Module.ATTENTION)
+        v = constrain(v, self.KV_AXES, Module.ATTENTION)
+        return KVCache(k_LBSKH=k, v_LBSKH=v, lengths_B=pos_B + 1)
+
+
+def _write_rows(cache_LBSKH: jax.Array, new_LBKH: jax.Array, pos_B: jax.Array) -> jax.Array:
+    """Row b gets ``new[:, b]`` at position ``pos_B[b]``.
+
+    A per-row ``dynamic_update_slice`` (vmapped over batch) partitions with the batch
+    sharding and needs no collective; an index scatter ``.at[:, rows, pos]`` instead makes
+    XLA's SPMD partitioner gather the indices and the update across the batch axes.
+    """
+
+    def one_row(c_LSKH, x_LKH, p):
+        return jax.lax.dynamic_update_slice(c_LSKH, x_LKH[:, None], (0, p, 0, 0))
+
+    new_LBKH = new_LBKH.astype(cache_LBSKH.dtype)
+    return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(cache_LBSKH, new_LBKH, pos_B)

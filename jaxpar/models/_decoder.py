@@ -1,0 +1,184 @@
+"""Decoder layer, the decoder with its prefill/decode passes, and functional helpers."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.models._attention import Attention
+from jaxpar.models._cache import KVCache
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
+from jaxpar.models._moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (ffn dense or MoE)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = make_norm(config, rngs=rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.ffn_norm = make_norm(config, rngs=rngs)
+        self.ffn = MoE(config, rngs=rngs) if config.is_moe else FFN(config, rngs=rngs)
+
+    def prefill(
+        self, x_BTD: jax.Array, pos_BT: jax.Array, lengths_B: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Returns (x [B,T,D], k [B,T,K,H], v [B,T,K,H])."""
+        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(self.attn_norm(x_BTD), pos_BT, lengths_B)
+        x_BTD = x_BTD + y_BTD
+        return x_BTD + self.ffn(self.ffn_norm(x_BTD)), k_BTKH, v_BTKH
+
+    def decode(
+        self, x_B1D: jax.Array, pos_B: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Returns (x [B,1,D], new k [B,K,H], new v [B,K,H])."""
+        y_B1D, k_BKH, v_BKH = self.attn.decode(self.attn_norm(x_B1D), pos_B, k_BSKH, v_BSKH)
+        x_B1D = x_B1D + y_B1D
+        return x_B1D + self.ffn(self.ffn_norm(x_B1D)), k_BKH, v_BKH
+
+
+def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """L layers as one module whose parameters carry a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=config.n_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, rngs=rngs)
+
+    return make(rngs)
+
+
+class Decoder(nnx.Module):
+    """A decoder-only Transformer: embedding, L stacked layers, final norm, LM head.
+
+    Layers run under ``jax.lax.scan`` over their stacked state, so compile time does not
+    grow with depth. ``prefill`` and ``decode`` are pure given the module's state: the
+    engine calls ``nnx.merge(graphdef, state).prefill(...)`` inside ``jax.jit``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = Embedding(config, rngs=rngs)
+        self.layers = _stacked_layers(config, rngs)
+        self.final_norm = make_norm(config, rngs=rngs)
+        self.lm_head = LMHead(config, rngs=rngs)
+
+    def _logits(self, x_BxD: jax.Array) -> jax.Array:
+        tied = self.embed.token_table[...] if self.config.tie_embeddings else None
+        return self.lm_head(self.final_norm(x_BxD), tied)
+
+    def prefill(
+        self, tokens_BT: jax.Array, lengths_B: jax.Array, *, all_logits: bool = False
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Runs whole right-padded prompts.
+
+        Args:
+            tokens_BT: Prompt tokens, int32; positions >= lengths_B[b] are padding.
+            lengths_B: Real prompt length per row, in [1, T].
+            all_logits: Return logits at every position instead of the last real one.
+
+        Returns:
+            (logits, k [L,B,T,K,H], v [L,B,T,K,H]): logits float32 [B, V] at position
+            lengths_B - 1, or [B, T, V] if ``all_logits``. Hand k/v to
+            :meth:`KVCache.from_prefill` to start decoding.
+        """
+        b, t = tokens_BT.shape
+        lengths_B = lengths_B.astype(jnp.int32)
+        pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x_BTD = self.embed(tokens_BT, pos_BT)
+        graphdef, layers_state = nnx.split(self.layers)
+
+        def body(x_BTD: jax.Array, layer_state: nnx.State):
+            x_BTD, k_BTKH, v_BTKH = nnx.merge(graphdef, layer_state).prefill(
+                x_BTD, pos_BT, lengths_B
+            )
+            return x_BTD, (k_BTKH, v_BTKH)
+
+        x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD, layers_state)
+        if not all_logits:
+            x_BTD = x_BTD[jnp.arange(b), lengths_B - 1]  # -> x_BD
+        return self._logits(x_BTD), k_LBTKH, v_LBTKH
+
+    def decode(self, tokens_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Appends one token per row at position ``cache.lengths_B`` and predicts the next.
+
+        Call :meth:`KVCache.check_room` (or :func:`check_room`) on the host first: a full
+        row is not detected on device.
+
+        Returns:
+            (logits [B, V] float32, the cache with the new token and lengths + 1).
+        """
+        pos_B = cache.lengths_B
+        x_B1D = self.embed(tokens_B[:, None], pos_B[:, None])
+        graphdef, layers_state = nnx.split(self.layers)
+
+        def body(x_B1D: jax.Array, xs: tuple[nnx.State, jax.Array, jax.Array]):
+            layer_state, k_BSKH, v_BSKH = xs
+            x_B1D, k_BKH, v_BKH = nnx.merge(graphdef, layer_state).decode(
+                x_B1D, pos_B, k_BSKH, v_BSKH
+            )
+            return x_B1D, (k_BKH, v_BKH)
+
+        xs = (layers_state, cache.k_LBSKH, cache.v_LBSKH)
+        x_B1D, (k_LBKH, v_LBKH) = jax.lax.scan(body, x_B1D, xs)
+        return self._logits(x_B1D[:, 0]), cache.append(k_LBKH, v_LBKH)
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
+    """Random parameters for tests and benchmarks, generated on the host with numpy.
+
+    Each parameter is drawn from its own :class:`Init` metadata with a generator seeded
+    by (seed, parameter path): deterministic, independent of devices and sharding, and
+    free of random-kernel compilation (which dominates small-model start-up).
+    """
+    loaded = []
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
+        want = var.get_value()
+        rng = np.random.default_rng([seed, zlib.crc32("/".join(map(str, path)).encode())])
+        value = var.get_metadata()["init"].host(rng, want.shape, want.dtype)
+        loaded.append((path, var.replace(jnp.asarray(value))))
+    return nnx.from_flat_state(loaded)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
+    """A decoder holding :func:`init_params`."""
+    graphdef, _ = nnx.split(abstract_model(config))
+    return nnx.merge(graphdef, init_params(config, seed))
+
+
+def abstract_model(config: ModelConfig) -> Decoder:
+    """The decoder with ShapeDtypeStruct parameters: shapes and logical axes, no memory.
+
+    ``nnx.split(abstract_model(c))`` gives the graphdef to merge real states into;
+    ``nnx.update(model, params)`` fills it.
+    """
+    return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(params=0)))
+
+
+def param_logical_axes(config: ModelConfig) -> nnx.State:
+    """State of ``PartitionSpec`` of logical axis names, one per parameter."""
+    return nnx.get_partition_spec(nnx.state(abstract_model(config)))
+
+
+def prefill(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens_BT: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    all_logits: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Functional :meth:`Decoder.prefill` on ``nnx.split(model)`` parts (jit-able)."""
+    return nnx.merge(graphdef, state).prefill(tokens_BT, lengths_B, all_logits=all_logits)
+
+
+def decode(
+    graphdef: nnx.GraphDef, state: nnx.State, tokens_B: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
+    """Functional :meth:`Decoder.decode` on ``nnx.split(model)`` parts (jit-able)."""
+    return nnx.merge(graphdef, state).decode(tokens_B, cache)

@@ -1,0 +1,221 @@
+"""Import of Hugging Face safetensors checkpoints (no torch).
+
+Everything is validated from the config and the safetensors headers before any tensor data
+is read; tensors are then read (whole, or only the slices each device needs) and checked
+for NaN/Inf. Any problem raises :class:`CheckpointError` and nothing is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._decoder import abstract_model
+from jaxpar.models._hf_config import config_from_hf, hf_arch
+from jaxpar.models._hf_layout import Recipe, gpt2_recipes, llama_recipes
+
+#: ``fn(param_path, logical_axes) -> Sharding``, or a pytree of shardings like the params.
+Shardings = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding] | Any
+# Non-parameter buffers some exporters write: rotary tables, GPT-2's causal-mask buffers.
+_IGNORED = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+
+
+def load_hf_checkpoint(
+    path: str | Path, *, dtype: Any = None, shardings: Shardings | None = None
+) -> tuple[ModelConfig, nnx.State]:
+    """Loads a Llama/Mistral/Qwen2/Mixtral/GPT-2 checkpoint directory.
+
+    Args:
+        path: Directory with ``config.json`` and ``model.safetensors`` (or shards listed
+            in ``model.safetensors.index.json``).
+        dtype: Compute and parameter dtype; None keeps the checkpoint's (float32 if unset).
+        shardings: None to place every tensor on the default device; or a pytree of
+            ``jax.sharding.Sharding`` shaped like the params, or a callable
+            ``(param_path, logical_axes) -> Sharding``. With shardings each device's
+            shard is read alone (``jax.make_array_from_callback``).
+
+    Returns:
+        (config, params): params has exactly the structure of
+        ``nnx.state(Decoder(config))``, so ``nnx.update(abstract_model(config), params)``
+        yields a ready model.
+
+    Raises:
+        CheckpointError: Unsupported architecture; missing, extra or mis-shaped tensor;
+            unreadable file; NaN/Inf in a tensor. The message names the culprit.
+    """
+    root = Path(path)
+    hf = _read_json(root / "config.json")
+    config = config_from_hf(hf, dtype=dtype, source=str(root / "config.json"))
+    with _Checkpoint(root) as ckpt:
+        recipes = _recipes(config, hf, ckpt.shapes, root)
+        _validate(recipes, ckpt, config.tie_embeddings)
+        flat = nnx.to_flat_state(nnx.state(abstract_model(config)))
+        sharding_of = _sharding_lookup(shardings)
+        loaded = []
+        for param_path, var in flat:
+            recipe, want = recipes[param_path], var.get_value()
+            assert recipe.shape == want.shape, (param_path, recipe.shape, want.shape)
+            reader = ckpt.reader(want.dtype)
+            if sharding_of is None:
+                arr = jnp.asarray(recipe.read(tuple(slice(None) for _ in want.shape), reader))
+            else:
+                sharding = sharding_of(param_path, tuple(var.get_metadata()["out_sharding"]))
+                arr = jax.make_array_from_callback(
+                    want.shape, sharding, _memo(lambda i, r=recipe: r.read(i, reader))
+                )
+            loaded.append((param_path, var.replace(arr)))
+    return config, nnx.from_flat_state(loaded)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from None
+
+
+class _Checkpoint:
+    """Open safetensors files of a checkpoint: tensor shapes from headers, slice reads."""
+
+    def __init__(self, root: Path):
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map") or {}
+            files = sorted({root / f for f in weight_map.values()})
+        else:
+            files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{root}: no *.safetensors files")
+        self.handles: dict[str, Any] = {}  # tensor name -> open safe_open handle
+        self.file_of: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._open: list[Any] = []
+        try:
+            self._scan(files)
+            if index.exists():
+                for name, file in weight_map.items():
+                    if name not in self.file_of:
+                        raise CheckpointError(f"{index} lists tensor {name!r} in {file}, "
+                                              "not found there")
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _scan(self, files: list[Path]) -> None:
+        """Opens every file and records its tensors' names and shapes (headers only)."""
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="numpy")
+                handle.__enter__()
+                self._open.append(handle)
+                for name in handle.keys():
+                    if name in self.file_of:
+                        raise CheckpointError(f"tensor {name!r} is in both {self.file_of[name]} "
+                                              f"and {file}")
+                    self.handles[name], self.file_of[name] = handle, file
+                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+            except CheckpointError:
+                raise
+            except Exception as e:  # safetensors raises its own error types and OSError
+                raise CheckpointError(f"unreadable or corrupt safetensors file {file}: {e}") from None
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._open:
+            handle.__exit__(None, None, None)
+
+    def reader(self, dtype: np.dtype) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
+        """A slice reader that checks values are finite and casts to ``dtype``."""
+
+        def read(name: str, slices: tuple[slice, ...]) -> np.ndarray:
+            try:
+                arr = self.handles[name].get_slice(name)[slices]
+            except Exception as e:
+                raise CheckpointError(f"cannot read tensor {name!r} from corrupt file "
+                                      f"{self.file_of[name]}: {e}") from None
+            arr = np.asarray(arr)
+            if not np.all(np.isfinite(arr.astype(np.float32))):
+                raise CheckpointError(f"tensor {name!r} in {self.file_of[name]} holds NaN/Inf")
+            return arr.astype(dtype)
+
+        return read
+
+
+def _recipes(
+    config: ModelConfig, hf: Mapping[str, Any], names: Mapping[str, Any], root: Path
+) -> dict[tuple[str, ...], Recipe]:
+    if hf_arch(hf, str(root)) == "gpt2":
+        return gpt2_recipes(config, "transformer." if "wte.weight" not in names else "")
+    legacy = any(".block_sparse_moe." in n for n in names)
+    return llama_recipes(config, ("legacy" if legacy else "fused") if config.is_moe else None)
+
+
+def _validate(recipes: Mapping[Any, Recipe], ckpt: _Checkpoint, tied: bool) -> None:
+    """Names and shapes against the headers, before reading any data."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for recipe in recipes.values():
+        for name in recipe.tensor_names():
+            expected[name] = recipe.hf_shape
+    missing = [n for n in expected if n not in ckpt.shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}{more}")
+    for name, shape in expected.items():
+        if ckpt.shapes[name] != shape:
+            raise CheckpointError(f"tensor {name!r} in {ckpt.file_of[name]}: expected shape "
+                                  f"{shape}, found {ckpt.shapes[name]}")
+    for name in ckpt.shapes:
+        ignorable = _IGNORED.search(name) or (tied and name == "lm_head.weight")
+        if name not in expected and not ignorable:
+            raise CheckpointError(f"unexpected tensor {name!r} in {ckpt.file_of[name]}: "
+                                  "not part of this architecture")
+
+
+def _sharding_lookup(shardings: Shardings | None):
+    """``(path, logical_axes) -> Sharding`` from a callable or a params-shaped pytree."""
+    if shardings is None or callable(shardings) and not isinstance(shardings, nnx.State):
+        return shardings
+    by_path = dict(_flatten_shardings(shardings))
+
+    def lookup(path: tuple[str, ...], _axes: tuple[str | None, ...]) -> jax.sharding.Sharding:
+        if path not in by_path:
+            raise ConfigError(f"shardings has no entry for parameter {'.'.join(path)}")
+        return by_path[path]
+
+    return lookup
+
+
+def _flatten_shardings(tree: Any) -> Iterator[tuple[tuple[str, ...], jax.sharding.Sharding]]:
+    def is_leaf(x: Any) -> bool:
+        return isinstance(x, jax.sharding.Sharding | nnx.Variable)
+
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+        path = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                     for k in keypath)
+        yield path, leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _memo(read: Callable[[tuple[slice, ...]], np.ndarray]):
+    """Reads each distinct slice once (replicated devices ask for the same one)."""
+    cache: dict[tuple, np.ndarray] = {}
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            cache[key] = read(index)
+        return cache[key]
+
+    return callback

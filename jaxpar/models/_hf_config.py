@@ -1,0 +1,147 @@
+"""Hugging Face ``config.json`` -> :class:`ModelConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.models._config import Llama3RopeScaling, ModelConfig
+
+#: Hugging Face architecture class -> jaxpar arch.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "GPT2LMHeadModel": "gpt2",
+}
+_MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def hf_arch(hf: Mapping[str, Any], source: str) -> str:
+    """The jaxpar arch of a Hugging Face config, from ``architectures`` or ``model_type``."""
+    names = list(hf.get("architectures") or [])
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[name]
+    if not names and hf.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[hf["model_type"]]
+    found = ", ".join(names) or f"model_type={hf.get('model_type')!r}"
+    raise CheckpointError(
+        f"{source}: unsupported architecture {found}; supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = None, source: str) -> ModelConfig:
+    """Builds the :class:`ModelConfig` a Hugging Face ``config.json`` describes.
+
+    Args:
+        hf: Parsed ``config.json``.
+        dtype: Compute and parameter dtype; None takes the checkpoint's ``dtype`` /
+            ``torch_dtype``, else float32.
+        source: File name for error messages.
+
+    Raises:
+        CheckpointError: Unsupported architecture or option, or a missing key.
+    """
+    arch = hf_arch(hf, source)
+    if dtype is None:
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    try:
+        fields = _gpt2_fields(hf, source) if arch == "gpt2" else _llama_fields(hf, arch, source)
+        return ModelConfig(arch=arch, dtype=dtype, param_dtype=dtype, **fields)
+    except KeyError as e:
+        raise CheckpointError(f"{source}: missing key {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: unsupported configuration: {e}") from None
+
+
+def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; 'silu'")
+    n_heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf, source)
+    fields: dict[str, Any] = dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        d_ff=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=_window(hf, arch, source),
+    )
+    if arch == "qwen2":
+        fields["qkv_bias"] = True  # Qwen2 hard-codes q/k/v biases, none on o_proj.
+    elif arch == "llama":
+        bias = bool(hf.get("attention_bias", False))
+        fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+    if arch == "mixtral":
+        fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+    return fields
+
+
+def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE base and scaling, from top-level keys or transformers 5.x ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise CheckpointError(f"{source}: rope type {kind!r} unsupported; 'default', 'llama3'")
+    return float(theta), Llama3RopeScaling.from_mapping(scaling)
+
+
+def _window(hf: Mapping[str, Any], arch: str, source: str) -> int | None:
+    window = hf.get("sliding_window")
+    if arch == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    kinds = set(hf.get("layer_types") or ())
+    if kinds == {"full_attention"}:
+        return None
+    if kinds - {"sliding_attention"}:
+        raise CheckpointError(f"{source}: per-layer attention types {sorted(kinds)} are "
+                              "unsupported; all layers must be full or all sliding")
+    return window
+
+
+def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GELU_TANH:
+        raise CheckpointError(f"{source}: activation_function {act!r} unsupported; "
+                              f"legal: {', '.join(_GELU_TANH)}")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+        raise CheckpointError(f"{source}: only standard 1/sqrt(head_dim) attention scaling "
+                              "is supported")
+    d, n = hf["n_embd"], hf["n_head"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        d_model=d,
+        n_layers=hf["n_layer"],
+        n_heads=n,
+        n_kv_heads=n,
+        head_dim=d // n,
+        d_ff=hf.get("n_inner") or 4 * d,
+        norm="layer",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        activation="gelu_tanh",
+        gated_ffn=False,
+        positional="learned",
+        max_position_embeddings=hf["n_positions"],
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )

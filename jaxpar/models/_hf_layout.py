@@ -1,0 +1,197 @@
+"""Where each jaxpar parameter comes from in a Hugging Face checkpoint, and slice reads.
+
+A :class:`Recipe` says how one parameter (a leaf of ``nnx.state(Decoder(config))``) is
+assembled: which tensors (a name template over layers and experts), which sub-range of a
+fused tensor, how each tensor dimension factors into view dimensions, and how those are
+transposed into ours. That is enough to read any rectangular slice of the parameter while
+touching only the rows of the checkpoint it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jaxpar.models._config import ModelConfig
+
+Path = tuple[str, ...]
+#: Reads ``name[slices]`` from the checkpoint as a numpy array.
+Reader = Callable[[str, tuple[slice, ...]], np.ndarray]
+_STACK_KEYS = ("layer", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one parameter is built from checkpoint tensors.
+
+    Attributes:
+        name: Tensor name, with ``{layer}`` / ``{expert}`` for stacked dimensions.
+        stack: Sizes of the leading stacked dimensions (layers, then experts).
+        hf_shape: Full shape of each checkpoint tensor.
+        split: For each checkpoint dimension (after ``select``), its view dimensions.
+        perm: Transpose from view dimensions to the parameter's per-tensor dimensions.
+        select: (dim, start, stop) of a fused tensor that this parameter takes.
+    """
+
+    name: str
+    stack: tuple[int, ...]
+    hf_shape: tuple[int, ...]
+    split: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+    select: tuple[int, int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the assembled parameter."""
+        view = [d for group in self.split for d in group]
+        return (*self.stack, *(view[p] for p in self.perm))
+
+    def tensor_names(self) -> list[str]:
+        """Every checkpoint tensor this parameter reads."""
+        return [self._name(i) for i in itertools.product(*map(range, self.stack))]
+
+    def _name(self, stack_index: Sequence[int]) -> str:
+        return self.name.format(**dict(zip(_STACK_KEYS, stack_index, strict=False)))
+
+    def read(self, index: tuple[slice, ...], reader: Reader) -> np.ndarray:
+        """Reads ``param[index]`` (unit-step slices), touching only the needed rows."""
+        n_stack = len(self.stack)
+        full = (*self.stack, *self.shape[n_stack:])
+        bounds = [range(*s.indices(n)) for s, n in zip(index, full, strict=True)]
+        view_ranges = [bounds[n_stack + self.perm.index(v)] for v in range(len(self.perm))]
+        hf_slices, view, in_memory, v = [], [], [], 0
+        for dim, group in enumerate(self.split):
+            lead, rest = view_ranges[v], view_ranges[v + 1 : v + len(group)]
+            inner = math.prod(group[1:])
+            offset = self.select[1] if self.select and self.select[0] == dim else 0
+            # Read whole inner blocks of the leading view dim; trim the rest in memory.
+            hf_slices.append(slice(offset + lead.start * inner, offset + lead.stop * inner))
+            view += [len(lead), *group[1:]]
+            in_memory += [slice(None)] + [slice(r.start, r.stop) for r in rest]
+            v += len(group)
+        blocks = [
+            reader(self._name(i), tuple(hf_slices)).reshape(view)[tuple(in_memory)]
+            .transpose(self.perm)
+            for i in itertools.product(*bounds[:n_stack])
+        ]
+        out = np.stack(blocks) if blocks else np.zeros((0,))
+        return out.reshape([len(b) for b in bounds])
+
+
+def _linear(name: str, out_dims: tuple[int, ...], in_dims: tuple[int, ...], stack, select=None):
+    """A torch ``Linear`` weight [out, in] -> ours [*in_dims, *out_dims]."""
+    n_out = len(out_dims)
+    perm = (*range(n_out, n_out + len(in_dims)), *range(n_out))
+    shape = (math.prod(out_dims), math.prod(in_dims))
+    if select:
+        shape = tuple(select[3] if d == select[0] else s for d, s in enumerate(shape))
+    return Recipe(name, stack, shape, (out_dims, in_dims), perm, select and select[:3])
+
+
+def _plain(name: str, dims_per_axis: tuple[tuple[int, ...], ...], stack, select=None):
+    """A tensor already in our order (GPT-2 Conv1D, vectors, embeddings), maybe reshaped."""
+    shape = tuple(math.prod(g) for g in dims_per_axis)
+    if select:
+        shape = tuple(select[3] if d == select[0] else s for d, s in enumerate(shape))
+    perm = tuple(range(sum(len(g) for g in dims_per_axis)))
+    return Recipe(name, stack, shape, dims_per_axis, perm, select and select[:3])
+
+
+def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe]:
+    """Recipes for Llama, Mistral, Qwen2 and Mixtral (``moe_layout`` "legacy"/"fused")."""
+    d, n, k, h, f, v, e = (c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff,
+                           c.vocab_size, c.n_experts)
+    st, lay = (c.n_layers,), "model.layers.{layer}."
+    r: dict[Path, Recipe] = {
+        ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
+        ("final_norm", "scale"): _plain("model.norm.weight", ((d,),), ()),
+        ("layers", "attn_norm", "scale"): _plain(lay + "input_layernorm.weight", ((d,),), st),
+        ("layers", "ffn_norm", "scale"): _plain(
+            lay + "post_attention_layernorm.weight", ((d,),), st
+        ),
+        ("layers", "attn", "q_kernel"): _linear(lay + "self_attn.q_proj.weight", (n, h), (d,), st),
+        ("layers", "attn", "k_kernel"): _linear(lay + "self_attn.k_proj.weight", (k, h), (d,), st),
+        ("layers", "attn", "v_kernel"): _linear(lay + "self_attn.v_proj.weight", (k, h), (d,), st),
+        ("layers", "attn", "o_kernel"): _linear(lay + "self_attn.o_proj.weight", (d,), (n, h), st),
+    }
+    if c.qkv_bias:
+        for name, heads in (("q", n), ("k", k), ("v", k)):
+            r[("layers", "attn", f"{name}_bias")] = _plain(
+                lay + f"self_attn.{name}_proj.bias", ((heads, h),), st
+            )
+    if c.out_bias:
+        r[("layers", "attn", "o_bias")] = _plain(lay + "self_attn.o_proj.bias", ((d,),), st)
+    if not c.tie_embeddings:
+        r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
+    if not c.is_moe:
+        for name in ("gate", "up"):
+            r[("layers", "ffn", f"{name}_kernel")] = _linear(
+                lay + f"mlp.{name}_proj.weight", (f,), (d,), st
+            )
+        r[("layers", "ffn", "down_kernel")] = _linear(lay + "mlp.down_proj.weight", (d,), (f,), st)
+        if c.mlp_bias:
+            for name, size in (("gate", f), ("up", f), ("down", d)):
+                r[("layers", "ffn", f"{name}_bias")] = _plain(
+                    lay + f"mlp.{name}_proj.bias", ((size,),), st
+                )
+    elif moe_layout == "legacy":
+        moe, ste = lay + "block_sparse_moe.", (c.n_layers, e)
+        r[("layers", "ffn", "router", "kernel")] = _linear(moe + "gate.weight", (e,), (d,), st)
+        for ours, theirs in (("gate", "w1"), ("up", "w3")):
+            r[("layers", "ffn", "experts", f"{ours}_kernel")] = _linear(
+                moe + f"experts.{{expert}}.{theirs}.weight", (f,), (d,), ste
+            )
+        r[("layers", "ffn", "experts", "down_kernel")] = _linear(
+            moe + "experts.{expert}.w2.weight", (d,), (f,), ste
+        )
+    else:
+        # transformers 5.x: gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F].
+        r[("layers", "ffn", "router", "kernel")] = _linear(lay + "mlp.gate.weight", (e,), (d,), st)
+        for i, ours in enumerate(("gate", "up")):
+            r[("layers", "ffn", "experts", f"{ours}_kernel")] = Recipe(
+                lay + "mlp.experts.gate_up_proj", st, (e, 2 * f, d), ((e,), (f,), (d,)),
+                (0, 2, 1), (1, i * f, (i + 1) * f),
+            )
+        r[("layers", "ffn", "experts", "down_kernel")] = Recipe(
+            lay + "mlp.experts.down_proj", st, (e, d, f), ((e,), (d,), (f,)), (0, 2, 1)
+        )
+    return r
+
+
+def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe]:
+    """Recipes for GPT-2 (Conv1D weights are [in, out]; q/k/v fused in ``c_attn``)."""
+    d, n, h, f, v = c.d_model, c.n_heads, c.head_dim, c.d_ff, c.vocab_size
+    st, lay = (c.n_layers,), prefix + "h.{layer}."
+    r: dict[Path, Recipe] = {
+        ("embed", "token_table"): _plain(prefix + "wte.weight", ((v,), (d,)), ()),
+        ("embed", "position_table"): _plain(
+            prefix + "wpe.weight", ((c.max_position_embeddings,), (d,)), ()
+        ),
+        ("layers", "attn", "o_kernel"): _plain(lay + "attn.c_proj.weight", ((n, h), (d,)), st),
+        ("layers", "attn", "o_bias"): _plain(lay + "attn.c_proj.bias", ((d,),), st),
+        ("layers", "ffn", "up_kernel"): _plain(lay + "mlp.c_fc.weight", ((d,), (f,)), st),
+        ("layers", "ffn", "up_bias"): _plain(lay + "mlp.c_fc.bias", ((f,),), st),
+        ("layers", "ffn", "down_kernel"): _plain(lay + "mlp.c_proj.weight", ((f,), (d,)), st),
+        ("layers", "ffn", "down_bias"): _plain(lay + "mlp.c_proj.bias", ((d,),), st),
+    }
+    for ours, theirs, where in (("attn_norm", "ln_1", lay), ("ffn_norm", "ln_2", lay),
+                                ("final_norm", "ln_f", prefix)):
+        stack = st if where == lay else ()
+        head = ("layers", ours) if stack else (ours,)
+        r[(*head, "scale")] = _plain(where + f"{theirs}.weight", ((d,),), stack)
+        r[(*head, "bias")] = _plain(where + f"{theirs}.bias", ((d,),), stack)
+    for i, name in enumerate("qkv"):
+        sel_w, sel_b = (1, i * d, (i + 1) * d, 3 * d), (0, i * d, (i + 1) * d, 3 * d)
+        r[("layers", "attn", f"{name}_kernel")] = _plain(
+            lay + "attn.c_attn.weight", ((d,), (n, h)), st, sel_w
+        )
+        r[("layers", "attn", f"{name}_bias")] = _plain(
+            lay + "attn.c_attn.bias", ((n, h),), st, sel_b
+        )
+    if not c.tie_embeddings:
+        r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
+    return r

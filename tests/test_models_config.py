@@ -1,0 +1,187 @@
+"""ModelConfig invariants, presets, RoPE scaling, and logical-axis metadata on parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.errors import ConfigError
+from jaxpar.models import (
+    PRESETS,
+    Llama3RopeScaling,
+    ModelConfig,
+    abstract_model,
+    apply_rope,
+    init_model,
+    param_logical_axes,
+    preset,
+    rope_inv_freq,
+)
+from jaxpar.spec._dims import ModelDims
+from jaxpar.spec._enums import LOGICAL_AXES
+
+TINY = ["tiny-dense", "tiny-gqa", "tiny-moe", "tiny-gpt2"]
+LEGAL_NAMES = set(LOGICAL_AXES) | {"expert_batch", None}
+MESH_NAMES = {"dp", "pp", "sp", "ep", "tp"}
+
+
+def _leaves(state: nnx.State) -> list[tuple[tuple, nnx.Variable]]:
+    return list(nnx.to_flat_state(state))
+
+
+def _check_axes(state: nnx.State) -> None:
+    for path, var in _leaves(state):
+        axes = var.get_metadata().get("out_sharding")
+        name = ".".join(map(str, path))
+        assert axes is not None, f"{name} has no logical axis metadata"
+        assert len(axes) == len(var.get_value().shape), f"{name}: {axes} vs rank"
+        assert set(axes) <= LEGAL_NAMES, f"{name}: {axes}"
+        assert not set(axes) & MESH_NAMES, f"{name} names a mesh axis: {axes}"
+        if path[0] == "layers":
+            assert axes[0] == "layers", f"stacked {name} must lead with 'layers': {axes}"
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_param_has_logical_axes(name: str) -> None:
+    _check_axes(nnx.state(init_model(preset(name))))
+
+
+def test_llama_1b_axes_and_size_abstractly() -> None:
+    model = abstract_model(preset("llama-1b"))
+    state = nnx.state(model)
+    _check_axes(state)
+    n_params = sum(math.prod(v.get_value().shape) for _, v in _leaves(state))
+    assert 1.2e9 < n_params < 1.3e9, n_params
+    assert all(v.get_value().dtype == jnp.bfloat16 for _, v in _leaves(state))
+
+
+def test_expected_axes_of_key_params() -> None:
+    specs = nnx.to_flat_state(param_logical_axes(preset("tiny-moe")))
+    got = {path: tuple(var.get_value()) for path, var in specs}
+    assert got[("layers", "attn", "q_kernel")] == ("layers", "embed", "heads", "head_dim")
+    assert got[("layers", "attn", "k_kernel")] == ("layers", "embed", "kv_heads", "head_dim")
+    assert got[("layers", "attn", "o_kernel")] == ("layers", "heads", "head_dim", "embed")
+    assert got[("layers", "ffn", "router", "kernel")] == ("layers", "embed", None)
+    assert got[("layers", "ffn", "experts", "down_kernel")] == (
+        "layers", "experts", "mlp", "embed",
+    )
+    assert got[("embed", "token_table")] == ("vocab", "embed")
+    assert got[("lm_head", "kernel")] == ("embed", "vocab")
+    assert got[("final_norm", "scale")] == ("embed",)
+
+
+def test_presets_satisfy_model_dims_and_divide() -> None:
+    for name in TINY:
+        c = preset(name)
+        assert isinstance(c, ModelDims)
+        sizes = [c.n_heads, c.d_ff, c.vocab_size] + ([c.n_experts] if c.is_moe else [])
+        sizes += [] if name == "tiny-gqa" else [c.n_kv_heads]
+        for size in sizes:
+            assert size % 8 == 0, (name, size)
+    assert preset("tiny-gqa").n_kv_heads == 2
+    assert preset("tiny-moe").is_moe and not preset("tiny-dense").is_moe
+
+
+def test_unknown_preset_lists_names() -> None:
+    with pytest.raises(ConfigError, match="tiny-dense.*llama-1b"):
+        preset("nope")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(arch="bert"), "unknown arch"),
+        (dict(n_kv_heads=3), "multiple of n_kv_heads"),
+        (dict(norm="batch"), "norm="),
+        (dict(head_dim=7), "even head_dim"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(top_k=2), "need n_experts"),
+        (dict(dtype="int32"), "floating"),
+        (dict(d_model=0), "d_model must be positive"),
+    ],
+)
+def test_config_invariants(change: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(preset("tiny-dense"), **change)
+
+
+def test_moe_invariants() -> None:
+    moe = preset("tiny-moe")
+    with pytest.raises(ConfigError, match="top_k"):
+        dataclasses.replace(moe, top_k=9)
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        dataclasses.replace(moe, moe_capacity_factor=0.0)
+    assert dataclasses.replace(moe, moe_capacity_factor=1.0).expert_capacity(16) == 4
+    assert moe.expert_capacity(16) == 16
+    assert dataclasses.replace(moe, moe_capacity_factor=100.0).expert_capacity(16) == 16
+
+
+def test_rope_scaling_from_mapping_and_hashable() -> None:
+    raw = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+               original_max_position_embeddings=8192)
+    c = dataclasses.replace(preset("tiny-dense"), rope_scaling=raw)
+    assert isinstance(c.rope_scaling, Llama3RopeScaling)
+    hash(c)
+    with pytest.raises(ConfigError, match="lacks key"):
+        dataclasses.replace(preset("tiny-dense"), rope_scaling={"rope_type": "llama3"})
+    with pytest.raises(ConfigError, match="not supported"):
+        dataclasses.replace(preset("tiny-dense"), rope_scaling={"rope_type": "yarn"})
+
+
+def _llama3_reference(head_dim: int, theta: float, s: Llama3RopeScaling) -> np.ndarray:
+    """The Llama 3 reference formula, one frequency at a time in float64."""
+    out = []
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wl:
+            out.append(freq)
+        elif wavelen > low_wl:
+            out.append(freq / s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            out.append((1 - smooth) * freq / s.factor + smooth * freq)
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_matches_reference() -> None:
+    c = preset("llama-1b")
+    got = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+    want = _llama3_reference(c.head_dim, c.rope_theta, c.rope_scaling)
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    plain = rope_inv_freq(c.head_dim, c.rope_theta)
+    # All three regimes occur: kept, divided by factor, and interpolated.
+    ratio = plain / got
+    assert np.any(np.isclose(ratio, 1.0)) and np.any(np.isclose(ratio, 32.0))
+    assert np.any((ratio > 1.01) & (ratio < 31.9))
+
+
+def test_apply_rope_rotate_half() -> None:
+    """Position p rotates the plane (i, i + H/2) by p * inv_freq[i]."""
+    h = 8
+    inv = rope_inv_freq(h, 10000.0)
+    x = jax.random.normal(jax.random.key(0), (1, 3, 2, h))
+    pos = jnp.array([[0, 1, 5]])
+    y = np.asarray(apply_rope(x, pos, inv))
+    xn = np.asarray(x)
+    for t, p in enumerate([0, 1, 5]):
+        for i in range(h // 2):
+            a = p * inv[i]
+            x1, x2 = xn[0, t, :, i], xn[0, t, :, i + h // 2]
+            np.testing.assert_allclose(y[0, t, :, i], x1 * np.cos(a) - x2 * np.sin(a), atol=1e-6)
+            np.testing.assert_allclose(y[0, t, :, i + h // 2], x2 * np.cos(a) + x1 * np.sin(a),
+                                       atol=1e-6)
+
+
+def test_presets_dict_is_complete() -> None:
+    assert set(PRESETS) == {"tiny-dense", "tiny-gqa", "tiny-moe", "tiny-gpt2", "llama-1b"}
