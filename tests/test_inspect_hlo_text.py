@@ -238,3 +238,27 @@ def test_shapes_and_element_sizes():
         ArrayShape("token", ()),
     ]
     assert [a.nbytes for a in arrays] == [12, 3, 1, 0]
+
+
+def test_while_with_long_tuple_state_is_followed():
+    """Tuples of more than five elements print ``/*index=5*/`` markers (real XLA:CPU text
+    of a layer scan); the while op must still parse so its body's collectives count."""
+    from jaxpar.inspect import parse_collectives
+
+    text = """HloModule m, num_partitions=2
+
+%body (p: (s32[], f32[2], f32[2], f32[2], f32[2], f32[2], f32[2])) -> (s32[], f32[2], f32[2], f32[2], f32[2], f32[2], f32[2]) {
+  %p = (s32[], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2], f32[2]) parameter(0)
+  %g = f32[2]{0} get-tuple-element(%p), index=1
+  %ar = f32[2]{0} all-reduce(%g), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2], f32[2]) tuple(%p, %ar, %g, %g, %g, %g, %g)
+}
+
+ENTRY %main (a: (s32[], f32[2], f32[2], f32[2], f32[2], f32[2], f32[2])) -> f32[2] {
+  %a = (s32[], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2], f32[2]) parameter(0)
+  %w = (s32[], f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[2]{0}, f32[2]{0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[2]{0} get-tuple-element(%w), index=1
+}
+"""
+    (found,) = parse_collectives(text)
+    assert found.kind == "all-reduce" and found.in_loop and found.trip_count == 4

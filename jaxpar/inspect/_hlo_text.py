@@ -25,6 +25,7 @@ _CALLEE_RE = re.compile(
     r"(?:^|[\s,])(?:to_apply|calls|body|condition|true_computation|false_computation"
     r"|branch_computations|called_computations)=(?P<val>\{[^}]*\}|%?[\w.\-]+)"
 )
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
 _TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 
 
@@ -153,6 +154,9 @@ def _split_top_level(text: str) -> list[str]:
 
 def parse_instruction(line: str, computation: str) -> Instruction | None:
     """Split one instruction line; ``None`` for lines that are not instructions."""
+    # Long tuple shapes carry "/*index=5*/" markers every five elements (e.g. the state
+    # of a while loop over layers): drop them, or the shape does not parse.
+    line = _COMMENT_RE.sub("", line)
     head = _INSTR_RE.match(line)
     if head is None:
         return None

@@ -133,41 +133,39 @@ class Attention(nnx.Module):
             out_BKGTH = jnp.einsum("BKGTS,BSKH->BKGTH", p_BKGTS, v_BSKH)
             return self._output(out_BKGTH), k_cache, v_cache
 
-    def decode(
-        self, x_B1D: jax.Array, pos_B: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+    def decode_project(
+        self, x_B1D: jax.Array, pos_B: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One new token per row, attending to its cache plus itself.
-
-        The cache is only read: the new key's score and value enter at column pos_B
-        through a ``where``, so no copy of the cache is made here; the caller writes the
-        returned k/v into the cache once for all layers.
-
-        Args:
-            x_B1D: Normalised hidden state of the new token.
-            pos_B: Its position (= tokens already cached).
-            k_BSKH: This layer's cached keys; v_BSKH likewise.
-
-        Returns:
-            (y [B, 1, D], k_new [B, K, H], v_new [B, K, H]).
-        """
+        """Projected, rotated q [B,1,N,H] and the new token's k, v [B,K,H] (for the cache)."""
         with jax.named_scope(Module.ATTENTION.value):
             x_B1D = constrain(x_B1D, BTD, Module.ATTENTION)
             q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, pos_B[:, None])
+            return q_B1NH, k_B1KH[:, 0], v_B1KH[:, 0]
+
+    def decode_attend(
+        self, q_B1NH: jax.Array, pos_B: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+    ) -> jax.Array:
+        """Attention of the new token over its layer's cache, which already holds it.
+
+        The cache is written before it is read (see ``Decoder.decode``): that order lets
+        XLA update it in place, with no copy per step.
+
+        Args:
+            q_B1NH: The new token's query (from :meth:`decode_project`).
+            pos_B: Its position; keys j <= pos_B are valid.
+            k_BSKH: This layer's cached keys including the new one; v_BSKH likewise.
+
+        Returns:
+            y [B, 1, D].
+        """
+        with jax.named_scope(Module.ATTENTION.value):
             k_BSKH = constrain(k_BSKH.astype(self.dtype), KV_CACHE_AXES, Module.ATTENTION)
             v_BSKH = constrain(v_BSKH.astype(self.dtype), KV_CACHE_AXES, Module.ATTENTION)
             k_pos_S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)
-            is_new_BS = k_pos_S[None, :] == pos_B[:, None]
-            # Cache keys j < pos are valid; the slot j == pos is stale and replaced below.
-            mask_BS = key_mask(pos_B[:, None], k_pos_S, k_pos_S[None, :] < pos_B[:, None],
-                               self.window)[:, 0]
+            valid_BS = k_pos_S[None, :] <= pos_B[:, None]
+            mask_BS = key_mask(pos_B[:, None], k_pos_S, valid_BS, self.window)[:, 0]
             s_BKG1S = self._scores(q_B1NH, k_BSKH)
-            s_new_BKG1 = self._scores(q_B1NH, k_B1KH)[..., 0]
-            s_BKG1S = jnp.where(is_new_BS[:, None, None, None], s_new_BKG1[..., None], s_BKG1S)
-            s_BKG1S = jnp.where((mask_BS | is_new_BS)[:, None, None, None], s_BKG1S, _MASKED)
-            p_BKG1S = jax.nn.softmax(s_BKG1S, axis=-1)
-            p_new_BKG1 = jnp.sum(jnp.where(is_new_BS[:, None, None, None], p_BKG1S, 0), -1)
-            p_old_BKG1S = jnp.where(is_new_BS[:, None, None, None], 0, p_BKG1S)
-            out_BKG1H = jnp.einsum("BKGTS,BSKH->BKGTH", p_old_BKG1S.astype(self.dtype), v_BSKH)
-            v_new_BK11H = v_B1KH.transpose(0, 2, 1, 3)[:, :, None]
-            out_BKG1H = out_BKG1H + p_new_BKG1[..., None].astype(self.dtype) * v_new_BK11H
-            return self._output(out_BKG1H), k_B1KH[:, 0], v_B1KH[:, 0]
+            s_BKG1S = jnp.where(mask_BS[:, None, None, None], s_BKG1S, _MASKED)
+            p_BKG1S = jax.nn.softmax(s_BKG1S, axis=-1).astype(self.dtype)
+            out_BKG1H = jnp.einsum("BKGTS,BSKH->BKGTH", p_BKG1S, v_BSKH)
+            return self._output(out_BKG1H)

@@ -40,6 +40,16 @@ def check_room(lengths_host: np.ndarray | jax.Array, n_new: int, max_seq_len: in
         )
 
 
+# Operand [L, B, S, K, H], indices [B, 2] = (layer, position), updates [B, K, H].
+_LAYER_ROW_SCATTER = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(1, 2),
+    inserted_window_dims=(0, 2),
+    scatter_dims_to_operand_dims=(0, 2),
+    operand_batching_dims=(1,),
+    scatter_indices_batching_dims=(0,),
+)
+
+
 @flax.struct.dataclass
 class KVCache:
     """Keys and values of every layer, [L, B, S, K, H], plus tokens cached per row.
@@ -90,14 +100,18 @@ class KVCache:
             ShapeError: k and v disagree, or lengths do not match the batch.
         """
         if k_LBTKH.shape != v_LBTKH.shape or k_LBTKH.ndim != 5:
-            raise ShapeError(f"prefill k {k_LBTKH.shape} and v {v_LBTKH.shape} must be equal "
-                             "[L, B, T, K, H] arrays")
+            raise ShapeError(
+                f"prefill k {k_LBTKH.shape} and v {v_LBTKH.shape} must be equal "
+                "[L, B, T, K, H] arrays"
+            )
         _, b, t, _, _ = k_LBTKH.shape
         if lengths_B.shape != (b,):
             raise ShapeError(f"lengths shape {lengths_B.shape} != (batch={b},)")
         if t > max_seq_len:
-            raise CacheOverflowError(f"prompt of {t} positions does not fit max_seq_len="
-                                     f"{max_seq_len}; raise max_seq_len or shorten the prompt")
+            raise CacheOverflowError(
+                f"prompt of {t} positions does not fit max_seq_len="
+                f"{max_seq_len}; raise max_seq_len or shorten the prompt"
+            )
         if not isinstance(lengths_B, jax.core.Tracer):
             check_room(lengths_B, 0, max_seq_len)
         pad = ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0), (0, 0))
@@ -108,6 +122,38 @@ class KVCache:
     def check_room(self, n_new: int = 1) -> None:
         """:func:`check_room` on this cache's lengths (a device-to-host read)."""
         check_room(self.lengths_B, n_new, self.max_seq_len)
+
+    def write_layer(self, layer: jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array) -> KVCache:
+        """Writes layer ``layer``'s new token of row b at position ``lengths_B[b]``.
+
+        Lengths are unchanged: call :meth:`advance` once all layers are written. Used
+        inside the decode scan, where the cache is carried and updated in place.
+        """
+        # A scatter with the batch as a batching dimension: (layer, lengths_B[b]) per row.
+        # It partitions along the sharded batch with no collective, updates in place inside
+        # the scan, and needs no transpose (a vmapped dynamic_update_slice over axis 1 does).
+        pos_B = self.lengths_B
+        index_B2 = jnp.stack([jnp.full_like(pos_B, layer), pos_B], axis=-1)
+
+        def write(cache_LBSKH, new_BKH):
+            out = jax.lax.scatter(
+                cache_LBSKH,
+                index_B2,
+                new_BKH.astype(cache_LBSKH.dtype),
+                _LAYER_ROW_SCATTER,
+                indices_are_sorted=True,
+                unique_indices=True,
+                mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+            )
+            return out
+
+        return self.replace(
+            k_LBSKH=write(self.k_LBSKH, k_new_BKH), v_LBSKH=write(self.v_LBSKH, v_new_BKH)
+        )
+
+    def advance(self) -> KVCache:
+        """Lengths + 1, after every layer wrote this step's token."""
+        return self.replace(lengths_B=self.lengths_B + 1)
 
     def append(self, k_new_LBKH: jax.Array, v_new_LBKH: jax.Array) -> KVCache:
         """Writes one token per row at position ``lengths_B[b]``, then increments lengths.

@@ -34,12 +34,21 @@ class DecoderLayer(nnx.Module):
         return x_BTD + self.ffn(self.ffn_norm(x_BTD)), k_BTKH, v_BTKH
 
     def decode(
-        self, x_B1D: jax.Array, pos_B: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Returns (x [B,1,D], new k [B,K,H], new v [B,K,H])."""
-        y_B1D, k_BKH, v_BKH = self.attn.decode(self.attn_norm(x_B1D), pos_B, k_BSKH, v_BSKH)
+        self, x_B1D: jax.Array, pos_B: jax.Array, layer: jax.Array, cache: KVCache
+    ) -> tuple[jax.Array, KVCache]:
+        """One token per row through layer ``layer``: writes its K/V, then attends.
+
+        Writing the new token into the cache before reading the layer's slice is what
+        lets XLA update the carried cache in place (read-then-write makes it copy).
+
+        Returns:
+            (x [B,1,D], the cache with this layer's new token written).
+        """
+        q_B1NH, k_BKH, v_BKH = self.attn.decode_project(self.attn_norm(x_B1D), pos_B)
+        cache = cache.write_layer(layer, k_BKH, v_BKH)
+        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, cache.k_LBSKH[layer], cache.v_LBSKH[layer])
         x_B1D = x_B1D + y_B1D
-        return x_B1D + self.ffn(self.ffn_norm(x_B1D)), k_BKH, v_BKH
+        return x_B1D + self.ffn(self.ffn_norm(x_B1D)), cache
 
 
 def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -117,16 +126,15 @@ class Decoder(nnx.Module):
         x_B1D = self.embed(tokens_B[:, None], pos_B[:, None])
         graphdef, layers_state = nnx.split(self.layers)
 
-        def body(x_B1D: jax.Array, xs: tuple[nnx.State, jax.Array, jax.Array]):
-            layer_state, k_BSKH, v_BSKH = xs
-            x_B1D, k_BKH, v_BKH = nnx.merge(graphdef, layer_state).decode(
-                x_B1D, pos_B, k_BSKH, v_BSKH
-            )
-            return x_B1D, (k_BKH, v_BKH)
+        # The cache rides in the scan carry; each layer writes its token in place.
+        def body(carry: tuple[jax.Array, KVCache], xs: tuple[nnx.State, jax.Array]):
+            x_B1D, cache = carry
+            layer_state, i = xs
+            return nnx.merge(graphdef, layer_state).decode(x_B1D, pos_B, i, cache), None
 
-        xs = (layers_state, cache.k_LBSKH, cache.v_LBSKH)
-        x_B1D, (k_LBKH, v_LBKH) = jax.lax.scan(body, x_B1D, xs)
-        return self._logits(x_B1D[:, 0]), cache.append(k_LBKH, v_LBKH)
+        layer_ids = jnp.arange(self.config.n_layers, dtype=jnp.int32)
+        (x_B1D, cache), _ = jax.lax.scan(body, (x_B1D, cache), (layers_state, layer_ids))
+        return self._logits(x_B1D[:, 0]), cache.advance()
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
