@@ -20,7 +20,7 @@ from jaxpar.models._decoder import (
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES
 from jaxpar.models._layers import FFN, Embedding, LayerNorm, LMHead, RMSNorm
-from jaxpar.models._moe import MoE, Experts, Router, dispatch_masks
+from jaxpar.models._moe import Experts, MoE, Router, dispatch_masks
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 
 __all__ = [

@@ -151,34 +151,10 @@ class KVCache:
             k_LBSKH=write(self.k_LBSKH, k_new_BKH), v_LBSKH=write(self.v_LBSKH, v_new_BKH)
         )
 
+    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, S, K, H] of one layer (read after :meth:`write_layer`)."""
+        return self.k_LBSKH[layer], self.v_LBSKH[layer]
+
     def advance(self) -> KVCache:
         """Lengths + 1, after every layer wrote this step's token."""
         return self.replace(lengths_B=self.lengths_B + 1)
-
-    def append(self, k_new_LBKH: jax.Array, v_new_LBKH: jax.Array) -> KVCache:
-        """Writes one token per row at position ``lengths_B[b]``, then increments lengths.
-
-        A scatter of [L, B, K, H] into the cache: with the cache donated, XLA updates it
-        in place (no concat, no full copy). Call :meth:`check_room` on the host first.
-        """
-        pos_B = self.lengths_B
-        k = _write_rows(self.k_LBSKH, k_new_LBKH, pos_B)
-        v = _write_rows(self.v_LBSKH, v_new_LBKH, pos_B)
-        k = constrain(k, self.KV_AXES, Module.ATTENTION)
-        v = constrain(v, self.KV_AXES, Module.ATTENTION)
-        return KVCache(k_LBSKH=k, v_LBSKH=v, lengths_B=pos_B + 1)
-
-
-def _write_rows(cache_LBSKH: jax.Array, new_LBKH: jax.Array, pos_B: jax.Array) -> jax.Array:
-    """Row b gets ``new[:, b]`` at position ``pos_B[b]``.
-
-    A per-row ``dynamic_update_slice`` (vmapped over batch) partitions with the batch
-    sharding and needs no collective; an index scatter ``.at[:, rows, pos]`` instead makes
-    XLA's SPMD partitioner gather the indices and the update across the batch axes.
-    """
-
-    def one_row(c_LSKH, x_LKH, p):
-        return jax.lax.dynamic_update_slice(c_LSKH, x_LKH[:, None], (0, p, 0, 0))
-
-    new_LBKH = new_LBKH.astype(cache_LBSKH.dtype)
-    return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(cache_LBSKH, new_LBKH, pos_B)

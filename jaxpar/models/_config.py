@@ -135,8 +135,10 @@ class ModelConfig:
         if self.n_experts < 0:
             raise ConfigError(f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
         if (self.arch == "mixtral") != self.is_moe:
-            raise ConfigError(f"arch {self.arch!r} with n_experts={self.n_experts}: only "
-                              "'mixtral' is a mixture of experts, and it needs n_experts > 0")
+            raise ConfigError(
+                f"arch {self.arch!r} with n_experts={self.n_experts}: only "
+                "'mixtral' is a mixture of experts, and it needs n_experts > 0"
+            )
         if not self.is_moe:
             if self.top_k or self.moe_capacity_factor is not None:
                 raise ConfigError("top_k and moe_capacity_factor need n_experts > 0")
@@ -162,6 +164,22 @@ class ModelConfig:
         """Query heads per kv head (G in einsum strings)."""
         return self.n_heads // self.n_kv_heads
 
+    def check_max_seq_len(self, max_seq_len: int) -> None:
+        """Raises if a cache of ``max_seq_len`` positions would outrun the position table.
+
+        Learned positions (GPT-2) have ``max_position_embeddings`` rows; RoPE has no limit.
+
+        Raises:
+            ConfigError: ``max_seq_len`` is not positive or exceeds the learned table.
+        """
+        if max_seq_len <= 0:
+            raise ConfigError(f"max_seq_len must be positive, got {max_seq_len}")
+        if self.positional == "learned" and max_seq_len > self.max_position_embeddings:
+            raise ConfigError(
+                f"max_seq_len={max_seq_len} exceeds the {self.max_position_embeddings} learned "
+                "positions of this model; lower max_seq_len"
+            )
+
     def expert_capacity(self, group_size: int) -> int:
         """Slots per expert per group of ``group_size`` tokens.
 
@@ -185,7 +203,9 @@ def _float_dtype(name: str, value: Any) -> np.dtype:
     return dt
 
 
-_TINY = dict(vocab_size=256, d_model=64, n_layers=4, n_heads=8, head_dim=8, max_position_embeddings=128)
+_TINY = dict(
+    vocab_size=256, d_model=64, n_layers=4, n_heads=8, head_dim=8, max_position_embeddings=128
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny-dense": ModelConfig(arch="llama", n_kv_heads=8, d_ff=128, **_TINY),

@@ -46,7 +46,7 @@ class DecoderLayer(nnx.Module):
         """
         q_B1NH, k_BKH, v_BKH = self.attn.decode_project(self.attn_norm(x_B1D), pos_B)
         cache = cache.write_layer(layer, k_BKH, v_BKH)
-        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, cache.k_LBSKH[layer], cache.v_LBSKH[layer])
+        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, *cache.layer(layer))
         x_B1D = x_B1D + y_B1D
         return x_B1D + self.ffn(self.ffn_norm(x_B1D)), cache
 

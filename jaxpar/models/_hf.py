@@ -7,6 +7,7 @@ for NaN/Inf. Any problem raises :class:`CheckpointError` and nothing is returned
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -25,14 +26,14 @@ from jaxpar.models._decoder import abstract_model
 from jaxpar.models._hf_config import config_from_hf, hf_arch
 from jaxpar.models._hf_layout import Recipe, gpt2_recipes, llama_recipes
 
-#: ``fn(param_path, logical_axes) -> Sharding``, or a pytree of shardings like the params.
-Shardings = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding] | Any
+#: ``fn(param_path, logical_axes) -> Sharding``.
+ShardingFn = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding]
 # Non-parameter buffers some exporters write: rotary tables, GPT-2's causal-mask buffers.
 _IGNORED = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 
 
 def load_hf_checkpoint(
-    path: str | Path, *, dtype: Any = None, shardings: Shardings | None = None
+    path: str | Path, *, dtype: Any = None, shardings: ShardingFn | Any | None = None
 ) -> tuple[ModelConfig, nnx.State]:
     """Loads a Llama/Mistral/Qwen2/Mixtral/GPT-2 checkpoint directory.
 
@@ -72,7 +73,7 @@ def load_hf_checkpoint(
             else:
                 sharding = sharding_of(param_path, tuple(var.get_metadata()["out_sharding"]))
                 arr = jax.make_array_from_callback(
-                    want.shape, sharding, _memo(lambda i, r=recipe: r.read(i, reader))
+                    want.shape, sharding, _memo(functools.partial(recipe.read, reader=reader))
                 )
             loaded.append((param_path, var.replace(arr)))
     return config, nnx.from_flat_state(loaded)
@@ -88,7 +89,7 @@ def _read_json(file: Path) -> dict[str, Any]:
 class _Checkpoint:
     """Open safetensors files of a checkpoint: tensor shapes from headers, slice reads."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path) -> None:
         index = root / "model.safetensors.index.json"
         if index.exists():
             weight_map = _read_json(index).get("weight_map") or {}
@@ -106,8 +107,9 @@ class _Checkpoint:
             if index.exists():
                 for name, file in weight_map.items():
                     if name not in self.file_of:
-                        raise CheckpointError(f"{index} lists tensor {name!r} in {file}, "
-                                              "not found there")
+                        raise CheckpointError(
+                            f"{index} lists tensor {name!r} in {file}, not found there"
+                        )
         except BaseException:
             self.__exit__()
             raise
@@ -119,16 +121,20 @@ class _Checkpoint:
                 handle = safe_open(str(file), framework="numpy")
                 handle.__enter__()
                 self._open.append(handle)
-                for name in handle.keys():
+                names = handle.keys()  # a safe_open handle is not iterable
+                for name in names:
                     if name in self.file_of:
-                        raise CheckpointError(f"tensor {name!r} is in both {self.file_of[name]} "
-                                              f"and {file}")
+                        raise CheckpointError(
+                            f"tensor {name!r} is in both {self.file_of[name]} and {file}"
+                        )
                     self.handles[name], self.file_of[name] = handle, file
                     self.shapes[name] = tuple(handle.get_slice(name).get_shape())
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises its own error types and OSError
-                raise CheckpointError(f"unreadable or corrupt safetensors file {file}: {e}") from None
+                raise CheckpointError(
+                    f"unreadable or corrupt safetensors file {file}: {e}"
+                ) from None
 
     def __enter__(self) -> _Checkpoint:
         return self
@@ -144,10 +150,11 @@ class _Checkpoint:
             try:
                 arr = self.handles[name].get_slice(name)[slices]
             except Exception as e:
-                raise CheckpointError(f"cannot read tensor {name!r} from corrupt file "
-                                      f"{self.file_of[name]}: {e}") from None
+                raise CheckpointError(
+                    f"cannot read tensor {name!r} from corrupt file {self.file_of[name]}: {e}"
+                ) from None
             arr = np.asarray(arr)
-            if not np.all(np.isfinite(arr.astype(np.float32))):
+            if not np.isfinite(arr).all():
                 raise CheckpointError(f"tensor {name!r} in {self.file_of[name]} holds NaN/Inf")
             return arr.astype(dtype)
 
@@ -175,18 +182,21 @@ def _validate(recipes: Mapping[Any, Recipe], ckpt: _Checkpoint, tied: bool) -> N
         raise CheckpointError(f"checkpoint lacks tensor {missing[0]!r}{more}")
     for name, shape in expected.items():
         if ckpt.shapes[name] != shape:
-            raise CheckpointError(f"tensor {name!r} in {ckpt.file_of[name]}: expected shape "
-                                  f"{shape}, found {ckpt.shapes[name]}")
+            raise CheckpointError(
+                f"tensor {name!r} in {ckpt.file_of[name]}: expected shape "
+                f"{shape}, found {ckpt.shapes[name]}"
+            )
     for name in ckpt.shapes:
         ignorable = _IGNORED.search(name) or (tied and name == "lm_head.weight")
         if name not in expected and not ignorable:
-            raise CheckpointError(f"unexpected tensor {name!r} in {ckpt.file_of[name]}: "
-                                  "not part of this architecture")
+            raise CheckpointError(
+                f"unexpected tensor {name!r} in {ckpt.file_of[name]}: not part of this architecture"
+            )
 
 
-def _sharding_lookup(shardings: Shardings | None):
+def _sharding_lookup(shardings: ShardingFn | Any | None) -> ShardingFn | None:
     """``(path, logical_axes) -> Sharding`` from a callable or a params-shaped pytree."""
-    if shardings is None or callable(shardings) and not isinstance(shardings, nnx.State):
+    if shardings is None or callable(shardings):
         return shardings
     by_path = dict(_flatten_shardings(shardings))
 
@@ -203,12 +213,15 @@ def _flatten_shardings(tree: Any) -> Iterator[tuple[tuple[str, ...], jax.shardin
         return isinstance(x, jax.sharding.Sharding | nnx.Variable)
 
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
-        path = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                     for k in keypath)
+        path = tuple(
+            str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keypath
+        )
         yield path, leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
-def _memo(read: Callable[[tuple[slice, ...]], np.ndarray]):
+def _memo(
+    read: Callable[[tuple[slice, ...]], np.ndarray],
+) -> Callable[[tuple[slice, ...]], np.ndarray]:
     """Reads each distinct slice once (replicated devices ask for the same one)."""
     cache: dict[tuple, np.ndarray] = {}
 

@@ -112,19 +112,23 @@ def _window(hf: Mapping[str, Any], arch: str, source: str) -> int | None:
     if kinds == {"full_attention"}:
         return None
     if kinds - {"sliding_attention"}:
-        raise CheckpointError(f"{source}: per-layer attention types {sorted(kinds)} are "
-                              "unsupported; all layers must be full or all sliding")
+        raise CheckpointError(
+            f"{source}: per-layer attention types {sorted(kinds)} are "
+            "unsupported; all layers must be full or all sliding"
+        )
     return window
 
 
 def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     act = hf.get("activation_function", "gelu_new")
     if act not in _GELU_TANH:
-        raise CheckpointError(f"{source}: activation_function {act!r} unsupported; "
-                              f"legal: {', '.join(_GELU_TANH)}")
+        raise CheckpointError(
+            f"{source}: activation_function {act!r} unsupported; legal: {', '.join(_GELU_TANH)}"
+        )
     if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-        raise CheckpointError(f"{source}: only standard 1/sqrt(head_dim) attention scaling "
-                              "is supported")
+        raise CheckpointError(
+            f"{source}: only standard 1/sqrt(head_dim) attention scaling is supported"
+        )
     d, n = hf["n_embd"], hf["n_head"]
     return dict(
         vocab_size=hf["vocab_size"],

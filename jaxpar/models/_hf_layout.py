@@ -74,7 +74,8 @@ class Recipe:
             in_memory += [slice(None)] + [slice(r.start, r.stop) for r in rest]
             v += len(group)
         blocks = [
-            reader(self._name(i), tuple(hf_slices)).reshape(view)[tuple(in_memory)]
+            reader(self._name(i), tuple(hf_slices))
+            .reshape(view)[tuple(in_memory)]
             .transpose(self.perm)
             for i in itertools.product(*bounds[:n_stack])
         ]
@@ -82,17 +83,22 @@ class Recipe:
         return out.reshape([len(b) for b in bounds])
 
 
-def _linear(name: str, out_dims: tuple[int, ...], in_dims: tuple[int, ...], stack, select=None):
+Dims = tuple[int, ...]
+#: (dim, start, stop, full size of dim): the part of a fused tensor a parameter takes.
+Select = tuple[int, int, int, int]
+
+
+def _linear(name: str, out_dims: Dims, in_dims: Dims, stack: Dims) -> Recipe:
     """A torch ``Linear`` weight [out, in] -> ours [*in_dims, *out_dims]."""
     n_out = len(out_dims)
     perm = (*range(n_out, n_out + len(in_dims)), *range(n_out))
     shape = (math.prod(out_dims), math.prod(in_dims))
-    if select:
-        shape = tuple(select[3] if d == select[0] else s for d, s in enumerate(shape))
-    return Recipe(name, stack, shape, (out_dims, in_dims), perm, select and select[:3])
+    return Recipe(name, stack, shape, (out_dims, in_dims), perm)
 
 
-def _plain(name: str, dims_per_axis: tuple[tuple[int, ...], ...], stack, select=None):
+def _plain(
+    name: str, dims_per_axis: tuple[Dims, ...], stack: Dims, select: Select | None = None
+) -> Recipe:
     """A tensor already in our order (GPT-2 Conv1D, vectors, embeddings), maybe reshaped."""
     shape = tuple(math.prod(g) for g in dims_per_axis)
     if select:
@@ -103,8 +109,8 @@ def _plain(name: str, dims_per_axis: tuple[tuple[int, ...], ...], stack, select=
 
 def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe]:
     """Recipes for Llama, Mistral, Qwen2 and Mixtral (``moe_layout`` "legacy"/"fused")."""
-    d, n, k, h, f, v, e = (c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff,
-                           c.vocab_size, c.n_experts)
+    d, n, k, h = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+    f, v, e = c.d_ff, c.vocab_size, c.n_experts
     st, lay = (c.n_layers,), "model.layers.{layer}."
     r: dict[Path, Recipe] = {
         ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
@@ -153,11 +159,19 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe]:
         r[("layers", "ffn", "router", "kernel")] = _linear(lay + "mlp.gate.weight", (e,), (d,), st)
         for i, ours in enumerate(("gate", "up")):
             r[("layers", "ffn", "experts", f"{ours}_kernel")] = Recipe(
-                lay + "mlp.experts.gate_up_proj", st, (e, 2 * f, d), ((e,), (f,), (d,)),
-                (0, 2, 1), (1, i * f, (i + 1) * f),
+                name=lay + "mlp.experts.gate_up_proj",
+                stack=st,
+                hf_shape=(e, 2 * f, d),
+                split=((e,), (f,), (d,)),
+                perm=(0, 2, 1),
+                select=(1, i * f, (i + 1) * f),
             )
         r[("layers", "ffn", "experts", "down_kernel")] = Recipe(
-            lay + "mlp.experts.down_proj", st, (e, d, f), ((e,), (d,), (f,)), (0, 2, 1)
+            name=lay + "mlp.experts.down_proj",
+            stack=st,
+            hf_shape=(e, d, f),
+            split=((e,), (d,), (f,)),
+            perm=(0, 2, 1),
         )
     return r
 
@@ -178,8 +192,11 @@ def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe]:
         ("layers", "ffn", "down_kernel"): _plain(lay + "mlp.c_proj.weight", ((f,), (d,)), st),
         ("layers", "ffn", "down_bias"): _plain(lay + "mlp.c_proj.bias", ((d,),), st),
     }
-    for ours, theirs, where in (("attn_norm", "ln_1", lay), ("ffn_norm", "ln_2", lay),
-                                ("final_norm", "ln_f", prefix)):
+    for ours, theirs, where in (
+        ("attn_norm", "ln_1", lay),
+        ("ffn_norm", "ln_2", lay),
+        ("final_norm", "ln_f", prefix),
+    ):
         stack = st if where == lay else ()
         head = ("layers", ours) if stack else (ours,)
         r[(*head, "scale")] = _plain(where + f"{theirs}.weight", ((d,),), stack)

@@ -82,8 +82,7 @@ class RMSNorm(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.eps = config.norm_eps
-        self.scale = param(rngs, ONES, (config.d_model,), ("embed",),
-                           config.param_dtype)
+        self.scale = param(rngs, ONES, (config.d_model,), ("embed",), config.param_dtype)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         """Normalises the last dimension; returns the input dtype."""
@@ -166,11 +165,19 @@ class LMHead(nnx.Module):
             lead = ("batch", "seq") if x_BxD.ndim == 3 else ("batch",)
             x_BxD = constrain(x_BxD, (*lead, "embed"), Module.LM_HEAD)
             if self.kernel is None:
-                logits = jnp.einsum("...D,VD->...V", x_BxD, tied_table_VD.astype(self.dtype),
-                                    preferred_element_type=jnp.float32)
+                logits = jnp.einsum(
+                    "...D,VD->...V",
+                    x_BxD,
+                    tied_table_VD.astype(self.dtype),
+                    preferred_element_type=jnp.float32,
+                )
             else:
-                logits = jnp.einsum("...D,DV->...V", x_BxD, self.kernel[...].astype(self.dtype),
-                                    preferred_element_type=jnp.float32)
+                logits = jnp.einsum(
+                    "...D,DV->...V",
+                    x_BxD,
+                    self.kernel[...].astype(self.dtype),
+                    preferred_element_type=jnp.float32,
+                )
             return constrain(logits, (*lead, "vocab"), Module.LM_HEAD)
 
 

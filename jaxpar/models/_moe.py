@@ -33,8 +33,12 @@ class Router(nnx.Module):
 
     def __call__(self, x_GTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Returns (weights [G, T, k] float32 summing to 1, expert ids [G, T, k] int32)."""
-        logits_GTE = jnp.einsum("GTD,DE->GTE", x_GTD, self.kernel[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+        logits_GTE = jnp.einsum(
+            "GTD,DE->GTE",
+            x_GTD,
+            self.kernel[...].astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        )
         probs_GTE = jax.nn.softmax(logits_GTE, axis=-1)
         weights_GTk, experts_GTk = jax.lax.top_k(probs_GTE, self.top_k)
         weights_GTk = weights_GTk / jnp.sum(weights_GTk, axis=-1, keepdims=True)
