@@ -50,3 +50,11 @@ class CheckpointError(JaxparError):
 
 class CacheOverflowError(ShapeError):
     """A write to the KV cache would go past ``max_seq_len``."""
+
+
+class DistributedError(JaxparError):
+    """Multi-process start-up or communication failed."""
+
+
+class PeerLostError(DistributedError):
+    """Another process of the job died or became unreachable while this one needed it."""

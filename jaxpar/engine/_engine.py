@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.engine._placement import param_shardings, put_global
+from jaxpar.engine._placement import param_shardings, place, put_global, to_host
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._steps import Layouts, Steps
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
@@ -90,11 +90,7 @@ class InferenceEngine:
         graphdef, abstract_state = nnx.split(abstract)
         _check_params(abstract_state, params)
         shardings = param_shardings(abstract_state, self.mesh, config, model_config)
-        self.params = jax.tree.map(
-            lambda x, s: put_global(x, s) if not isinstance(x, jax.Array) else jax.device_put(x, s),
-            params,
-            shardings,
-        )
+        self.params = jax.tree.map(place, params, shardings)
         self.layouts = Layouts.build(self.mesh, config, model_config, shardings)
         self.steps = Steps(graphdef, self.layouts, self.mesh, config, model_config, max_seq_len)
 
@@ -250,13 +246,13 @@ class InferenceEngine:
     def _stream(self, cache, first_B, done, key, stop_tokens, n_new, sampling, callback):
         out = np.full((self.max_batch, n_new), -1, np.int32)
         tokens_B = first_B
-        host = np.asarray(jax.device_get(first_B))
+        host = to_host(first_B)  # batch may be split over processes
         stop = np.asarray(list(stop_tokens), np.int32)
         for step in range(n_new):
             if step:
                 step_arr = put_global(np.asarray(step, np.int32), self.layouts.replicated)
                 tokens_B, cache = self.steps.decode_select(self.params, cache, tokens_B, key, step_arr, sampling)
-                host = np.asarray(jax.device_get(tokens_B))
+                host = to_host(tokens_B)
             out[:, step] = np.where(done, -1, host)
             callback(step, out[:, step].copy())
             done = done | np.isin(host, stop)

@@ -66,3 +66,30 @@ def put_global(value: np.ndarray, target: NamedSharding) -> jax.Array:
     """
     value = np.asarray(value)
     return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
+
+
+def place(value: Any, target: NamedSharding) -> jax.Array:
+    """A parameter (host array or ``jax.Array``) placed in ``target``.
+
+    Arrays already spread over other processes' devices are resharded by ``device_put``.
+    Host arrays, and process-local arrays whose target spans other processes, go through
+    :func:`put_global`: ``device_put`` would check with one cross-process collective per
+    array that every process holds the same value (uncommitted arrays, e.g. fresh from
+    ``init_params``) or refuse outright (committed ones).
+    """
+    if isinstance(value, jax.Array) and (target.is_fully_addressable or not value.is_fully_addressable):
+        return jax.device_put(value, target)
+    return put_global(np.asarray(value), target)
+
+
+def to_host(value: jax.Array) -> np.ndarray:
+    """The whole of a global array as a host array, on every process.
+
+    An array with shards on other processes' devices is gathered first (a collective, so
+    every process must call this in the same order, as the engine's loops do).
+    """
+    if value.is_fully_addressable or value.is_fully_replicated:
+        return np.asarray(jax.device_get(value))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
