@@ -3,15 +3,26 @@
 Five parallel primitives (DP, PP, SP, EP, TP), checked against declarative legality tables
 before anything compiles, mapped to per-phase ``PartitionSpec``s; XLA inserts the
 collectives.
+
+The spec layer (``partition_spec``, ``logical_axis_rules``, ``validate``, ...) needs only
+JAX; models, engine and inspection load on first use, so ``import jaxpar.spec`` stays
+light for people who bring their own Flax model.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from jaxpar.errors import (
     CacheOverflowError,
     CheckpointError,
     ConfigError,
+    DistributedError,
     IllegalStrategyError,
     JaxparError,
     MeshError,
+    PeerLostError,
     ShapeError,
     SpecFileError,
 )
@@ -26,22 +37,46 @@ from jaxpar.spec import (
     Status,
     logical_axis_rules,
     make_mesh,
+    param_partition_spec,
     partition_spec,
     spec_table,
     validate,
 )
+
+_LAZY = {
+    "ModelConfig": "jaxpar.models",
+    "KVCache": "jaxpar.models",
+    "preset": "jaxpar.models",
+    "init_params": "jaxpar.models",
+    "load_hf_checkpoint": "jaxpar.models",
+    "InferenceEngine": "jaxpar.engine",
+    "Generation": "jaxpar.engine",
+    "Sampling": "jaxpar.engine",
+    "initialize_distributed": "jaxpar.engine",
+    "parse_collectives": "jaxpar.inspect",
+    "summarize": "jaxpar.inspect",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+
 
 __all__ = [
     "CacheOverflowError",
     "CheckpointError",
     "ConfigError",
     "Dims",
+    "DistributedError",
     "IllegalStrategyError",
     "JaxparError",
     "MeshError",
     "ModelDims",
     "Module",
     "ParallelConfig",
+    "PeerLostError",
     "Phase",
     "Plan",
     "Primitive",
@@ -50,7 +85,9 @@ __all__ = [
     "Status",
     "logical_axis_rules",
     "make_mesh",
+    "param_partition_spec",
     "partition_spec",
     "spec_table",
     "validate",
+    *_LAZY,
 ]

@@ -149,3 +149,12 @@ def test_parallel_config_parse_and_errors():
         ParallelConfig(tp=0)
     with pytest.raises(jaxpar.ConfigError, match="pp=1"):
         ParallelConfig(microbatches=2)
+
+
+def test_spec_layer_imports_without_flax():
+    """People who bring their own model use the spec layer without jaxpar's models."""
+    import subprocess
+    import sys
+
+    code = "import sys, jaxpar, jaxpar.spec; assert 'flax' not in sys.modules, 'flax imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
