@@ -60,7 +60,10 @@ def test_matches_transformers(fixture: Path) -> None:
     logits_BTV = np.asarray(logits_BTV)
     for row, p in enumerate(prompts):
         np.testing.assert_allclose(
-            logits_BTV[row, : lengths[row]], p["logits"], atol=LOGIT_TOL, rtol=0,
+            logits_BTV[row, : lengths[row]],
+            p["logits"],
+            atol=LOGIT_TOL,
+            rtol=0,
             err_msg=f"{fixture.name}: prefill logits of prompt {row}",
         )
 
@@ -82,6 +85,9 @@ def test_matches_transformers(fixture: Path) -> None:
             generated_BN[row], p["greedy"], err_msg=f"{fixture.name}: greedy tokens, prompt {row}"
         )
         np.testing.assert_allclose(
-            gen_logits_BNV[row], p["greedy_logits"], atol=LOGIT_TOL, rtol=0,
+            gen_logits_BNV[row],
+            p["greedy_logits"],
+            atol=LOGIT_TOL,
+            rtol=0,
             err_msg=f"{fixture.name}: decode logits of prompt {row}",
         )

@@ -15,7 +15,6 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import (
     PRESETS,
     Llama3RopeScaling,
-    ModelConfig,
     abstract_model,
     apply_rope,
     init_model,
@@ -69,7 +68,10 @@ def test_expected_axes_of_key_params() -> None:
     assert got[("layers", "attn", "o_kernel")] == ("layers", "heads", "head_dim", "embed")
     assert got[("layers", "ffn", "router", "kernel")] == ("layers", "embed", None)
     assert got[("layers", "ffn", "experts", "down_kernel")] == (
-        "layers", "experts", "mlp", "embed",
+        "layers",
+        "experts",
+        "mlp",
+        "embed",
     )
     assert got[("embed", "token_table")] == ("vocab", "embed")
     assert got[("lm_head", "kernel")] == ("embed", "vocab")
@@ -122,9 +124,21 @@ def test_moe_invariants() -> None:
     assert dataclasses.replace(moe, moe_capacity_factor=100.0).expert_capacity(16) == 16
 
 
+def test_check_max_seq_len() -> None:
+    preset("tiny-dense").check_max_seq_len(10_000)  # RoPE: no table to outrun
+    preset("tiny-gpt2").check_max_seq_len(128)
+    with pytest.raises(ConfigError, match="exceeds the 128 learned positions"):
+        preset("tiny-gpt2").check_max_seq_len(129)
+
+
 def test_rope_scaling_from_mapping_and_hashable() -> None:
-    raw = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-               original_max_position_embeddings=8192)
+    raw = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     c = dataclasses.replace(preset("tiny-dense"), rope_scaling=raw)
     assert isinstance(c.rope_scaling, Llama3RopeScaling)
     hash(c)
@@ -179,8 +193,9 @@ def test_apply_rope_rotate_half() -> None:
             a = p * inv[i]
             x1, x2 = xn[0, t, :, i], xn[0, t, :, i + h // 2]
             np.testing.assert_allclose(y[0, t, :, i], x1 * np.cos(a) - x2 * np.sin(a), atol=1e-6)
-            np.testing.assert_allclose(y[0, t, :, i + h // 2], x2 * np.cos(a) + x1 * np.sin(a),
-                                       atol=1e-6)
+            np.testing.assert_allclose(
+                y[0, t, :, i + h // 2], x2 * np.cos(a) + x1 * np.sin(a), atol=1e-6
+            )
 
 
 def test_presets_dict_is_complete() -> None:

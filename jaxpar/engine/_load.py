@@ -1,0 +1,52 @@
+"""Build an engine straight from a Hugging Face checkpoint, reading each shard in place."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh, NamedSharding
+
+from jaxpar.engine._engine import InferenceEngine
+from jaxpar.errors import CheckpointError
+from jaxpar.models import load_hf_checkpoint
+from jaxpar.models._hf_config import config_from_hf
+from jaxpar.spec import ParallelConfig, make_mesh, param_partition_spec, validate
+
+
+def engine_from_hf(
+    path: str | Path,
+    parallel_config: ParallelConfig | None = None,
+    *,
+    max_batch: int,
+    max_seq_len: int,
+    mesh: Mesh | None = None,
+    dtype: Any = None,
+) -> InferenceEngine:
+    """Validates the strategy against the checkpoint's config, then loads every tensor
+    directly into its sharding: each device reads only its own slice from the
+    safetensors files, so no device ever holds a full copy of a split weight.
+
+    Raises:
+        IllegalStrategyError: before any tensor is read.
+        CheckpointError: unsupported, incomplete, mis-shaped or corrupt checkpoint.
+    """
+    source = Path(path) / "config.json"
+    try:
+        hf = json.loads(source.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{source}: cannot read the model config: {e}") from e
+    config = config_from_hf(hf, dtype=dtype, source=str(source))
+    parallel = parallel_config or ParallelConfig()
+    devices = mesh.devices.size if mesh is not None else parallel.size
+    validate(config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
+    mesh = mesh if mesh is not None else make_mesh(parallel)
+
+    def sharding(_path: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(mesh, param_partition_spec(axes, parallel, dims=config))
+
+    config, params = load_hf_checkpoint(path, dtype=dtype, shardings=sharding)
+    return InferenceEngine(
+        config, params, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
+    )

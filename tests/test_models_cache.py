@@ -1,0 +1,92 @@
+"""Sliding window, cache shapes, scanned-layer compile time, module names in HLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.models import KVCache, init_model, preset
+from jaxpar.models import prefill as prefill_fn
+from tests.test_models_helpers import (
+    MAX_SEQ,
+    TOL,
+    B,
+    compiled,
+    full_prefill_logits,
+    prefill_rows,
+    prefill_then_decode,
+    random_tokens,
+)
+
+# Two layers, window 2: each layer reaches one token further back, so token 0 can affect
+# positions 0..2 only.
+WINDOWED = dataclasses.replace(preset("tiny-gqa"), n_layers=2, sliding_window=2)
+
+
+def test_sliding_window_decode_matches_prefill() -> None:
+    prompts, cont = random_tokens(WINDOWED, [6, 2, 4], n_new=6, seed=3)
+    got = prefill_then_decode(WINDOWED, prompts, cont)
+    np.testing.assert_allclose(got, full_prefill_logits(WINDOWED, prompts, cont), atol=TOL)
+
+
+def test_sliding_window_hides_old_tokens() -> None:
+    state, _, decode = compiled(WINDOWED)
+    base = np.random.default_rng(5).integers(0, 256, size=8).astype(np.int32)
+    changed = base.copy()
+    changed[0] = (base[0] + 1) % 256
+    a, *_ = prefill_rows(WINDOWED, [base, base, base])
+    b, *_ = prefill_rows(WINDOWED, [changed, changed, changed])
+    assert np.abs(a[0, :3] - b[0, :3]).max() > 1e-3
+    np.testing.assert_allclose(a[:, 3:8], b[:, 3:8], atol=TOL, rtol=0)
+    for tokens in (base, changed):  # decode position 4 from a 4-token cache
+        _, k, v, lengths = prefill_rows(WINDOWED, [tokens[:4]] * B)
+        cache = KVCache.from_prefill(k, v, jnp.asarray(lengths), MAX_SEQ)
+        got = decode(state, jnp.full((B,), tokens[4]), cache)[0]
+        np.testing.assert_allclose(np.asarray(got), a[:, 4], atol=TOL, rtol=0)
+
+
+def test_cache_logical_axes_and_abstract() -> None:
+    axes = KVCache.logical_axes()
+    assert axes.k_LBSKH == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    assert axes.lengths_B == ("batch",)
+    abstract = KVCache.abstract(preset("tiny-gqa"), batch=3, max_seq_len=10)
+    assert abstract.k_LBSKH.shape == (4, 3, 10, 2, 8)
+    assert abstract.lengths_B.dtype == jnp.int32
+
+
+def _compile_seconds(n_layers: int) -> tuple[float, int]:
+    config = dataclasses.replace(preset("tiny-dense"), n_layers=n_layers)
+    graphdef, state = nnx.split(init_model(config))
+    lowered = jax.jit(functools.partial(prefill_fn, graphdef)).lower(
+        state, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32)
+    )
+    start = time.perf_counter()
+    lowered.compile()
+    return time.perf_counter() - start, len(lowered.as_text())
+
+
+def test_compile_time_does_not_grow_with_depth() -> None:
+    t2, size2 = _compile_seconds(2)
+    t16, size16 = _compile_seconds(16)
+    assert abs(size16 - size2) < 0.02 * size2, (size2, size16)  # one scanned body
+    assert t16 < 3 * t2 + 2.0, (t2, t16)  # unrolled, 16 layers would cost ~8x
+
+
+def test_modules_are_named_in_hlo_metadata() -> None:
+    """Op locations carry the module scope, also inside the scanned layer body."""
+    config = preset("tiny-moe")
+    graphdef, state = nnx.split(init_model(config))
+    text = (
+        jax.jit(functools.partial(prefill_fn, graphdef))
+        .lower(state, jnp.ones((1, 4), jnp.int32), jnp.array([4], jnp.int32))
+        .as_text(debug_info=True)
+    )
+    for scope in ("embedding", "attention", "moe", "lm_head"):
+        assert re.search(f'loc\\("[^"]*\\b{scope}/', text), scope

@@ -1,0 +1,75 @@
+"""Which logical axes the model constrains its activations to (traced, nothing compiled)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxpar.models import KVCache, _attention, _cache, _layers, _moe, abstract_model, preset
+from jaxpar.spec._enums import LOGICAL_AXES
+
+LEGAL = set(LOGICAL_AXES) | {"expert_batch", None}
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Replaces ``constrain`` in every model module by a recorder of (module, axes)."""
+    calls: Counter = Counter()
+
+    def record(x: jax.Array, axes, module):
+        assert len(axes) == x.ndim, (axes, x.shape)
+        assert set(axes) <= LEGAL, axes
+        calls[(str(module), tuple(axes))] += 1
+        return x
+
+    for mod in (_attention, _cache, _layers, _moe):
+        monkeypatch.setattr(mod, "constrain", record)
+    return calls
+
+
+def _trace(name: str) -> None:
+    """Abstractly evaluates prefill, the cache handoff and one decode step."""
+    config = preset(name)
+    graphdef, state = nnx.split(abstract_model(config))
+
+    def run(state, tokens_BT, lengths_B):
+        model = nnx.merge(graphdef, state)
+        _, k, v = model.prefill(tokens_BT, lengths_B)
+        cache = KVCache.from_prefill(k, v, lengths_B, 16)
+        return model.decode(tokens_BT[:, 0], cache)
+
+    jax.eval_shape(run, state, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32))
+
+
+def test_attention_and_cache_axes(recorded: Counter) -> None:
+    _trace("tiny-gqa")
+    want = {
+        ("embedding", ("batch", "seq", "embed")),
+        ("attention", ("batch", "seq", "embed")),
+        ("attention", ("batch", "seq", "heads", "head_dim")),
+        # Prefill scores see every key position; the cache copy is sharded like the cache.
+        ("attention", ("batch", None, "kv_heads", "head_dim")),
+        ("attention", ("batch", "cache_seq", "kv_heads", "head_dim")),
+        ("attention", ("layers", "batch", "cache_seq", "kv_heads", "head_dim")),
+        ("ffn", ("batch", "seq", "embed")),
+        ("ffn", ("batch", "seq", "mlp")),
+        ("lm_head", ("batch", "embed")),
+        ("lm_head", ("batch", "vocab")),
+    }
+    assert want <= set(recorded), want - set(recorded)
+
+
+def test_moe_dispatch_axes(recorded: Counter) -> None:
+    _trace("tiny-moe")
+    want = {
+        ("moe", ("batch", "seq", "embed")),
+        ("moe", ("batch", None, None, "embed")),
+        ("moe", ("experts", "expert_batch", None, "embed")),
+        ("moe", ("experts", "expert_batch", None, "mlp")),
+    }
+    assert want <= set(recorded), want - set(recorded)
+    assert not any(module == "ffn" for module, _ in recorded)
