@@ -52,6 +52,7 @@ _LAZY = {
     "InferenceEngine": "jaxpar.engine",
     "Generation": "jaxpar.engine",
     "Sampling": "jaxpar.engine",
+    "engine_from_hf": "jaxpar.engine",
     "initialize_distributed": "jaxpar.engine",
     "parse_collectives": "jaxpar.inspect",
     "summarize": "jaxpar.inspect",

@@ -7,18 +7,25 @@ import argparse
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxpar.cli._common import load_model, parallel_config, parse_prompt
-from jaxpar.engine import InferenceEngine, Sampling
+from jaxpar.cli._common import load_model, load_tokenizer, parallel_config, parse_prompt
+from jaxpar.engine import InferenceEngine, Sampling, engine_from_hf
 
 
 def run_generate(args: argparse.Namespace, console: Console) -> int:
-    config, params, tokenizer = load_model(args)
-    prompts = [parse_prompt(p, tokenizer) for p in args.prompt]
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    engine = InferenceEngine(
-        config, params, parallel_config(args),
-        max_batch=args.batch or len(prompts), max_seq_len=args.max_seq_len,
-    )
+    batch = args.batch or len(args.prompt)
+    if args.hf is not None:  # each device reads only its shards of the checkpoint
+        tokenizer = load_tokenizer(args.hf)
+        prompts = [parse_prompt(p, tokenizer) for p in args.prompt]
+        engine = engine_from_hf(
+            args.hf, parallel_config(args), max_batch=batch, max_seq_len=args.max_seq_len
+        )
+    else:
+        config, params, tokenizer = load_model(args)
+        prompts = [parse_prompt(p, tokenizer) for p in args.prompt]
+        engine = InferenceEngine(
+            config, params, parallel_config(args), max_batch=batch, max_seq_len=args.max_seq_len
+        )
     with Progress(
         TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,

@@ -3,6 +3,7 @@
 from jaxpar.engine._distributed import ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._engine import Generation, InferenceEngine
+from jaxpar.engine._load import engine_from_hf
 from jaxpar.engine._placement import to_host
 from jaxpar.engine._sampling import Sampling
 
@@ -11,6 +12,7 @@ __all__ = [
     "InferenceEngine",
     "ProcessInfo",
     "Sampling",
+    "engine_from_hf",
     "initialize_distributed",
     "peer_failures",
     "to_host",
