@@ -9,9 +9,9 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
-import jax  # noqa: E402
-
 import tempfile  # noqa: E402
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 # Identical programs (same model, strategy and shapes) recur across test files; a cache

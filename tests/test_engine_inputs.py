@@ -108,3 +108,8 @@ def test_stop_tokens_finish_sequences_individually(eng):
         cut = whole.index(stop) + 1 if stop in whole else len(whole)
         assert got == whole[:cut]
     assert stopped[0] == full[0][:3]
+
+
+def test_max_seq_len_past_learned_positions_is_refused():
+    with pytest.raises(jaxpar.ConfigError, match="max_position_embeddings|position"):
+        engine("tiny-gpt2", ParallelConfig(), max_seq_len=256)

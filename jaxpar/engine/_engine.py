@@ -13,7 +13,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.engine._placement import param_shardings, place, put_global, to_host
+from jaxpar.engine._pipeline_steps import PipelineLayouts, PipelineSteps
+from jaxpar.engine._placement import param_shardings, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._steps import Layouts, Steps
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
@@ -71,12 +72,8 @@ class InferenceEngine:
         mesh: Mesh | None = None,
     ):
         config = parallel_config or ParallelConfig()
-        if config.pp > 1:
-            raise ConfigError(
-                f"pp={config.pp}: pipeline parallelism is not implemented in this engine yet; "
-                "use pp=1"
-            )
         devices = mesh.devices.size if mesh is not None else config.size
+        model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         self.plan: Plan = validate(
             model_config, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
@@ -91,8 +88,10 @@ class InferenceEngine:
         _check_params(abstract_state, params)
         shardings = param_shardings(abstract_state, self.mesh, config, model_config)
         self.params = jax.tree.map(place, params, shardings)
-        self.layouts = Layouts.build(self.mesh, config, model_config, shardings)
-        self.steps = Steps(graphdef, self.layouts, self.mesh, config, model_config, max_seq_len)
+        # pp > 1: the pipelined programs (same entry points, stage-major results inside).
+        layouts, steps = (PipelineLayouts, PipelineSteps) if config.pp > 1 else (Layouts, Steps)
+        self.layouts = layouts.build(self.mesh, config, model_config, shardings)
+        self.steps = steps(graphdef, self.layouts, self.mesh, config, model_config, max_seq_len)
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -157,6 +156,13 @@ class InferenceEngine:
         Returns the last-position logits ``[B, V]``, the cache in the decode layout, and
         each sequence's first new token.
         """
+        logits_BV, cache, first_B = self._prefill(tokens_BT, lengths_B, seed, sampling)
+        return self.steps.to_batch(logits_BV), cache, self.steps.to_batch(first_B)
+
+    def _prefill(
+        self, tokens_BT: np.ndarray, lengths_B: np.ndarray, seed: int, sampling: Sampling | None
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
+        """:meth:`prefill` with the steps' own results (stage-major when pipelined)."""
         lay = self.layouts
         tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
         lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
@@ -172,14 +178,16 @@ class InferenceEngine:
         lay = self.layouts
         tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
         lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
-        return self.steps.prefill(self.params, tokens, lengths, all_logits=True)[0]
+        logits = self.steps.prefill(self.params, tokens, lengths, all_logits=True)[0]
+        return self.steps.to_batch(logits)
 
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
         """One decode step (the cache is donated: do not reuse the argument)."""
         cache.check_room(1)
         if not isinstance(tokens_B, jax.Array):
             tokens_B = put_global(np.asarray(tokens_B, np.int32), self.layouts.tokens_B)
-        return self.steps.decode(self.params, cache, tokens_B)
+        logits, cache = self.steps.decode(self.params, cache, tokens_B)
+        return self.steps.to_batch(logits), cache
 
     # --- generation ----------------------------------------------------------------------
 
@@ -210,7 +218,7 @@ class InferenceEngine:
         tokens_BT, lengths_B = self.pad_prompts(prompts)
         n = len(prompts)
         start = time.perf_counter()
-        _, cache, first_B = self.prefill(tokens_BT, lengths_B, seed=seed, sampling=sampling)
+        _, cache, first_B = self._prefill(tokens_BT, lengths_B, seed, sampling)
         first_B.block_until_ready()
         prefill_seconds = time.perf_counter() - start
 
@@ -226,7 +234,7 @@ class InferenceEngine:
             out_BN, cache = self.steps.decode_loop(
                 self.params, cache, first_B, done_B, key, stop_S, max_new_tokens, sampling
             )
-            out = np.asarray(out_BN)
+            out = self.steps.host_batch(out_BN)
         else:
             out = self._stream(cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback)
         decode_seconds = time.perf_counter() - start
@@ -246,13 +254,13 @@ class InferenceEngine:
     def _stream(self, cache, first_B, done, key, stop_tokens, n_new, sampling, callback):
         out = np.full((self.max_batch, n_new), -1, np.int32)
         tokens_B = first_B
-        host = to_host(first_B)  # batch may be split over processes
+        host = self.steps.host_batch(first_B)  # batch may be split over processes
         stop = np.asarray(list(stop_tokens), np.int32)
         for step in range(n_new):
             if step:
                 step_arr = put_global(np.asarray(step, np.int32), self.layouts.replicated)
                 tokens_B, cache = self.steps.decode_select(self.params, cache, tokens_B, key, step_arr, sampling)
-                host = to_host(tokens_B)
+                host = self.steps.host_batch(tokens_B)
             out[:, step] = np.where(done, -1, host)
             callback(step, out[:, step].copy())
             done = done | np.isin(host, stop)

@@ -11,7 +11,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import ConfigError
-from jaxpar.spec import Module, ModelDims, ParallelConfig, Phase, param_partition_spec, partition_spec
+from jaxpar.spec import (
+    ModelDims,
+    Module,
+    ParallelConfig,
+    Phase,
+    param_partition_spec,
+    partition_spec,
+)
 
 
 def logical_axes_of(state: nnx.State) -> Any:

@@ -19,12 +19,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.engine._placement import to_host
 from jaxpar.engine._sampling import Sampling, select
 from jaxpar.models._cache import KVCache
-from jaxpar.spec import Module, ModelDims, ParallelConfig, Phase, sharding_context
+from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, sharding_context
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
 
@@ -221,6 +223,16 @@ class Steps:
             donate_argnums=(1,),
         )
         return compiled(params, cache, first_B, done_B, key, stop_S)
+
+    # --- results as callers see them -----------------------------------------------------
+
+    def to_batch(self, x: jax.Array) -> jax.Array:
+        """A step's result as callers see it (pipelined steps drop their stage dim here)."""
+        return x
+
+    def host_batch(self, x: jax.Array) -> np.ndarray:
+        """A step's result on the host, on every process."""
+        return to_host(x)
 
 
 def _logits_BTV_spec(steps: Steps) -> PartitionSpec:

@@ -9,6 +9,17 @@ from jaxpar.inspect._mesh_axes import (
     groups_for_axes,
     module_of,
 )
+from jaxpar.inspect._model import CommModel, Expected, communication_model, execution_steps
+from jaxpar.inspect._report import (
+    CAUSES,
+    TOLERANCE,
+    CollectiveReport,
+    ReportRow,
+    classify,
+    collective_report,
+    compile_step,
+    phase_report,
+)
 from jaxpar.inspect._summary import (
     UNMAPPED,
     CollectiveSummary,
@@ -18,20 +29,32 @@ from jaxpar.inspect._summary import (
 )
 
 __all__ = [
+    "CAUSES",
     "KINDS",
     "MODULE_SCOPES",
     "UNMAPPED",
     "Collective",
+    "CollectiveReport",
     "CollectiveSummary",
+    "CommModel",
+    "Expected",
+    "ReportRow",
     "SummaryRow",
+    "TOLERANCE",
     "axes_for_groups",
     "axes_for_pairs",
+    "classify",
     "collective_axes",
+    "collective_report",
+    "communication_model",
+    "compile_step",
+    "execution_steps",
     "expand_iota",
     "expand_mesh_axes",
     "groups_for_axes",
     "module_of",
     "parse_collectives",
     "parse_replica_groups",
+    "phase_report",
     "summarize",
 ]

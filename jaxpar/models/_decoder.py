@@ -81,6 +81,13 @@ class Decoder(nnx.Module):
         tied = self.embed.token_table[...] if self.config.tie_embeddings else None
         return self.lm_head(self.final_norm(x_BxD), tied)
 
+    def logits(self, x_BxD: jax.Array) -> jax.Array:
+        """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``.
+
+        The last pipeline stage applies it to the hidden states leaving the layer stack.
+        """
+        return self._logits(x_BxD)
+
     def prefill(
         self, tokens_BT: jax.Array, lengths_B: jax.Array, *, all_logits: bool = False
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -110,7 +117,10 @@ class Decoder(nnx.Module):
 
         x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD, layers_state)
         if not all_logits:
-            x_BTD = x_BTD[jnp.arange(b), lengths_B - 1]  # -> x_BD
+            # take_along_axis stays local to the batch shards; an advanced index
+            # x[arange(B), lengths - 1] makes XLA gather indices and rows across them.
+            last_B11 = (lengths_B - 1)[:, None, None]
+            x_BTD = jnp.take_along_axis(x_BTD, last_B11, axis=1)[:, 0]  # -> x_BD
         return self._logits(x_BTD), k_LBTKH, v_LBTKH
 
     def decode(self, tokens_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:

@@ -40,9 +40,26 @@ class Router(nnx.Module):
             preferred_element_type=jnp.float32,
         )
         probs_GTE = jax.nn.softmax(logits_GTE, axis=-1)
-        weights_GTk, experts_GTk = jax.lax.top_k(probs_GTE, self.top_k)
+        weights_GTk, experts_GTk = _top_k(probs_GTE, self.top_k)
         weights_GTk = weights_GTk / jnp.sum(weights_GTk, axis=-1, keepdims=True)
-        return weights_GTk, experts_GTk.astype(jnp.int32)
+        return weights_GTk, experts_GTk
+
+
+def _top_k(probs_GTE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` as k rounds of argmax (ties to the lower index, like ``lax.top_k``).
+
+    XLA's SPMD partitioner does not split the TopK custom call along the batch: it gathers
+    the router probabilities over every batch axis and routes all tokens on every device.
+    Argmax rounds partition like any reduction, with no collective.
+    """
+    weights, experts = [], []
+    for _ in range(k):
+        idx_GT = jnp.argmax(probs_GTE, axis=-1).astype(jnp.int32)
+        weights.append(jnp.take_along_axis(probs_GTE, idx_GT[..., None], axis=-1)[..., 0])
+        experts.append(idx_GT)
+        taken_GTE = jax.nn.one_hot(idx_GT, probs_GTE.shape[-1], dtype=jnp.bool_)
+        probs_GTE = jnp.where(taken_GTE, -jnp.inf, probs_GTE)
+    return jnp.stack(weights, axis=-1), jnp.stack(experts, axis=-1)
 
 
 class Experts(nnx.Module):

@@ -1,0 +1,105 @@
+"""Pipeline stages: which layers each ``pp`` device holds, and how a stage's work runs.
+
+The ``pp`` mesh axis holds ``P`` stages of ``Lp = L / P`` contiguous layers. Stacked layer
+parameters ``[L, ...]`` (and the KV cache ``[L, B, S, K, H]``) are placed with ``layers``
+over ``pp`` in contiguous blocks, so viewing them as ``[P, Lp, ...]`` is a local reshape.
+:meth:`Stages.map` runs a per-stage function on each device's own ``[1, Lp, ...]`` block
+(``shard_map`` with ``pp`` manual, every other axis automatic), so the stage-agnostic model
+code and its ``constrain`` calls run unchanged and TP, EP, DP and SP keep working inside a
+stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxpar.engine._placement import param_shardings
+from jaxpar.models._decoder import Decoder
+from jaxpar.spec import (
+    ModelDims,
+    Module,
+    ParallelConfig,
+    Phase,
+    active_phase,
+    partition_spec,
+    sharding_context,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """The pipeline stages of one engine, and the shardings of stage-major arrays."""
+
+    mesh: Mesh
+    config: ParallelConfig
+    dims: ModelDims
+
+    @property
+    def count(self) -> int:
+        """P, the number of stages (the ``pp`` degree)."""
+        return self.config.pp
+
+    def sharding(self, axes: tuple[str | None, ...], module: Module, phase: Phase) -> NamedSharding:
+        """``P("pp", *spec)``: a leading stage dim on ``pp``, then ``axes`` as the tables say."""
+        spec = partition_spec(axes, module, phase, self.config, dims=self.dims)
+        return NamedSharding(self.mesh, PartitionSpec("pp", *spec))
+
+    def constrain(
+        self, x: jax.Array, axes: tuple[str | None, ...], module: Module, phase: Phase
+    ) -> jax.Array:
+        """Constrains a stage-major array ``[P, *axes]``."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes, module, phase))
+
+    def split_layers(self, model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
+        """The layer graphdef and the stacked layer state viewed as ``[P, Lp, ...]``."""
+        graphdef, state = nnx.split(model.layers)
+        shardings = param_shardings(state, self.mesh, self.config, self.dims)
+
+        def split(x: jax.Array, placed: NamedSharding) -> jax.Array:
+            spec = (*placed.spec, *(None,) * (x.ndim - len(placed.spec)))
+            target = NamedSharding(self.mesh, PartitionSpec(spec[0], None, *spec[1:]))
+            return jax.lax.with_sharding_constraint(x.reshape(self.count, -1, *x.shape[1:]), target)
+
+        return graphdef, jax.tree.map(split, state, shardings)
+
+    def map(self, fn: Callable) -> Callable:
+        """``fn(stage, *args)`` run by each ``pp`` device on its own stage of ``args``.
+
+        ``args`` are stage-major (leading dim ``P`` on ``pp``); ``fn`` sees one stage's
+        slice and its index, and returns per-stage results that come back stage-major.
+        Inside, ``pp`` is a manual axis (``shard_map``) and the others stay automatic, so
+        the model's ``constrain`` calls work as usual and XLA cannot make any op of the
+        stage communicate across stages (with ``vmap(spmd_axis_name="pp")`` it gathered
+        MoE router top-k inputs over ``pp``: XLA partitions ``TopK`` only replicated).
+        """
+        phase = active_phase()
+
+        def body(*args):
+            local = jax.tree.map(lambda x: x[0], args)
+            # Constraints inside must name the mesh as shard_map sees it (pp manual).
+            inner = jax.sharding.get_abstract_mesh()
+            with sharding_context(inner, phase, self.config, self.dims):
+                out = fn(jax.lax.axis_index("pp"), *local)
+            return jax.tree.map(lambda x: x[None], out)
+
+        def run(*args):
+            staged = PartitionSpec("pp")
+            return jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(staged,) * len(args),
+                out_specs=staged,
+                axis_names={"pp"},
+            )(*args)
+
+        return run
+
+
+def stage_layer(state_Lp: nnx.State, j: jax.Array) -> nnx.State:
+    """Layer ``j`` of a stage's ``[Lp, ...]`` state (a slice; the weights stay in place)."""
+    return jax.tree.map(lambda x: x[j], state_Lp)

@@ -1,0 +1,306 @@
+"""Analytic model of the communication jaxpar's design needs, per phase and strategy.
+
+:func:`communication_model` lists, for one (model, strategy, phase), every collective the
+design cannot avoid, with the parser's byte convention (:attr:`Collective.bytes`): the full
+logical tensor each participating device holds, e.g. the reduced local ``[B_l, T_l, D]``
+of an all-reduce. Local sizes come from the spec layer (:func:`jaxpar.spec.mesh_axes`),
+so the model follows the tables, not a hard-coded layout. Per decoder layer, with ``B_l``
+and ``T_l`` the batch rows and tokens one device holds:
+
+* TP: an all-reduce of ``[B_l, T_l, D]`` after the row-parallel attention output
+  projection and one after the FFN down projection; one more after the vocab-parallel
+  embedding lookup. The vocab-parallel LM head needs none.
+* SP (prefill): K and V all-gathered over ``sp`` (``[B_l, T, K_l, H]`` each) so causal
+  attention sees every earlier token. jaxpar's SP is its own mesh axis (tokens over ``sp``,
+  heads over ``tp``), not Megatron-style SP sharing the TP devices, so there is no
+  all-gather/reduce-scatter pair around the blocks: the TP all-reduces simply run on the
+  ``T/sp`` local tokens. Prefill then sums each sequence's last hidden state over ``sp``
+  (``[B_l, D]``) for the logits.
+* EP: the dense GShard dispatch tensor ``[G_l, E, C, D]`` (G = sequences, C = capacity,
+  dropless C = tokens per group) moves group-sharded -> expert-sharded and back: two
+  all-to-alls. TP inside experts all-reduces the expert output ``[E_l, G_e, C, D]``.
+  With tokens split over ``sp`` (prefill) a group's slots span all its tokens, so the
+  dispatch einsum's partial sums are all-reduced over ``sp``.
+* PP: one collective-permute of ``[B_mb_l, T_l, D]`` per stage boundary per microbatch
+  (per device: each stage forwards each microbatch once); layers per device are ``L / pp``.
+* DP: nothing. Decode: nothing whose size scales with the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxpar.spec import MESH_AXES, ModelDims, Module, ParallelConfig, Phase, mesh_axes
+
+Key = tuple[str, tuple[str, ...], str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """One collective the design needs.
+
+    Attributes:
+        kind: collective kind as the parser names it (``all-reduce``, ``all-to-all``, ...).
+        axes: mesh axes it runs over, in mesh order.
+        module: the module scope it is attributed to (None: outside every scope).
+        step: a short name of the step, e.g. ``"attention out-proj"``.
+        shape: the per-device logical tensor of one execution (parser convention).
+        itemsize: bytes per element.
+        count: executions per program run.
+        why: the reason, in the design's terms.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    module: str | None
+    step: str
+    shape: tuple[int, ...]
+    itemsize: int
+    count: int
+    why: str
+
+    @property
+    def key(self) -> Key:
+        """``(kind, axes, module)``, the grouping of :func:`jaxpar.inspect.summarize`."""
+        return (self.kind, self.axes, self.module)
+
+    @property
+    def bytes_each(self) -> int:
+        """Bytes of one execution."""
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def bytes(self) -> int:
+        """Bytes over all ``count`` executions."""
+        return self.bytes_each * self.count
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "kind": self.kind,
+            "axes": list(self.axes),
+            "module": self.module,
+            "step": self.step,
+            "shape": list(self.shape),
+            "itemsize": self.itemsize,
+            "count": self.count,
+            "bytes_each": self.bytes_each,
+            "bytes": self.bytes,
+            "why": self.why,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class CommModel:
+    """The analytic minimum of one (strategy, phase)."""
+
+    phase: Phase
+    config: ParallelConfig
+    items: tuple[Expected, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes over all items."""
+        return sum(item.bytes for item in self.items)
+
+    def by_key(self) -> dict[Key, list[Expected]]:
+        """Items grouped by ``(kind, axes, module)``."""
+        out: dict[Key, list[Expected]] = {}
+        for item in self.items:
+            out.setdefault(item.key, []).append(item)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "phase": self.phase.value,
+            "strategy": str(self.config),
+            "items": [item.to_dict() for item in self.items],
+            "total_bytes": self.total_bytes,
+            "notes": list(self.notes),
+        }
+
+
+def _split(axes: Sequence[str], config: ParallelConfig) -> int:
+    return math.prod(config.degree(a) for a in axes)
+
+
+def _local(size: int, axes: Sequence[str], config: ParallelConfig, what: str) -> int:
+    parts = _split(axes, config)
+    if size % parts:
+        raise ValueError(f"{what}={size} does not divide over {tuple(axes)} ({parts} ways)")
+    return size // parts
+
+
+def _ordered(axes: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(set(axes), key=MESH_AXES.index))
+
+
+def communication_model(
+    model: ModelDims,
+    config: ParallelConfig,
+    phase: Phase | str,
+    *,
+    batch: int,
+    prompt_len: int,
+    itemsize: int | None = None,
+) -> CommModel:
+    """The collectives jaxpar's design needs for one step of ``phase``.
+
+    Args:
+        model: model sizes; a jaxpar ``ModelConfig`` also gives ``dtype`` and
+            ``expert_capacity`` (dropless capacity otherwise).
+        config: the parallel degrees.
+        phase: prefill (``prompt_len`` padded tokens per sequence) or decode (one).
+        batch: sequences per step (the engine's ``max_batch``).
+        prompt_len: padded prompt length T of the prefill step.
+        itemsize: bytes per activation element; default from ``model.dtype``.
+
+    Returns:
+        A :class:`CommModel` whose items use the parser's byte convention.
+    """
+    phase = Phase.coerce(phase)
+    size = itemsize or np.dtype(getattr(model, "dtype", "float32")).itemsize
+    tokens = prompt_len if phase is Phase.PREFILL else 1
+    pp = config.pp
+    # Pipeline: each device runs its stage's layers; the batch goes through in groups.
+    groups = (config.microbatches if phase is Phase.PREFILL else config.decode_groups) if pp > 1 else 1
+    layers = model.n_layers // pp
+    b_group = batch // groups
+    d = model.d_model
+
+    def axes_of(module: Module) -> Mapping[str, tuple[str, ...]]:
+        return mesh_axes(module, phase, config, dims=model)
+
+    def rows(ax: Mapping[str, tuple[str, ...]]) -> tuple[int, int]:
+        return (_local(b_group, ax["batch"], config, "batch"),
+                _local(tokens, ax["seq"], config, "tokens"))
+
+    items: list[Expected] = []
+    notes: list[str] = []
+
+    def add(kind, axes, module, step, shape, count, why, itemsize=size):
+        if axes and count:  # no mesh axis (degree 1), no collective
+            items.append(Expected(kind, _ordered(axes), module, step, tuple(shape), itemsize, count, why))
+
+    emb = axes_of(Module.EMBEDDING)
+    b_l, t_l = rows(emb)
+    add("all-reduce", emb["vocab"], "embedding", "embedding lookup", (b_l, t_l, d), groups,
+        "vocab-parallel table: each shard contributes the rows of its vocab range")
+
+    att = axes_of(Module.ATTENTION)
+    b_l, t_l = rows(att)
+    add("all-reduce", att["heads"], "attention", "attention out-proj", (b_l, t_l, d),
+        layers * groups, "row-parallel output projection: partial sums over the head shards")
+    kv_l = _local(model.n_kv_heads, att["kv_heads"], config, "n_kv_heads")
+    add("all-gather", att["seq"], "attention", "K/V gather", (b_l, tokens, kv_l, model.head_dim),
+        2 * layers * groups, "causal attention: every query needs the K and V of all earlier "
+        "tokens, which other sp shards computed (one gather for K, one for V)")
+
+    if att["seq"] and att["heads"]:
+        notes.append("TP+SP: tokens are split over sp and heads over tp on separate mesh axes, so "
+                     "the TP all-reduces run on the T/sp local tokens; Megatron-style SP on the tp "
+                     "devices would swap each all-reduce for a reduce-scatter + all-gather pair "
+                     "moving the same bytes.")
+    if model.n_experts:
+        _moe(model, config, phase, axes_of(Module.MOE), b_group, tokens, layers * groups, add)
+    else:
+        ffn = axes_of(Module.FFN)
+        b_l, t_l = rows(ffn)
+        add("all-reduce", ffn["mlp"], "ffn", "FFN down-proj", (b_l, t_l, d), layers * groups,
+            "row-parallel second linear: partial sums over the intermediate shards")
+
+    lm = axes_of(Module.LM_HEAD)
+    if phase is Phase.PREFILL:
+        b_l = _local(b_group, lm["batch"], config, "batch")
+        add("all-reduce", lm["seq"], None, "last-position select", (b_l, d), groups,
+            "each sequence's last prompt token lives on one sp shard; the logits are "
+            "replicated over sp, so the selected rows are summed over sp")
+    if lm["vocab"]:
+        notes.append("LM head: logits stay vocab-parallel over "
+                     f"{','.join(lm['vocab'])}; sampling reduces across the shards (no gather).")
+
+    if pp > 1:
+        b_l, t_l = rows(att)
+        add("collective-permute", ("pp",), None, "stage boundary", (b_l, t_l, d), groups,
+            "each stage hands every microbatch (decode: group) on to the next stage once")
+        notes.append("PP: per device, one permute per microbatch; an SPMD GPipe schedule runs "
+                     "M + pp - 1 iterations on every stage, so bubbles multiply what runs inside "
+                     "the pipeline by (M + pp - 1) / M.")
+    if not items:
+        notes.append("No collective is needed: every device holds whole sequences and whole "
+                     "weights for its share of the work.")
+    return CommModel(phase, config, tuple(items), tuple(notes))
+
+
+def _moe(model, config, phase, ax, b_group, tokens, count, add) -> None:
+    """MoE layer: sp dispatch sum, ep all-to-alls, expert TP all-reduce."""
+    e, d = model.n_experts, model.d_model
+    capacity = model.expert_capacity(tokens) if hasattr(model, "expert_capacity") else tokens
+    g_l = _local(b_group, ax["batch"], config, "batch")
+    add("all-reduce", ax["seq"], "moe", "dispatch sum over sp", (g_l, e, capacity, d), count,
+        "groups are whole sequences: a group's expert slots span tokens on every sp shard, "
+        "so the one-hot dispatch einsum's partial sums are added over sp")
+    add("all-to-all", ax["experts"], "moe", "dispatch + combine", (g_l, e, capacity, d),
+        2 * count, "[G,E,C,D] resharded group-sharded -> expert-sharded (dispatch) and back "
+        "(combine)")
+    e_l = _local(e, ax["experts"], config, "n_experts")
+    g_e = _local(b_group, ax["expert_batch"], config, "batch")
+    add("all-reduce", ax["mlp"], "moe", "expert down-proj", (e_l, g_e, capacity, d), count,
+        "row-parallel second linear inside each expert: partial sums over the mlp shards")
+
+
+def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
+    """The sequence of compute and communication steps of one phase, per section.
+
+    Sections are the embedding, the layer block (run once per layer by the scan) and the
+    head; each communication step names its collective, mesh axes and per-device shape.
+
+    Args:
+        config: a jaxpar ``ModelConfig`` (``positional``, ``is_moe``, ``top_k``, ...).
+        model: :func:`communication_model` of the same config, strategy and phase.
+    """
+    comm = {item.step: f"{item.kind} over {','.join(item.axes)} of {'x'.join(map(str, item.shape))} "
+            f"({item.bytes_each:,} B)" for item in model.items}
+    prefill = model.phase is Phase.PREFILL
+    layer = f"layer x{config.n_layers // model.config.pp} (scan)"
+    out: list[dict[str, str]] = []
+
+    def step(section: str, text: str, *comm_steps: str) -> None:
+        out.append({"section": section, "kind": "compute", "text": text})
+        for name in comm_steps:
+            what = name.split(":")[-1]  # "label:model step" shows the step under a label
+            if what in comm:
+                out.append({"section": section, "kind": "comm",
+                            "text": f"{name.split(':')[0]}: {comm[what]}"})
+
+    step("embedding", "token lookup" + (" + learned positions" if config.positional == "learned"
+                                        else ""), "embedding lookup")
+    step(layer, "attention norm; Q/K/V projections" + (" + RoPE" if config.positional == "rope"
+                                                        else ""), "K/V gather")
+    step(layer, ("causal scores over the prompt" if prefill else "scores over the KV cache")
+         + ", softmax, weighted V; output projection", "attention out-proj")
+    step(layer, "residual add; FFN norm")
+    if config.is_moe:
+        step(layer, f"router top-{config.top_k}; one-hot dispatch einsum", "dispatch sum over sp",
+             "dispatch:dispatch + combine")
+        step(layer, "experts: gate/up (column-parallel), SwiGLU, down (row-parallel)",
+             "expert down-proj", "combine:dispatch + combine")
+        step(layer, "combine einsum; residual add")
+    else:
+        step(layer, "FFN first linear(s) (column-parallel), activation, second linear "
+             "(row-parallel)", "FFN down-proj")
+        step(layer, "residual add")
+    if "stage boundary" in comm:
+        step(layer, "end of a pipeline stage", "stage boundary")
+    step("head", "final norm" + ("; select each sequence's last position" if prefill else ""),
+         "last-position select")
+    step("head", "LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits",
+         "next tokens to stage 0")
+    return out

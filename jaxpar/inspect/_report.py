@@ -1,0 +1,360 @@
+"""Compiled collectives next to the analytic minimum, per (kind, mesh axes, module).
+
+:func:`collective_report` reads a compiled program, groups its collectives like
+:func:`jaxpar.inspect.summarize` (loop bodies times their trip count) and puts each group
+beside the :class:`~jaxpar.inspect.CommModel` items of the same key. Traffic the model does
+not need is attributed to a named cause (:data:`CAUSES`), from the collective's
+``op_name``, module and shape, so a report says *why* XLA moved more than the minimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from jaxpar.inspect._hlo import Collective, parse_collectives
+from jaxpar.inspect._mesh_axes import MeshLike, module_of
+from jaxpar.inspect._model import CommModel, Key
+from jaxpar.inspect._summary import UNMAPPED, collective_axes
+from jaxpar.spec import Phase
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+#: Within this factor of the minimum a group counts as meeting it.
+TOLERANCE = 1.05
+
+#: Causes of compiled traffic above the analytic minimum, as measured on XLA:CPU.
+CAUSES: dict[str, str] = {
+    "last-position-gather": (
+        "prefill picks each sequence's last hidden state with the advanced index "
+        "x[arange(B), lengths-1]; XLA's SPMD partitioner does not keep that gather local to "
+        "the batch shards: it gathers the indices over the batch axes and all-reduces masked "
+        "full-batch [B, D] rows (take_along_axis keeps it local; measured)"
+    ),
+    "moe-topk-gather": (
+        "lax.top_k lowers to XLA's TopK custom call, which the SPMD partitioner does not "
+        "split along batch: the router probabilities f32[G, T, E] are all-gathered over every "
+        "axis that splits groups or tokens and each device routes all tokens (k rounds of "
+        "argmax partition cleanly; measured)"
+    ),
+    "moe-slot-cumsum-gather": (
+        "expert slots are a cumsum over a group's tokens; with tokens split over sp XLA's "
+        "reduce-window cumsum all-gathers the whole s32[G, T, E] instead of scanning per-shard "
+        "counts (groups of one sp shard's tokens would need nothing)"
+    ),
+    "kv-cache-gather": (
+        "decode with K/V heads replicated over tp (n_kv_heads < tp): the partitioner splits "
+        "the tp-sharded query heads N = K x G over sub-axes of tp, shards the replicated cache "
+        "along K to match, and all-gathers cache-sized buffers every step"
+    ),
+    "pp-bubble": (
+        "SPMD pipelining: every stage runs all M + pp - 1 schedule iterations, computing and "
+        "communicating on placeholders in its bubbles, so what runs inside the pipeline costs "
+        "(M + pp - 1) / M times the minimum (M microbatches, or decode groups)"
+    ),
+    "cpu-bf16-upcast": "XLA:CPU runs bf16 collectives in f32 (twice the bytes); GPUs do not",
+    "unclassified": "no known cause; inspect the op_name in the JSON report",
+}
+
+
+def classify(
+    c: Collective,
+    phase: Phase | str,
+    *,
+    itemsize: int = 4,
+    cache_dims: tuple[int, int] | None = None,
+) -> str:
+    """The :data:`CAUSES` key explaining a collective the minimum does not need.
+
+    Args:
+        c: the collective.
+        phase: the phase of the program it came from.
+        itemsize: bytes per activation element of the model.
+        cache_dims: ``(max_seq_len, head_dim)`` of the KV cache, to recognise cache traffic.
+    """
+    phase = Phase.coerce(phase)
+    op = c.op_name or ""
+    module = module_of(op)
+    if module == "moe" and "top_k" in op:
+        return "moe-topk-gather"
+    if module == "moe" and "cumsum" in op:
+        return "moe-slot-cumsum-gather"
+    if phase is Phase.DECODE and cache_dims is not None:
+        positions, head_dim = cache_dims
+        if any(len(s) >= 3 and s[-1] == head_dim and positions in s[:-1] for s in c.shapes):
+            return "kv-cache-gather"
+    if phase is Phase.PREFILL and module is None and op.endswith("/gather"):
+        return "last-position-gather"
+    if itemsize == 2 and c.dtypes and all(t == "f32" for t in c.dtypes):
+        return "cpu-bf16-upcast"
+    return "unclassified"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+    """One (kind, axes, module) group: compiled against minimum.
+
+    Attributes:
+        compiled_bytes / compiled_count: over one program run (loops times trip count).
+        minimum_bytes / minimum_count: from the analytic model.
+        causes: bytes above the minimum per :data:`CAUSES` key; empty when the group is
+            within ``TOLERANCE`` of it. A group with no minimum splits its bytes by the
+            cause of each collective; otherwise the excess goes to the dominant cause.
+        steps: the model's step names for this key.
+    """
+
+    kind: str
+    axes: tuple[str, ...] | None
+    module: str | None
+    compiled_bytes: int
+    compiled_count: int
+    minimum_bytes: int
+    minimum_count: int
+    causes: Mapping[str, int]
+    steps: tuple[str, ...] = ()
+
+    @property
+    def cause(self) -> str | None:
+        """The causes' names joined, or None."""
+        return "+".join(self.causes) or None
+
+    @property
+    def ratio(self) -> float | None:
+        """compiled / minimum (inf without a minimum; None when both are 0)."""
+        return _ratio(self.compiled_bytes, self.minimum_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``ratio`` inf is the string ``"inf"``)."""
+        return {
+            "kind": self.kind,
+            "axes": UNMAPPED if self.axes is None else list(self.axes),
+            "module": self.module,
+            "steps": list(self.steps),
+            "compiled_count": self.compiled_count,
+            "compiled_bytes": self.compiled_bytes,
+            "minimum_count": self.minimum_count,
+            "minimum_bytes": self.minimum_bytes,
+            "ratio": _json_ratio(self.ratio),
+            "causes": dict(self.causes),
+        }
+
+
+def _ratio(compiled: int, minimum: int) -> float | None:
+    if minimum:
+        return compiled / minimum
+    return math.inf if compiled else None
+
+
+def _json_ratio(ratio: float | None) -> float | str | None:
+    return "inf" if ratio == math.inf else (None if ratio is None else round(ratio, 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveReport:
+    """Compiled collective bytes of one (strategy, phase) against the analytic minimum."""
+
+    label: str
+    phase: Phase
+    rows: tuple[ReportRow, ...]
+    model: CommModel
+    trip_counts_known: bool = True
+
+    @property
+    def compiled_bytes(self) -> int:
+        return sum(r.compiled_bytes for r in self.rows)
+
+    @property
+    def minimum_bytes(self) -> int:
+        return self.model.total_bytes
+
+    @property
+    def ratio(self) -> float | None:
+        """All compiled bytes / the minimum."""
+        return _ratio(self.compiled_bytes, self.minimum_bytes)
+
+    @property
+    def exceptions(self) -> dict[str, int]:
+        """Bytes above the minimum per cause (empty when every group meets it)."""
+        out: dict[str, int] = {}
+        for row in self.rows:
+            for cause, excess in row.causes.items():
+                out[cause] = out.get(cause, 0) + excess
+        return out
+
+    @property
+    def ratio_explained(self) -> float | None:
+        """(compiled - bytes attributed to named causes) / minimum."""
+        return _ratio(self.compiled_bytes - sum(self.exceptions.values()), self.minimum_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "label": self.label,
+            "phase": self.phase.value,
+            "compiled_bytes": self.compiled_bytes,
+            "minimum_bytes": self.minimum_bytes,
+            "ratio": _json_ratio(self.ratio),
+            "ratio_explained": _json_ratio(self.ratio_explained),
+            "exceptions": self.exceptions,
+            "causes": {k: CAUSES[k] for k in self.exceptions},
+            "trip_counts_known": self.trip_counts_known,
+            "rows": [r.to_dict() for r in self.rows],
+            "model": self.model.to_dict(),
+        }
+
+    def to_rich_table(self, title: str | None = None) -> Table:
+        """A ``rich.table.Table``: one row per group, then the total."""
+        from rich.table import Table
+
+        table = Table(title=title or f"{self.label} {self.phase.value}: collectives, compiled "
+                      "vs minimum (bytes per device per step)", title_justify="left")
+        for header in ("kind", "mesh axes", "module", "step", "count", "compiled", "minimum",
+                       "ratio", "cause"):
+            right = header in ("count", "compiled", "minimum", "ratio")
+            table.add_column(header, justify="right" if right else "left")
+        for r in self.rows:
+            axes = UNMAPPED if r.axes is None else (",".join(r.axes) or "-")
+            table.add_row(r.kind, axes, r.module or "-", ", ".join(r.steps) or "-",
+                          f"{r.compiled_count}/{r.minimum_count}", f"{r.compiled_bytes:,}",
+                          f"{r.minimum_bytes:,}", format_ratio(r.ratio),
+                          f"[yellow]{r.cause}[/]" if r.cause else "")
+        table.add_row("[bold]total[/]", "", "", "", "", f"[bold]{self.compiled_bytes:,}[/]",
+                      f"[bold]{self.minimum_bytes:,}[/]", f"[bold]{format_ratio(self.ratio)}[/]", "")
+        return table
+
+
+def format_ratio(ratio: float | None) -> str:
+    """``1.00``, ``inf`` or ``-`` (nothing compiled and nothing needed)."""
+    if ratio is None:
+        return "-"
+    return "inf" if ratio == math.inf else f"{ratio:.2f}"
+
+
+def collective_report(
+    compiled: Any,
+    mesh: MeshLike,
+    model: CommModel,
+    *,
+    label: str | None = None,
+    cache_dims: tuple[int, int] | None = None,
+) -> CollectiveReport:
+    """Builds the report of a compiled program against its analytic model.
+
+    Args:
+        compiled: ``jax.stages.Compiled``, its text, or parsed :class:`Collective` records.
+        mesh: the mesh it was compiled for.
+        model: :func:`communication_model` of the same strategy and phase.
+        label: a name for tables (default: the strategy).
+        cache_dims: ``(max_seq_len, head_dim)`` so cache-sized traffic is recognised.
+    """
+    collectives = compiled if isinstance(compiled, list) else parse_collectives(compiled)
+    itemsize = model.items[0].itemsize if model.items else 4
+    expected = model.by_key()
+    groups = _group(collectives, mesh, expected)
+    keys = list(expected) + [k for k in groups if k not in expected]
+    cfg = model.config
+    runs = (cfg.microbatches if model.phase is Phase.PREFILL else cfg.decode_groups) if cfg.pp > 1 else 1
+    bubble = (runs + cfg.pp - 1) / runs
+    rows = [_row(k, groups.get(k, []), expected.get(k, []), model.phase, itemsize, cache_dims, bubble)
+            for k in keys]
+    rows.sort(key=lambda r: (r.kind, r.axes is None, r.axes or (), r.module or "~"))
+    return CollectiveReport(
+        label=label or str(model.config),
+        phase=model.phase,
+        rows=tuple(rows),
+        model=model,
+        trip_counts_known=all(c.trip_count is not None for c in collectives),
+    )
+
+
+def _group(collectives, mesh, expected) -> dict[Key, list[Collective]]:
+    """Collectives by key; one outside every module scope may fill a needed group.
+
+    Transformations (e.g. a pipeline's vmap) can drop the named scope from ``op_name``;
+    such a collective joins a needed group of the same kind and axes that it fits into.
+    """
+    groups: dict[Key, list[Collective]] = {}
+    for c in collectives:
+        key = (c.kind, collective_axes(c, mesh), module_of(c.op_name))
+        if key not in expected and key[2] is None:
+            for want, items in expected.items():
+                have = sum(x.bytes * (x.trip_count or 1) for x in groups.get(want, []))
+                need = sum(item.bytes for item in items)
+                if want[:2] == key[:2] and have + c.bytes * (c.trip_count or 1) <= need:
+                    key = want
+                    break
+        groups.setdefault(key, []).append(c)
+    return groups
+
+
+def _row(key, members: list[Collective], items, phase, itemsize, cache_dims, bubble) -> ReportRow:
+    compiled = sum(c.bytes * (c.trip_count or 1) for c in members)
+    minimum = sum(item.bytes for item in items)
+    causes: dict[str, int] = {}
+    if minimum and TOLERANCE * minimum < compiled <= TOLERANCE * bubble * minimum:
+        causes = {"pp-bubble": compiled - minimum}
+    elif compiled > TOLERANCE * minimum:
+        for c in members:
+            cause = classify(c, phase, itemsize=itemsize, cache_dims=cache_dims)
+            causes[cause] = causes.get(cause, 0) + c.bytes * (c.trip_count or 1)
+        if minimum:  # the excess of a needed group goes to its dominant cause
+            causes = {max(causes, key=causes.__getitem__): compiled - minimum}
+    return ReportRow(
+        kind=key[0],
+        axes=key[1],
+        module=key[2],
+        compiled_bytes=compiled,
+        compiled_count=sum(c.trip_count or 1 for c in members),
+        minimum_bytes=minimum,
+        minimum_count=sum(item.count for item in items),
+        causes=causes,
+        steps=tuple(dict.fromkeys(item.step for item in items)),
+    )
+
+
+def compile_step(engine: Any, phase: Phase | str, *, prompt_len: int) -> Any:
+    """Compiles the engine's prefill or decode step for abstract inputs (nothing runs).
+
+    ``engine`` is an :class:`jaxpar.engine.InferenceEngine`, or any object with its
+    ``steps``, ``layouts``, ``params`` (arrays or ``ShapeDtypeStruct``), ``model_config``,
+    ``max_batch`` and ``max_seq_len``. Inputs are ``ShapeDtypeStruct`` in the step's own
+    shardings, so nothing is allocated beyond what ``params`` already holds.
+    """
+    import jax
+    import numpy as np
+
+    from jaxpar.models import KVCache
+
+    lay, batch = engine.layouts, engine.max_batch
+    if Phase.coerce(phase) is Phase.PREFILL:
+        tokens = jax.ShapeDtypeStruct((batch, prompt_len), np.int32, sharding=lay.tokens_BT)
+        lengths = jax.ShapeDtypeStruct((batch,), np.int32, sharding=lay.lengths_prefill_B)
+        return engine.steps.lower_prefill(engine.params, tokens, lengths).compile()
+    cache = KVCache.abstract(engine.model_config, batch, engine.max_seq_len)
+    cache = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, lay.cache
+    )
+    tokens = jax.ShapeDtypeStruct((batch,), np.int32, sharding=lay.tokens_B)
+    return engine.steps.jit_decode().lower(engine.params, cache, tokens).compile()
+
+
+def phase_report(
+    engine: Any, phase: Phase | str, *, prompt_len: int, label: str | None = None
+) -> tuple[CollectiveReport, Any]:
+    """Compiles one step of ``engine`` and reports it against the analytic model.
+
+    Returns:
+        ``(report, compiled)``; ``compiled.memory_analysis()`` gives per-device memory.
+    """
+    from jaxpar.inspect._model import communication_model
+
+    config = engine.model_config
+    compiled = compile_step(engine, phase, prompt_len=prompt_len)
+    model = communication_model(config, engine.parallel_config, phase,
+                                batch=engine.max_batch, prompt_len=prompt_len)
+    report = collective_report(compiled, engine.mesh, model, label=label,
+                               cache_dims=(engine.max_seq_len, config.head_dim))
+    return report, compiled

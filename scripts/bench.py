@@ -1,0 +1,502 @@
+#!/usr/bin/env python
+"""jaxpar benchmarks: collective bytes vs the analytic minimum, memory, compile time, speed.
+
+CPU sections run on 8 simulated CPU devices (set up here, before JAX starts)::
+
+    python scripts/bench.py [--quick] [--out bench_out/bench.json] [--gpu]
+    python scripts/bench.py --gpu-only        # on a machine with a GPU and jax[cuda]
+
+Prints Markdown tables and writes everything as JSON. ``--gpu`` adds the GPU section in a
+subprocess when ``nvidia-smi`` sees a GPU (the CPU sections keep their CPU-only JAX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# (preset, strategy): TP, TP+SP, SP, DP, mixes, GQA with replicated K/V heads, EP, EP+TP,
+# PP (reported as pending if the engine refuses pp > 1).
+MATRIX: list[tuple[str, str]] = [
+    ("tiny-dense", "tp=8"),
+    ("tiny-dense", "sp=2,tp=4"),
+    ("tiny-dense", "sp=8"),
+    ("tiny-dense", "dp=8"),
+    ("tiny-dense", "dp=4,tp=2"),
+    ("tiny-dense", "dp=2,sp=2,tp=2"),
+    ("tiny-gqa", "dp=2,tp=4"),
+    ("tiny-dense", "pp=2,tp=4"),
+    ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2"),
+    ("tiny-moe", "ep=8"),
+    ("tiny-moe", "ep=2,tp=4"),
+    ("tiny-moe", "tp=8"),
+    ("tiny-moe", "dp=8"),
+    ("tiny-moe", "dp=2,ep=2,tp=2"),
+    ("tiny-moe", "sp=2,ep=4"),
+    ("tiny-moe", "pp=2,ep=4"),
+]
+QUICK = [("tiny-dense", "tp=8"), ("tiny-dense", "dp=2,sp=2,tp=2"), ("tiny-dense", "pp=2,tp=4"),
+         ("tiny-moe", "ep=8"), ("tiny-moe", "dp=2,ep=2,tp=2")]
+BATCH, PROMPT_LEN, MAX_SEQ_LEN = 8, 16, 64
+
+# Compiled bytes above the minimum, per (preset, strategy, phase): {cause: bytes}. Causes
+# are jaxpar.inspect.CAUSES; measured on XLA:CPU (jax 0.10.2). tests/test_bench_collectives.py
+# asserts these exactly, so a regression -- or a fix -- shows.
+DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {
+    ("tiny-dense", "pp=2,tp=4", "prefill"): {"pp-bubble": 163840},
+    ("tiny-dense", "pp=2,tp=4", "decode"): {"pp-bubble": 10240},
+    ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "prefill"): {"pp-bubble": 40960},
+    ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "decode"): {"pp-bubble": 2560},
+    ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-slot-cumsum-gather": 4096},
+    ("tiny-moe", "pp=2,ep=4", "prefill"): {"pp-bubble": 270336},
+    ("tiny-moe", "pp=2,ep=4", "decode"): {"pp-bubble": 16896},
+}
+
+# Peak HBM bandwidth (B/s) and dense bf16 FLOP/s, by a substring of jax's device_kind.
+PEAKS = {"H200": (4.8e12, 989e12), "H100 PCIe": (2.0e12, 756e12), "H100": (3.35e12, 989e12),
+         "A100-SXM4-80GB": (2.039e12, 312e12), "A100": (1.555e12, 312e12)}
+
+
+def strategy_kind(strategy: str) -> str:
+    """``"TP+SP"``-style label of the active primitives."""
+    order = ("dp", "pp", "sp", "ep", "tp")
+    active = [a for a in order if f"{a}=" in strategy]
+    return "+".join(a.upper() for a in active)
+
+
+# --- collectives and memory -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    """One matrix entry: its engine (None when refused) and per-phase reports."""
+
+    preset: str
+    strategy: str
+    engine: Any = None
+    refused: str | None = None
+    reports: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> Case:
+    """Builds the engine of a matrix entry and compiles both phases against the model."""
+    import jax
+
+    from jaxpar.engine import InferenceEngine
+    from jaxpar.errors import ConfigError
+    from jaxpar.inspect import communication_model, phase_report
+    from jaxpar.models import init_params
+    from jaxpar.models import preset as get_preset
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    config, parallel = get_preset(preset), ParallelConfig.parse(strategy)
+    params_cache = {} if params_cache is None else params_cache
+    if preset not in params_cache:
+        params_cache[preset] = init_params(config)
+    case = Case(preset, strategy)
+    try:
+        case.engine = InferenceEngine(config, params_cache[preset], parallel, max_batch=BATCH,
+                                      max_seq_len=MAX_SEQ_LEN,
+                                      mesh=make_mesh(parallel, jax.devices()[: parallel.size]))
+    except ConfigError as e:
+        case.refused = str(e)
+        for phase in ("prefill", "decode"):
+            case.reports[phase] = communication_model(config, parallel, phase, batch=BATCH,
+                                                      prompt_len=PROMPT_LEN)
+        return case
+    for phase in ("prefill", "decode"):
+        report, compiled = phase_report(case.engine, phase, prompt_len=PROMPT_LEN,
+                                        label=f"{preset} {strategy}")
+        case.reports[phase], case.compiled[phase] = report, compiled
+    return case
+
+
+def memory_ideal(case: Case) -> int:
+    """Decode arguments if every tensor were split over all devices that could split it.
+
+    Parameters over tp and pp (expert weights over ep too); the KV cache over every
+    device. Replicated norms, the router, replicated K/V heads show as a ratio above 1.
+    """
+    import jax
+
+    eng, p = case.engine, case.engine.parallel_config
+    ideal = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(eng.params)[0]:
+        split = p.tp * p.pp * (p.ep if "experts" in jax.tree_util.keystr(path) else 1)
+        ideal += leaf.nbytes / split
+    c = eng.model_config
+    cache = 2 * c.n_layers * BATCH * MAX_SEQ_LEN * c.n_kv_heads * c.head_dim * c.dtype.itemsize
+    return int(ideal + cache / p.size + 2 * 4 * BATCH / (p.dp * p.sp * p.ep))  # + tokens, lengths
+
+
+def collectives_section(matrix: list[tuple[str, str]]) -> tuple[list[dict], list[dict]]:
+    """Compiled bytes vs minimum, and per-device memory vs ideal, for every matrix entry."""
+    params_cache: dict = {}
+    rows, memory = [], []
+    for preset, strategy in matrix:
+        start = time.perf_counter()
+        case = build_case(preset, strategy, params_cache)
+        for phase, rep in case.reports.items():
+            base = {"preset": preset, "strategy": strategy, "kind": strategy_kind(strategy),
+                    "phase": phase}
+            if case.refused:
+                rows.append({**base, "status": "pending", "why": case.refused,
+                             "minimum_bytes": rep.total_bytes, "model": rep.to_dict()})
+                continue
+            rows.append({**base, "status": "ok", **rep.to_dict(),
+                         "documented": DOCUMENTED.get((preset, strategy, phase), {})})
+        if not case.refused:
+            measured = case.compiled["decode"].memory_analysis().argument_size_in_bytes
+            ideal = memory_ideal(case)
+            memory.append({"preset": preset, "strategy": strategy, "measured_bytes": measured,
+                           "ideal_bytes": ideal, "ratio": round(measured / ideal, 4)})
+        print(f"  {preset} {strategy}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return rows, memory
+
+
+# --- compile time ---------------------------------------------------------------------
+
+
+def compile_section(layer_counts: tuple[int, ...], strategy: str = "dp=2,sp=2,tp=2") -> list[dict]:
+    """Prefill and decode compile seconds of tiny-dense with more and more layers."""
+    import jax
+
+    from jaxpar.engine import InferenceEngine
+    from jaxpar.inspect import compile_step
+    from jaxpar.models import init_params, preset
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    parallel, out = ParallelConfig.parse(strategy), []
+    for n in layer_counts:
+        config = dataclasses.replace(preset("tiny-dense"), n_layers=n)
+        eng = InferenceEngine(config, init_params(config), parallel, max_batch=BATCH,
+                              max_seq_len=MAX_SEQ_LEN, mesh=make_mesh(parallel, jax.devices()[: parallel.size]))
+        row = {"n_layers": n, "strategy": strategy}
+        for phase in ("prefill", "decode"):
+            start = time.perf_counter()
+            compile_step(eng, phase, prompt_len=PROMPT_LEN)
+            row[f"{phase}_s"] = round(time.perf_counter() - start, 3)
+        out.append(row)
+    return out
+
+
+# --- decode speed against a plain-JAX reference -----------------------------------------
+
+
+def reference_decode(w: dict, k_LBSKH, v_LBSKH, lengths_B, tokens_B, *, n_heads: int, theta: float,
+                     eps: float):
+    """One llama-style decode step in plain jnp (no jaxpar layer): logits and the cache."""
+    import jax
+    import jax.numpy as jnp
+
+    b, (n_layers, _, s, kh, h) = tokens_B.shape[0], k_LBSKH.shape
+    pos = lengths_B
+    inv = 1.0 / theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h)
+    ang = pos[:, None].astype(jnp.float32) * inv
+    cos, sin = jnp.cos(jnp.concatenate([ang, ang], -1)), jnp.sin(jnp.concatenate([ang, ang], -1))
+
+    def rope(x):  # x [B, heads, H], rotate-half
+        x1, x2 = jnp.split(x, 2, -1)
+        return x * cos[:, None] + jnp.concatenate([-x2, x1], -1) * sin[:, None]
+
+    def rms(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+    x = w["embed"][tokens_B]
+    rows = jnp.arange(b)
+    valid = (jnp.arange(s)[None, :] <= pos[:, None])[:, None, None, :]
+    for i in range(n_layers):
+        y = rms(x, w["attn_norm"][i])
+        q = rope(jnp.einsum("bd,dnh->bnh", y, w["q"][i]))
+        k = rope(jnp.einsum("bd,dkh->bkh", y, w["k"][i]))
+        v = jnp.einsum("bd,dkh->bkh", y, w["v"][i])
+        k_LBSKH = k_LBSKH.at[i, rows, pos].set(k)
+        v_LBSKH = v_LBSKH.at[i, rows, pos].set(v)
+        scores = jnp.einsum("bkgh,bskh->bkgs", q.reshape(b, kh, n_heads // kh, h), k_LBSKH[i]) * h**-0.5
+        p = jax.nn.softmax(jnp.where(valid, scores, -1e30), axis=-1)
+        o = jnp.einsum("bkgs,bskh->bkgh", p, v_LBSKH[i]).reshape(b, n_heads, h)
+        x = x + jnp.einsum("bnh,nhd->bd", o, w["o"][i])
+        y = rms(x, w["ffn_norm"][i])
+        x = x + (jax.nn.silu(y @ w["gate"][i]) * (y @ w["up"][i])) @ w["down"][i]
+    return rms(x, w["final_norm"]) @ w["lm_head"], k_LBSKH, v_LBSKH
+
+
+def _weights(params) -> dict:
+    """The reference decoder's weights, straight from jaxpar's parameter state."""
+    from flax import nnx
+
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
+    names = {"embed": "embed.token_table", "attn_norm": "layers.attn_norm.scale",
+             "q": "layers.attn.q_kernel", "k": "layers.attn.k_kernel", "v": "layers.attn.v_kernel",
+             "o": "layers.attn.o_kernel", "ffn_norm": "layers.ffn_norm.scale",
+             "gate": "layers.ffn.gate_kernel", "up": "layers.ffn.up_kernel",
+             "down": "layers.ffn.down_kernel", "final_norm": "final_norm.scale",
+             "lm_head": "lm_head.kernel"}
+    return {k: flat[v] for k, v in names.items()}
+
+
+def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps: int, repeats: int,
+                devices=None, reference: bool = True) -> dict:
+    """Median seconds per decode step of jaxpar (and the reference), same weights and cache."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.engine import InferenceEngine
+    from jaxpar.models import init_params
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    devices = devices or jax.devices()[:1]
+    params = init_params(config)
+    eng = InferenceEngine(config, params, ParallelConfig(), max_batch=batch, max_seq_len=max_seq_len,
+                          mesh=make_mesh(ParallelConfig(), devices))
+    rng = np.random.default_rng(0)
+    tokens_BT = rng.integers(0, config.vocab_size, (batch, prompt_len)).astype(np.int32)
+    lengths_B = np.full(batch, prompt_len, np.int32)
+    _, cache0, first = eng.prefill(tokens_BT, lengths_B)  # compiles prefill and handoff
+    tokens_dev = jax.device_put(tokens_BT, eng.layouts.tokens_BT)
+    lengths_dev = jax.device_put(lengths_B, eng.layouts.lengths_prefill_B)
+    prefill_times = []
+    for _ in range(3):  # the compiled prefill step alone (no handoff, no sampling)
+        start = time.perf_counter()
+        jax.block_until_ready(eng.steps.prefill(eng.params, tokens_dev, lengths_dev))
+        prefill_times.append(time.perf_counter() - start)
+    prefill_s = statistics.median(prefill_times)
+    contenders = {"jaxpar": lambda c, t: eng.steps.decode(eng.params, c, t)}
+    if reference:
+        w = jax.device_put(_weights(params), devices[0])
+        ref = jax.jit(functools.partial(reference_decode, n_heads=config.n_heads,
+                                        theta=config.rope_theta, eps=config.norm_eps),
+                      donate_argnums=(1, 2))
+
+        def ref_step(c, t):
+            logits, k, v = ref(w, c.k_LBSKH, c.v_LBSKH, c.lengths_B, t)
+            return logits, c.replace(k_LBSKH=k, v_LBSKH=v, lengths_B=c.lengths_B + 1)
+
+        contenders["reference"] = ref_step
+    out: dict[str, Any] = {"batch": batch, "max_seq_len": max_seq_len, "prompt_len": prompt_len,
+                           "steps": steps, "repeats": repeats, "prefill_s": prefill_s}
+    check = {}
+    for name, step in contenders.items():  # compile, and check the two agree
+        check[name] = np.asarray(step(jax.tree.map(jnp.copy, cache0), first)[0])
+    if reference:
+        out["max_abs_logit_diff"] = float(np.max(np.abs(check["jaxpar"] - check["reference"])))
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):  # interleaved, so both see the same machine load
+        for name, step in contenders.items():
+            cache, tokens = jax.tree.map(jnp.copy, cache0), first
+            jax.block_until_ready(cache)
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits, cache = step(cache, tokens)
+            logits.block_until_ready()
+            times[name].append((time.perf_counter() - start) / steps)
+    for name, values in times.items():
+        out[f"{name}_step_s"] = statistics.median(values)
+        out[f"{name}_tokens_per_s"] = batch / statistics.median(values)
+    if reference:
+        out["ratio"] = out["jaxpar_step_s"] / out["reference_step_s"]
+    out["engine"], out["params"] = eng, params
+    return out
+
+
+def decode_section(quick: bool) -> dict:
+    """jaxpar vs the plain-JAX reference on one CPU device, same run, median of repeats."""
+    from jaxpar.models import preset
+
+    config = dataclasses.replace(preset("tiny-dense"), d_model=256, n_heads=8, n_kv_heads=4,
+                                 head_dim=32, d_ff=768, vocab_size=2048)
+    res = time_decode(config, batch=8, max_seq_len=256, prompt_len=64, steps=16 if quick else 48,
+                      repeats=3 if quick else 7)
+    res.pop("engine"), res.pop("params")
+    return {"model": "tiny-dense widened: d_model 256, 8 heads (4 kv), d_ff 768, vocab 2048, 4 layers",
+            **res}
+
+
+# --- GPU --------------------------------------------------------------------------------
+
+
+def gpu_section(model: str = "llama-1b", batch: int = 16, prompt_len: int = 512,
+                steps: int = 64, devices: list | None = None) -> dict:
+    """Decode tokens/s and HBM bandwidth fraction, prefill MFU, on one GPU (bf16 weights).
+
+    ``devices`` overrides the GPU lookup (to exercise this code on a CPU).
+    """
+    import jax
+
+    from jaxpar.models import preset
+
+    gpus = devices or [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        return {"skipped": "no GPU visible to JAX"}
+    kind = gpus[0].device_kind
+    peak_bw, peak_flops = next((v for k, v in PEAKS.items() if k in kind), (None, None))
+    config = preset(model)
+    max_seq_len = prompt_len + steps + 64
+    res = time_decode(config, batch=batch, max_seq_len=max_seq_len, prompt_len=prompt_len,
+                      steps=steps, repeats=5, devices=gpus[:1], reference=False)
+    eng, params = res.pop("engine"), res.pop("params")
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.params))
+    mid = prompt_len + steps // 2  # KV positions in use, averaged over the timed steps
+    kv_bytes = 2 * config.n_layers * batch * mid * config.n_kv_heads * config.head_dim * config.dtype.itemsize
+    bandwidth = (param_bytes + kv_bytes) / res["jaxpar_step_s"]
+    flops = 2 * n_params * batch * prompt_len
+    return {
+        "device_kind": kind, "model": model, "dtype": str(config.dtype), "params": n_params,
+        "batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
+        "decode_step_s": res["jaxpar_step_s"], "decode_tokens_per_s": res["jaxpar_tokens_per_s"],
+        "bytes_per_step": param_bytes + kv_bytes, "hbm_bytes_per_s": bandwidth,
+        "peak_hbm_bytes_per_s": peak_bw, "hbm_fraction": peak_bw and bandwidth / peak_bw,
+        "prefill_s": res["prefill_s"], "prefill_tokens_per_s": batch * prompt_len / res["prefill_s"],
+        "peak_bf16_flops": peak_flops,
+        "prefill_mfu": peak_flops and flops / res["prefill_s"] / peak_flops,
+        "note": "prefill: the compiled step, median of 3; MFU counts 2*params*tokens",
+    }
+
+
+# --- output -------------------------------------------------------------------------------
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def _ratio(r: float | str | None) -> str:
+    return f"{r:.2f}" if isinstance(r, float) else str(r or "-")
+
+
+def markdown(results: dict) -> str:
+    """The README tables."""
+    from jaxpar.inspect import CAUSES
+
+    out = []
+    if "collectives" in results:
+        out += ["### Collective bytes per device per step: compiled / analytic minimum", "",
+                f"batch {BATCH}, prompt {PROMPT_LEN} (prefill), cache {MAX_SEQ_LEN}, float32, "
+                "8 simulated CPU devices. Exceptions: bytes above the minimum, by cause.", "",
+                "| model | strategy | kind | prefill compiled / min | ratio | decode compiled / min "
+                "| ratio | exceptions (bytes) |", "|---|---|---|---|---|---|---|---|"]
+        by = {(r["preset"], r["strategy"], r["phase"]): r for r in results["collectives"]}
+        for preset, strategy in dict.fromkeys((r["preset"], r["strategy"]) for r in results["collectives"]):
+            p, d = by[preset, strategy, "prefill"], by[preset, strategy, "decode"]
+            if p["status"] == "pending":
+                out.append(f"| {preset} | {strategy} | {p['kind']} | pending / {p['minimum_bytes']:,} | - "
+                           f"| pending / {d['minimum_bytes']:,} | - | engine refuses pp>1 (ConfigError) |")
+                continue
+            exc = "; ".join(f"{ph}: " + ", ".join(f"{k} {v:,}" for k, v in r["exceptions"].items())
+                            for ph, r in (("prefill", p), ("decode", d)) if r["exceptions"]) or "-"
+            out.append(f"| {preset} | {strategy} | {p['kind']} | {p['compiled_bytes']:,} / "
+                       f"{p['minimum_bytes']:,} | {_ratio(p['ratio'])} | {d['compiled_bytes']:,} / "
+                       f"{d['minimum_bytes']:,} | {_ratio(d['ratio'])} | {exc} |")
+        seen = {k for r in results["collectives"] for k in r.get("exceptions", {})}
+        out += ["", "| cause | why |", "|---|---|"] + [f"| {k} | {CAUSES[k]} |" for k in sorted(seen)]
+    if "memory" in results:
+        out += ["", "### Per-device decode arguments (params + KV cache): measured / ideal", "",
+                "| model | strategy | measured bytes | ideal bytes | ratio |", "|---|---|---|---|---|"]
+        out += [f"| {m['preset']} | {m['strategy']} | {m['measured_bytes']:,} | {m['ideal_bytes']:,} | "
+                f"{m['ratio']:.2f} |" for m in results["memory"]]
+    if "compile_time" in results:
+        out += ["", f"### Compile time (tiny-dense, {results['compile_time'][0]['strategy']}, seconds)",
+                "", "| layers | prefill | decode |", "|---|---|---|"]
+        out += [f"| {r['n_layers']} | {r['prefill_s']:.2f} | {r['decode_s']:.2f} |" for r in results["compile_time"]]
+    if "decode" in results:
+        d = results["decode"]
+        out += ["", "### Decode step on one CPU device: jaxpar vs a plain-JAX reference", "",
+                f"{d['model']}; batch {d['batch']}, cache {d['max_seq_len']}, {d['steps']} steps, "
+                f"median of {d['repeats']}; max |logit diff| {d['max_abs_logit_diff']:.1e}", "",
+                "| | ms / step | tokens/s |", "|---|---|---|",
+                f"| jaxpar | {1e3 * d['jaxpar_step_s']:.3f} | {d['jaxpar_tokens_per_s']:,.0f} |",
+                f"| reference | {1e3 * d['reference_step_s']:.3f} | {d['reference_tokens_per_s']:,.0f} |",
+                f"| ratio (jaxpar / reference) | {d['ratio']:.2f} | |"]
+    if "gpu" in results:
+        g = results["gpu"]
+        out += ["", "### GPU", ""]
+        out += ([f"skipped: {g['skipped']}"] if "skipped" in g else
+                ["| quantity | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in g.items()])
+    return "\n".join(out)
+
+
+def documented_literal(rows: list[dict]) -> str:
+    """The measured exceptions in ``DOCUMENTED``'s form, to paste after a deliberate change."""
+    lines = ["DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {"]
+    for r in rows:
+        if r.get("exceptions"):
+            causes = dict(sorted(r["exceptions"].items()))
+            lines.append(f"    ({r['preset']!r}, {r['strategy']!r}, {r['phase']!r}): {causes!r},")
+    return "\n".join([*lines, "}"]).replace("'", '"')
+
+
+def _cpu_env(devices: int = 8) -> None:
+    """8 simulated CPU devices; must run before JAX is imported."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller matrix, fewer repeats")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
+    parser.add_argument("--sections", default="collectives,compile,decode",
+                        help="comma-separated CPU sections: collectives, compile, decode")
+    parser.add_argument("--gpu", action="store_true", help="also run the GPU section if a GPU exists")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU section, in this process")
+    parser.add_argument("--gpu-model", default="llama-1b")
+    parser.add_argument("--print-documented", action="store_true",
+                        help="print the measured exceptions as a DOCUMENTED literal (to update it)")
+    args = parser.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.gpu_only:
+        results = {"gpu": gpu_section(args.gpu_model)}
+    else:
+        _cpu_env()
+        import jax
+
+        results: dict[str, Any] = {"env": {"jax": jax.__version__, "devices": jax.device_count(),
+                                           "platform": jax.devices()[0].platform,
+                                           "date": time.strftime("%Y-%m-%d %H:%M")}}
+        sections = args.sections.split(",")
+        if "collectives" in sections:
+            results["collectives"], results["memory"] = collectives_section(QUICK if args.quick else MATRIX)
+            if args.print_documented:
+                print(documented_literal(results["collectives"]))
+        if "compile" in sections:
+            results["compile_time"] = compile_section((1, 4) if args.quick else (1, 4, 16, 32))
+        if "decode" in sections:
+            results["decode"] = decode_section(args.quick)
+        if args.gpu:
+            results["gpu"] = _gpu_subprocess(args)
+    args.out.write_text(json.dumps(results, indent=1, default=str))
+    print(markdown(results))
+    print(f"\nJSON: {args.out}", file=sys.stderr)
+    return 0
+
+
+def _gpu_subprocess(args: argparse.Namespace) -> dict:
+    if shutil.which("nvidia-smi") is None:
+        return {"skipped": "no nvidia-smi: no GPU on this machine"}
+    out = args.out.with_name(args.out.stem + "_gpu.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    done = subprocess.run([sys.executable, __file__, "--gpu-only", "--gpu-model", args.gpu_model,
+                           "--out", str(out)], env=env, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["gpu"] if done.returncode == 0 else {"skipped": "GPU run failed"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
