@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the whole test suite on 8 simulated CPU devices (the tests force them themselves).
+# Runs the whole test suite on 8 simulated CPU devices (the tests force them themselves),
+# spread over JAXPAR_TEST_WORKERS processes (default: one per core, at most 4).
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
-exec .venv/bin/python -m pytest -q "$@"
+workers="${JAXPAR_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, os.cpu_count() or 1))')}"
+exec .venv/bin/python -m pytest -q -n "$workers" "$@"

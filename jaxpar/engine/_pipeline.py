@@ -102,8 +102,13 @@ def prefill(
     def head(s, x_BmTD, logits_buf, i):
         read, write = _slot(i - s, m_count)
         if not all_logits:
-            last_B11 = (lengths_BmM[:, read] - 1)[:, None, None]  # local to batch shards
-            x_BmTD = jnp.take_along_axis(x_BmTD, last_B11, axis=1)[:, 0]  # -> x_BmD
+            # A one-hot select, not an index: take_along_axis makes XLA's SPMD partitioner
+            # abort (a CHECK in ExpandDeviceGroupsWithIota) inside the pp-manual shard_map
+            # with sp > 1 (jax 0.10.2), and x[arange(B), lengths - 1] gathers across the
+            # batch shards. The select needs only the minimal all-reduce over sp.
+            last_Bm1 = (lengths_BmM[:, read] - 1)[:, None]
+            at_last_BmT = jnp.arange(x_BmTD.shape[1])[None, :] == last_Bm1
+            x_BmTD = jnp.sum(jnp.where(at_last_BmT[..., None], x_BmTD, 0), axis=1)  # -> x_BmD
         return logits_buf.at[:, write].set(model.logits(x_BmTD), mode="drop")
 
     def iteration(carry, i):

@@ -19,16 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-# Operand [Lp, B, S, K, H], indices [B, 2] = (layer, position), updates [B, K, H]: the rows
-# are a batching dimension, so the scatter partitions along the sharded batch with no
-# collective (as ``KVCache.write_layer`` does).
-_LAYER_ROW_SCATTER = jax.lax.ScatterDimensionNumbers(
-    update_window_dims=(1, 2),
-    inserted_window_dims=(0, 2),
-    scatter_dims_to_operand_dims=(0, 2),
-    operand_batching_dims=(1,),
-    scatter_indices_batching_dims=(0,),
-)
+from jaxpar.models._cache import write_token
 
 
 @flax.struct.dataclass
@@ -82,20 +73,10 @@ class GroupCacheView:
         self, layer: jax.Array, k_new_BgKH: jax.Array, v_new_BgKH: jax.Array
     ) -> GroupCacheView:
         """Writes layer ``layer``'s new token of each row of the group (see ``KVCache``)."""
-        pos_B = self.write_pos_B
-        index_B2 = jnp.stack([jnp.full_like(pos_B, layer), pos_B], axis=-1)
-
         def write(cache: jax.Array, new_BgKH: jax.Array) -> jax.Array:
-            return jax.lax.scatter(
-                cache,
-                index_B2,
-                self._spread(new_BgKH.astype(cache.dtype)),
-                _LAYER_ROW_SCATTER,
-                indices_are_sorted=True,
-                unique_indices=True,
-                # Out-of-range positions (other groups, bubbles) are dropped, not clamped.
-                mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-            )
+            # Other groups' rows and bubbles carry position S: dropped, not clamped.
+            spread_BKH = self._spread(new_BgKH)
+            return write_token(cache, layer, self.write_pos_B, spread_BKH, drop_out_of_range=True)
 
         return self.replace(
             k_LBSKH=write(self.k_LBSKH, k_new_BgKH), v_LBSKH=write(self.v_LBSKH, v_new_BgKH)

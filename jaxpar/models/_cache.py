@@ -129,23 +129,8 @@ class KVCache:
         Lengths are unchanged: call :meth:`advance` once all layers are written. Used
         inside the decode scan, where the cache is carried and updated in place.
         """
-        # A scatter with the batch as a batching dimension: (layer, lengths_B[b]) per row.
-        # It partitions along the sharded batch with no collective, updates in place inside
-        # the scan, and needs no transpose (a vmapped dynamic_update_slice over axis 1 does).
-        pos_B = self.lengths_B
-        index_B2 = jnp.stack([jnp.full_like(pos_B, layer), pos_B], axis=-1)
-
-        def write(cache_LBSKH, new_BKH):
-            out = jax.lax.scatter(
-                cache_LBSKH,
-                index_B2,
-                new_BKH.astype(cache_LBSKH.dtype),
-                _LAYER_ROW_SCATTER,
-                indices_are_sorted=True,
-                unique_indices=True,
-                mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
-            )
-            return out
+        def write(cache_LBSKH: jax.Array, new_BKH: jax.Array) -> jax.Array:
+            return write_token(cache_LBSKH, layer, self.lengths_B, new_BKH)
 
         return self.replace(
             k_LBSKH=write(self.k_LBSKH, k_new_BKH), v_LBSKH=write(self.v_LBSKH, v_new_BKH)
@@ -158,3 +143,31 @@ class KVCache:
     def advance(self) -> KVCache:
         """Lengths + 1, after every layer wrote this step's token."""
         return self.replace(lengths_B=self.lengths_B + 1)
+
+
+def write_token(
+    cache_LBSKH: jax.Array,
+    layer: jax.Array,
+    pos_B: jax.Array,
+    new_BKH: jax.Array,
+    *,
+    drop_out_of_range: bool = False,
+) -> jax.Array:
+    """Writes row b's new token at (``layer``, ``pos_B[b]``) of a cache [L, B, S, K, H].
+
+    A scatter with the batch as a batching dimension: it partitions along the sharded
+    batch with no collective, updates a carried cache in place, and needs no transpose (a
+    vmapped ``dynamic_update_slice`` over axis 1 does; an index scatter makes XLA gather).
+    With ``drop_out_of_range`` a position >= S skips that row (pipeline groups, bubbles).
+    """
+    index_B2 = jnp.stack([jnp.full_like(pos_B, layer), pos_B], axis=-1)
+    mode = jax.lax.GatherScatterMode
+    return jax.lax.scatter(
+        cache_LBSKH,
+        index_B2,
+        new_BKH.astype(cache_LBSKH.dtype),
+        _LAYER_ROW_SCATTER,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=mode.FILL_OR_DROP if drop_out_of_range else mode.PROMISE_IN_BOUNDS,
+    )
