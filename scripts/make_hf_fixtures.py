@@ -1,6 +1,13 @@
 #!/usr/bin/env python3
 """Build the Hugging Face oracle fixtures: tiny random-weight checkpoints plus reference outputs.
 
+Needs torch (CPU) and transformers, kept out of the project's own environment::
+
+    python3 -m venv .venv-hf && .venv-hf/bin/pip install torch==2.13.0
+    .venv-hf/bin/pip install transformers safetensors numpy tokenizers
+    .venv-hf/bin/python scripts/make_hf_fixtures.py            # writes tests/fixtures/hf/
+    .venv-hf/bin/python -m pytest --noconftest -m hf_live tests/test_hf_live.py
+
 Every fixture is a directory ``<out>/<name>/`` holding what ``save_pretrained`` writes
 (``config.json`` and ``model.safetensors``, or sharded ``model-0000k-of-0000n.safetensors`` files
 plus ``model.safetensors.index.json``) and the reference outputs computed by transformers in

@@ -58,7 +58,7 @@ def test_text_tables_and_dot_file(capsys, tmp_path):
                  "--dot", str(dot)]) == 0
     out = capsys.readouterr().out
     for text in ("parameters", "prefill: tensors", "spec table rows", "compiled vs minimum",
-                 "prefill: execution", "all-to-all", "moe-topk-gather"):
+                 "prefill: execution", "all-to-all", "moe-slot-cumsum-gather"):
         assert text in out, text
     graph = dot.read_text()
     assert graph.startswith("digraph") and "cluster_prefill" in graph and "next layer" in graph
