@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller matrix, fewer repeats")
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
-    parser.add_argument("--sections", default="collectives,compile,decode",
-                        help="comma-separated CPU sections: collectives, compile, decode")
+    parser.add_argument("--sections", default="collectives,compile,decode,pipeline",
+                        help="comma-separated CPU sections: collectives, compile, decode, pipeline")
     parser.add_argument("--gpu", action="store_true", help="also run the GPU section if a GPU exists")
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU section, in this process")
     parser.add_argument("--gpu-model", default="llama-1b")
@@ -480,12 +480,26 @@ def main(argv: list[str] | None = None) -> int:
             results["compile_time"] = compile_section((1, 4) if args.quick else (1, 4, 16, 32))
         if "decode" in sections:
             results["decode"] = decode_section(args.quick)
+        if "pipeline" in sections:
+            results["pipeline"] = _pipeline_subprocess(args.quick)
         if args.gpu:
             results["gpu"] = _gpu_subprocess(args)
     args.out.write_text(json.dumps(results, indent=1, default=str))
     print(markdown(results))
+    if "pipeline" in results:
+        print("\n### Pipeline: prefill bubble vs (p-1)/(m+p-1), decode groups\n")
+        print(results["pipeline"])
     print(f"\nJSON: {args.out}", file=sys.stderr)
     return 0
+
+
+def _pipeline_subprocess(quick: bool) -> str:
+    """scripts/bench_pipeline.py in its own process: it needs its own device count."""
+    argv = [sys.executable, str(Path(__file__).with_name("bench_pipeline.py"))]
+    argv += ["--batch", "16", "--repeats", "2"] if quick else ["--batch", "32"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else f"pipeline bench failed: {done.stderr[-500:]}"
 
 
 def _gpu_subprocess(args: argparse.Namespace) -> dict:
