@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxpar.engine._placement import to_host
 from jaxpar.engine._sampling import Sampling, select
 from jaxpar.models._cache import KVCache
-from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, sharding_context
+from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec, sharding_context
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
 
@@ -50,8 +50,6 @@ class Layouts:
         cls, mesh: Mesh, config: ParallelConfig, dims: ModelDims, params: Any
     ) -> Layouts:
         def at(axes, module, phase):
-            from jaxpar.spec import partition_spec
-
             return NamedSharding(mesh, partition_spec(axes, module, phase, config, dims=dims))
 
         kv_decode = at(KVCache.KV_AXES, Module.ATTENTION, DECODE)
@@ -136,15 +134,18 @@ class Steps:
 
     # --- compiled entry points -----------------------------------------------------------
 
-    def _compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
+    def _aot(self, name: str, key: tuple, jitted, args):
+        """Compiles ``jitted`` for ``args`` once per ``(name, *key)``, timing the compile."""
         cache_key = (name, *key)
         if cache_key not in self._compiled:
-            jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
             start = time.perf_counter()
-            compiled = jitted.lower(*args).compile()
+            self._compiled[cache_key] = jitted.lower(*args).compile()
             self.compile_seconds[name] = time.perf_counter() - start
-            self._compiled[cache_key] = compiled
         return self._compiled[cache_key]
+
+    def _compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
+        return self._aot(name, key, jitted, args)
 
     def lower_prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         """The ``jax.stages.Lowered`` prefill for these shapes (for inspection)."""
@@ -162,12 +163,8 @@ class Steps:
         )
 
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
-        key = ("prefill", tokens_BT.shape, all_logits)
-        if key not in self._compiled:
-            start = time.perf_counter()
-            self._compiled[key] = self._jit_prefill(all_logits).lower(params, tokens_BT, lengths_B).compile()
-            self.compile_seconds["prefill"] = time.perf_counter() - start
-        return self._compiled[key](params, tokens_BT, lengths_B)
+        args = (params, tokens_BT, lengths_B)
+        return self._aot("prefill", (tokens_BT.shape, all_logits), self._jit_prefill(all_logits), args)(*args)
 
     def handoff(self, k, v, lengths_B, logits_BV, key, sampling: Sampling):
         lay = self.layouts
@@ -191,12 +188,8 @@ class Steps:
         )
 
     def decode(self, params, cache, tokens_B):
-        key = ("decode",)
-        if key not in self._compiled:
-            start = time.perf_counter()
-            self._compiled[key] = self.jit_decode().lower(params, cache, tokens_B).compile()
-            self.compile_seconds["decode"] = time.perf_counter() - start
-        return self._compiled[key](params, cache, tokens_B)
+        args = (params, cache, tokens_B)
+        return self._aot("decode", (), self.jit_decode(), args)(*args)
 
     def decode_select(self, params, cache, tokens_B, key, step, sampling: Sampling):
         lay = self.layouts
@@ -236,6 +229,4 @@ class Steps:
 
 
 def _logits_BTV_spec(steps: Steps) -> PartitionSpec:
-    from jaxpar.spec import partition_spec
-
     return partition_spec(("batch", "seq", "vocab"), Module.LM_HEAD, PREFILL, steps.config, dims=steps.dims)
