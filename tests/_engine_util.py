@@ -12,20 +12,7 @@ from jaxpar.engine import InferenceEngine
 from jaxpar.models._config import preset
 from jaxpar.models._decoder import init_params
 from jaxpar.spec import ParallelConfig, make_mesh
-
-MAX_BATCH = 8
-MAX_SEQ_LEN = 64
-NEW_TOKENS = 16
-# Prompts of different lengths (one row of the batch stays a padding row).
-PROMPTS = [
-    [5, 17, 99, 3, 250, 7, 31],
-    [42, 8],
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
-    [200],
-    [77, 66, 55, 44],
-    [9, 19, 29, 39, 49, 59, 69, 79, 89, 99],
-    [128, 64, 32],
-]
+from tests._prompts import MAX_BATCH, MAX_SEQ_LEN, NEW_TOKENS, PROMPTS  # noqa: F401
 
 
 @functools.cache

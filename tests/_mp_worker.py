@@ -24,6 +24,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from tests._prompts import MAX_BATCH, MAX_SEQ_LEN, NEW_TOKENS, PROMPTS  # noqa: F401
+
 if TYPE_CHECKING:
     from jaxpar.engine import InferenceEngine
 
@@ -34,18 +36,6 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "moe-ep4-tp2": ("tiny-moe", "ep=4,tp=2"),  # experts split across hosts
 }
 STREAMED = "dense-sp2-tp4"  # also generated with a streaming callback
-PROMPTS = [
-    [5, 17, 99, 3, 250, 7, 31],
-    [42, 8],
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
-    [200],
-    [77, 66, 55, 44],
-    [9, 19, 29, 39, 49, 59, 69, 79, 89, 99],
-    [128, 64, 32],
-]
-NEW_TOKENS = 16
-MAX_BATCH = 8
-MAX_SEQ_LEN = 64
 DEATH_EXIT_STATUS = 17  # the dying process's status, to tell it from a crash
 
 
