@@ -23,12 +23,13 @@ from safetensors.numpy import save_file
 
 from jaxpar.errors import CheckpointError
 from jaxpar.models import ModelConfig, init_params, load_hf_checkpoint, preset
+from jaxpar.models._decoder import with_layer_loop
 
 LLAMA_QWEN = dataclasses.replace(preset("tiny-gqa"), arch="qwen2", qkv_bias=True, n_layers=2)
 
 
 def _flat(params: nnx.State) -> dict[str, np.ndarray]:
-    return {"/".join(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
 
 
 def _linear(kernel: np.ndarray, n_in: int) -> np.ndarray:
@@ -47,14 +48,20 @@ def _llama_tensors(c: ModelConfig, p: dict[str, np.ndarray], moe: str) -> dict[s
         pre = f"model.layers.{i}."
         t[pre + "input_layernorm.weight"] = p["layers/attn_norm/scale"][i]
         t[pre + "post_attention_layernorm.weight"] = p["layers/ffn_norm/scale"][i]
-        for n in "qkv":
-            t[pre + f"self_attn.{n}_proj.weight"] = _linear(p[f"layers/attn/{n}_kernel"][i], 1)
-            if c.qkv_bias:
-                t[pre + f"self_attn.{n}_proj.bias"] = p[f"layers/attn/{n}_bias"][i].reshape(-1)
+        kv_DCKH = p["layers/attn/kv_kernel"][i]  # K and V fused: [D, 2, K, H]
+        q_DNH, k_DKH, v_DKH = p["layers/attn/q_kernel"][i], kv_DCKH[:, 0], kv_DCKH[:, 1]
+        for n, kernel in zip("qkv", (q_DNH, k_DKH, v_DKH), strict=True):
+            t[pre + f"self_attn.{n}_proj.weight"] = _linear(kernel, 1)
+        if c.qkv_bias:
+            kv_bias = p["layers/attn/kv_bias"][i]
+            for n, bias in zip("qkv", (p["layers/attn/q_bias"][i], *kv_bias), strict=True):
+                t[pre + f"self_attn.{n}_proj.bias"] = bias.reshape(-1)
         t[pre + "self_attn.o_proj.weight"] = _linear(p["layers/attn/o_kernel"][i], 2)
         if not c.is_moe:
-            for n in ("gate", "up", "down"):
-                t[pre + f"mlp.{n}_proj.weight"] = p[f"layers/ffn/{n}_kernel"][i].T
+            gate_up_DCF = p["layers/ffn/gate_up_kernel"][i]  # gate and up fused: [D, 2, F]
+            t[pre + "mlp.gate_proj.weight"] = gate_up_DCF[:, 0].T
+            t[pre + "mlp.up_proj.weight"] = gate_up_DCF[:, 1].T
+            t[pre + "mlp.down_proj.weight"] = p["layers/ffn/down_kernel"][i].T
             continue
         gate, up, down = (p[f"layers/ffn/experts/{n}_kernel"][i] for n in ("gate", "up", "down"))
         router = p["layers/ffn/router/kernel"][i].T
@@ -86,12 +93,12 @@ def _gpt2_tensors(c: ModelConfig, p: dict[str, np.ndarray]) -> dict[str, np.ndar
         for ours, theirs in (("attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
             t[h + f"{theirs}.weight"] = p[f"layers/{ours}/scale"][i]
             t[h + f"{theirs}.bias"] = p[f"layers/{ours}/bias"][i]
+        q_DNH, kv_DCNH = p["layers/attn/q_kernel"][i], p["layers/attn/kv_kernel"][i]
         t[h + "attn.c_attn.weight"] = np.concatenate(
-            [p[f"layers/attn/{n}_kernel"][i].reshape(d, d) for n in "qkv"], axis=1
+            [q_DNH.reshape(d, d), kv_DCNH[:, 0].reshape(d, d), kv_DCNH[:, 1].reshape(d, d)], axis=1
         )
-        t[h + "attn.c_attn.bias"] = np.concatenate(
-            [p[f"layers/attn/{n}_bias"][i].reshape(-1) for n in "qkv"]
-        )
+        q_bias, kv_bias = p["layers/attn/q_bias"][i], p["layers/attn/kv_bias"][i]
+        t[h + "attn.c_attn.bias"] = np.concatenate([q_bias.reshape(-1), kv_bias.reshape(-1)])
         t[h + "attn.c_proj.weight"] = p["layers/attn/o_kernel"][i].reshape(d, d)
         t[h + "attn.c_proj.bias"] = p["layers/attn/o_bias"][i]
         for n, theirs in (("up", "c_fc"), ("down", "c_proj")):
@@ -139,9 +146,15 @@ def _hf_config(c: ModelConfig) -> dict:
 
 
 def _write(root: Path, c: ModelConfig, moe: str = "fused", shards: int = 1, dtype=None) -> dict:
-    """Writes config.json and safetensors for random params; returns our flat params."""
-    p = _flat(init_params(c, seed=7))
-    tensors = _gpt2_tensors(c, p) if c.arch == "gpt2" else _llama_tensors(c, p, moe)
+    """Writes config.json and safetensors for random params; returns our flat params.
+
+    The tensors are written from the stacked form (``layer_loop="scan"``, ``[L, ...]``
+    per parameter); the returned params are in ``c``'s own form.
+    """
+    params = init_params(c, seed=7)
+    p = _flat(params)
+    stacked = _flat(with_layer_loop(c, params, "scan")[1])
+    tensors = _gpt2_tensors(c, stacked) if c.arch == "gpt2" else _llama_tensors(c, stacked, moe)
     tensors = {k: np.ascontiguousarray(v, dtype or np.float32) for k, v in tensors.items()}
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(_hf_config(c)))
@@ -180,6 +193,28 @@ def test_round_trip(tmp_path: Path, case: str) -> None:
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize("case", ["llama", "mixtral_legacy", "gpt2"])
+def test_round_trip_stacked(tmp_path: Path, case: str) -> None:
+    """``layer_loop="scan"`` loads the same weights, stacked ``[L, ...]``."""
+    config, moe, shards = CASES[case]
+    written = _write(tmp_path, config, moe, shards)
+    scan_config, params = load_hf_checkpoint(tmp_path, layer_loop="scan")
+    assert scan_config == dataclasses.replace(config, layer_loop="scan")
+    stacked = _flat(with_layer_loop(config, _state(written, config), "scan")[1])
+    got = _flat(params)
+    assert got.keys() == stacked.keys() and any(k.startswith("layers/attn/") for k in got)
+    for name, value in stacked.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def _state(flat: dict[str, np.ndarray], config: ModelConfig) -> nnx.State:
+    """Flat ``{"a/0/b": value}`` back into the params state of ``config``."""
+    template = nnx.to_flat_state(init_params(config))
+    return nnx.from_flat_state(
+        [(path, var.replace(jnp.asarray(flat["/".join(map(str, path))]))) for path, var in template]
+    )
+
+
 def test_bfloat16_checkpoint_and_dtype_override(tmp_path: Path) -> None:
     _write(tmp_path, preset("tiny-dense"), dtype=ml_dtypes.bfloat16)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -206,22 +241,28 @@ def _mesh_sharding(mesh: Mesh):
     return sharding
 
 
-@pytest.mark.parametrize("case", ["mixtral_fused", "gpt2"])
-def test_sharded_placement_reads_slices(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "loop"), [("mixtral_fused", "scan"), ("mixtral_fused", "unrolled"), ("gpt2", "scan")]
+)
+def test_sharded_placement_reads_slices(tmp_path: Path, case: str, loop: str) -> None:
     config, moe, shards = CASES[case]
     want = _write(tmp_path, config, moe, shards)
+    if loop == "scan":
+        want = _flat(with_layer_loop(config, _state(want, config), "scan")[1])
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
     fn = _mesh_sharding(mesh)
-    _, params = load_hf_checkpoint(tmp_path, shardings=fn)
+    _, params = load_hf_checkpoint(tmp_path, shardings=fn, layer_loop=loop)
     for path, var in nnx.to_flat_state(params):
         arr = var.get_value()
         assert arr.sharding == fn(path, var.get_metadata()["out_sharding"]), path
-        np.testing.assert_array_equal(np.asarray(arr), want["/".join(path)])
+        np.testing.assert_array_equal(np.asarray(arr), want["/".join(map(str, path))])
     # The same shardings as a params-shaped pytree.
     tree = jax.tree.map(lambda a: a.sharding, params)
-    _, again = load_hf_checkpoint(tmp_path, shardings=tree)
-    q = again["layers"]["attn"]["q_kernel"].get_value()
-    assert q.sharding.spec == PartitionSpec("y", None, "x", None)
+    _, again = load_hf_checkpoint(tmp_path, shardings=tree, layer_loop=loop)
+    layers = again["layers"] if loop == "scan" else again["layers"][1]
+    q = layers["attn"]["q_kernel"].get_value()
+    stacked = ("y",) if loop == "scan" else ()
+    assert q.sharding.spec == PartitionSpec(*stacked, None, "x", None)
 
 
 # --- bad checkpoints -------------------------------------------------------------------

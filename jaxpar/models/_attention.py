@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
 from jaxpar.models._rope import apply_rope, rope_inv_freq
@@ -16,8 +17,8 @@ Q_AXES = ("batch", "seq", "heads", "head_dim")
 # K/V the scores see in prefill: key positions replicated, so under sequence parallelism
 # XLA gathers every earlier token before the causal product.
 KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
-# K/V handed to (or read from) the cache.
-KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+# K/V handed to the cache by prefill, [B, T, K, H].
+KV_CACHE_AXES = PREFILL_KV_AXES
 # Large finite negative rather than -inf: a fully masked row gives a uniform softmax, not NaN.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -42,7 +43,7 @@ def key_mask(
 
 
 class Attention(nnx.Module):
-    """Self-attention; Q/K/V kernels [D,N,H], [D,K,H], [D,K,H]; output kernel [N,H,D].
+    """Self-attention; Q kernel [D,N,H], fused K/V kernel [D,2,K,H], output kernel [N,H,D].
 
     Grouped-query attention reshapes the N query heads into (K, G=N/K) and contracts with
     a grouped einsum, so K/V are never repeated. Head n uses kv head n // G, as in
@@ -58,28 +59,31 @@ class Attention(nnx.Module):
         self.rope_theta = c.rope_theta if c.positional == "rope" else None
         self.rope_scaling = c.rope_scaling
         self.q_kernel = param(rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), pd)
-        kv_axes = ("embed", "kv_heads", "head_dim")
-        self.k_kernel = param(rngs, fan_in_normal(d), (d, k, h), kv_axes, pd)
-        self.v_kernel = param(rngs, fan_in_normal(d), (d, k, h), kv_axes, pd)
+        # K and V in one weight [D, 2, K, H]: one matmul reads both. Q stays its own weight
+        # because it splits over tp by query heads while K/V may be replicated
+        # (n_kv_heads < tp), which one fused [D, N + 2K, H] weight could not express.
+        kv_axes = ("embed", None, "kv_heads", "head_dim")
+        self.kv_kernel = param(rngs, fan_in_normal(d), (d, 2, k, h), kv_axes, pd)
         self.o_kernel = param(
             rngs, fan_in_normal(n, h), (n, h, d), ("heads", "head_dim", "embed"), pd
         )
         # Optional biases are None (static) when absent: assign each attribute once.
         qkv = c.qkv_bias
         self.q_bias = bias_init(rngs, (n, h), ("heads", "head_dim"), pd) if qkv else None
-        self.k_bias = bias_init(rngs, (k, h), ("kv_heads", "head_dim"), pd) if qkv else None
-        self.v_bias = bias_init(rngs, (k, h), ("kv_heads", "head_dim"), pd) if qkv else None
+        self.kv_bias = bias_init(rngs, (2, k, h), kv_axes[1:], pd) if qkv else None
         self.o_bias = bias_init(rngs, (d,), ("embed",), pd) if c.out_bias else None
 
-    def _project(self, x_BTD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y_BTXH = jnp.einsum("BTD,DXH->BTXH", x_BTD, kernel[...].astype(self.dtype))
-        return y_BTXH if bias is None else y_BTXH + bias[...].astype(self.dtype)
+    def _project(
+        self, spec: str, x_BTD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None
+    ) -> jax.Array:
+        y = jnp.einsum(spec, x_BTD, kernel[...].astype(self.dtype))
+        return y if bias is None else y + bias[...].astype(self.dtype)
 
     def _qkv(self, x_BTD: jax.Array, pos_BT: jax.Array) -> tuple[jax.Array, ...]:
         """Projected, rotated q [B,T,N,H], k and v [B,T,K,H]."""
-        q_BTNH = self._project(x_BTD, self.q_kernel, self.q_bias)
-        k_BTKH = self._project(x_BTD, self.k_kernel, self.k_bias)
-        v_BTKH = self._project(x_BTD, self.v_kernel, self.v_bias)
+        q_BTNH = self._project("BTD,DNH->BTNH", x_BTD, self.q_kernel, self.q_bias)
+        kv_BTCKH = self._project("BTD,DCKH->BTCKH", x_BTD, self.kv_kernel, self.kv_bias)
+        k_BTKH, v_BTKH = kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]
         if self.rope_theta is not None:
             inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
             q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq)
@@ -94,10 +98,8 @@ class Attention(nnx.Module):
         s = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
         return s * (h**-0.5)
 
-    def _output(self, out_BKGTH: jax.Array) -> jax.Array:
-        """Merges heads and projects back to the residual stream."""
-        b, _, _, t, h = out_BKGTH.shape
-        out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, -1, h)
+    def _output(self, out_BTNH: jax.Array) -> jax.Array:
+        """Projects the attention output [B, T, N, H] back to the residual stream."""
         out_BTNH = constrain(out_BTNH, Q_AXES, Module.ATTENTION)
         y_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_kernel[...].astype(self.dtype))
         if self.o_bias is not None:
@@ -131,7 +133,9 @@ class Attention(nnx.Module):
             s_BKGTS = jnp.where(mask_BTS[:, None, None], self._scores(q_BTNH, k_BSKH), _MASKED)
             p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(self.dtype)
             out_BKGTH = jnp.einsum("BKGTS,BSKH->BKGTH", p_BKGTS, v_BSKH)
-            return self._output(out_BKGTH), k_cache, v_cache
+            b, _, _, t, h = out_BKGTH.shape
+            out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, -1, h)
+            return self._output(out_BTNH), k_cache, v_cache
 
     def decode_project(
         self, x_B1D: jax.Array, pos_B: jax.Array
@@ -143,7 +147,7 @@ class Attention(nnx.Module):
             return q_B1NH, k_B1KH[:, 0], v_B1KH[:, 0]
 
     def decode_attend(
-        self, q_B1NH: jax.Array, pos_B: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array
+        self, q_B1NH: jax.Array, pos_B: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array
     ) -> jax.Array:
         """Attention of the new token over its layer's cache, which already holds it.
 
@@ -153,19 +157,24 @@ class Attention(nnx.Module):
         Args:
             q_B1NH: The new token's query (from :meth:`decode_project`).
             pos_B: Its position; keys j <= pos_B are valid.
-            k_BSKH: This layer's cached keys including the new one; v_BSKH likewise.
+            k_BKSH: This layer's cached keys including the new one, stored [B, K, S, H]
+                (the order the contraction over S per (B, K) reads); v_BKSH likewise.
 
         Returns:
             y [B, 1, D].
         """
         with jax.named_scope(Module.ATTENTION.value):
-            k_BSKH = constrain(k_BSKH.astype(self.dtype), KV_CACHE_AXES, Module.ATTENTION)
-            v_BSKH = constrain(v_BSKH.astype(self.dtype), KV_CACHE_AXES, Module.ATTENTION)
-            k_pos_S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)
+            k_BKSH = constrain(k_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
+            v_BKSH = constrain(v_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
+            b, _, n, h = q_B1NH.shape
+            q_BKGH = q_B1NH.reshape(b, self.n_kv_heads, self.q_per_kv, h)
+            s_BKGS = jnp.einsum(
+                "BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=jnp.float32
+            ) * (h**-0.5)
+            k_pos_S = jnp.arange(k_BKSH.shape[2], dtype=jnp.int32)
             valid_BS = k_pos_S[None, :] <= pos_B[:, None]
             mask_BS = key_mask(pos_B[:, None], k_pos_S, valid_BS, self.window)[:, 0]
-            s_BKG1S = self._scores(q_B1NH, k_BSKH)
-            s_BKG1S = jnp.where(mask_BS[:, None, None, None], s_BKG1S, _MASKED)
-            p_BKG1S = jax.nn.softmax(s_BKG1S, axis=-1).astype(self.dtype)
-            out_BKG1H = jnp.einsum("BKGTS,BSKH->BKGTH", p_BKG1S, v_BSKH)
-            return self._output(out_BKG1H)
+            s_BKGS = jnp.where(mask_BS[:, None, None, :], s_BKGS, _MASKED)
+            p_BKGS = jax.nn.softmax(s_BKGS, axis=-1).astype(self.dtype)
+            out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", p_BKGS, v_BKSH)
+            return self._output(out_BKGH.reshape(b, n, h)[:, None])

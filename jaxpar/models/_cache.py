@@ -1,8 +1,8 @@
-"""The KV cache: a pytree of per-layer keys/values and per-row lengths."""
+"""The KV cache: a pytree of keys/values (per layer, or stacked) and per-row lengths."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
@@ -48,39 +48,78 @@ _LAYER_ROW_SCATTER = jax.lax.ScatterDimensionNumbers(
     operand_batching_dims=(1,),
     scatter_indices_batching_dims=(0,),
 )
+# Operand [B, K, S, H], indices [B, 1] = (position,), updates [B, K, H].
+_ROW_SCATTER = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(1, 2),
+    inserted_window_dims=(2,),
+    scatter_dims_to_operand_dims=(2,),
+    operand_batching_dims=(0,),
+    scatter_indices_batching_dims=(0,),
+)
+
+#: One layer's keys or values as decode stores and reads them: [B, K, S, H].
+LAYER_KV_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+#: Every layer's keys or values in one stacked array: [L, B, S, K, H] (``layer_loop="scan"``
+#: and pipeline stages, which split the leading layer dim over ``pp``).
+STACKED_KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+#: Keys or values of one layer as prefill produces them: [B, T, K, H].
+PREFILL_KV_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer, [L, B, S, K, H], plus tokens cached per row.
+    """Keys and values of every layer plus tokens cached per row.
+
+    Two storage forms, chosen by the model's ``layer_loop``:
+
+    * per layer (``"unrolled"``): ``k`` and ``v`` are tuples of L arrays ``[B, K, S, H]``.
+      Decode attention contracts over S for each (B, K), so this is the order it reads:
+      no step transposes the cache, and no layer's slice is copied out of a stack.
+    * stacked (``"scan"``, pipeline stages): one array ``[L, B, S, K, H]`` each, carried
+      through the layer scan; :meth:`layer` returns the layer viewed as ``[B, K, S, H]``.
 
     Positions >= ``lengths_B[b]`` hold stale data and are masked; decode writes the new
     token of row b at position ``lengths_B[b]`` then increments it.
     """
 
-    k_LBSKH: jax.Array
-    v_LBSKH: jax.Array
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     lengths_B: jax.Array
 
-    KV_AXES: ClassVar[tuple[str, ...]] = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    KV_AXES: ClassVar[tuple[str, ...]] = STACKED_KV_AXES
     LENGTHS_AXES: ClassVar[tuple[str, ...]] = ("batch",)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether layers live in one ``[L, B, S, K, H]`` array (else a tuple per layer)."""
+        return not isinstance(self.k, tuple)
 
     @property
     def max_seq_len(self) -> int:
         """Cache capacity S."""
-        return self.k_LBSKH.shape[2]
+        return self.k.shape[2]  # [L, B, S, K, H] and [B, K, S, H] alike
 
     @classmethod
-    def logical_axes(cls) -> KVCache:
+    def logical_axes(cls, config: ModelConfig) -> KVCache:
         """A KVCache-shaped pytree of logical axis tuples (for building shardings)."""
-        return cls(k_LBSKH=cls.KV_AXES, v_LBSKH=cls.KV_AXES, lengths_B=cls.LENGTHS_AXES)
+        if config.layer_loop == "scan":
+            kv: Any = STACKED_KV_AXES
+        else:
+            kv = (LAYER_KV_AXES,) * config.n_layers
+        return cls(k=kv, v=kv, lengths_B=cls.LENGTHS_AXES)
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
-        """A zero cache with all lengths 0 (compute dtype)."""
-        shape = (config.n_layers, batch, max_seq_len, config.n_kv_heads, config.head_dim)
-        zeros = jnp.zeros(shape, config.dtype)
-        return cls(k_LBSKH=zeros, v_LBSKH=zeros, lengths_B=jnp.zeros((batch,), jnp.int32))
+        """A zero cache with all lengths 0 (compute dtype), in the config's storage form."""
+        lengths_B = jnp.zeros((batch,), jnp.int32)
+        k, h = config.n_kv_heads, config.head_dim
+        if config.layer_loop == "scan":
+            zeros = jnp.zeros((config.n_layers, batch, max_seq_len, k, h), config.dtype)
+            return cls(k=zeros, v=zeros, lengths_B=lengths_B)
+        layers = tuple(
+            jnp.zeros((batch, k, max_seq_len, h), config.dtype) for _ in range(config.n_layers)
+        )
+        return cls(k=layers, v=layers, lengths_B=lengths_B)
 
     @classmethod
     def abstract(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
@@ -89,22 +128,27 @@ class KVCache:
 
     @classmethod
     def from_prefill(
-        cls, k_LBTKH: jax.Array, v_LBTKH: jax.Array, lengths_B: jax.Array, max_seq_len: int
+        cls, k: Any, v: Any, lengths_B: jax.Array, max_seq_len: int
     ) -> KVCache:
-        """Pads prefill K/V [L, B, T, K, H] to a cache of S = ``max_seq_len`` positions.
+        """Pads prefill K/V to a cache of S = ``max_seq_len`` positions.
 
-        Jit-able (``max_seq_len`` static). Lengths are checked here when concrete.
+        Takes what :meth:`Decoder.prefill` returns: tuples of per-layer ``[B, T, K, H]``
+        (stored as ``[B, K, S, H]``, the one transpose happening here, at the handoff) or
+        stacked ``[L, B, T, K, H]`` (kept stacked). Jit-able (``max_seq_len`` static).
+        Lengths are checked here when concrete.
 
         Raises:
             CacheOverflowError: The prompt is longer than ``max_seq_len``.
             ShapeError: k and v disagree, or lengths do not match the batch.
         """
-        if k_LBTKH.shape != v_LBTKH.shape or k_LBTKH.ndim != 5:
-            raise ShapeError(
-                f"prefill k {k_LBTKH.shape} and v {v_LBTKH.shape} must be equal "
-                "[L, B, T, K, H] arrays"
-            )
-        _, b, t, _, _ = k_LBTKH.shape
+        per_layer = isinstance(k, tuple | list)
+        k_shapes = [x.shape for x in k] if per_layer else [k.shape]
+        v_shapes = [x.shape for x in v] if isinstance(v, tuple | list) else [v.shape]
+        want_rank = 4 if per_layer else 5
+        if k_shapes != v_shapes or any(len(s) != want_rank for s in k_shapes) or not k_shapes:
+            form = "per-layer [B, T, K, H]" if per_layer else "[L, B, T, K, H]"
+            raise ShapeError(f"prefill k {k_shapes} and v {v_shapes} must be equal {form} arrays")
+        b, t = k_shapes[0][-4], k_shapes[0][-3]
         if lengths_B.shape != (b,):
             raise ShapeError(f"lengths shape {lengths_B.shape} != (batch={b},)")
         if t > max_seq_len:
@@ -114,35 +158,71 @@ class KVCache:
             )
         if not isinstance(lengths_B, jax.core.Tracer):
             check_room(lengths_B, 0, max_seq_len)
-        pad = ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0), (0, 0))
-        k = constrain(jnp.pad(k_LBTKH, pad), cls.KV_AXES, Module.ATTENTION)
-        v = constrain(jnp.pad(v_LBTKH, pad), cls.KV_AXES, Module.ATTENTION)
-        return cls(k_LBSKH=k, v_LBSKH=v, lengths_B=lengths_B.astype(jnp.int32))
+        lengths_B = lengths_B.astype(jnp.int32)
+        if not per_layer:
+            pad = ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0), (0, 0))
+            k = constrain(jnp.pad(k, pad), STACKED_KV_AXES, Module.ATTENTION)
+            v = constrain(jnp.pad(v, pad), STACKED_KV_AXES, Module.ATTENTION)
+            return cls(k=k, v=v, lengths_B=lengths_B)
+
+        def store(x_BTKH: jax.Array) -> jax.Array:
+            x_BKTH = x_BTKH.transpose(0, 2, 1, 3)
+            x_BKSH = jnp.pad(x_BKTH, ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0)))
+            return constrain(x_BKSH, LAYER_KV_AXES, Module.ATTENTION)
+
+        return cls(k=tuple(map(store, k)), v=tuple(map(store, v)), lengths_B=lengths_B)
 
     def check_room(self, n_new: int = 1) -> None:
         """:func:`check_room` on this cache's lengths (a device-to-host read)."""
         check_room(self.lengths_B, n_new, self.max_seq_len)
 
-    def write_layer(self, layer: jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array) -> KVCache:
+    def write_layer(
+        self, layer: int | jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array
+    ) -> KVCache:
         """Writes layer ``layer``'s new token of row b at position ``lengths_B[b]``.
 
-        Lengths are unchanged: call :meth:`advance` once all layers are written. Used
-        inside the decode scan, where the cache is carried and updated in place.
+        Lengths are unchanged: call :meth:`advance` once all layers are written. The
+        cache is updated in place (it is donated, or carried by the layer scan).
+        ``layer`` is a Python int for the per-layer form, an int or traced index when stacked.
         """
-        def write(cache_LBSKH: jax.Array, new_BKH: jax.Array) -> jax.Array:
-            return write_token(cache_LBSKH, layer, self.lengths_B, new_BKH)
+        if self.stacked:
+            def write(cache_LBSKH: jax.Array, new_BKH: jax.Array) -> jax.Array:
+                return write_token(cache_LBSKH, layer, self.lengths_B, new_BKH)
 
-        return self.replace(
-            k_LBSKH=write(self.k_LBSKH, k_new_BKH), v_LBSKH=write(self.v_LBSKH, v_new_BKH)
-        )
+            return self.replace(k=write(self.k, k_new_BKH), v=write(self.v, v_new_BKH))
 
-    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values [B, S, K, H] of one layer (read after :meth:`write_layer`)."""
-        return self.k_LBSKH[layer], self.v_LBSKH[layer]
+        def write_one(layers: tuple[jax.Array, ...], new_BKH: jax.Array) -> tuple[jax.Array, ...]:
+            updated = write_row_token(layers[layer], self.lengths_B, new_BKH)
+            return (*layers[:layer], updated, *layers[layer + 1 :])
+
+        return self.replace(k=write_one(self.k, k_new_BKH), v=write_one(self.v, v_new_BKH))
+
+    def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values ``[B, K, S, H]`` of one layer (read after :meth:`write_layer`)."""
+        if self.stacked:
+            return self.k[layer].transpose(0, 2, 1, 3), self.v[layer].transpose(0, 2, 1, 3)
+        return self.k[layer], self.v[layer]
 
     def advance(self) -> KVCache:
         """Lengths + 1, after every layer wrote this step's token."""
         return self.replace(lengths_B=self.lengths_B + 1)
+
+
+def write_row_token(cache_BKSH: jax.Array, pos_B: jax.Array, new_BKH: jax.Array) -> jax.Array:
+    """Writes row b's new token at position ``pos_B[b]`` of one layer's cache [B, K, S, H].
+
+    A scatter with the batch as a batching dimension, like :func:`write_token`: local to
+    the batch shards, in place, no transpose.
+    """
+    return jax.lax.scatter(
+        cache_BKSH,
+        pos_B[:, None],
+        new_BKH.astype(cache_BKSH.dtype),
+        _ROW_SCATTER,
+        indices_are_sorted=True,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
 
 
 def write_token(

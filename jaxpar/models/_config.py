@@ -17,6 +17,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("rms", "layer"),
     "activation": ("silu", "gelu_tanh"),
     "positional": ("rope", "learned"),
+    "layer_loop": ("unrolled", "scan"),
 }
 
 
@@ -92,6 +93,12 @@ class ModelConfig:
     moe_capacity_factor: float | None = None
     dtype: Any = "float32"
     param_dtype: Any = "float32"
+    #: How the layers are stored and run. "unrolled": one parameter array per layer and
+    #: a Python loop, so no step slices (copies) a weight or a layer's cache out of a stack;
+    #: compile time grows with depth. "scan": parameters stacked ``[L, ...]`` under
+    #: ``lax.scan``; compile time flat in depth, but XLA copies each layer's weights out of
+    #: the stack every step. Pipeline parallelism runs the stacked form (see the engine).
+    layer_loop: str = "unrolled"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ class DecoderLayer(nnx.Module):
         return x_BTD + self.ffn(self.ffn_norm(x_BTD)), k_BTKH, v_BTKH
 
     def decode(
-        self, x_B1D: jax.Array, pos_B: jax.Array, layer: jax.Array, cache: KVCache
+        self, x_B1D: jax.Array, pos_B: jax.Array, layer: int | jax.Array, cache: KVCache
     ) -> tuple[jax.Array, KVCache]:
         """One token per row through layer ``layer``: writes its K/V, then attends.
 
@@ -62,35 +64,49 @@ def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     return make(rngs)
 
 
-class Decoder(nnx.Module):
-    """A decoder-only Transformer: embedding, L stacked layers, final norm, LM head.
+def _layer_list(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
+    """L layers, each with parameter arrays of its own (``layer_loop="unrolled"``)."""
+    return nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.n_layers)])
 
-    Layers run under ``jax.lax.scan`` over their stacked state, so compile time does not
-    grow with depth. ``prefill`` and ``decode`` are pure given the module's state: the
-    engine calls ``nnx.merge(graphdef, state).prefill(...)`` inside ``jax.jit``.
+
+class Decoder(nnx.Module):
+    """A decoder-only Transformer: embedding, L layers, final norm, LM head.
+
+    ``config.layer_loop`` picks how the layers are stored and run:
+
+    * ``"unrolled"`` (default): a list of layers with their own parameter arrays, run by a
+      Python loop. Every matmul reads its weight where it lies: a scan over stacked
+      weights makes XLA copy each layer's weights out of the stack on every step (38% of
+      a decode step on an H100), and the cache is a tuple of per-layer arrays for the
+      same reason. Compile time grows with depth (``scripts/bench.py`` measures it).
+    * ``"scan"``: parameters stacked ``[L, ...]`` under ``jax.lax.scan``: compile time flat
+      in depth, at the price of those copies. Pipeline stages use this form.
+
+    ``prefill`` and ``decode`` are pure given the module's state: the engine calls
+    ``nnx.merge(graphdef, state).prefill(...)`` inside ``jax.jit``.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embedding(config, rngs=rngs)
-        self.layers = _stacked_layers(config, rngs)
+        scanned = config.layer_loop == "scan"
+        self.layers = _stacked_layers(config, rngs) if scanned else _layer_list(config, rngs)
         self.final_norm = make_norm(config, rngs=rngs)
         self.lm_head = LMHead(config, rngs=rngs)
 
-    def _logits(self, x_BxD: jax.Array) -> jax.Array:
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers are stacked and run under ``lax.scan``."""
+        return self.config.layer_loop == "scan"
+
+    def logits(self, x_BxD: jax.Array) -> jax.Array:
+        """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``."""
         tied = self.embed.token_table[...] if self.config.tie_embeddings else None
         return self.lm_head(self.final_norm(x_BxD), tied)
 
-    def logits(self, x_BxD: jax.Array) -> jax.Array:
-        """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``.
-
-        The last pipeline stage applies it to the hidden states leaving the layer stack.
-        """
-        return self._logits(x_BxD)
-
     def prefill(
         self, tokens_BT: jax.Array, lengths_B: jax.Array, *, all_logits: bool = False
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, Any, Any]:
         """Runs whole right-padded prompts.
 
         Args:
@@ -99,14 +115,32 @@ class Decoder(nnx.Module):
             all_logits: Return logits at every position instead of the last real one.
 
         Returns:
-            (logits, k [L,B,T,K,H], v [L,B,T,K,H]): logits float32 [B, V] at position
-            lengths_B - 1, or [B, T, V] if ``all_logits``. Hand k/v to
+            (logits, k, v): logits float32 [B, V] at position lengths_B - 1, or [B, T, V]
+            if ``all_logits``; k and v a tuple of per-layer [B, T, K, H] arrays (stacked
+            [L, B, T, K, H] under ``layer_loop="scan"``). Hand them to
             :meth:`KVCache.from_prefill` to start decoding.
         """
         b, t = tokens_BT.shape
         lengths_B = lengths_B.astype(jnp.int32)
         pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x_BTD = self.embed(tokens_BT, pos_BT)
+        if self.scanned:
+            x_BTD, k, v = self._prefill_scan(x_BTD, pos_BT, lengths_B)
+        else:
+            ks, vs = [], []
+            for layer in self.layers:
+                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B)
+                ks.append(k_BTKH)
+                vs.append(v_BTKH)
+            k, v = tuple(ks), tuple(vs)
+        if not all_logits:
+            # take_along_axis stays local to the batch shards; an advanced index
+            # x[arange(B), lengths - 1] makes XLA gather indices and rows across them.
+            last_B11 = (lengths_B - 1)[:, None, None]
+            x_BTD = jnp.take_along_axis(x_BTD, last_B11, axis=1)[:, 0]  # -> x_BD
+        return self.logits(x_BTD), k, v
+
+    def _prefill_scan(self, x_BTD: jax.Array, pos_BT: jax.Array, lengths_B: jax.Array):
         graphdef, layers_state = nnx.split(self.layers)
 
         def body(x_BTD: jax.Array, layer_state: nnx.State):
@@ -116,12 +150,7 @@ class Decoder(nnx.Module):
             return x_BTD, (k_BTKH, v_BTKH)
 
         x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD, layers_state)
-        if not all_logits:
-            # take_along_axis stays local to the batch shards; an advanced index
-            # x[arange(B), lengths - 1] makes XLA gather indices and rows across them.
-            last_B11 = (lengths_B - 1)[:, None, None]
-            x_BTD = jnp.take_along_axis(x_BTD, last_B11, axis=1)[:, 0]  # -> x_BD
-        return self._logits(x_BTD), k_LBTKH, v_LBTKH
+        return x_BTD, k_LBTKH, v_LBTKH
 
     def decode(self, tokens_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Appends one token per row at position ``cache.lengths_B`` and predicts the next.
@@ -134,9 +163,18 @@ class Decoder(nnx.Module):
         """
         pos_B = cache.lengths_B
         x_B1D = self.embed(tokens_B[:, None], pos_B[:, None])
+        if self.scanned:
+            x_B1D, cache = self._decode_scan(x_B1D, pos_B, cache)
+        else:
+            # Each layer writes its own cache arrays in place (the cache is donated).
+            for i, layer in enumerate(self.layers):
+                x_B1D, cache = layer.decode(x_B1D, pos_B, i, cache)
+        return self.logits(x_B1D[:, 0]), cache.advance()
+
+    def _decode_scan(self, x_B1D: jax.Array, pos_B: jax.Array, cache: KVCache):
         graphdef, layers_state = nnx.split(self.layers)
 
-        # The cache rides in the scan carry; each layer writes its token in place.
+        # The stacked cache rides in the scan carry; each layer writes its token in place.
         def body(carry: tuple[jax.Array, KVCache], xs: tuple[nnx.State, jax.Array]):
             x_B1D, cache = carry
             layer_state, i = xs
@@ -144,7 +182,7 @@ class Decoder(nnx.Module):
 
         layer_ids = jnp.arange(self.config.n_layers, dtype=jnp.int32)
         (x_B1D, cache), _ = jax.lax.scan(body, (x_B1D, cache), (layers_state, layer_ids))
-        return self._logits(x_B1D[:, 0]), cache.advance()
+        return x_B1D, cache
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
@@ -176,6 +214,32 @@ def abstract_model(config: ModelConfig) -> Decoder:
     ``nnx.update(model, params)`` fills it.
     """
     return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(params=0)))
+
+
+def with_layer_loop(
+    config: ModelConfig, params: nnx.State, layer_loop: str
+) -> tuple[ModelConfig, nnx.State]:
+    """The same model and weights with its layers stored the other way.
+
+    ``"unrolled"`` -> ``"scan"`` stacks each layer parameter into ``[L, ...]``; ``"scan"``
+    -> ``"unrolled"`` splits them. A one-time copy (when an engine is built), never a
+    per-step one. Returns the inputs unchanged when the form already matches.
+    """
+    target = dataclasses.replace(config, layer_loop=layer_loop)
+    if layer_loop == config.layer_loop:
+        return target, params
+    source = dict(nnx.to_flat_state(params))
+    loaded = []
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(target))):
+        if path[0] != "layers":
+            value = source[path].get_value()
+        elif layer_loop == "scan":  # ("layers", *rest) <- stack of ("layers", i, *rest)
+            parts = [source[("layers", i, *path[1:])].get_value() for i in range(config.n_layers)]
+            value = jnp.stack(parts)
+        else:  # ("layers", i, *rest) <- row i of ("layers", *rest)
+            value = source[("layers", *path[2:])].get_value()[path[1]]
+        loaded.append((path, var.replace(value)))
+    return target, nnx.from_flat_state(loaded)
 
 
 def param_logical_axes(config: ModelConfig) -> nnx.State:

@@ -24,7 +24,7 @@ from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._decoder import abstract_model
 from jaxpar.models._hf_config import config_from_hf, hf_arch
-from jaxpar.models._hf_layout import Recipe, gpt2_recipes, llama_recipes
+from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes, per_layer
 
 #: ``fn(param_path, logical_axes) -> Sharding``.
 ShardingFn = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding]
@@ -33,7 +33,11 @@ _IGNORED = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias
 
 
 def load_hf_checkpoint(
-    path: str | Path, *, dtype: Any = None, shardings: ShardingFn | Any | None = None
+    path: str | Path,
+    *,
+    dtype: Any = None,
+    shardings: ShardingFn | Any | None = None,
+    layer_loop: str = "unrolled",
 ) -> tuple[ModelConfig, nnx.State]:
     """Loads a Llama/Mistral/Qwen2/Mixtral/GPT-2 checkpoint directory.
 
@@ -45,6 +49,7 @@ def load_hf_checkpoint(
             ``jax.sharding.Sharding`` shaped like the params, or a callable
             ``(param_path, logical_axes) -> Sharding``. With shardings each device's
             shard is read alone (``jax.make_array_from_callback``).
+        layer_loop: ``"unrolled"`` (one array per layer) or ``"scan"`` (stacked ``[L, ...]``).
 
     Returns:
         (config, params): params has exactly the structure of
@@ -57,7 +62,9 @@ def load_hf_checkpoint(
     """
     root = Path(path)
     hf = _read_json(root / "config.json")
-    config = config_from_hf(hf, dtype=dtype, source=str(root / "config.json"))
+    config = config_from_hf(
+        hf, dtype=dtype, source=str(root / "config.json"), layer_loop=layer_loop
+    )
     with _Checkpoint(root) as ckpt:
         recipes = _recipes(config, hf, ckpt.shapes, root)
         _validate(recipes, ckpt, config.tie_embeddings)
@@ -163,19 +170,21 @@ class _Checkpoint:
 
 def _recipes(
     config: ModelConfig, hf: Mapping[str, Any], names: Mapping[str, Any], root: Path
-) -> dict[tuple[str, ...], Recipe]:
+) -> dict[tuple[Any, ...], Recipe | Fused]:
     if hf_arch(hf, str(root)) == "gpt2":
-        return gpt2_recipes(config, "transformer." if "wte.weight" not in names else "")
-    legacy = any(".block_sparse_moe." in n for n in names)
-    return llama_recipes(config, ("legacy" if legacy else "fused") if config.is_moe else None)
+        recipes = gpt2_recipes(config, "transformer." if "wte.weight" not in names else "")
+    else:
+        legacy = any(".block_sparse_moe." in n for n in names)
+        moe_layout = ("legacy" if legacy else "fused") if config.is_moe else None
+        recipes = llama_recipes(config, moe_layout)
+    return recipes if config.layer_loop == "scan" else per_layer(recipes, config.n_layers)
 
 
-def _validate(recipes: Mapping[Any, Recipe], ckpt: _Checkpoint, tied: bool) -> None:
+def _validate(recipes: Mapping[Any, Recipe | Fused], ckpt: _Checkpoint, tied: bool) -> None:
     """Names and shapes against the headers, before reading any data."""
     expected: dict[str, tuple[int, ...]] = {}
     for recipe in recipes.values():
-        for name in recipe.tensor_names():
-            expected[name] = recipe.hf_shape
+        expected.update(recipe.tensors())
     missing = [n for n in expected if n not in ckpt.shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -200,10 +209,11 @@ def _sharding_lookup(shardings: ShardingFn | Any | None) -> ShardingFn | None:
         return shardings
     by_path = dict(_flatten_shardings(shardings))
 
-    def lookup(path: tuple[str, ...], _axes: tuple[str | None, ...]) -> jax.sharding.Sharding:
-        if path not in by_path:
-            raise ConfigError(f"shardings has no entry for parameter {'.'.join(path)}")
-        return by_path[path]
+    def lookup(path: tuple[Any, ...], _axes: tuple[str | None, ...]) -> jax.sharding.Sharding:
+        key = tuple(map(str, path))  # layer indices are ints in state paths
+        if key not in by_path:
+            raise ConfigError(f"shardings has no entry for parameter {'.'.join(key)}")
+        return by_path[key]
 
     return lookup
 

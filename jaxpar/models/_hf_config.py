@@ -35,7 +35,9 @@ def hf_arch(hf: Mapping[str, Any], source: str) -> str:
     )
 
 
-def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = None, source: str) -> ModelConfig:
+def config_from_hf(
+    hf: Mapping[str, Any], *, dtype: Any = None, source: str, layer_loop: str = "unrolled"
+) -> ModelConfig:
     """Builds the :class:`ModelConfig` a Hugging Face ``config.json`` describes.
 
     Args:
@@ -43,6 +45,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = None, source: str) -> 
         dtype: Compute and parameter dtype; None takes the checkpoint's ``dtype`` /
             ``torch_dtype``, else float32.
         source: File name for error messages.
+        layer_loop: How the layers are stored and run (see :class:`ModelConfig`).
 
     Raises:
         CheckpointError: Unsupported architecture or option, or a missing key.
@@ -52,7 +55,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = None, source: str) -> 
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
         fields = _gpt2_fields(hf, source) if arch == "gpt2" else _llama_fields(hf, arch, source)
-        return ModelConfig(arch=arch, dtype=dtype, param_dtype=dtype, **fields)
+        return ModelConfig(
+            arch=arch, dtype=dtype, param_dtype=dtype, layer_loop=layer_loop, **fields
+        )
     except KeyError as e:
         raise CheckpointError(f"{source}: missing key {e.args[0]!r}") from None
     except ConfigError as e:

@@ -43,6 +43,7 @@ class Recipe:
     split: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
     select: tuple[int, int, int] | None = None
+    keys: tuple[str, ...] = _STACK_KEYS  # what the stacked dims are called in ``name``
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,12 +51,19 @@ class Recipe:
         view = [d for group in self.split for d in group]
         return (*self.stack, *(view[p] for p in self.perm))
 
-    def tensor_names(self) -> list[str]:
-        """Every checkpoint tensor this parameter reads."""
-        return [self._name(i) for i in itertools.product(*map(range, self.stack))]
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor this parameter reads, with its expected shape."""
+        names = (self._name(i) for i in itertools.product(*map(range, self.stack)))
+        return dict.fromkeys(names, self.hf_shape)
 
     def _name(self, stack_index: Sequence[int]) -> str:
-        return self.name.format(**dict(zip(_STACK_KEYS, stack_index, strict=False)))
+        return self.name.format(**dict(zip(self.keys, stack_index, strict=False)))
+
+    def layer(self, i: int) -> Recipe:
+        """The recipe of layer ``i`` alone (the leading stacked dim taken away)."""
+        assert self.keys[0] == "layer", self
+        name = self.name.replace("{layer}", str(i))
+        return dataclasses.replace(self, name=name, stack=self.stack[1:], keys=self.keys[1:])
 
     def read(self, index: tuple[slice, ...], reader: Reader) -> np.ndarray:
         """Reads ``param[index]`` (unit-step slices), touching only the needed rows."""
@@ -83,6 +91,52 @@ class Recipe:
         return out.reshape([len(b) for b in bounds])
 
 
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """A parameter that joins several checkpoint tensors along a new dimension.
+
+    Example: our K/V kernel ``[D, 2, K, H]`` from ``k_proj`` and ``v_proj``, so one matmul
+    reads both. ``axis`` counts the parameter's dimensions after the stacked ones.
+    """
+
+    parts: tuple[Recipe, ...]
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the assembled parameter."""
+        part = self.parts[0].shape
+        at = len(self.parts[0].stack) + self.axis
+        return (*part[:at], len(self.parts), *part[at:])
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor this parameter reads, with its expected shape."""
+        return {name: shape for part in self.parts for name, shape in part.tensors().items()}
+
+    def layer(self, i: int) -> Fused:
+        """The recipe of layer ``i`` alone."""
+        return Fused(tuple(part.layer(i) for part in self.parts), self.axis)
+
+    def read(self, index: tuple[slice, ...], reader: Reader) -> np.ndarray:
+        """Reads ``param[index]``: the selected parts, each read as its own slice."""
+        at = len(self.parts[0].stack) + self.axis
+        rest = (*index[:at], *index[at + 1 :])
+        chosen = range(*index[at].indices(len(self.parts)))
+        return np.stack([self.parts[j].read(rest, reader) for j in chosen], axis=at)
+
+
+def per_layer(recipes: dict[Path, Recipe | Fused], n_layers: int) -> dict[Path, Recipe | Fused]:
+    """Recipes for ``layer_loop="unrolled"``: ``("layers", *rest)`` -> ``("layers", i, *rest)``."""
+    out: dict[Path, Recipe | Fused] = {}
+    for path, recipe in recipes.items():
+        if path[0] != "layers":
+            out[path] = recipe
+            continue
+        for i in range(n_layers):
+            out[("layers", i, *path[1:])] = recipe.layer(i)
+    return out
+
+
 Dims = tuple[int, ...]
 #: (dim, start, stop, full size of dim): the part of a fused tensor a parameter takes.
 Select = tuple[int, int, int, int]
@@ -107,12 +161,12 @@ def _plain(
     return Recipe(name, stack, shape, dims_per_axis, perm, select and select[:3])
 
 
-def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe]:
+def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe | Fused]:
     """Recipes for Llama, Mistral, Qwen2 and Mixtral (``moe_layout`` "legacy"/"fused")."""
     d, n, k, h = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
     f, v, e = c.d_ff, c.vocab_size, c.n_experts
     st, lay = (c.n_layers,), "model.layers.{layer}."
-    r: dict[Path, Recipe] = {
+    r: dict[Path, Recipe | Fused] = {
         ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
         ("final_norm", "scale"): _plain("model.norm.weight", ((d,),), ()),
         ("layers", "attn_norm", "scale"): _plain(lay + "input_layernorm.weight", ((d,),), st),
@@ -120,30 +174,30 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe]:
             lay + "post_attention_layernorm.weight", ((d,),), st
         ),
         ("layers", "attn", "q_kernel"): _linear(lay + "self_attn.q_proj.weight", (n, h), (d,), st),
-        ("layers", "attn", "k_kernel"): _linear(lay + "self_attn.k_proj.weight", (k, h), (d,), st),
-        ("layers", "attn", "v_kernel"): _linear(lay + "self_attn.v_proj.weight", (k, h), (d,), st),
+        ("layers", "attn", "kv_kernel"): Fused(
+            tuple(_linear(lay + f"self_attn.{x}_proj.weight", (k, h), (d,), st) for x in "kv"), 1
+        ),
         ("layers", "attn", "o_kernel"): _linear(lay + "self_attn.o_proj.weight", (d,), (n, h), st),
     }
     if c.qkv_bias:
-        for name, heads in (("q", n), ("k", k), ("v", k)):
-            r[("layers", "attn", f"{name}_bias")] = _plain(
-                lay + f"self_attn.{name}_proj.bias", ((heads, h),), st
-            )
+        r[("layers", "attn", "q_bias")] = _plain(lay + "self_attn.q_proj.bias", ((n, h),), st)
+        r[("layers", "attn", "kv_bias")] = Fused(
+            tuple(_plain(lay + f"self_attn.{x}_proj.bias", ((k, h),), st) for x in "kv"), 0
+        )
     if c.out_bias:
         r[("layers", "attn", "o_bias")] = _plain(lay + "self_attn.o_proj.bias", ((d,),), st)
     if not c.tie_embeddings:
         r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
     if not c.is_moe:
-        for name in ("gate", "up"):
-            r[("layers", "ffn", f"{name}_kernel")] = _linear(
-                lay + f"mlp.{name}_proj.weight", (f,), (d,), st
-            )
+        r[("layers", "ffn", "gate_up_kernel")] = Fused(
+            tuple(_linear(lay + f"mlp.{x}_proj.weight", (f,), (d,), st) for x in ("gate", "up")), 1
+        )
         r[("layers", "ffn", "down_kernel")] = _linear(lay + "mlp.down_proj.weight", (d,), (f,), st)
         if c.mlp_bias:
-            for name, size in (("gate", f), ("up", f), ("down", d)):
-                r[("layers", "ffn", f"{name}_bias")] = _plain(
-                    lay + f"mlp.{name}_proj.bias", ((size,),), st
-                )
+            r[("layers", "ffn", "gate_up_bias")] = Fused(
+                tuple(_plain(lay + f"mlp.{x}_proj.bias", ((f,),), st) for x in ("gate", "up")), 0
+            )
+            r[("layers", "ffn", "down_bias")] = _plain(lay + "mlp.down_proj.bias", ((d,),), st)
     elif moe_layout == "legacy":
         moe, ste = lay + "block_sparse_moe.", (c.n_layers, e)
         r[("layers", "ffn", "router", "kernel")] = _linear(moe + "gate.weight", (e,), (d,), st)
@@ -176,11 +230,11 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe]:
     return r
 
 
-def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe]:
+def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe | Fused]:
     """Recipes for GPT-2 (Conv1D weights are [in, out]; q/k/v fused in ``c_attn``)."""
     d, n, h, f, v = c.d_model, c.n_heads, c.head_dim, c.d_ff, c.vocab_size
     st, lay = (c.n_layers,), prefix + "h.{layer}."
-    r: dict[Path, Recipe] = {
+    r: dict[Path, Recipe | Fused] = {
         ("embed", "token_table"): _plain(prefix + "wte.weight", ((v,), (d,)), ()),
         ("embed", "position_table"): _plain(
             prefix + "wpe.weight", ((c.max_position_embeddings,), (d,)), ()
@@ -201,14 +255,12 @@ def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe]:
         head = ("layers", ours) if stack else (ours,)
         r[(*head, "scale")] = _plain(where + f"{theirs}.weight", ((d,),), stack)
         r[(*head, "bias")] = _plain(where + f"{theirs}.bias", ((d,),), stack)
-    for i, name in enumerate("qkv"):
-        sel_w, sel_b = (1, i * d, (i + 1) * d, 3 * d), (0, i * d, (i + 1) * d, 3 * d)
-        r[("layers", "attn", f"{name}_kernel")] = _plain(
-            lay + "attn.c_attn.weight", ((d,), (n, h)), st, sel_w
-        )
-        r[("layers", "attn", f"{name}_bias")] = _plain(
-            lay + "attn.c_attn.bias", ((n, h),), st, sel_b
-        )
+    # c_attn [D, 3D] holds q, k, v columns in that order: q is the first D, k/v the rest.
+    w, b = lay + "attn.c_attn.weight", lay + "attn.c_attn.bias"
+    r[("layers", "attn", "q_kernel")] = _plain(w, ((d,), (n, h)), st, (1, 0, d, 3 * d))
+    r[("layers", "attn", "q_bias")] = _plain(b, ((n, h),), st, (0, 0, d, 3 * d))
+    r[("layers", "attn", "kv_kernel")] = _plain(w, ((d,), (2, n, h)), st, (1, d, 3 * d, 3 * d))
+    r[("layers", "attn", "kv_bias")] = _plain(b, ((2, n, h),), st, (0, d, 3 * d, 3 * d))
     if not c.tie_embeddings:
         r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
     return r

@@ -182,7 +182,11 @@ class LMHead(nnx.Module):
 
 
 class FFN(nnx.Module):
-    """Dense feed-forward block: SwiGLU (gate, up, down) or a plain MLP (up, down)."""
+    """Dense feed-forward block: SwiGLU (gate and up in one weight, then down) or a plain MLP.
+
+    The gated form keeps gate and up in one kernel ``[D, 2, F]``: one matmul reads both,
+    and splitting F over tp gives every device matching gate and up columns.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pd = config.d_model, config.d_ff, config.param_dtype
@@ -190,13 +194,15 @@ class FFN(nnx.Module):
         self.act = config.activation
         gated, biased = config.gated_ffn, config.mlp_bias
         # Optional parameters are None (static) when absent: assign each attribute once.
-        self.gate_kernel = (
-            param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd) if gated else None
+        self.gate_up_kernel = (
+            param(rngs, fan_in_normal(d), (d, 2, f), ("embed", None, "mlp"), pd) if gated else None
         )
-        self.up_kernel = param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
+        self.up_kernel = (
+            None if gated else param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
+        )
         self.down_kernel = param(rngs, fan_in_normal(f), (f, d), ("mlp", "embed"), pd)
-        self.gate_bias = bias_init(rngs, (f,), ("mlp",), pd) if gated and biased else None
-        self.up_bias = bias_init(rngs, (f,), ("mlp",), pd) if biased else None
+        self.gate_up_bias = bias_init(rngs, (2, f), (None, "mlp"), pd) if gated and biased else None
+        self.up_bias = bias_init(rngs, (f,), ("mlp",), pd) if biased and not gated else None
         self.down_bias = bias_init(rngs, (d,), ("embed",), pd) if biased else None
 
     def _proj(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, spec: str):
@@ -207,12 +213,13 @@ class FFN(nnx.Module):
         """x [B, T, D] -> [B, T, D]."""
         with jax.named_scope(Module.FFN.value):
             x_BTD = constrain(x_BTD, BTD, Module.FFN)
-            up_BTF = self._proj(x_BTD, self.up_kernel, self.up_bias, "BTD,DF->BTF")
-            if self.gate_kernel is None:
+            if self.gate_up_kernel is None:
+                up_BTF = self._proj(x_BTD, self.up_kernel, self.up_bias, "BTD,DF->BTF")
                 h_BTF = ACTIVATIONS[self.act](up_BTF)
             else:
-                gate_BTF = self._proj(x_BTD, self.gate_kernel, self.gate_bias, "BTD,DF->BTF")
-                h_BTF = ACTIVATIONS[self.act](gate_BTF) * up_BTF
+                spec = "BTD,DCF->BTCF"
+                gu_BTCF = self._proj(x_BTD, self.gate_up_kernel, self.gate_up_bias, spec)
+                h_BTF = ACTIVATIONS[self.act](gu_BTCF[:, :, 0]) * gu_BTCF[:, :, 1]
             h_BTF = constrain(h_BTF, ("batch", "seq", "mlp"), Module.FFN)
             y_BTD = self._proj(h_BTF, self.down_kernel, self.down_bias, "BTF,FD->BTD")
             return constrain(y_BTD, BTD, Module.FFN)
