@@ -62,12 +62,11 @@ def test_decode_moves_no_weights_and_updates_cache_in_place(name, parallel):
         assert c.bytes < smallest_weight / 2, (c.kind, c.shapes, c.op_name)
 
     # In place: the donated cache aliases the output, and no copy of it is made.
-    per_device_cache = sum(
-        x.addressable_shards[0].data.nbytes for x in (cache.k_LBSKH, cache.v_LBSKH)
-    )
+    layers = jax.tree.leaves((cache.k, cache.v))  # per layer [B, K, S, H]
+    per_device_cache = sum(x.addressable_shards[0].data.nbytes for x in layers)
     stats = compiled.memory_analysis()
     assert stats.alias_size_in_bytes >= per_device_cache
-    local_shape = ",".join(map(str, cache.k_LBSKH.addressable_shards[0].data.shape))
+    local_shape = ",".join(map(str, layers[0].addressable_shards[0].data.shape))
     copies = [
         line for line in compiled.as_text().splitlines()
         if re.search(rf"= f32\[{local_shape}\]\S* copy\(", line)
@@ -84,7 +83,7 @@ def test_per_device_memory_is_the_ideal_share(name, parallel):
         v.nbytes / _param_shards(jax.tree_util.keystr(p), parallel, config.n_kv_heads)
         for p, v in jax.tree_util.tree_flatten_with_path(params)[0]
     )
-    cache_total = cache.k_LBSKH.nbytes + cache.v_LBSKH.nbytes
+    cache_total = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
     batch_split = parallel.dp * parallel.sp * parallel.ep
     ideal += cache_total / (batch_split * parallel.tp) + 2 * 4 * 8 / batch_split  # + lengths, tokens
     measured = compiled.memory_analysis().argument_size_in_bytes
@@ -108,17 +107,18 @@ def test_handoff_cache(parallel):
     tok = put_global(tokens, lay.tokens_BT)
     n = put_global(lengths, lay.lengths_prefill_B)
     logits, k, v = eng.steps.prefill(eng.params, tok, n)
-    assert k.sharding.spec[2] == "sp"  # prefill layout: tokens split over sp
-    prefill_k, prefill_v = np.asarray(k), np.asarray(v)
+    assert k[0].sharding.spec[1] == "sp"  # prefill layout [B, T, K, H]: tokens over sp
+    prefill_k, prefill_v = np.stack(k), np.stack(v)  # [L, B, T, K, H]
     key = jax.random.key(0)
     cache, _ = eng.steps.handoff(k, v, n, logits, key, Sampling())
-    assert cache.k_LBSKH.sharding.spec[2] is None  # decode layout: contiguous sequence
-    assert "sp" in cache.k_LBSKH.sharding.spec[1]  # ... and sp carries batch
+    spec = cache.k[0].sharding.spec  # decode layout [B, K, S, H]
+    assert len(spec) < 3 or spec[2] is None  # contiguous sequence ...
+    assert "sp" in spec[0]  # ... and sp carries batch
     t = tokens.shape[1]
-    for got, want in [(cache.k_LBSKH, prefill_k), (cache.v_LBSKH, prefill_v)]:
-        got = np.asarray(got)
-        np.testing.assert_array_equal(got[:, :, :t], want)
-        assert not got[:, :, t:].any()
-    for a, b in [(cache.k_LBSKH, ref_cache.k_LBSKH), (cache.v_LBSKH, ref_cache.v_LBSKH)]:
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    for got, want in [(cache.k, prefill_k), (cache.v, prefill_v)]:
+        got_LBSKH = np.stack(got).transpose(0, 1, 3, 2, 4)
+        np.testing.assert_array_equal(got_LBSKH[:, :, :t], want)
+        assert not got_LBSKH[:, :, t:].any()
+    for a, b in [(cache.k, ref_cache.k), (cache.v, ref_cache.v)]:
+        np.testing.assert_allclose(np.stack(a), np.stack(b), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(cache.lengths_B), np.asarray(ref_cache.lengths_B))

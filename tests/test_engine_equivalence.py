@@ -45,7 +45,7 @@ def test_gqa_replicated_kv_heads_match():
     """tiny-gqa has 2 kv heads: tp=8 replicates K/V heads (the documented policy)."""
     ref_logits, ref_tokens = reference("tiny-gqa")
     eng = engine("tiny-gqa", ParallelConfig(tp=8))
-    assert eng.layouts.cache.k_LBSKH.spec[3] is None  # kv heads not split
+    assert eng.layouts.cache.k[0].spec[1] is None  # kv heads ([B, K, S, H]) not split
     tokens, lengths = eng.pad_prompts(PROMPTS)
     np.testing.assert_allclose(np.asarray(eng.prefill(tokens, lengths)[0]), ref_logits, atol=1e-4)
     assert eng.generate(PROMPTS, 16).tokens == ref_tokens

@@ -53,12 +53,16 @@ def test_sliding_window_hides_old_tokens() -> None:
 
 
 def test_cache_logical_axes_and_abstract() -> None:
-    axes = KVCache.logical_axes()
-    assert axes.k_LBSKH == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    config = preset("tiny-gqa")
+    axes = KVCache.logical_axes(config)
+    assert axes.k == (("batch", "kv_heads", "cache_seq", "head_dim"),) * config.n_layers
     assert axes.lengths_B == ("batch",)
-    abstract = KVCache.abstract(preset("tiny-gqa"), batch=3, max_seq_len=10)
-    assert abstract.k_LBSKH.shape == (4, 3, 10, 2, 8)
+    abstract = KVCache.abstract(config, batch=3, max_seq_len=10)
+    assert [x.shape for x in abstract.k] == [(3, 2, 10, 8)] * 4  # per layer [B, K, S, H]
     assert abstract.lengths_B.dtype == jnp.int32
+    scanned = dataclasses.replace(config, layer_loop="scan")
+    assert KVCache.logical_axes(scanned).k == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    assert KVCache.abstract(scanned, batch=3, max_seq_len=10).k.shape == (4, 3, 10, 2, 8)
 
 
 def _compile_seconds(n_layers: int) -> tuple[float, int]:

@@ -70,13 +70,13 @@ def test_cache_overflow_is_raised_on_host_before_the_step() -> None:
         cache.check_room(1)
         _, cache = decode(state, jnp.ones((B,), jnp.int32), cache)
     assert int(cache.lengths_B[0]) == MAX_SEQ
-    before = np.asarray(cache.k_LBSKH)
+    before = np.stack(cache.k)
     with pytest.raises(CacheOverflowError, match=f"row 0 \\(length {MAX_SEQ}\\)"):
         cache.check_room(1)
     with pytest.raises(CacheOverflowError, match="max_seq_len=5"):
         check_room(np.array([5, 3]), 1, 5)
     check_room(np.array([4, 3]), 1, 5)  # fits exactly: no error
-    np.testing.assert_array_equal(np.asarray(cache.k_LBSKH), before)
+    np.testing.assert_array_equal(np.stack(cache.k), before)
 
 
 def test_decode_writes_one_slot_per_row() -> None:
@@ -87,5 +87,6 @@ def test_decode_writes_one_slot_per_row() -> None:
     _, k, v, lengths = prefill_rows(config, prompts)
     cache = KVCache.from_prefill(k, v, jnp.asarray(lengths), MAX_SEQ)
     _, new = decode(state, jnp.array([5, 6, 7], jnp.int32), cache)
-    changed = np.any(np.asarray(new.k_LBSKH) != np.asarray(cache.k_LBSKH), axis=(0, 3, 4))
+    # Per-layer caches [B, K, S, H], stacked to [L, B, K, S, H]: which (row, position) moved.
+    changed = np.any(np.stack(new.k) != np.stack(cache.k), axis=(0, 2, 4))
     np.testing.assert_array_equal(np.argwhere(changed), [[0, 3], [1, 1], [2, 7]])

@@ -70,7 +70,7 @@ def test_matches_single_device(case):
     logits, cache, first = eng.prefill(tokens, lengths)
     assert logits.shape == ref_logits.shape and first.shape == (MAX_BATCH,)
     np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=0)
-    assert cache.k_LBSKH.sharding.spec[0] == "pp"  # each stage keeps its layers' cache
+    assert cache.k.sharding.spec[0] == "pp"  # each stage keeps its layers' cache
     assert eng.generate(PROMPTS, NEW_TOKENS).tokens == ref_tokens
 
 
@@ -153,7 +153,7 @@ def test_decode_loop_crosses_stages_with_permutes_and_its_exit_test():
     assert kinds == {"collective-permute", "all-reduce"}
     cfg = eng.model_config
     shape = (cfg.n_layers, MAX_BATCH, MAX_SEQ_LEN, cfg.n_kv_heads, cfg.head_dim)
-    assert not _cache_copies(loop, eng.layouts.cache.k_LBSKH.shard_shape(shape))
+    assert not _cache_copies(loop, eng.layouts.cache.k.shard_shape(shape))
 
 
 def _cache_copies(compiled, shard: tuple[int, ...]) -> list[str]:
@@ -176,7 +176,7 @@ def test_decode_updates_the_cache_in_place(case):
     eng = _engine(name, parallel)
     cfg = eng.model_config
     shape = (cfg.n_layers, MAX_BATCH, MAX_SEQ_LEN, cfg.n_kv_heads, cfg.head_dim)
-    shard = eng.layouts.cache.k_LBSKH.shard_shape(shape)
+    shard = eng.layouts.cache.k.shard_shape(shape)
     assert compiled.memory_analysis().alias_size_in_bytes >= 2 * math.prod(shard) * 4
     assert not _cache_copies(compiled, shard)
 
@@ -191,7 +191,7 @@ def _arg_bytes(name: str, parallel: ParallelConfig) -> tuple[int, int]:
         if "layers" in jax.tree_util.keystr(p)
     )
     cache = KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN)
-    kv = 2 * math.prod(eng.layouts.cache.k_LBSKH.shard_shape(cache.k_LBSKH.shape)) * 4
+    kv = 2 * math.prod(eng.layouts.cache.k.shard_shape(cache.k.shape)) * 4
     return per_device, stack + kv
 
 

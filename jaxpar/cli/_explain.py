@@ -79,6 +79,8 @@ def abstract_engine(config: ModelConfig, parallel: ParallelConfig, *, max_batch:
             raise ConfigError(f"pp={parallel.pp}: this engine has no pipelined steps, so there "
                               "is no compiled program to show") from None
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    if parallel.pp > 1:  # pipeline stages run stacked layers, as the engine does
+        config = dataclasses.replace(config, layer_loop="scan")
     graphdef, state = nnx.split(abstract_model(config))
     shardings = param_shardings(state, mesh, parallel, config)
     params = jax.tree.map(

@@ -20,7 +20,7 @@ from jaxpar.engine._steps import Layouts, Steps
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._decoder import Decoder
+from jaxpar.models._decoder import Decoder, with_layer_loop
 from jaxpar.spec import ParallelConfig, Plan, make_mesh, validate
 
 
@@ -41,6 +41,20 @@ class Generation:
     @property
     def decode_tokens_per_second(self) -> float:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else math.nan
+
+
+def pipeline_layer_form(
+    model_config: ModelConfig, params: nnx.State, parallel: ParallelConfig
+) -> tuple[ModelConfig, nnx.State]:
+    """The layer storage an engine runs: stacked (``layer_loop="scan"``) when ``pp > 1``.
+
+    Pipeline stages split the stacked ``[L, ...]`` layer parameters and cache over ``pp``
+    (one contiguous block of layers per stage), so a pipelined engine restacks per-layer
+    parameters once, here. Without pipelining the model's own form is kept.
+    """
+    if parallel.pp > 1 and model_config.layer_loop != "scan":
+        return with_layer_loop(model_config, params, "scan")
+    return model_config, params
 
 
 class InferenceEngine:
@@ -78,6 +92,7 @@ class InferenceEngine:
             model_config, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
         self.mesh = mesh if mesh is not None else make_mesh(config)
+        model_config, params = pipeline_layer_form(model_config, params, config)
         self.model_config = model_config
         self.parallel_config = config
         self.max_batch = max_batch

@@ -37,8 +37,10 @@ def engine_from_hf(
         hf = json.loads(source.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{source}: cannot read the model config: {e}") from e
-    config = config_from_hf(hf, dtype=dtype, source=str(source))
     parallel = parallel_config or ParallelConfig()
+    # Pipelined engines run stacked layers (one block per stage): load them stacked.
+    layer_loop = "scan" if parallel.pp > 1 else "unrolled"
+    config = config_from_hf(hf, dtype=dtype, source=str(source), layer_loop=layer_loop)
     devices = mesh.devices.size if mesh is not None else parallel.size
     validate(config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
     mesh = mesh if mesh is not None else make_mesh(parallel)
@@ -46,7 +48,9 @@ def engine_from_hf(
     def sharding(_path: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
         return NamedSharding(mesh, param_partition_spec(axes, parallel, dims=config))
 
-    config, params = load_hf_checkpoint(path, dtype=dtype, shardings=sharding)
+    config, params = load_hf_checkpoint(
+        path, dtype=dtype, shardings=sharding, layer_loop=layer_loop
+    )
     return InferenceEngine(
         config, params, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
     )

@@ -160,7 +160,7 @@ def decode(
 
     Args:
         model: the decoder (merged inside the traced function).
-        cache: decode-layout cache ``[L, B, S, K, H]``, layers over ``pp``.
+        cache: decode-layout cache, stacked ``[L, B, S, K, H]``, layers over ``pp``.
         tokens_PB: stage-major tokens; row 0 holds the tokens to append (stage 0 embeds).
         stages: the pipeline.
         groups: G; group g is the rows ``b % G == g``.
@@ -225,15 +225,13 @@ def decode(
     out_axes = (emitted_axes[0], None, *emitted_axes[1:])
     init = (
         stages.constrain(jnp.zeros((p, bg, 1, cfg.d_model), cfg.dtype), BTD, ATTENTION, DECODE),
-        stage_major(cache.k_LBSKH),
-        stage_major(cache.v_LBSKH),
+        stage_major(cache.k),
+        stage_major(cache.v),
         stages.constrain(jnp.zeros(out_shape, emitted.dtype), out_axes, LM_HEAD, DECODE),
     )
     steps = jnp.arange(g_count + p - 1, dtype=jnp.int32)
     (_, k, v, out), _ = jax.lax.scan(iteration, init, steps)
-    cache = cache.replace(
-        k_LBSKH=k.reshape(cache.k_LBSKH.shape), v_LBSKH=v.reshape(cache.v_LBSKH.shape)
-    )
+    cache = cache.replace(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape))
     return out.reshape(p, b, *emitted.shape[1:]), cache.advance()
 
 

@@ -83,9 +83,10 @@ class GroupCacheView:
         )
 
     def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values ``[Bg, S, K, H]`` of one layer for this group (after writing).
+        """Keys and values ``[Bg, K, S, H]`` of one layer for this group (after writing).
 
         Read after :meth:`write_layer`: writing first is what lets XLA keep the carried
         cache in place (reading first makes it copy the whole cache every step).
         """
-        return self._rows(self.k_LBSKH[layer]), self._rows(self.v_LBSKH[layer])
+        k_BgSKH, v_BgSKH = self._rows(self.k_LBSKH[layer]), self._rows(self.v_LBSKH[layer])
+        return k_BgSKH.transpose(0, 2, 1, 3), v_BgSKH.transpose(0, 2, 1, 3)

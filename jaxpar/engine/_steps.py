@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.engine._placement import to_host
 from jaxpar.engine._sampling import Sampling, select
-from jaxpar.models._cache import KVCache
+from jaxpar.models._cache import PREFILL_KV_AXES, STACKED_KV_AXES, KVCache
+from jaxpar.models._config import ModelConfig
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec, sharding_context
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
@@ -39,7 +40,7 @@ class Layouts:
     tokens_BT: NamedSharding  # prefill
     lengths_prefill_B: NamedSharding
     logits_prefill_BV: NamedSharding
-    kv_prefill: NamedSharding  # [L, B, T, K, H]
+    kv_prefill: Any  # per-layer [B, T, K, H] (a tuple), or stacked [L, B, T, K, H]
     cache: KVCache  # of NamedSharding, decode layout
     tokens_B: NamedSharding  # decode
     logits_BV: NamedSharding  # decode
@@ -47,20 +48,26 @@ class Layouts:
 
     @classmethod
     def build(
-        cls, mesh: Mesh, config: ParallelConfig, dims: ModelDims, params: Any
+        cls, mesh: Mesh, config: ParallelConfig, dims: ModelConfig, params: Any
     ) -> Layouts:
         def at(axes, module, phase):
             return NamedSharding(mesh, partition_spec(axes, module, phase, config, dims=dims))
 
-        kv_decode = at(KVCache.KV_AXES, Module.ATTENTION, DECODE)
-        lengths_decode = at(KVCache.LENGTHS_AXES, Module.ATTENTION, DECODE)
+        def tree_at(tree, module, phase):
+            return jax.tree.map(
+                lambda axes: at(axes, module, phase), tree, is_leaf=lambda x: isinstance(x, tuple)
+                and all(isinstance(a, str | None) for a in x)
+            )
+
+        stacked = dims.layer_loop == "scan"
+        kv_prefill = STACKED_KV_AXES if stacked else (PREFILL_KV_AXES,) * dims.n_layers
         return cls(
             params=params,
             tokens_BT=at(("batch", "seq"), Module.EMBEDDING, PREFILL),
             lengths_prefill_B=at(("batch",), Module.ATTENTION, PREFILL),
             logits_prefill_BV=at(("batch", "vocab"), Module.LM_HEAD, PREFILL),
-            kv_prefill=at(KVCache.KV_AXES, Module.ATTENTION, PREFILL),
-            cache=KVCache(k_LBSKH=kv_decode, v_LBSKH=kv_decode, lengths_B=lengths_decode),
+            kv_prefill=tree_at(kv_prefill, Module.ATTENTION, PREFILL),
+            cache=tree_at(KVCache.logical_axes(dims), Module.ATTENTION, DECODE),
             tokens_B=at(("batch",), Module.EMBEDDING, DECODE),
             logits_BV=at(("batch", "vocab"), Module.LM_HEAD, DECODE),
             replicated=NamedSharding(mesh, PartitionSpec()),
@@ -97,9 +104,9 @@ class Steps:
         with sharding_context(self.mesh, PREFILL, self.config, self.dims):
             return self._model(params).prefill(tokens_BT, lengths_B, all_logits=all_logits)
 
-    def _handoff(self, k_LBTKH, v_LBTKH, lengths_B, logits_BV, key, sampling):
+    def _handoff(self, k, v, lengths_B, logits_BV, key, sampling):
         with sharding_context(self.mesh, DECODE, self.config, self.dims):
-            cache = KVCache.from_prefill(k_LBTKH, v_LBTKH, lengths_B, self.max_seq_len)
+            cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len)
             first_B = select(logits_BV, jax.random.fold_in(key, 0), sampling)
         return cache, first_B
 
@@ -170,7 +177,7 @@ class Steps:
         lay = self.layouts
         compiled = self._compile(
             "handoff",
-            (k.shape, sampling),
+            (jax.tree.map(jnp.shape, k), sampling),
             lambda k, v, n, lg, key: self._handoff(k, v, n, lg, key, sampling),
             (lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, lay.logits_prefill_BV, lay.replicated),
             (lay.cache, lay.tokens_B),
