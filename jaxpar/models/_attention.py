@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.models._attention_ops import decode_attention, prefill_attention
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
@@ -19,35 +20,14 @@ Q_AXES = ("batch", "seq", "heads", "head_dim")
 KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
 # K/V handed to the cache by prefill, [B, T, K, H].
 KV_CACHE_AXES = PREFILL_KV_AXES
-# Large finite negative rather than -inf: a fully masked row gives a uniform softmax, not NaN.
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def key_mask(
-    q_pos_BT: jax.Array, k_pos_S: jax.Array, k_valid_BS: jax.Array, window: int | None
-) -> jax.Array:
-    """Which keys each query may see: causal, valid (not padding), inside the window.
-
-    Window semantics follow Hugging Face: key j is visible from query i iff
-    ``i - window < j <= i``.
-
-    Returns:
-        Boolean [B, T, S].
-    """
-    q = q_pos_BT[:, :, None]
-    k = k_pos_S[None, None, :]
-    mask_BTS = (k <= q) & k_valid_BS[:, None, :]
-    if window is not None:
-        mask_BTS &= k > q - window
-    return mask_BTS
 
 
 class Attention(nnx.Module):
     """Self-attention; Q kernel [D,N,H], fused K/V kernel [D,2,K,H], output kernel [N,H,D].
 
-    Grouped-query attention reshapes the N query heads into (K, G=N/K) and contracts with
-    a grouped einsum, so K/V are never repeated. Head n uses kv head n // G, as in
-    Hugging Face's ``repeat_kv``.
+    The attention core is :mod:`jaxpar.models._attention_ops`: exact grouped einsums
+    (K/V never repeated; head n uses kv head n // G, as Hugging Face's ``repeat_kv``) or the
+    backend's fused kernel, as ``config.prefill_attention`` / ``decode_attention`` choose.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -56,6 +36,7 @@ class Attention(nnx.Module):
         self.dtype = c.dtype
         self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
         self.window = c.sliding_window
+        self.prefill_impl, self.decode_impl = c.prefill_attention, c.decode_attention
         self.rope_theta = c.rope_theta if c.positional == "rope" else None
         self.rope_scaling = c.rope_scaling
         self.q_kernel = param(rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), pd)
@@ -91,13 +72,6 @@ class Attention(nnx.Module):
         q_BTNH = constrain(q_BTNH, Q_AXES, Module.ATTENTION)
         return q_BTNH, k_BTKH, v_BTKH
 
-    def _scores(self, q_BTNH: jax.Array, k_BSKH: jax.Array) -> jax.Array:
-        """Scaled scores [B, K, G, T, S] in float32."""
-        b, t, _, h = q_BTNH.shape
-        q_BTKGH = q_BTNH.reshape(b, t, self.n_kv_heads, self.q_per_kv, h)
-        s = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-        return s * (h**-0.5)
-
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
         """Projects the attention output [B, T, N, H] back to the residual stream."""
         out_BTNH = constrain(out_BTNH, Q_AXES, Module.ATTENTION)
@@ -126,15 +100,15 @@ class Attention(nnx.Module):
             v_cache = constrain(v_BTKH, KV_CACHE_AXES, Module.ATTENTION)
             k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
             v_BSKH = constrain(v_BTKH, KV_SCORE_AXES, Module.ATTENTION)
-            t = x_BTD.shape[1]
-            k_pos_S = jnp.arange(t, dtype=jnp.int32)
-            valid_BS = k_pos_S[None, :] < lengths_B[:, None]
-            mask_BTS = key_mask(pos_BT, k_pos_S, valid_BS, self.window)
-            s_BKGTS = jnp.where(mask_BTS[:, None, None], self._scores(q_BTNH, k_BSKH), _MASKED)
-            p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(self.dtype)
-            out_BKGTH = jnp.einsum("BKGTS,BSKH->BKGTH", p_BKGTS, v_BSKH)
-            b, _, _, t, h = out_BKGTH.shape
-            out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, -1, h)
+            out_BTNH = prefill_attention(
+                q_BTNH,
+                k_BSKH,
+                v_BSKH,
+                q_pos_BT=pos_BT,
+                lengths_B=lengths_B,
+                window=self.window,
+                impl=self.prefill_impl,
+            )
             return self._output(out_BTNH), k_cache, v_cache
 
     def decode_project(
@@ -166,15 +140,12 @@ class Attention(nnx.Module):
         with jax.named_scope(Module.ATTENTION.value):
             k_BKSH = constrain(k_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
             v_BKSH = constrain(v_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
-            b, _, n, h = q_B1NH.shape
-            q_BKGH = q_B1NH.reshape(b, self.n_kv_heads, self.q_per_kv, h)
-            s_BKGS = jnp.einsum(
-                "BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=jnp.float32
-            ) * (h**-0.5)
-            k_pos_S = jnp.arange(k_BKSH.shape[2], dtype=jnp.int32)
-            valid_BS = k_pos_S[None, :] <= pos_B[:, None]
-            mask_BS = key_mask(pos_B[:, None], k_pos_S, valid_BS, self.window)[:, 0]
-            s_BKGS = jnp.where(mask_BS[:, None, None, :], s_BKGS, _MASKED)
-            p_BKGS = jax.nn.softmax(s_BKGS, axis=-1).astype(self.dtype)
-            out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", p_BKGS, v_BKSH)
-            return self._output(out_BKGH.reshape(b, n, h)[:, None])
+            out_BNH = decode_attention(
+                q_B1NH[:, 0],
+                k_BKSH,
+                v_BKSH,
+                lengths_B=pos_B + 1,
+                window=self.window,
+                impl=self.decode_impl,
+            )
+            return self._output(out_BNH[:, None])

@@ -18,6 +18,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": ("silu", "gelu_tanh"),
     "positional": ("rope", "learned"),
     "layer_loop": ("unrolled", "scan"),
+    # The attention cores of jaxpar.models._attention_ops (PREFILL_IMPLS, DECODE_IMPLS).
+    "prefill_attention": ("auto", "xla", "cudnn", "pallas_tpu"),
+    "decode_attention": ("auto", "xla", "pallas_gpu"),
 }
 
 
@@ -99,6 +102,10 @@ class ModelConfig:
     #: ``lax.scan``; compile time flat in depth, but XLA copies each layer's weights out of
     #: the stack every step. Pipeline parallelism runs the stacked form (see the engine).
     layer_loop: str = "unrolled"
+    #: Attention cores: "auto" takes the backend's fused kernel where one fits (cuDNN or
+    #: splash in prefill, the Pallas GPU kernel in decode; XLA on CPU and in float32).
+    prefill_attention: str = "auto"
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, Mapping):

@@ -4,7 +4,12 @@ Importable on its own (it needs JAX, not Flax) by people who bring their own mod
 """
 
 from jaxpar.spec._config import ParallelConfig
-from jaxpar.spec._constrain import active_phase, constrain, sharding_context
+from jaxpar.spec._constrain import (
+    active_phase,
+    constrain,
+    logical_shard_map,
+    sharding_context,
+)
 from jaxpar.spec._dims import Dims, ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
 from jaxpar.spec._mesh import make_mesh
@@ -37,6 +42,7 @@ __all__ = [
     "active_phase",
     "constrain",
     "load_spec_table",
+    "logical_shard_map",
     "logical_axis_rules",
     "make_mesh",
     "mesh_axes",

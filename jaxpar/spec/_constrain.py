@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._dims import ModelDims
@@ -71,3 +71,59 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], module: Module |
         raise ValueError(f"constrain: {len(logical_axes)} logical axes for a rank-{x.ndim} array")
     spec = partition_spec(logical_axes, module, active.phase, active.config, dims=active.dims)
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
+
+
+def logical_shard_map(
+    fn: Callable,
+    in_axes: Sequence[Sequence[str | None] | None],
+    out_axes: Sequence[str | None] | None,
+    module: Module | str,
+) -> Callable:
+    """``fn`` run once per shard, with in/out specs named by logical axes.
+
+    For ops XLA cannot partition (Pallas kernels, cuDNN custom calls): inside a
+    :func:`sharding_context` each input is split as its logical axes are split in ``module``
+    this phase, ``fn`` sees the local shards, and its output is assembled from
+    ``out_axes``. Only the mesh axes the specs mention become manual (``axis_names``);
+    every other axis stays automatic, so this nests inside the pipeline's ``pp``-manual
+    ``shard_map`` (whose context mesh is ``jax.sharding.get_abstract_mesh()``). Outside a
+    context, or when no mentioned axis has degree > 1, ``fn`` is called on the whole arrays,
+    so ``fn`` must work on any consistent slice of its inputs.
+
+    Args:
+        fn: The per-shard function, positional array arguments only, one array out.
+        in_axes: Per argument, its logical axis names (``None`` entries replicate that
+            dimension); ``None`` for the whole argument means replicated.
+        out_axes: Logical axis names of the output (``None``: replicated).
+        module: The module whose sharding rules apply, e.g. ``"attention"``.
+
+    Returns:
+        A function with ``fn``'s signature.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return fn
+
+    def spec(axes: Sequence[str | None] | None) -> PartitionSpec:
+        if axes is None:
+            return PartitionSpec()
+        return partition_spec(axes, module, active.phase, active.config, dims=active.dims)
+
+    in_specs = tuple(spec(axes) for axes in in_axes)
+    out_spec = spec(out_axes)
+    manual: set[str] = set()
+    for s in (*in_specs, out_spec):
+        for entry in s:
+            manual.update((entry,) if isinstance(entry, str) else (entry or ()))
+    if not manual:
+        return fn
+    # check_vma=False: Pallas and cuDNN calls carry no replication rules; the specs above
+    # say exactly how each output varies.
+    return jax.shard_map(
+        fn,
+        mesh=active.mesh,
+        in_specs=in_specs,
+        out_specs=out_spec,
+        axis_names=frozenset(manual),
+        check_vma=False,
+    )

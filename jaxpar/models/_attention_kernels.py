@@ -1,0 +1,297 @@
+"""Per-shard bodies of the fused attention paths (cuDNN, Pallas GPU decode, Pallas TPU splash).
+
+Each body runs inside :func:`jaxpar.spec.logical_shard_map` (or on whole arrays outside a
+sharding context) and sees only local shards. What a shard cannot read off its own shapes
+comes in as sharded iotas: ``head_ids_N`` (global index of each local query head) and
+``seq_ids_T`` (global index of each local query), so no mesh axis is named here.
+
+The Pallas modules are imported lazily and guarded, so this module imports on every install.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.errors import ConfigError
+
+# Same finite fill as the XLA path and both Pallas kernels (-0.7 * f32 max).
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def key_mask(
+    q_pos_BT: jax.Array, k_pos_S: jax.Array, k_valid_BS: jax.Array, window: int | None
+) -> jax.Array:
+    """Keys each query may see: causal, valid (not padding), inside the window.
+
+    Hugging Face window semantics: key j is visible from query i iff ``i - window < j <= i``.
+
+    Returns:
+        Boolean [B, T, S].
+    """
+    q_BT1 = q_pos_BT[:, :, None]
+    k_11S = k_pos_S[None, None, :]
+    mask_BTS = (k_11S <= q_BT1) & k_valid_BS[:, None, :]
+    if window is not None:
+        mask_BTS &= k_11S > q_BT1 - window
+    return mask_BTS
+
+
+def kv_replicated(n_local: int, k_local: int, group: int) -> bool:
+    """Whether this shard holds every kv head while its query heads lie in one group.
+
+    When tp splits kv_heads with heads, local K/V match the local query heads. When kv heads
+    are replicated over tp (``n_kv_heads < tp``, see ``spec._rules._kv_heads_replicated``),
+    the shard holds all kv heads and its query heads all read one of them.
+    """
+    if k_local * group == n_local:
+        return False
+    if group % n_local:
+        raise ConfigError(
+            f"{n_local} local query heads with {k_local} local kv heads and group size {group}: "
+            "a shard's query heads must cover whole kv groups or lie inside one"
+        )
+    return True
+
+
+def local_kv_heads(
+    k_BSKH: jax.Array, v_BSKH: jax.Array, n_local: int, group: int, head_ids_N: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """K/V heads this shard's ``n_local`` query heads read (see :func:`kv_replicated`).
+
+    In the replicated case the one kv head is sliced out: an activation-sized slice in
+    prefill, never a cache read.
+    """
+    if not kv_replicated(n_local, k_BSKH.shape[2], group):
+        return k_BSKH, v_BSKH
+    kv = head_ids_N[0] // group
+    take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=kv, slice_size=1, axis=2)
+    return take(k_BSKH), take(v_BSKH)
+
+
+def zero_padded_rows(out_BTNH: jax.Array, q_pos_BT: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """Zeros the rows of padding queries: kernels leave them unspecified (possibly NaN,
+    which would reach the cache and then, through p @ V, real rows)."""
+    valid_BT = q_pos_BT < lengths_B[:, None]
+    return jnp.where(valid_BT[:, :, None, None], out_BTNH, jnp.zeros((), out_BTNH.dtype))
+
+
+# --- cuDNN prefill (GPU) --------------------------------------------------------------------
+
+
+def prefill_cudnn(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    q_pos_BT,
+    lengths_B,
+    head_ids_N,
+    seq_ids_T,
+    *,
+    group: int,
+    window: int | None,
+) -> jax.Array:
+    """Local shard of prefill through ``jax.nn.dot_product_attention(implementation="cudnn")``."""
+    del seq_ids_T
+    k_BSKH, v_BSKH = local_kv_heads(k_BSKH, v_BSKH, q_BTNH.shape[2], group, head_ids_N)
+    t, s = q_BTNH.shape[1], k_BSKH.shape[1]
+    lengths_B = lengths_B.astype(jnp.int32)
+    if t == s:
+        # Whole sequence here: cuDNN's own causal + padding + sliding-window masks, no mask
+        # tensor. Its causal mask is top-left aligned: it takes q_pos_BT[b, t] == t, the
+        # documented precondition (the caller sends only T == S). Lengths are clamped to 1
+        # so no row is empty; rows past the real length are zeroed below anyway.
+        one_B = jnp.maximum(lengths_B, 1)
+        out_BTNH = jax.nn.dot_product_attention(
+            q_BTNH,
+            k_BSKH,
+            v_BSKH,
+            is_causal=True,
+            query_seq_lengths=one_B,
+            key_value_seq_lengths=one_B,
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation="cudnn",
+        )
+    else:
+        # Queries split over the sequence: this shard's rows start at an offset cuDNN's
+        # causal mask cannot express, so the mask comes from the absolute positions.
+        # Padding rows attend to themselves so that no row is empty. Costs a [B, 1, T/sp, S]
+        # bias (cuDNN adds the mask as one), the size of one head's scores.
+        k_pos_S = jnp.arange(s, dtype=jnp.int32)
+        mask_BTS = key_mask(q_pos_BT, k_pos_S, k_pos_S[None] < lengths_B[:, None], window)
+        mask_BTS |= (q_pos_BT >= lengths_B[:, None])[:, :, None] & (
+            k_pos_S[None, None] == q_pos_BT[:, :, None]
+        )
+        out_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], implementation="cudnn"
+        )
+    return zero_padded_rows(out_BTNH, q_pos_BT, lengths_B)
+
+
+# --- Pallas TPU splash prefill --------------------------------------------------------------
+
+
+def _largest_divisor(n: int, choices: tuple[int, ...]) -> int | None:
+    return next((c for c in choices if n % c == 0 and c <= n), None)
+
+
+def splash_blocks(t_local: int, s: int) -> tuple[int, int] | None:
+    """(block_q, block_kv) for splash, or None where it cannot run (kv blocks are computed
+    in multiples of 128 lanes; q blocks must divide the local queries)."""
+    block_q = _largest_divisor(t_local, (512, 256, 128, 64, 32, 16, 8))
+    block_kv = _largest_divisor(s, (512, 256, 128))
+    return None if block_q is None or block_kv is None else (block_q, block_kv)
+
+
+@functools.cache
+def _splash_kernel(
+    n_heads: int, t_local: int, s: int, offset: int, window: int | None, interpret: bool
+):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if window is None:
+        mask = sm.CausalMask((t_local, s), offset=offset)
+    else:
+        # LocalMask keeps offset + i - (window - 1) <= j <= offset + i: causal and windowed.
+        mask = sm.LocalMask((t_local, s), window_size=(window - 1, 0), offset=offset)
+    block_q, block_kv = splash_blocks(t_local, s)
+    sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=128)
+    # Mask info is built eagerly (concrete arrays, cached across layers and traces).
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha(
+            sm.MultiHeadMask([mask] * n_heads),
+            block_sizes=sizes,
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+
+
+def prefill_splash(
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    q_pos_BT,
+    lengths_B,
+    head_ids_N,
+    seq_ids_T,
+    *,
+    group: int,
+    window: int | None,
+    interpret: bool,
+) -> jax.Array:
+    """Local shard of prefill through the Pallas TPU splash kernel, vmapped over batch.
+
+    Splash masks are static. Causality and the window come from a mask whose row offset is
+    this shard's first query index (``seq_ids_T[0]``); with the queries split over the
+    sequence in n shards, one kernel per offset is built and ``lax.switch`` picks this
+    shard's. Right padding comes in as segment ids (valid tokens 1, padding 0), so real
+    queries never see padding keys and every padding query still sees itself (no empty row).
+    """
+    k_BSKH, v_BSKH = local_kv_heads(k_BSKH, v_BSKH, q_BTNH.shape[2], group, head_ids_N)
+    b, t, n, h = q_BTNH.shape
+    s = k_BSKH.shape[1]
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    # Splash takes head-major activations (a transpose of activations, not of a cache) and
+    # does not scale: 1/sqrt(H) goes on q.
+    q_BNTH = (q_BTNH * jnp.asarray(h**-0.5, q_BTNH.dtype)).transpose(0, 2, 1, 3)
+    k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
+    v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
+    lengths_B = lengths_B.astype(jnp.int32)
+    segments = sk.SegmentIds(
+        q=(q_pos_BT < lengths_B[:, None]).astype(jnp.int32),
+        kv=(jnp.arange(s, dtype=jnp.int32)[None] < lengths_B[:, None]).astype(jnp.int32),
+    )
+
+    def run(offset: int) -> jax.Array:
+        kernel = _splash_kernel(n, t, s, offset, window, interpret)
+        return jax.vmap(kernel)(q_BNTH, k_BKSH, v_BKSH, segment_ids=segments)
+
+    if t == s:
+        out_BNTH = run(0)
+    else:
+        branches = [functools.partial(run, i * t) for i in range(s // t)]
+        out_BNTH = jax.lax.switch(seq_ids_T[0] // t, branches)
+    return zero_padded_rows(out_BNTH.transpose(0, 2, 1, 3), q_pos_BT, lengths_B)
+
+
+# --- Pallas GPU decode ----------------------------------------------------------------------
+
+
+def decode_blocks(s: int) -> tuple[int, int] | None:
+    """(k_splits, block_k) for the GPU decode kernel over an S-long cache, or None.
+
+    The kernel needs S divisible by k_splits with at least 16 keys per split, and block_k
+    (>= 16) dividing a split. More splits give more programs for small batches.
+    """
+    for k_splits in (16, 8, 4, 2, 1):
+        if s % k_splits == 0 and (s // k_splits) % 16 == 0:
+            return k_splits, _largest_divisor(s // k_splits, (128, 64, 32, 16))
+    return None
+
+
+def decode_pallas_gpu(
+    q_BNH, k_BKSH, v_BKSH, lengths_B, head_ids_N, *, group: int, window: int | None, interpret: bool
+) -> jax.Array:
+    """Local shard of decode through ``pallas.ops.gpu.decode_attention``, on [B,K,S,H] as is.
+
+    ``decode_attn_unbatched`` is vmapped over (B, K), the two leading cache axes, so the
+    kernel reads the cache where it lies (``decode_attention.gqa`` would swap axes: a copy
+    of the whole cache). Each (b, k) reads keys ``[start, length)`` only: ``length`` is the
+    row's valid count, ``start = length - window`` for sliding windows.
+    """
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+    b, n, h = q_BNH.shape
+    k_local, s = k_BKSH.shape[1], k_BKSH.shape[2]
+    lengths_B = lengths_B.astype(jnp.int32)
+    if not kv_replicated(n, k_local, group):
+        q_BKGH = q_BNH.reshape(b, k_local, group, h)
+        len_BK = jnp.broadcast_to(lengths_B[:, None], (b, k_local))
+        one_hot_K = None
+    else:
+        # kv heads replicated over tp: all local query heads read kv head head_ids[0] // G.
+        # Slicing it out would copy 1/K of the cache; instead every kv head gets a program
+        # but the others get length 0, so the kernel skips them without reading a byte.
+        one_hot_K = jnp.arange(k_local) == head_ids_N[0] // group
+        q_BKGH = jnp.where(one_hot_K[None, :, None, None], q_BNH[:, None], 0).astype(q_BNH.dtype)
+        len_BK = jnp.where(one_hot_K[None], lengths_B[:, None], 0)
+    start_BK = None if window is None else jnp.maximum(len_BK - window, 0)
+    k_splits, block_k = decode_blocks(s)
+    options = dict(
+        sm_scale=h**-0.5,
+        block_h=16,
+        block_k=block_k,
+        k_splits=k_splits,
+        num_warps=None,
+        num_stages=2,
+        grid=None,
+        interpret=interpret,
+        debug=False,
+        return_residuals=False,
+        normalize_output=True,
+    )
+    # Pass only what the installed kernel takes (its signature has no defaults and has
+    # changed across JAX releases).
+    accepted = inspect.signature(da.decode_attn_unbatched).parameters
+    inner = functools.partial(
+        da.decode_attn_unbatched, **{k: v for k, v in options.items() if k in accepted}
+    )
+    if start_BK is None:
+
+        def inner_no_start(q, k, v, length):
+            return inner(q, k, v, None, length)
+
+        out_BKGH = jax.vmap(jax.vmap(inner_no_start))(q_BKGH, k_BKSH, v_BKSH, len_BK)
+    else:
+        out_BKGH = jax.vmap(jax.vmap(inner))(q_BKGH, k_BKSH, v_BKSH, start_BK, len_BK)
+    if one_hot_K is None:
+        return out_BKGH.reshape(b, n, h)
+    return jnp.sum(jnp.where(one_hot_K[None, :, None, None], out_BKGH, 0), axis=1).astype(
+        q_BNH.dtype
+    )

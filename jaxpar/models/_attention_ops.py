@@ -1,0 +1,262 @@
+"""Attention cores behind one API: exact XLA einsums, or a backend's fused kernel.
+
+Implementations (``impl``):
+
+- ``"xla"``: grouped einsums, f32 scores and softmax. Exact; the reference every other path
+  and the Hugging Face comparisons are checked against. XLA partitions it itself.
+- ``"cudnn"`` (prefill, GPU): ``jax.nn.dot_product_attention(implementation="cudnn")``,
+  bf16/fp16 only.
+- ``"pallas_tpu"`` (prefill, TPU): the Pallas splash-attention kernel.
+- ``"pallas_gpu"`` (decode, GPU): the Pallas decode kernel, which reads only each row's
+  valid keys.
+- ``"auto"``: :func:`attention_impls` for ``jax.default_backend()`` and the query dtype.
+
+A named kernel is used for any dtype it takes (the Pallas kernels also run f32, which the
+interpret-mode tests use for tight comparisons); ``"cudnn"`` with f32 runs XLA.
+
+TPU decode stays on XLA: the Pallas TPU decode ops do not read this cache layout. Paged
+attention wants ``[K, pages, page_size, H]`` (kv heads outermost: our ``[B, K, S, H]``
+would need a whole-cache transpose per step) and ragged paged attention wants
+``[pages, page_size, 2K, H]`` with K and V interleaved.
+
+Kernel paths run per shard inside :func:`jaxpar.spec.logical_shard_map` (XLA cannot
+partition a Pallas or cuDNN call): heads over tp, batch over dp/sp/ep, queries over sp in
+prefill with K/V gathered. A path falls back to XLA where its kernel cannot take the input
+(f32, too short a cache, splash block sizes, or query positions other than 0..T-1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.errors import ConfigError
+from jaxpar.models import _attention_kernels as kern
+from jaxpar.models._attention_kernels import MASKED, key_mask
+from jaxpar.spec._constrain import logical_shard_map
+from jaxpar.spec._enums import Module
+
+__all__ = [
+    "DECODE_IMPLS",
+    "PREFILL_IMPLS",
+    "attention_impls",
+    "decode_attention",
+    "key_mask",
+    "prefill_attention",
+]
+
+PREFILL_IMPLS = ("auto", "xla", "cudnn", "pallas_tpu")
+DECODE_IMPLS = ("auto", "xla", "pallas_gpu")
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+Q_AXES = ("batch", "seq", "heads", "head_dim")
+# Keys replicated over the sequence: under sp each shard's queries see every earlier key.
+KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
+POS_AXES = ("batch", "seq")
+DECODE_Q_AXES = ("batch", "heads", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+
+
+def attention_impls(backend: str, dtype: jnp.dtype) -> tuple[str, str]:
+    """The (prefill, decode) implementations ``impl="auto"`` picks.
+
+    Fused kernels for half precision on GPU and TPU; XLA on CPU and for float32, where the
+    XLA path is the exact reference (cuDNN flash attention takes only bf16/fp16, and the
+    Pallas kernels' f32 dots may run at reduced precision: TF32 on GPU, bf16 passes on TPU).
+
+    Args:
+        backend: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``; anything else gets XLA.
+        dtype: The dtype of q, k and v.
+    """
+    half = jnp.dtype(dtype) in _HALF
+    if backend in ("gpu", "cuda") and half:
+        return "cudnn", "pallas_gpu"
+    if backend == "tpu" and half:
+        return "pallas_tpu", "xla"
+    return "xla", "xla"
+
+
+def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype) -> str:
+    if impl not in legal:
+        raise ConfigError(f"unknown attention impl {impl!r}; legal: {', '.join(legal)}")
+    if impl == "auto":
+        return attention_impls(jax.default_backend(), dtype)[which]
+    if impl == "cudnn" and jnp.dtype(dtype) not in _HALF:
+        return "xla"  # cuDNN flash attention takes bf16/fp16 only
+    return impl
+
+
+# --- XLA (exact reference) ------------------------------------------------------------------
+
+
+def prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window):
+    """Grouped-einsum prefill attention (see :func:`prefill_attention`)."""
+    b, t, n, h = q_BTNH.shape
+    s, k_heads = k_BSKH.shape[1], k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, k_heads, n // k_heads, h)
+    k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
+    s_BKGTS = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * (h**-0.5)
+    k_pos_S = jnp.arange(s, dtype=jnp.int32)
+    mask_BTS = key_mask(q_pos_BT, k_pos_S, k_pos_S[None, :] < lengths_B[:, None], window)
+    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, MASKED)
+    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(q_BTNH.dtype)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v_BSKH)
+    return out_BTKGH.reshape(b, t, n, h)
+
+
+def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window):
+    """Grouped-einsum decode attention on the [B,K,S,H] cache, which is not transposed."""
+    b, n, h = q_BNH.shape
+    k_heads, s = k_BKSH.shape[1], k_BKSH.shape[2]
+    q_BKGH = q_BNH.reshape(b, k_heads, n // k_heads, h)
+    k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)
+    s_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=jnp.float32) * (
+        h**-0.5
+    )
+    k_pos_S = jnp.arange(s, dtype=jnp.int32)
+    valid_BS = k_pos_S[None, :] < lengths_B[:, None]
+    mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
+    s_BKGS = jnp.where(mask_BS[:, None, None], s_BKGS, MASKED)
+    p_BKGS = jax.nn.softmax(s_BKGS, axis=-1).astype(q_BNH.dtype)
+    return jnp.einsum("BKGS,BKSH->BKGH", p_BKGS, v_BKSH).reshape(b, n, h)
+
+
+# --- Public API -----------------------------------------------------------------------------
+
+
+def prefill_attention(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    *,
+    q_pos_BT: jax.Array,
+    lengths_B: jax.Array,
+    window: int | None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal self-attention of a right-padded prompt, grouped-query heads.
+
+    Head n reads kv head ``n // (N // K)``; scale ``1/sqrt(H)``; softmax statistics in f32.
+    Key j is visible from query i iff ``j <= i``, ``j < lengths_B[b]`` and (with a window)
+    ``i - window < j``. Rows of padding queries are finite but unspecified (kernel paths
+    give 0); their outputs are unused.
+
+    Args:
+        q_BTNH: Queries; their absolute positions are ``q_pos_BT``.
+        k_BSKH: Keys at positions 0..S-1; v_BSKH likewise.
+        q_pos_BT: Absolute query positions (sharded like q under sequence parallelism).
+            Kernel paths require ``T == S`` and ``q_pos_BT[b] == arange(T)``, the prompt's
+            layout: they take positions from the layout (and fall back to XLA if T != S).
+        lengths_B: Real tokens per row; keys at positions >= length are padding.
+        window: Sliding-window size, or None.
+        impl: One of :data:`PREFILL_IMPLS` (see the module docstring).
+        interpret: Run Pallas kernels in interpret mode (tests on CPU).
+
+    Returns:
+        out_BTNH in q's dtype.
+
+    Raises:
+        ConfigError: an unknown ``impl``.
+    """
+    impl = _resolve(impl, PREFILL_IMPLS, 0, q_BTNH.dtype)
+    b, t, n, h = q_BTNH.shape
+    s = k_BSKH.shape[1]
+    group = n // k_BSKH.shape[2]
+    if impl == "pallas_tpu" and (t != s or kern.splash_blocks(t, s) is None):
+        impl = "xla"  # splash needs S and the local queries in whole blocks (kv: 128)
+    if impl == "xla" or t != s:
+        return prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window)
+    if impl == "cudnn":
+        body = functools.partial(kern.prefill_cudnn, group=group, window=window)
+    else:
+        body = functools.partial(
+            _splash_checked, t_global=t, group=group, window=window, interpret=interpret
+        )
+    k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
+    sharded = logical_shard_map(
+        body,
+        in_axes=(Q_AXES, KV_SCORE_AXES, KV_SCORE_AXES, POS_AXES, ("batch",), ("heads",), ("seq",)),
+        out_axes=Q_AXES,
+        module=Module.ATTENTION,
+    )
+    head_ids_N = jnp.arange(n, dtype=jnp.int32)
+    seq_ids_T = jnp.arange(t, dtype=jnp.int32)
+    return sharded(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, head_ids_N, seq_ids_T)
+
+
+def _splash_checked(q_BTNH, *args, t_global: int, **kwargs):
+    # Block sizes were checked on the global T; the local T (under sp) must fit as well.
+    if kern.splash_blocks(q_BTNH.shape[1], t_global) is None:
+        raise ConfigError(
+            f"splash prefill: {q_BTNH.shape[1]} local queries (of {t_global}) fit no q block"
+        )
+    return kern.prefill_splash(q_BTNH, *args, **kwargs)
+
+
+def decode_attention(
+    q_BNH: jax.Array,
+    k_BKSH: jax.Array,
+    v_BKSH: jax.Array,
+    *,
+    lengths_B: jax.Array,
+    window: int | None,
+    impl: str = "auto",
+    interpret: bool = False,
+) -> jax.Array:
+    """One new query per row over its layer's [B, K, S, H] cache, which already holds it.
+
+    Keys ``0..lengths_B[b]-1`` are valid; the query sits at ``lengths_B[b] - 1``; with a
+    window it sees keys ``> lengths_B[b] - 1 - window``. The cache is read where it lies
+    (no transpose); the Pallas GPU kernel reads only each row's valid keys.
+
+    Args:
+        q_BNH: The new token's queries.
+        k_BKSH: This layer's key cache; v_BKSH likewise. Same dtype as q (else a cast copies
+            the cache before a kernel can read it).
+        lengths_B: Valid keys per row, the new token included.
+        window: Sliding-window size, or None.
+        impl: One of :data:`DECODE_IMPLS` (see the module docstring).
+        interpret: Run the Pallas kernel in interpret mode (tests on CPU).
+
+    Returns:
+        out_BNH in q's dtype.
+
+    Raises:
+        ConfigError: an unknown ``impl``.
+    """
+    impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype)
+    if impl == "pallas_gpu" and kern.decode_blocks(k_BKSH.shape[2]) is None:
+        impl = "xla"  # the kernel needs S in splits of >= 16 keys (see decode_blocks)
+    if impl == "xla":
+        return decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window)
+    n, s = q_BNH.shape[1], k_BKSH.shape[2]
+    k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)
+    body = functools.partial(
+        _decode_checked,
+        s_global=s,
+        group=n // k_BKSH.shape[1],
+        window=window,
+        interpret=interpret,
+    )
+    sharded = logical_shard_map(
+        body,
+        in_axes=(DECODE_Q_AXES, CACHE_AXES, CACHE_AXES, ("batch",), ("heads",)),
+        out_axes=DECODE_Q_AXES,
+        module=Module.ATTENTION,
+    )
+    return sharded(q_BNH, k_BKSH, v_BKSH, lengths_B, jnp.arange(n, dtype=jnp.int32))
+
+
+def _decode_checked(q_BNH, k_BKSH, *args, s_global: int, **kwargs):
+    # Decode never splits the cache's sequence (sp carries batch in decode); if a strategy
+    # did, each shard would see a slice of keys and the softmax would be wrong.
+    if k_BKSH.shape[2] != s_global:
+        raise ConfigError(
+            f"decode attention: cache_seq split ({k_BKSH.shape[2]} of {s_global} per shard)"
+        )
+    return kern.decode_pallas_gpu(q_BNH, k_BKSH, *args, **kwargs)
