@@ -75,7 +75,12 @@ class Attention(nnx.Module):
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
         """Projects the attention output [B, T, N, H] back to the residual stream."""
         out_BTNH = constrain(out_BTNH, Q_AXES, Module.ATTENTION)
-        y_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.o_kernel[...].astype(self.dtype))
+        b, t, n, h = out_BTNH.shape
+        # Heads and head_dim merged into one contracting dim on both sides (free reshapes of
+        # row-major arrays): with two contracting dims XLA:CPU re-lays the [N, H, D] kernel
+        # out into a copy on every step.
+        o_XD = self.o_kernel[...].astype(self.dtype).reshape(n * h, -1)
+        y_BTD = jnp.einsum("BTX,XD->BTD", out_BTNH.reshape(b, t, n * h), o_XD)
         if self.o_bias is not None:
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return constrain(y_BTD, BTD, Module.ATTENTION)
