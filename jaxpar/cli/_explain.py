@@ -147,10 +147,11 @@ def tensor_rows(config: ModelConfig, parallel: ParallelConfig, phase: Phase, *, 
 
 
 def module_rows(plan: Plan, phase: Phase) -> list[dict[str, Any]]:
-    """Per module and active primitive: the table row, why, and its sync point."""
+    """Per module and active primitive: the table row, why, its sync point, and where the
+    row is written (file and key under ``sharding_specs/``)."""
     return [{"module": a.module.value, "primitive": f"{a.primitive.value}={a.degree}",
              "status": a.status.value, "splits": list(a.splits) or ["-"], "sync": a.sync or "-",
-             "row": a.row, "source": a.source}
+             "row": a.row, "source": f"sharding_specs/{a.module.value}.toml [{a.primitive.value}]"}
             for a in plan.for_phase(phase) if a.degree > 1]
 
 
