@@ -23,10 +23,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from jaxpar.cli._common import parallel_config
+from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
-from jaxpar.models import KVCache, ModelConfig, abstract_model, preset
+from jaxpar.models import KVCache, ModelConfig, abstract_model
 from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES
 from jaxpar.models._moe import EXPERT_AXES, EXPERT_HIDDEN_AXES, GROUPED_AXES
 from jaxpar.spec import (
@@ -189,14 +189,7 @@ def to_dot(phases: dict[str, list[dict[str, str]]]) -> str:
 
 
 def _config_of(args: argparse.Namespace) -> ModelConfig:
-    if args.hf is None:
-        return preset(args.model or args.default_model)
-    from jaxpar.models._hf_config import config_from_hf
-
-    path = Path(args.hf) / "config.json"  # shapes only: no tensor is read
-    if not path.is_file():
-        raise ConfigError(f"{path}: missing (--hf needs a Hugging Face checkpoint directory)")
-    return config_from_hf(json.loads(path.read_text()), source=str(path))
+    return model_config(args)  # --hf: config.json only (shapes), no tensor is read
 
 
 def explain(args: argparse.Namespace) -> dict[str, Any]:
