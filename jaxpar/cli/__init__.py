@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         with peer_failures():
             return _dispatch(args, console)
     except JaxparError as e:
-        console.print(f"[bold red]error[/]: {escape(str(e))}", highlight=False)
+        console.print(f"[bold red]error[/]: {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
 
 
