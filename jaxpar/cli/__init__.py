@@ -15,16 +15,23 @@ from jaxpar.cli._common import (
 )
 
 _DEMO_HELP = """\
-Without degrees the demo picks the first legal strategy of its defaults that fits the
-devices: MoE models {moe}; dense models (no ep) {dense}. Any degree on the command line
-replaces the default; degrees not given are 1.
+Presets (--model): {presets}.
 
-The check against one device: float32 runs must give the same tokens; lower precision
-(--dtype bfloat16) compares the logits within a stated tolerance and reports how many
-sequences kept the same tokens."""
+Without degrees the demo picks the first of its default strategies that is legal for
+the model and fits the devices:
+  MoE models:            {moe}
+  dense models (no ep):  {dense}
+Any degree on the command line replaces the default; degrees not given are 1.
+
+The check against one device: float32 runs must give the same tokens. Lower precision
+(--dtype bfloat16) rounds sums in another order, so near-ties may flip: the sharded
+logits must be as close to a float32 run as the one-device logits are (within a stated
+factor), and how many sequences kept the same tokens is reported."""
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxpar.models import PRESETS
+
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
     parser.add_argument(
         "--cpu-devices", type=int, default=None,
@@ -42,14 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="plan + generation under a mixed strategy + check vs 1 device",
         description="The plan, generation under a mixed strategy, and the check against one device.",
-        epilog=_DEMO_HELP.format(**{kind: " / ".join(map(str, c)) for kind, c in DEMO_STRATEGIES.items()}),
+        epilog=_DEMO_HELP.format(presets=", ".join(PRESETS),
+                                 **{kind: " / ".join(map(str, c)) for kind, c in DEMO_STRATEGIES.items()}),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(demo, default_model="tiny-moe")
     add_degree_args(demo, "1, or the default strategy below when no degree is given")
-    demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--max-seq-len", type=int, default=64)
-    demo.add_argument("--max-new-tokens", type=int, default=16)
+    demo.add_argument("--batch", type=int, default=8, help="sequences (default 8)")
+    demo.add_argument("--max-seq-len", type=int, default=64, help="KV cache length (default 64)")
+    demo.add_argument("--max-new-tokens", type=int, default=16, help="(default 16)")
 
     run = sub.add_parser("run", help="generate from a preset or an HF checkpoint directory")
     add_model_args(run, default_model="tiny-dense")

@@ -165,18 +165,6 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
     return config, params
 
 
-def parse_prompt(text: str, tokenizer) -> list[int]:
-    """Token ids from ``"1,2,3"``, or text through the tokenizer when there is one."""
-    stripped = text.replace(",", " ").split()
-    if stripped and all(tok.lstrip("-").isdigit() for tok in stripped):
-        return [int(tok) for tok in stripped]
-    if tokenizer is None:
-        raise ConfigError(
-            f"prompt {text!r} is text but the model has no tokenizer.json; give token ids like '1,2,3'"
-        )
-    return tokenizer.encode(text).ids
-
-
 def join_option_values(argv: list[str], options: tuple[str, ...] = ("--prompt",)) -> list[str]:
     """``--prompt -5,2`` -> ``--prompt=-5,2``: argparse takes a value that starts with ``-``
     for an option (and fails with "expected one argument") unless it is attached by ``=``."""

@@ -49,13 +49,18 @@ def default_strategy(config, *, n_devices: int, batch: int, max_seq_len: int) ->
     return ParallelConfig()
 
 
+def demo_strategy(args: argparse.Namespace, config, n_devices: int) -> ParallelConfig:
+    """The degrees on the command line (any one replaces the defaults; the others are 1),
+    else :func:`default_strategy`."""
+    if degrees_given(args):
+        return parallel_config(args)
+    return default_strategy(config, n_devices=n_devices, batch=args.batch,
+                            max_seq_len=args.max_seq_len)
+
+
 def run_demo(args: argparse.Namespace, console: Console) -> int:
     config = model_config(args)
-    if degrees_given(args):  # any degree replaces the defaults; the others are 1
-        parallel = parallel_config(args)
-    else:
-        parallel = default_strategy(config, n_devices=jax.device_count(), batch=args.batch,
-                                    max_seq_len=args.max_seq_len)
+    parallel = demo_strategy(args, config, jax.device_count())
     validate(config, parallel, n_devices=parallel.size, batch=args.batch, max_seq_len=args.max_seq_len)
     console.print(
         f"[bold]jaxpar demo[/bold]: {args.model or args.hf or args.default_model} "
