@@ -228,3 +228,13 @@ def test_chat_run_end_to_end(capsys):
     assert "'<s> <|user|> hello how are you ? <|end|> <|assistant|>' ->" in out
     assert "unknown" not in out
     assert "stop at: [2, 6] (EOS [2, 6] from generation_config.json)" in out
+
+
+def test_explain_cites_table_files_not_seed_documents(capsys):
+    assert main(["explain", "--model", "tiny-dense", "--tp", "2", "--no-compile", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    sources = {m["source"] for phase in data["phases"].values() for m in phase["modules"]}
+    assert "sharding_specs/attention.toml [tp]" in sources
+    assert ".txt" not in captured.out
+    assert "done analytic model" in captured.err  # progress goes to stderr with --json

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jaxpar.cli._common import model_config, parallel_config
+from jaxpar.cli._progress import stage
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
 from jaxpar.models import KVCache, ModelConfig, abstract_model
@@ -245,7 +246,9 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
 
 def run_explain(args: argparse.Namespace, console: Console) -> int:
     """Entry point of the ``explain`` subcommand."""
-    data = explain(args)
+    what = "analytic model" if args.no_compile else "lower and compile the steps (abstract parameters)"
+    with stage(Console(stderr=True) if args.json else console, what):  # stdout stays JSON
+        data = explain(args)
     if not console.is_terminal:  # piped or captured: wide enough for the tables
         console = Console(width=160)
     private = {p: {k: v for k, v in d.items() if not k.startswith("_")} for p, d in data["phases"].items()}
