@@ -17,8 +17,13 @@ import pytest
 import jaxpar
 from jaxpar.cli import _parser, main
 from jaxpar.cli._common import join_option_values, setup_devices
-from jaxpar.cli._run import encode_prompts, warm_up
-from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
+from jaxpar.cli._run import choose_sampling, encode_prompts, warm_up
+from jaxpar.cli._text import (
+    GenerationDefaults,
+    chat_template,
+    generation_defaults,
+    load_tokenizer,
+)
 from jaxpar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +176,7 @@ def test_generation_defaults_from_the_checkpoint(tmp_path):
         {"eos_token_id": [3, 4], "do_sample": True, "temperature": 0.7, "top_p": 0.9}))
     custom = generation_defaults(tmp_path)
     assert custom.eos_token_ids == (3, 4)  # generation_config.json wins over config.json
+    assert custom.eos_source == "generation_config.json" and llama.eos_source == "config.json"
     assert custom.sampling == jaxpar.Sampling(temperature=0.7, top_k=50, top_p=0.9)  # HF top_k 50
 
 
@@ -238,3 +244,18 @@ def test_explain_cites_table_files_not_seed_documents(capsys):
     assert "sharding_specs/attention.toml [tp]" in sources
     assert ".txt" not in captured.out
     assert "done analytic model" in captured.err  # progress goes to stderr with --json
+
+
+def test_command_line_sampling_over_the_checkpoints_defaults():
+    sampled = GenerationDefaults(sampling=jaxpar.Sampling(temperature=0.7, top_k=50, top_p=0.9),
+                                 sources=("generation_config.json",))
+
+    def chosen(defaults, temperature=None, top_k=None, top_p=None):
+        args = argparse.Namespace(temperature=temperature, top_k=top_k, top_p=top_p)
+        return choose_sampling(args, defaults)[0]
+
+    assert chosen(sampled) == sampled.sampling
+    assert chosen(sampled, temperature=0).greedy  # 0 is greedy, whatever the defaults
+    assert chosen(sampled, temperature=1.2) == jaxpar.Sampling(temperature=1.2, top_k=50, top_p=0.9)
+    assert chosen(GenerationDefaults()).greedy
+    assert chosen(GenerationDefaults(), top_k=5) == jaxpar.Sampling(temperature=1.0, top_k=5)

@@ -152,7 +152,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     stop_tokens = list(dict.fromkeys([*args.stop, *eos]))
     console.print(f"[dim]sampling: {_describe(sampling)} ({sampling_source}); "
                   f"stop at: {stop_tokens or 'nothing'}"
-                  f"{f' (EOS {list(eos)} from {defaults.sources[-1]})' if eos else ''}[/]",
+                  f"{f' (EOS {list(eos)} from {defaults.eos_source})' if eos else ''}[/]",
                   soft_wrap=True)
 
     mesh = make_mesh(parallel, devices)

@@ -37,6 +37,7 @@ class GenerationDefaults:
     pad_token_id: int | None = None
     sampling: Sampling = Sampling()
     sources: tuple[str, ...] = ()  # the files they were read from
+    eos_source: str | None = None  # the file the EOS ids came from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,7 @@ def generation_defaults(directory: str | Path) -> GenerationDefaults:
         pad_token_id=one("pad_token_id"),
         sampling=sampling,
         sources=tuple(sources),
+        eos_source=merged["eos_token_id"][1].name if "eos_token_id" in merged else None,
     )
 
 
