@@ -72,6 +72,7 @@ def test_readme_example_runs_without_any_environment():
     assert "on 8 cpu devices" in out
     assert "using the first 4 of 8 devices for tp=4" in out
     assert "2 of 2 tokens are unknown to the tokenizer" in out and "'hello', 'world'" in out
+    assert "the tokenizer's post-processor adds no BOS (id 1)" in out  # this fixture's has none
 
 
 # --- item 10: arguments ------------------------------------------------------------------

@@ -40,9 +40,10 @@ def prompt_ids(text: str) -> list[int] | None:
 
 
 def encode_prompts(args: argparse.Namespace, tokenizer, defaults: GenerationDefaults,
-                   console: Console) -> list[list[int]]:
+                   console: Console | None) -> list[list[int]]:
     """Token ids of every ``--prompt``: ids as given, text through the tokenizer (or the
     chat template with ``--chat``), warning about text the tokenizer does not know."""
+    console = console or Console(quiet=True)
     template = None
     if args.chat:
         if tokenizer is None:
@@ -67,6 +68,10 @@ def encode_prompts(args: argparse.Namespace, tokenizer, defaults: GenerationDefa
             encoded = encode(tokenizer, rendered, add_special_tokens=False)  # template has them
         else:
             encoded = encode(tokenizer, text)
+            bos = defaults.bos_token_id
+            if bos is not None and encoded.ids[:1] != [bos] and i == 0:
+                console.print(f"[dim]note: the tokenizer's post-processor adds no BOS (id {bos}); "
+                              "prompts are used as they encode[/]", soft_wrap=True)
         if encoded.unknown:
             pieces = ", ".join(repr(p) for p in encoded.unknown[:8])
             console.print(
