@@ -64,3 +64,16 @@ def test_streaming_callback_gets_minus_one_for_padding_and_finished_rows():
     assert streamed[0].tolist() == [stop, -1, -1, -1]  # finished after its stop token
     assert streamed[1].tolist() == free[1]
     assert out.tokens == [[stop], free[1]]
+
+
+def test_readme_spec_layer_comments_state_the_results():
+    # `expr  # P(...)` / `# Status.X` lines of the spec-layer block say what expr returns.
+    block = next(b for b in BLOCKS if "jaxpar.partition_spec(" in b)
+    namespace: dict = {}
+    exec(block, namespace)  # the block needs the spec layer only
+    claims = re.findall(r"^(jaxpar\.\S.*?)\s+# (P\(.*?\)|Status\.\w+)$", block, flags=re.M)
+    assert len(claims) >= 3, claims
+    for expr, claim in claims:
+        value = eval(expr, namespace)
+        shown = str(value) if claim.startswith("P(") else f"Status.{value.name}"
+        assert shown == claim, (expr, shown, claim)
