@@ -5,13 +5,39 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxpar.cli._common import add_degree_args, add_model_args, force_cpu_devices
+from jaxpar.cli._common import (
+    DEFAULT_CPU_DEVICES,
+    DEMO_STRATEGIES,
+    add_degree_args,
+    add_model_args,
+    join_option_values,
+    setup_devices,
+)
+
+_DEMO_HELP = """\
+Presets (--model): {presets}.
+
+Without degrees the demo picks the first of its default strategies that is legal for
+the model and fits the devices:
+  MoE models:            {moe}
+  dense models (no ep):  {dense}
+Any degree on the command line replaces the default; degrees not given are 1.
+
+The check against one device: float32 runs must give the same tokens. Lower precision
+(--dtype bfloat16) rounds sums in another order, so near-ties may flip: the sharded
+logits must be as close to a float32 run as the one-device logits are (within a stated
+factor), and how many sequences kept the same tokens is reported."""
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxpar.models import PRESETS
+
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
-    parser.add_argument("--cpu-devices", type=int, default=8,
-                        help="simulated devices (per process) when running on the CPU (default 8)")
+    parser.add_argument(
+        "--cpu-devices", type=int, default=None,
+        help="run on the CPU with this many simulated devices (per process). Default: JAX's "
+             "platform (GPU or TPU when present), and on the CPU "
+             f"{DEFAULT_CPU_DEVICES} simulated devices")
     dist = parser.add_argument_group("several processes (jax.distributed)")
     dist.add_argument("--distributed", action="store_true",
                       help="join a multi-process job (TPU pod / SLURM: detected automatically)")
@@ -20,30 +46,46 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--process-id", type=int, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="plan + generation under a mixed strategy + check vs 1 device")
+    demo = sub.add_parser(
+        "demo", help="plan + generation under a mixed strategy + check vs 1 device",
+        description="The plan, generation under a mixed strategy, and the check against one device.",
+        epilog=_DEMO_HELP.format(presets=", ".join(PRESETS),
+                                 **{kind: " / ".join(map(str, c)) for kind, c in DEMO_STRATEGIES.items()}),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(demo, default_model="tiny-moe")
-    add_degree_args(demo, {"sp": 2, "ep": 2, "tp": 2})
-    demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--max-seq-len", type=int, default=64)
-    demo.add_argument("--max-new-tokens", type=int, default=16)
+    add_degree_args(demo, "1, or the default strategy below when no degree is given")
+    demo.add_argument("--batch", type=int, default=8, help="sequences (default 8)")
+    demo.add_argument("--max-seq-len", type=int, default=64, help="KV cache length (default 64)")
+    demo.add_argument("--max-new-tokens", type=int, default=16, help="(default 16)")
 
     run = sub.add_parser("run", help="generate from a preset or an HF checkpoint directory")
     add_model_args(run, default_model="tiny-dense")
-    add_degree_args(run, {})
+    add_degree_args(run)
     run.add_argument("--prompt", action="append", required=True,
-                     help="text (needs tokenizer.json) or token ids '1,2,3'; repeat for a batch")
+                     help="text (needs tokenizer.json) or token ids '1,2,3' (also '--prompt=-5,2'); "
+                          "repeat for a batch")
+    run.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, rendered with the chat template of "
+                          "tokenizer_config.json")
+    run.add_argument("--system", default=None, help="with --chat: a system message first")
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--max-seq-len", type=int, default=256)
-    run.add_argument("--batch", type=int, default=None, help="engine batch (default: number of prompts)")
-    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--batch", type=int, default=None,
+                     help="engine batch (default: the prompts, padded to what the strategy divides)")
+    run.add_argument("--temperature", type=float, default=None,
+                     help="0 is greedy (default: generation_config.json's, else greedy)")
     run.add_argument("--top-k", type=int, default=None)
     run.add_argument("--top-p", type=float, default=None)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--stop", type=int, action="append", default=[], help="stop token id (repeatable)")
+    run.add_argument("--stop", type=int, action="append", default=[],
+                     help="stop token id (repeatable), besides the checkpoint's EOS")
+    run.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at the EOS ids of generation_config.json / config.json")
 
     explain = sub.add_parser("explain", help="tensors, specs, table rows and collectives (expected vs compiled)")
     add_model_args(explain, default_model="tiny-dense")
-    add_degree_args(explain, {})
+    add_degree_args(explain)
     explain.add_argument("--phase", choices=("prefill", "decode", "both"), default="both")
     explain.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     explain.add_argument("--prompt-len", type=int, default=16, help="padded prompt length (default 16)")
@@ -55,29 +97,35 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(join_option_values(sys.argv[1:] if argv is None else list(argv)))
     distributed = args.distributed or args.coordinator is not None
-    if not distributed:
-        force_cpu_devices(args.cpu_devices)  # before JAX starts its backends
 
     from rich.console import Console
+    from rich.markup import escape
 
-    from jaxpar.engine import initialize_distributed, peer_failures
     from jaxpar.errors import JaxparError
 
     console = Console()
     try:
+        if not distributed:
+            setup_devices(args.cpu_devices)  # before JAX starts its backends
+
+        from jaxpar.engine import initialize_distributed, peer_failures
+
         if distributed:
+            cpu_devices = args.cpu_devices
+            if cpu_devices is None and _on_cpu():
+                cpu_devices = DEFAULT_CPU_DEVICES
             info = initialize_distributed(
                 args.coordinator, args.num_processes, args.process_id,
-                local_device_count=args.cpu_devices if _on_cpu() else None,
+                local_device_count=cpu_devices,
             )
             console.print(f"process {info.process_id} of {info.num_processes}: "
-                          f"{len(info.local_devices)} local, {len(info.global_devices)} global devices")
+                          f"{info.local_devices} local, {info.global_devices} global devices")
         with peer_failures():
             return _dispatch(args, console)
     except JaxparError as e:
-        console.print(f"[bold red]error[/]: {e}")
+        console.print(f"[bold red]error[/]: {escape(str(e))}", highlight=False, soft_wrap=True)
         return 2
 
 

@@ -3,73 +3,178 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import re
 from pathlib import Path
 
 from jaxpar.errors import ConfigError
 from jaxpar.spec import ParallelConfig
 
+#: Simulated devices when JAX runs on the CPU and ``--cpu-devices`` is not given.
+DEFAULT_CPU_DEVICES = 8
+DTYPES = ("float32", "bfloat16", "float16")
+DEGREES = ("dp", "pp", "sp", "ep", "tp")
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
-def force_cpu_devices(n: int) -> None:
-    """Asks for ``n`` simulated devices when running on the CPU (before JAX starts)."""
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+#: ``jaxpar demo`` without degrees: the first of these that is legal for the model and fits
+#: the devices. A dense model has no ep (rule ep-needs-moe).
+DEMO_STRATEGIES = {
+    "moe": (ParallelConfig(sp=2, ep=2, tp=2), ParallelConfig(ep=2, tp=2), ParallelConfig(tp=2)),
+    "dense": (ParallelConfig(dp=2, sp=2, tp=2), ParallelConfig(sp=2, tp=2), ParallelConfig(tp=2)),
+}
+
+
+def setup_devices(cpu_devices: int | None) -> None:
+    """Before JAX starts its backends: simulate CPU devices only where the CPU is used.
+
+    ``cpu_devices`` given (``--cpu-devices N``): run on the CPU (unless ``JAX_PLATFORMS``
+    says otherwise) with ``N`` simulated devices. Not given: JAX picks its platform as
+    usual (a GPU or TPU when one is there); only the CPU platform reads the device-count
+    flag, so the CPU gets :data:`DEFAULT_CPU_DEVICES` simulated devices when it is what
+    JAX falls back to, and an accelerator host runs on its accelerators.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if cpu_devices is not None:
+        if cpu_devices < 1:
+            raise ConfigError(f"--cpu-devices must be >= 1, got {cpu_devices}")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        flags = _COUNT_FLAG.sub("", flags)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
+    elif not _COUNT_FLAG.search(flags):
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={DEFAULT_CPU_DEVICES}".strip()
+        )
+
+
+def describe_devices() -> str:
+    """``8 cpu devices (simulated: no accelerator found ...)`` or ``4 gpu devices``."""
+    import jax
+
+    n, platform = jax.device_count(), jax.devices()[0].platform
+    text = f"{n} {platform} device{'s' if n != 1 else ''}"
+    if platform == "cpu":
+        text += " (simulated on the CPU; no accelerator in use; --cpu-devices N sets how many)"
+    return text
+
+
+def select_devices(parallel: ParallelConfig, console=None) -> list:
+    """The first ``parallel.size`` devices, saying so when more are available.
+
+    Raises:
+        ConfigError: too few devices, or a multi-process job that would leave some idle.
+    """
+    import jax
+
+    available = jax.device_count()
+    if parallel.size > available:
+        raise ConfigError(
+            f"strategy {parallel} needs {parallel.size} devices but {available} are available; "
+            "lower the degrees (their product is the device count used), or on the CPU "
+            f"simulate more with --cpu-devices {parallel.size}"
+        )
+    if parallel.size < available:
+        if jax.process_count() > 1:
+            raise ConfigError(
+                f"strategy {parallel} uses {parallel.size} of the job's {available} devices; "
+                "a multi-process job must use all of them (degrees whose product is "
+                f"{available})"
+            )
+        if console is not None:
+            console.print(
+                f"[dim]using the first {parallel.size} of {available} devices for {parallel}[/]"
+            )
+    return jax.devices()[: parallel.size]
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
+    from jaxpar.models import PRESETS
+
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None, help=f"model preset (default {default_model})")
+    source.add_argument("--model", default=None, choices=list(PRESETS), metavar="PRESET",
+                        help=f"model preset: {', '.join(PRESETS)} (default {default_model})")
     source.add_argument("--hf", type=Path, default=None, help="Hugging Face checkpoint directory")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="compute and parameter dtype (default: the model's own)")
     parser.set_defaults(default_model=default_model)
 
 
-def add_degree_args(parser: argparse.ArgumentParser, defaults: dict[str, int]) -> None:
-    for axis in ("dp", "pp", "sp", "ep", "tp"):
-        parser.add_argument(f"--{axis}", type=int, default=defaults.get(axis, 1), help=f"{axis} degree")
+def add_degree_args(parser: argparse.ArgumentParser, defaults_text: str = "1") -> None:
+    """``--dp ... --tp``: default None (not given); :func:`parallel_config` fills in 1."""
+    for axis in DEGREES:
+        parser.add_argument(f"--{axis}", type=int, default=None,
+                            help=f"{axis} degree (default {defaults_text})")
     parser.add_argument("--microbatches", type=int, default=1, help="prefill pipeline microbatches (pp > 1)")
     parser.add_argument("--decode-groups", type=int, default=1, help="decode pipeline groups (pp > 1)")
 
 
+def degrees_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, axis) is not None for axis in DEGREES)
+
+
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """The degrees on the command line; those not given are 1."""
     return ParallelConfig(
-        dp=args.dp, pp=args.pp, sp=args.sp, ep=args.ep, tp=args.tp,
+        **{axis: getattr(args, axis) or 1 for axis in DEGREES},
         microbatches=args.microbatches, decode_groups=args.decode_groups,
     )
 
 
-def load_model(args: argparse.Namespace, *, seed: int = 0):
-    """(config, params, tokenizer or None) from ``--model`` or ``--hf``."""
-    from jaxpar.models import init_params, load_hf_checkpoint, preset
+def model_config(args: argparse.Namespace):
+    """The model's configuration from ``--model`` or ``--hf`` (config.json only), in ``--dtype``."""
+    from jaxpar.models import preset
+    from jaxpar.models._hf_config import config_from_hf
 
-    if args.hf is not None:
-        config, params = load_hf_checkpoint(args.hf)
-        return config, params, load_tokenizer(args.hf)
-    config = preset(args.model or args.default_model)
-    return config, init_params(config, seed), None
-
-
-def load_tokenizer(directory: Path):
-    path = Path(directory) / "tokenizer.json"
+    if args.hf is None:
+        config = preset(args.model or args.default_model)
+        if args.dtype is not None:
+            config = dataclasses.replace(config, dtype=args.dtype, param_dtype=args.dtype)
+        return config
+    path = Path(args.hf) / "config.json"
     if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
+        raise ConfigError(f"{path}: missing (--hf needs a Hugging Face checkpoint directory)")
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the tokenizers library raises its own exception types
-        raise ConfigError(f"{path}: cannot read tokenizer: {e}") from e
+        hf = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from e
+    return config_from_hf(hf, dtype=args.dtype, source=str(path))
 
 
-def parse_prompt(text: str, tokenizer) -> list[int]:
-    """Token ids from ``"1,2,3"``, or text through the tokenizer when there is one."""
-    stripped = text.replace(",", " ").split()
-    if stripped and all(tok.lstrip("-").isdigit() for tok in stripped):
-        return [int(tok) for tok in stripped]
-    if tokenizer is None:
-        raise ConfigError(
-            f"prompt {text!r} is text but the model has no tokenizer.json; give token ids like '1,2,3'"
-        )
-    return tokenizer.encode(text).ids
+def load_model(args: argparse.Namespace, console, *, seed: int = 0):
+    """(config, params) from ``--model`` (initialised) or ``--hf`` (read), with progress."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from jaxpar.cli._progress import stage, tensor_count
+    from jaxpar.models import init_params, load_hf_checkpoint
+
+    config = model_config(args)
+    if args.hf is None:
+        with stage(console, f"initialise {args.model or args.default_model} parameters"):
+            params = init_params(config, seed)
+            jax.block_until_ready(params)
+        return config, params
+    device = SingleDeviceSharding(jax.devices()[0])
+    with stage(console, f"load {args.hf}", total=tensor_count(config)) as advance:
+        def on_device(_path, _axes):
+            advance()
+            return device
+
+        config, params = load_hf_checkpoint(args.hf, dtype=args.dtype, shardings=on_device)
+    return config, params
+
+
+def join_option_values(argv: list[str], options: tuple[str, ...] = ("--prompt",)) -> list[str]:
+    """``--prompt -5,2`` -> ``--prompt=-5,2``: argparse takes a value that starts with ``-``
+    for an option (and fails with "expected one argument") unless it is attached by ``=``."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in options and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out

@@ -23,10 +23,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from jaxpar.cli._common import parallel_config
+from jaxpar.cli._common import model_config, parallel_config
+from jaxpar.cli._progress import stage
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
-from jaxpar.models import KVCache, ModelConfig, abstract_model, preset
+from jaxpar.models import KVCache, ModelConfig, abstract_model
 from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES
 from jaxpar.models._moe import EXPERT_AXES, EXPERT_HIDDEN_AXES, GROUPED_AXES
 from jaxpar.spec import (
@@ -149,10 +150,11 @@ def tensor_rows(config: ModelConfig, parallel: ParallelConfig, phase: Phase, *, 
 
 
 def module_rows(plan: Plan, phase: Phase) -> list[dict[str, Any]]:
-    """Per module and active primitive: the table row, why, and its sync point."""
+    """Per module and active primitive: the table row, why, its sync point, and where the
+    row is written (file and key under ``sharding_specs/``)."""
     return [{"module": a.module.value, "primitive": f"{a.primitive.value}={a.degree}",
              "status": a.status.value, "splits": list(a.splits) or ["-"], "sync": a.sync or "-",
-             "row": a.row, "source": a.source}
+             "row": a.row, "source": f"sharding_specs/{a.module.value}.toml [{a.primitive.value}]"}
             for a in plan.for_phase(phase) if a.degree > 1]
 
 
@@ -190,14 +192,7 @@ def to_dot(phases: dict[str, list[dict[str, str]]]) -> str:
 
 
 def _config_of(args: argparse.Namespace) -> ModelConfig:
-    if args.hf is None:
-        return preset(args.model or args.default_model)
-    from jaxpar.models._hf_config import config_from_hf
-
-    path = Path(args.hf) / "config.json"  # shapes only: no tensor is read
-    if not path.is_file():
-        raise ConfigError(f"{path}: missing (--hf needs a Hugging Face checkpoint directory)")
-    return config_from_hf(json.loads(path.read_text()), source=str(path))
+    return model_config(args)  # --hf: config.json only (shapes), no tensor is read
 
 
 def explain(args: argparse.Namespace) -> dict[str, Any]:
@@ -253,7 +248,9 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
 
 def run_explain(args: argparse.Namespace, console: Console) -> int:
     """Entry point of the ``explain`` subcommand."""
-    data = explain(args)
+    what = "analytic model" if args.no_compile else "lower and compile the steps (abstract parameters)"
+    with stage(Console(stderr=True) if args.json else console, what):  # stdout stays JSON
+        data = explain(args)
     if not console.is_terminal:  # piped or captured: wide enough for the tables
         console = Console(width=160)
     private = {p: {k: v for k, v in d.items() if not k.startswith("_")} for p, d in data["phases"].items()}

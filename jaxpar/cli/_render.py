@@ -15,6 +15,15 @@ _STATUS_STYLE = {
 }
 
 
+def _status_note(status: Status) -> str:
+    """`` (layer_only)`` after a cell, styled where the status has a style (none for allowed)."""
+    if status is Status.ALLOWED:
+        return ""
+    style = _STATUS_STYLE[status]
+    text = f"({status.value})"
+    return f" [{style}]{text}[/]" if style else f" {text}"
+
+
 def plan_table(plan: Plan, phase: Phase) -> Table:
     """Rows: modules; columns: mesh axes; cells: the logical dims the axis splits there."""
     config = plan.config
@@ -36,7 +45,6 @@ def plan_table(plan: Plan, phase: Phase) -> Table:
                 text = ", ".join(a.splits)
             else:
                 text = "replicated"
-            status = "" if a.status in (Status.ALLOWED,) else f" [{_STATUS_STYLE[a.status]}]({a.status.value})[/]"
-            cells.append(text + (status if a.degree > 1 else ""))
+            cells.append(text + (_status_note(a.status) if a.degree > 1 else ""))
         table.add_row(module.value, *cells)
     return table

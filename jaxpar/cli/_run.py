@@ -3,48 +3,205 @@
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from jaxpar.cli._common import load_model, load_tokenizer, parallel_config, parse_prompt
-from jaxpar.engine import InferenceEngine, Sampling, engine_from_hf
+from jaxpar.cli._common import (
+    describe_devices,
+    load_model,
+    model_config,
+    parallel_config,
+    select_devices,
+)
+from jaxpar.cli._progress import stage, tensor_count
+from jaxpar.cli._text import (
+    GenerationDefaults,
+    chat_template,
+    encode,
+    generation_defaults,
+    load_tokenizer,
+)
+from jaxpar.engine import Generation, InferenceEngine, Sampling, engine_from_hf
+from jaxpar.errors import CacheOverflowError, ConfigError
+from jaxpar.spec import batch_multiple, make_mesh, validate
+
+_IDS = re.compile(r"\s*-?\d+(\s*[,\s]\s*-?\d+)*\s*")
+
+
+def prompt_ids(text: str) -> list[int] | None:
+    """``"1,2,3"`` (or ``"1 2 3"``) as ids; None when ``text`` is not a list of integers."""
+    if not _IDS.fullmatch(text):
+        return None
+    return [int(t) for t in text.replace(",", " ").split()]
+
+
+def encode_prompts(args: argparse.Namespace, tokenizer, defaults: GenerationDefaults,
+                   console: Console | None) -> list[list[int]]:
+    """Token ids of every ``--prompt``: ids as given, text through the tokenizer (or the
+    chat template with ``--chat``), warning about text the tokenizer does not know."""
+    console = console or Console(quiet=True)
+    template = None
+    if args.chat:
+        if tokenizer is None:
+            raise ConfigError("--chat needs a checkpoint directory with tokenizer.json (--hf DIR)")
+        template = chat_template(args.hf, tokenizer, defaults)
+    prompts = []
+    for i, text in enumerate(args.prompt):
+        ids = prompt_ids(text)
+        if ids is not None:
+            if args.chat:
+                raise ConfigError(f"prompt {i} ({text!r}) is token ids; --chat needs text")
+            prompts.append(ids)
+            continue
+        if tokenizer is None:
+            raise ConfigError(
+                f"prompt {text!r} is text but the model has no tokenizer.json; give token ids "
+                "like '1,2,3'"
+            )
+        if template is not None:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            rendered = template.render([*messages, {"role": "user", "content": text}])
+            encoded = encode(tokenizer, rendered, add_special_tokens=False)  # template has them
+        else:
+            encoded = encode(tokenizer, text)
+            bos = defaults.bos_token_id
+            if bos is not None and encoded.ids[:1] != [bos] and i == 0:
+                console.print(f"[dim]note: the tokenizer's post-processor adds no BOS (id {bos}); "
+                              "prompts are used as they encode[/]", soft_wrap=True)
+        if encoded.unknown:
+            pieces = ", ".join(repr(p) for p in encoded.unknown[:8])
+            console.print(
+                f"[yellow]warning[/]: prompt {i}: {len(encoded.unknown)} of {len(encoded.ids)} "
+                f"tokens are unknown to the tokenizer (each became the unknown token): "
+                f"{escape(pieces)}", soft_wrap=True,
+            )
+        prompts.append(encoded.ids)
+    return prompts
+
+
+def choose_sampling(args: argparse.Namespace, defaults: GenerationDefaults) -> tuple[Sampling, str]:
+    """Command-line sampling over the checkpoint's defaults; and where it came from."""
+    base = defaults.sampling
+    if args.temperature is None and args.top_k is None and args.top_p is None:
+        where = "generation_config.json" if "generation_config.json" in defaults.sources else "default"
+        return base, where
+    temperature = args.temperature
+    if temperature is None:  # --top-k / --top-p alone: sample, at the default temperature
+        temperature = base.temperature or 1.0
+    top_k, top_p = args.top_k, args.top_p
+    if temperature > 0 and top_k is None and top_p is None and args.temperature is not None:
+        top_k, top_p = base.top_k, base.top_p
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p), "command line"
+
+
+def _describe(sampling: Sampling) -> str:
+    if sampling.greedy:
+        return "greedy"
+    parts = [f"temperature {sampling.temperature:g}"]
+    parts += [f"top_k {sampling.top_k}"] if sampling.top_k is not None else []
+    parts += [f"top_p {sampling.top_p:g}"] if sampling.top_p is not None else []
+    return ", ".join(parts)
+
+
+def warm_up(engine: InferenceEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+            sampling: Sampling, seed: int, console: Console | None = None) -> dict[str, float]:
+    """Compiles every program a streamed generation of ``prompts`` runs, before it is timed.
+
+    A streamed run of ``min(2, max_new_tokens)`` tokens compiles the prefill for this
+    prompt length, the handoff and the decode step; the streamed generation that follows
+    (same prompts, sampling and engine) compiles nothing, so its timings are steady state.
+    Returns the seconds each program took to compile.
+    """
+    before = dict(engine.steps.compile_seconds)
+    with stage(console or Console(quiet=True), "compile prefill, handoff and decode step"):
+        engine.generate(prompts, min(2, max_new_tokens), sampling=sampling, seed=seed,
+                        callback=lambda step, tokens_B: None)
+    return {k: v for k, v in engine.steps.compile_seconds.items() if before.get(k) != v}
+
+
+def _padded_batch(n_prompts: int, multiple: int) -> int:
+    return -(-n_prompts // multiple) * multiple
 
 
 def run_generate(args: argparse.Namespace, console: Console) -> int:
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    batch = args.batch or len(args.prompt)
+    config = model_config(args)
+    parallel = parallel_config(args)
+    multiple = batch_multiple(config, parallel)
+    batch = args.batch or _padded_batch(len(args.prompt), multiple)
+    # Refuses an illegal strategy before anything is read, initialised or compiled.
+    validate(config, parallel, n_devices=parallel.size, batch=batch, max_seq_len=args.max_seq_len)
+    console.print(f"[bold]jaxpar run[/]: {args.hf or args.model or args.default_model} "
+                  f"({config.arch}, {config.dtype}) on {describe_devices()}, strategy {parallel}",
+                  soft_wrap=True)
+    devices = select_devices(parallel, console)
+    if args.batch is None and batch != len(args.prompt):
+        console.print(f"[dim]batch: {len(args.prompt)} prompt(s) padded to {batch} rows (the "
+                      f"batch divides over the axes that carry it: a multiple of {multiple}); "
+                      "padding rows are never returned[/]", soft_wrap=True)
+
+    tokenizer = load_tokenizer(args.hf) if args.hf is not None else None
+    defaults = generation_defaults(args.hf) if args.hf is not None else GenerationDefaults()
+    prompts = encode_prompts(args, tokenizer, defaults, console)
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > args.max_seq_len:  # before compiling anything
+        raise CacheOverflowError(
+            f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} "
+            f"exceeds --max-seq-len {args.max_seq_len}; shorten it or raise --max-seq-len"
+        )
+    sampling, sampling_source = choose_sampling(args, defaults)
+    eos = () if args.ignore_eos else defaults.eos_token_ids
+    stop_tokens = list(dict.fromkeys([*args.stop, *eos]))
+    console.print(f"[dim]sampling: {_describe(sampling)} ({sampling_source}); "
+                  f"stop at: {stop_tokens or 'nothing'}"
+                  f"{f' (EOS {list(eos)} from {defaults.eos_source})' if eos else ''}[/]",
+                  soft_wrap=True)
+
+    mesh = make_mesh(parallel, devices)
     if args.hf is not None:  # each device reads only its shards of the checkpoint
-        tokenizer = load_tokenizer(args.hf)
-        prompts = [parse_prompt(p, tokenizer) for p in args.prompt]
-        engine = engine_from_hf(
-            args.hf, parallel_config(args), max_batch=batch, max_seq_len=args.max_seq_len
-        )
+        with stage(console, f"load {args.hf}", total=tensor_count(config)) as advance:
+            engine = engine_from_hf(args.hf, parallel, max_batch=batch, max_seq_len=args.max_seq_len,
+                                    mesh=mesh, dtype=args.dtype, on_tensor=lambda name: advance())
     else:
-        config, params, tokenizer = load_model(args)
-        prompts = [parse_prompt(p, tokenizer) for p in args.prompt]
-        engine = InferenceEngine(
-            config, params, parallel_config(args), max_batch=batch, max_seq_len=args.max_seq_len
-        )
+        config, params = load_model(args, console)
+        with stage(console, f"place parameters on {parallel.size} device(s)"):
+            engine = InferenceEngine(config, params, parallel, max_batch=batch,
+                                     max_seq_len=args.max_seq_len, mesh=mesh)
+
+    compiled = warm_up(engine, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
+                       console=console)
     with Progress(
         TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=True,
     ) as progress:
         task = progress.add_task("decode", total=args.max_new_tokens)
         result = engine.generate(
-            prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
-            stop_tokens=args.stop, callback=lambda step, tokens: progress.update(task, completed=step + 1),
+            prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, stop_tokens=stop_tokens,
+            callback=lambda step, tokens_B: progress.update(task, completed=step + 1),
         )
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens, strict=True)):
+        end = " [dim](stop token)[/]" if new and new[-1] in stop_tokens else ""
         if tokenizer is not None:
-            console.print(f"[bold]{i}[/] {tokenizer.decode(prompt)!r} -> {tokenizer.decode(new)!r}")
+            shown = (f"{tokenizer.decode(prompt, skip_special_tokens=False)!r} -> "
+                     f"{tokenizer.decode(new, skip_special_tokens=True)!r}")
         else:
-            console.print(f"[bold]{i}[/] {prompt} -> {new}")
-    compile_s = engine.steps.compile_seconds
-    console.print(
-        f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
-        f"({result.prefill_tokens_per_second:.1f} tokens/s, incl. {compile_s.get('prefill', 0):.2f} s compile)\n"
-        f"decode:  {result.new_tokens} tokens in {result.decode_seconds:.3f} s "
-        f"({result.decode_tokens_per_second:.1f} tokens/s, incl. {compile_s.get('decode_step', 0):.2f} s compile)"
-    )
+            shown = f"{prompt} -> {new}"
+        console.print(f"[bold]{i}[/] {escape(shown)}{end}", soft_wrap=True, highlight=False)
+    console.print(report(compiled, result), soft_wrap=True, highlight=False)
     return 0
+
+
+def report(compiled: dict[str, float], result: Generation) -> str:
+    """Compile time, then steady-state throughput (which excludes it), on separate lines."""
+    parts = ", ".join(f"{name.replace('_', ' ')} {s:.2f} s" for name, s in compiled.items())
+    total = sum(compiled.values())
+    return (
+        f"compile: {parts or 'nothing new'} ({total:.2f} s in all; before the timed run)\n"
+        f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
+        f"({result.prefill_tokens_per_second:.1f} tokens/s)\n"
+        f"decode:  {result.new_tokens} tokens in {result.decode_seconds:.3f} s "
+        f"({result.decode_tokens_per_second:.1f} tokens/s, steady state, one dispatch per token)"
+    )

@@ -226,7 +226,9 @@ class InferenceEngine:
             stop_tokens: a sequence finishes after emitting one of these.
             callback: streaming: called as ``callback(step, tokens_B)`` after every token;
                 decoding then runs one dispatched step per token. Without it, all decode
-                steps run inside one compiled ``while_loop``.
+                steps run inside one compiled ``while_loop``. ``tokens_B`` (int32, all
+                ``max_batch`` rows) holds each row's token of this step, or ``-1`` for
+                padding rows and for rows that finished at an earlier step.
         """
         self._check_prompts(prompts, max_new_tokens)
         sampling = sampling or Sampling()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,13 @@ def engine_from_hf(
     max_seq_len: int,
     mesh: Mesh | None = None,
     dtype: Any = None,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> InferenceEngine:
     """Validates the strategy against the checkpoint's config, then loads every tensor
     directly into its sharding: each device reads only its own slice from the
     safetensors files, so no device ever holds a full copy of a split weight.
+
+    ``on_tensor(name)`` is called before each parameter tensor is read (for progress).
 
     Raises:
         IllegalStrategyError: before any tensor is read.
@@ -45,7 +49,9 @@ def engine_from_hf(
     validate(config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
     mesh = mesh if mesh is not None else make_mesh(parallel)
 
-    def sharding(_path: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
+    def sharding(path_: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
+        if on_tensor is not None:
+            on_tensor(".".join(map(str, path_)))
         return NamedSharding(mesh, param_partition_spec(axes, parallel, dims=config))
 
     config, params = load_hf_checkpoint(

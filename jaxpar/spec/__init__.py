@@ -20,7 +20,14 @@ from jaxpar.spec._rules import (
     partition_spec,
 )
 from jaxpar.spec._tables import Entry, Role, Rule, SpecTable, load_spec_table, spec_table
-from jaxpar.spec._validate import Assignment, Plan, Violation, modules_of, validate
+from jaxpar.spec._validate import (
+    Assignment,
+    Plan,
+    Violation,
+    batch_multiple,
+    modules_of,
+    validate,
+)
 
 __all__ = [
     "LOGICAL_AXES",
@@ -40,6 +47,7 @@ __all__ = [
     "Status",
     "Violation",
     "active_phase",
+    "batch_multiple",
     "constrain",
     "load_spec_table",
     "logical_shard_map",

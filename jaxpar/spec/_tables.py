@@ -52,9 +52,12 @@ class Rule:
     sources: tuple[str, ...]
     section: str
     enforced_by: str
+    file: str = "sharding_specs/rules.toml"  # where the rule is written, as users see it
 
     def cite(self) -> str:
-        return f'rule "{self.id}" ({", ".join(self.sources)}, {self.section}: "{self.text}")'
+        """``rule "id" (file, [[rule]] id = "id"): "text"``: names the file and key, not the
+        seed documents (users have the tables, not the seeds)."""
+        return f'rule "{self.id}" ({self.file}, [[rule]] id = "{self.id}"): "{self.text}"'
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,7 +118,7 @@ def load_spec_table(directory: str | Path) -> SpecTable:
     for module in Module:
         path = directory / f"{module.value}.toml"
         entries.update(_load_module(path, module))
-    rules, roles = _load_rules(directory / "rules.toml")
+    rules, roles = _load_rules(directory / "rules.toml", _display(directory) + "/rules.toml")
     extra = {p.stem for p in directory.glob("*.toml")} - {m.value for m in Module} - {"rules"}
     if extra:
         raise SpecFileError(
@@ -123,6 +126,11 @@ def load_spec_table(directory: str | Path) -> SpecTable:
             f"{[m.value for m in Module]} plus rules.toml"
         )
     return SpecTable(entries=entries, rules=rules, roles=roles, directory=directory)
+
+
+def _display(directory: Path) -> str:
+    """How messages name the tables' directory: ``sharding_specs`` for the packaged tables."""
+    return "sharding_specs" if directory.resolve() == default_spec_dir().resolve() else str(directory)
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -229,7 +237,7 @@ def _entry(
     )
 
 
-def _load_rules(path: Path) -> tuple[dict[str, Rule], tuple[Role, ...]]:
+def _load_rules(path: Path, shown: str) -> tuple[dict[str, Rule], tuple[Role, ...]]:
     data = _read(path)
     if unknown := set(data) - {"rule", "role"}:
         raise SpecFileError(f"{path}: unknown key(s) {sorted(unknown)}; known: ['role', 'rule']")
@@ -250,6 +258,7 @@ def _load_rules(path: Path) -> tuple[dict[str, Rule], tuple[Role, ...]]:
             sources=_words(path, "sources", raw["sources"]),
             section=_text(path, "section", raw["section"]),
             enforced_by=raw["enforced_by"],
+            file=shown,
         )
         if rule.id in rules:
             raise SpecFileError(f"{where}.id: duplicate rule id {rule.id!r}")

@@ -2,9 +2,10 @@
 
 Every check is one named rule of ``sharding_specs/rules.toml``. All violations are
 collected and raised together as one :class:`IllegalStrategyError` whose lines each name the
-rule, module, primitive and phase, the offending sizes, the seed document, and what would be
-legal. On success the returned :class:`Plan` says which primitive splits which module on
-which mesh axis in each phase.
+rule, module, primitive and phase, the offending sizes, and what would be legal; each broken
+rule is then cited once, by its file and key under ``sharding_specs/``. On success the
+returned :class:`Plan` says which primitive splits which module on which mesh axis in each
+phase.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class _Collector:
 
     def add(self, rule_id, problem, legal, module=None, primitive=None, phase=None) -> None:
         where = "/".join(str(x) for x in (module, primitive, phase) if x is not None)
-        rule = self.table.rule(rule_id)
-        message = f"[{rule_id}] {where + ': ' if where else ''}{problem}. Violates {rule.cite()}. Legal: {legal}"
+        self.table.rule(rule_id)  # an unknown id is a bug here, not a user error
+        message = f"[{rule_id}] {where + ': ' if where else ''}{problem}. Legal: {legal}"
         self.found.append(
             Violation(
                 rule=rule_id, module=module, primitive=primitive, phase=phase, message=message
@@ -131,9 +132,7 @@ def validate(
         )
     if batch is not None:
         for phase in Phase:
-            axes = mesh_axes(Module.ATTENTION, phase, config, dims=model, table=table)["batch"]
-            groups = config.microbatches if phase is Phase.PREFILL else config.decode_groups
-            split = math.prod(config.degree(a) for a in axes) * groups
+            axes, groups, split = _batch_split(model, config, phase, table)
             if batch % split:
                 over = " x ".join([*axes, *(["groups"] if groups > 1 else [])]) or "nothing"
                 out.add(
@@ -154,11 +153,33 @@ def validate(
         )
     if out.found:
         lines = "\n  ".join(v.message for v in out.found)
+        rules = dict.fromkeys(v.rule for v in out.found)  # each broken rule cited once
+        cited = "\n  ".join(table.rule(r).cite() for r in rules)
         raise IllegalStrategyError(
-            f"strategy {config} is illegal for this model ({len(out.found)} violation(s)):\n  {lines}",
+            f"strategy {config} is illegal for this model ({len(out.found)} violation(s)):\n  "
+            f"{lines}\nViolates:\n  {cited}",
             out.found,
         )
     return _plan(model, config, table)
+
+
+def _batch_split(
+    model: ModelDims, config: ParallelConfig, phase: Phase, table: SpecTable
+) -> tuple[tuple[str, ...], int, int]:
+    """(mesh axes carrying batch, pipeline groups, their product) in ``phase``."""
+    axes = mesh_axes(Module.ATTENTION, phase, config, dims=model, table=table)["batch"]
+    groups = config.microbatches if phase is Phase.PREFILL else config.decode_groups
+    return axes, groups, math.prod(config.degree(a) for a in axes) * groups
+
+
+def batch_multiple(model: ModelDims, config: ParallelConfig, table: SpecTable | None = None) -> int:
+    """The smallest batch that divides over the axes carrying batch in both phases.
+
+    Every legal ``batch`` is a multiple of it (rule ``dp-batch-split``); e.g. 2 for
+    ``ep=2, tp=4``, 8 for ``dp=2, sp=2, ep=2``.
+    """
+    table = table or spec_table()
+    return math.lcm(*(_batch_split(model, config, phase, table)[2] for phase in Phase))
 
 
 def _check_tables(
