@@ -195,7 +195,10 @@ def compile_section(layer_counts: tuple[int, ...], strategy: str = "dp=2,sp=2,tp
 
 def reference_decode(w: dict, k_LBSKH, v_LBSKH, lengths_B, tokens_B, *, n_heads: int, theta: float,
                      eps: float):
-    """One llama-style decode step in plain jnp (no jaxpar layer): logits and the cache."""
+    """One llama-style decode step in plain jnp (no jaxpar layer): logits and the cache.
+
+    Its own cache, stacked [L, B, S, K, H], and its own separate q/k/v and gate/up weights.
+    """
     import jax
     import jax.numpy as jnp
 
@@ -231,18 +234,23 @@ def reference_decode(w: dict, k_LBSKH, v_LBSKH, lengths_B, tokens_B, *, n_heads:
     return rms(x, w["final_norm"]) @ w["lm_head"], k_LBSKH, v_LBSKH
 
 
-def _weights(params) -> dict:
-    """The reference decoder's weights, straight from jaxpar's parameter state."""
+def _weights(config, params) -> dict:
+    """The reference decoder's weights, from jaxpar's parameters stacked [L, ...]."""
     from flax import nnx
 
-    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
+    from jaxpar.models import with_layer_loop
+
+    _, stacked = with_layer_loop(config, params, "scan")
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(stacked)}
     names = {"embed": "embed.token_table", "attn_norm": "layers.attn_norm.scale",
-             "q": "layers.attn.q_kernel", "k": "layers.attn.k_kernel", "v": "layers.attn.v_kernel",
-             "o": "layers.attn.o_kernel", "ffn_norm": "layers.ffn_norm.scale",
-             "gate": "layers.ffn.gate_kernel", "up": "layers.ffn.up_kernel",
-             "down": "layers.ffn.down_kernel", "final_norm": "final_norm.scale",
-             "lm_head": "lm_head.kernel"}
-    return {k: flat[v] for k, v in names.items()}
+             "q": "layers.attn.q_kernel", "o": "layers.attn.o_kernel",
+             "ffn_norm": "layers.ffn_norm.scale", "down": "layers.ffn.down_kernel",
+             "final_norm": "final_norm.scale", "lm_head": "lm_head.kernel"}
+    w = {k: flat[v] for k, v in names.items()}
+    kv, gate_up = flat["layers.attn.kv_kernel"], flat["layers.ffn.gate_up_kernel"]
+    w["k"], w["v"] = kv[:, :, 0], kv[:, :, 1]  # [L, D, 2, K, H] -> two [L, D, K, H]
+    w["gate"], w["up"] = gate_up[:, :, 0], gate_up[:, :, 1]
+    return w
 
 
 def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps: int, repeats: int,
@@ -276,27 +284,33 @@ def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps:
     prefill_s = statistics.median(prefill_times)
     contenders = {"jaxpar": lambda c, t: eng.steps.decode(eng.params, c, t)}
     if reference:
-        w = jax.device_put(_weights(params), devices[0])
+        w = jax.device_put(_weights(config, params), devices[0])
         ref = jax.jit(functools.partial(reference_decode, n_heads=config.n_heads,
                                         theta=config.rope_theta, eps=config.norm_eps),
                       donate_argnums=(1, 2))
 
-        def ref_step(c, t):
-            logits, k, v = ref(w, c.k_LBSKH, c.v_LBSKH, c.lengths_B, t)
-            return logits, c.replace(k_LBSKH=k, v_LBSKH=v, lengths_B=c.lengths_B + 1)
+        def ref_step(c, t):  # c: the reference's own (k, v, lengths), stacked [L, B, S, K, H]
+            logits, k, v = ref(w, c[0], c[1], c[2], t)
+            return logits, (k, v, c[2] + 1)
 
         contenders["reference"] = ref_step
+    starts = {"jaxpar": lambda: jax.tree.map(jnp.copy, cache0)}
+    if reference:  # the same cache, as the reference stores it (built once, not timed)
+        def stacked(layers):
+            return jnp.stack([x.transpose(0, 2, 1, 3) for x in layers])
+
+        starts["reference"] = lambda: (stacked(cache0.k), stacked(cache0.v), cache0.lengths_B)
     out: dict[str, Any] = {"batch": batch, "max_seq_len": max_seq_len, "prompt_len": prompt_len,
                            "steps": steps, "repeats": repeats, "prefill_s": prefill_s}
     check = {}
     for name, step in contenders.items():  # compile, and check the two agree
-        check[name] = np.asarray(step(jax.tree.map(jnp.copy, cache0), first)[0])
+        check[name] = np.asarray(step(starts[name](), first)[0])
     if reference:
         out["max_abs_logit_diff"] = float(np.max(np.abs(check["jaxpar"] - check["reference"])))
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):  # interleaved, so both see the same machine load
         for name, step in contenders.items():
-            cache, tokens = jax.tree.map(jnp.copy, cache0), first
+            cache, tokens = starts[name](), first
             jax.block_until_ready(cache)
             start = time.perf_counter()
             for _ in range(steps):
@@ -328,11 +342,12 @@ def decode_section(quick: bool) -> dict:
 # --- GPU --------------------------------------------------------------------------------
 
 
-def gpu_section(model: str = "llama-1b", batch: int = 16, prompt_len: int = 512,
-                steps: int = 64, devices: list | None = None) -> dict:
-    """Decode tokens/s and HBM bandwidth fraction, prefill MFU, on one GPU (bf16 weights).
+def gpu_section(model: str = "llama-1b", devices: list | None = None, quick: bool = False) -> dict:
+    """On one GPU (bf16 weights): decode ms/step and fraction of peak HBM bandwidth at
+    batch 1, 16, 64 and context 512, 4096; prefill MFU at 8k and 32k tokens; compile
+    seconds for 16, 32 and 80 layers, unrolled and scanned.
 
-    ``devices`` overrides the GPU lookup (to exercise this code on a CPU).
+    ``devices`` overrides the GPU lookup (to exercise this code on a CPU with ``quick``).
     """
     import jax
 
@@ -344,27 +359,61 @@ def gpu_section(model: str = "llama-1b", batch: int = 16, prompt_len: int = 512,
     kind = gpus[0].device_kind
     peak_bw, peak_flops = next((v for k, v in PEAKS.items() if k in kind), (None, None))
     config = preset(model)
-    max_seq_len = prompt_len + steps + 64
-    res = time_decode(config, batch=batch, max_seq_len=max_seq_len, prompt_len=prompt_len,
-                      steps=steps, repeats=5, devices=gpus[:1], reference=False)
-    eng, params = res.pop("engine"), res.pop("params")
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.params))
-    mid = prompt_len + steps // 2  # KV positions in use, averaged over the timed steps
-    kv_bytes = 2 * config.n_layers * batch * mid * config.n_kv_heads * config.head_dim * config.dtype.itemsize
-    bandwidth = (param_bytes + kv_bytes) / res["jaxpar_step_s"]
-    flops = 2 * n_params * batch * prompt_len
+    steps = 4 if quick else 32
+    decode_rows, prefill_rows = [], []
+    shapes = [(1, 16), (4, 16)] if quick else [(b, c) for c in (512, 4096) for b in (1, 16, 64)]
+    for batch, context in shapes:
+        res = time_decode(config, batch=batch, max_seq_len=context + steps + 8, prompt_len=context,
+                          steps=steps, repeats=3 if quick else 5, devices=gpus[:1], reference=False)
+        eng, params = res.pop("engine"), res.pop("params")
+        param_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.params))
+        mid = context + steps // 2  # KV positions in use, averaged over the timed steps
+        kv_bytes = (2 * config.n_layers * batch * mid * config.n_kv_heads * config.head_dim
+                    * config.dtype.itemsize)
+        bandwidth = (param_bytes + kv_bytes) / res["jaxpar_step_s"]
+        decode_rows.append({
+            "batch": batch, "context": context, "decode_ms": 1e3 * res["jaxpar_step_s"],
+            "bytes_per_step": param_bytes + kv_bytes,
+            "floor_ms": peak_bw and 1e3 * (param_bytes + kv_bytes) / peak_bw,
+            "hbm_fraction": peak_bw and bandwidth / peak_bw,
+        })
+        n_params = sum(x.size for x in jax.tree.leaves(params))
+        flops = 2 * n_params * batch * context  # prefill of this shape, matmul FLOPs
+        prefill_rows.append({
+            "batch": batch, "prompt_len": context, "tokens": batch * context,
+            "prefill_ms": 1e3 * res["prefill_s"],
+            "mfu": peak_flops and flops / res["prefill_s"] / peak_flops,
+        })
+        del eng, params
     return {
-        "device_kind": kind, "model": model, "dtype": str(config.dtype), "params": n_params,
-        "batch": batch, "prompt_len": prompt_len, "decode_steps": steps,
-        "decode_step_s": res["jaxpar_step_s"], "decode_tokens_per_s": res["jaxpar_tokens_per_s"],
-        "bytes_per_step": param_bytes + kv_bytes, "hbm_bytes_per_s": bandwidth,
-        "peak_hbm_bytes_per_s": peak_bw, "hbm_fraction": peak_bw and bandwidth / peak_bw,
-        "prefill_s": res["prefill_s"], "prefill_tokens_per_s": batch * prompt_len / res["prefill_s"],
-        "peak_bf16_flops": peak_flops,
-        "prefill_mfu": peak_flops and flops / res["prefill_s"] / peak_flops,
-        "note": "prefill: the compiled step, median of 3; MFU counts 2*params*tokens",
+        "device_kind": kind, "jax": jax.__version__, "model": model, "dtype": str(config.dtype),
+        "peak_hbm_bytes_per_s": peak_bw, "peak_bf16_flops": peak_flops,
+        "decode": decode_rows, "prefill": prefill_rows,
+        "compile": gpu_compile_seconds(model, (2, 4) if quick else (16, 32, 80), gpus[:1]),
+        "note": "decode: median ms/step over timed steps; prefill: the compiled step, median of "
+                "3; MFU counts 2*params*tokens (attention FLOPs left out)",
     }
+
+
+def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list) -> list[dict]:
+    """Prefill and decode compile seconds by depth, for each layer loop (shapes only)."""
+    from jaxpar.cli._explain import abstract_engine
+    from jaxpar.inspect import compile_step
+    from jaxpar.models import preset
+    from jaxpar.spec import ParallelConfig
+
+    rows = []
+    for n in layer_counts:
+        for loop in ("unrolled", "scan"):
+            config = dataclasses.replace(preset(model), n_layers=n, layer_loop=loop)
+            eng = abstract_engine(config, ParallelConfig(), max_batch=16, max_seq_len=1024)
+            row = {"n_layers": n, "layer_loop": loop}
+            for phase in ("prefill", "decode"):
+                start = time.perf_counter()
+                compile_step(eng, phase, prompt_len=512)
+                row[f"{phase}_compile_s"] = round(time.perf_counter() - start, 2)
+            rows.append(row)
+    return rows
 
 
 # --- output -------------------------------------------------------------------------------
@@ -424,11 +473,26 @@ def markdown(results: dict) -> str:
                 f"| reference | {1e3 * d['reference_step_s']:.3f} | {d['reference_tokens_per_s']:,.0f} |",
                 f"| ratio (jaxpar / reference) | {d['ratio']:.2f} | |"]
     if "gpu" in results:
-        g = results["gpu"]
-        out += ["", "### GPU", ""]
-        out += ([f"skipped: {g['skipped']}"] if "skipped" in g else
-                ["| quantity | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in g.items()])
+        out += ["", "### GPU", "", *gpu_markdown(results["gpu"])]
     return "\n".join(out)
+
+
+def gpu_markdown(g: dict) -> list[str]:
+    """The GPU section's tables."""
+    if "skipped" in g:
+        return [f"skipped: {g['skipped']}"]
+    out = [f"{g['device_kind']}, jax {g['jax']}, {g['model']} {g['dtype']}", "",
+           "| decode batch | context | ms / step | floor ms (bytes / peak) | HBM fraction |",
+           "|---|---|---|---|---|"]
+    out += [f"| {r['batch']} | {r['context']} | {r['decode_ms']:.3f} | {_fmt(r['floor_ms'])} | "
+            f"{_fmt(r['hbm_fraction'])} |" for r in g["decode"]]
+    out += ["", "| prefill tokens | batch x prompt | ms | MFU |", "|---|---|---|---|"]
+    out += [f"| {r['tokens']} | {r['batch']} x {r['prompt_len']} | {r['prefill_ms']:.2f} | "
+            f"{_fmt(r['mfu'])} |" for r in g["prefill"]]
+    out += ["", "| layers | layer loop | prefill compile s | decode compile s |", "|---|---|---|---|"]
+    out += [f"| {r['n_layers']} | {r['layer_loop']} | {r['prefill_compile_s']} | "
+            f"{r['decode_compile_s']} |" for r in g["compile"]]
+    return out
 
 
 def documented_literal(rows: list[dict]) -> str:
@@ -463,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.gpu_only:
-        results = {"gpu": gpu_section(args.gpu_model)}
+        results = {"gpu": gpu_section(args.gpu_model, quick=args.quick)}
     else:
         _cpu_env()
         import jax

@@ -16,6 +16,7 @@ from jaxpar.models._decoder import (
     init_params,
     param_logical_axes,
     prefill,
+    with_layer_loop,
 )
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES
@@ -53,4 +54,5 @@ __all__ = [
     "preset",
     "prefill",
     "rope_inv_freq",
+    "with_layer_loop",
 ]
