@@ -119,10 +119,12 @@ class InferenceEngine:
                 raise ShapeError(
                     f"prompt {i} has token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab})"
                 )
-            if ids.size + max_new_tokens > self.max_seq_len:
+            # The last new token is returned, never fed back: the cache holds
+            # prompt + max_new_tokens - 1 tokens.
+            if ids.size + max_new_tokens - 1 > self.max_seq_len:
                 raise CacheOverflowError(
                     f"prompt {i} ({ids.size} tokens) + max_new_tokens={max_new_tokens} exceeds "
-                    f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len"
+                    f"max_seq_len={self.max_seq_len} + 1; shorten it or raise max_seq_len"
                 )
 
     def _bucket(self, longest: int) -> int:
@@ -225,7 +227,7 @@ class InferenceEngine:
         lay = self.layouts
         done = np.arange(self.max_batch) >= n
         done_B = put_global(done, lay.tokens_B)
-        stop_S = put_global(np.asarray(list(stop_tokens) or [-1], np.int32), lay.replicated)
+        stop_S = put_global(_stop_list(stop_tokens), lay.replicated)
         key = jax.random.wrap_key_data(
             put_global(np.asarray(jax.random.key_data(jax.random.key(seed))), lay.replicated)
         )
@@ -234,7 +236,7 @@ class InferenceEngine:
             out_BN, cache = self.steps.decode_loop(
                 self.params, cache, first_B, done_B, key, stop_S, max_new_tokens, sampling
             )
-            out = self.steps.host_batch(out_BN)
+            out = self.steps.host_batch(out_BN)[:, :max_new_tokens]
         else:
             out = self._stream(cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback)
         decode_seconds = time.perf_counter() - start
@@ -267,6 +269,15 @@ class InferenceEngine:
             if done.all():
                 break
         return out
+
+
+def _stop_list(stop_tokens: Sequence[int]) -> np.ndarray:
+    """Stop tokens padded with -1 (never generated) to a power of two >= 8: few shapes, so
+    the decode loop compiles once for any short stop list."""
+    stops = [int(t) for t in stop_tokens]
+    out = np.full(max(8, 1 << max(len(stops) - 1, 0).bit_length()), -1, np.int32)
+    out[: len(stops)] = stops
+    return out
 
 
 def _check_params(abstract: nnx.State, params: nnx.State) -> None:

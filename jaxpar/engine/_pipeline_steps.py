@@ -148,7 +148,7 @@ class PipelineSteps(Steps):
     def _decode_loop(self, params, cache, first_PB, done_B, key, stop_S, n_new, sampling):
         p, b = first_PB.shape
         last_P1 = (jnp.arange(p) == p - 1)[:, None]
-        out_PBN = jnp.full((p, b, n_new), -1, jnp.int32).at[:, :, 0].set(first_PB)
+        out_PBN = jnp.full((p, b, self.max_seq_len), -1, jnp.int32).at[:, :, 0].set(first_PB)
         done_PB = done_B[None] | jnp.isin(first_PB, stop_S)
 
         def cond(carry):
@@ -221,16 +221,18 @@ class PipelineSteps(Steps):
 
     def decode_loop(self, params, cache, first_PB, done_B, key, stop_S, n_new, sampling):
         lay = self.layouts
+        n_new = put_global(np.asarray(n_new, np.int32), lay.replicated)  # runtime: one compile
         compiled = self._compile(
             "decode_loop",
-            (n_new, sampling, stop_S.shape),
-            lambda p, c, f, d, k, s: self._decode_loop(p, c, f, d, k, s, n_new, sampling),
-            (lay.params, lay.cache, lay.tokens_PB, lay.tokens_B, lay.replicated, lay.replicated),
+            (sampling, stop_S.shape),
+            lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
+            (lay.params, lay.cache, lay.tokens_PB, lay.tokens_B, lay.replicated, lay.replicated,
+             lay.replicated),
             (lay.out_PBN, lay.cache),
-            (params, cache, first_PB, done_B, key, stop_S),
+            (params, cache, first_PB, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, first_PB, done_B, key, stop_S)
+        return compiled(params, cache, first_PB, done_B, key, stop_S, n_new)
 
     # --- results as callers see them -----------------------------------------------------
 

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.engine._placement import to_host
+from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._sampling import Sampling, select
 from jaxpar.models._cache import KVCache
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec, sharding_context
@@ -113,8 +113,10 @@ class Steps:
             return select(logits_BV, jax.random.fold_in(key, step), sampling), cache
 
     def _decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+        # n_new is a traced scalar: the output has room for the most tokens any prompt can
+        # get (max_seq_len), so one program serves every max_new_tokens.
         batch = first_B.shape[0]
-        out_BN = jnp.full((batch, n_new), -1, jnp.int32).at[:, 0].set(first_B)
+        out_BN = jnp.full((batch, self.max_seq_len), -1, jnp.int32).at[:, 0].set(first_B)
         done_B = done_B | jnp.isin(first_B, stop_S)
 
         def cond(carry):
@@ -205,17 +207,23 @@ class Steps:
         return compiled(params, cache, tokens_B, key, step)
 
     def decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+        """Up to ``n_new`` tokens per row (``[B, max_seq_len]``, -1 past the end).
+
+        ``n_new`` is a runtime argument: one compile per sampling mode and stop-list size.
+        """
         lay = self.layouts
+        n_new = put_global(np.asarray(n_new, np.int32), lay.replicated)
         compiled = self._compile(
             "decode_loop",
-            (n_new, sampling, stop_S.shape),
-            lambda p, c, f, d, k, s: self._decode_loop(p, c, f, d, k, s, n_new, sampling),
-            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated),
+            (sampling, stop_S.shape),
+            lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
+            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated,
+             lay.replicated),
             (lay.replicated, lay.cache),
-            (params, cache, first_B, done_B, key, stop_S),
+            (params, cache, first_B, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, first_B, done_B, key, stop_S)
+        return compiled(params, cache, first_B, done_B, key, stop_S, n_new)
 
     # --- results as callers see them -----------------------------------------------------
 
