@@ -1,11 +1,10 @@
-"""Sliding window, cache shapes, scanned-layer compile time, module names in HLO."""
+"""Sliding window, cache shapes, scanned-layer program size, module names in HLO."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import re
-import time
 
 import jax
 import jax.numpy as jnp
@@ -61,22 +60,18 @@ def test_cache_logical_axes_and_abstract() -> None:
     assert abstract.lengths_B.dtype == jnp.int32
 
 
-def _compile_seconds(n_layers: int) -> tuple[float, int]:
+def _program_size(n_layers: int) -> int:
     config = dataclasses.replace(preset("tiny-dense"), n_layers=n_layers)
     graphdef, state = nnx.split(init_model(config))
     lowered = jax.jit(functools.partial(prefill_fn, graphdef)).lower(
         state, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32)
     )
-    start = time.perf_counter()
-    lowered.compile()
-    return time.perf_counter() - start, len(lowered.as_text())
+    return len(lowered.as_text())
 
 
-def test_compile_time_does_not_grow_with_depth() -> None:
-    t2, size2 = _compile_seconds(2)
-    t16, size16 = _compile_seconds(16)
+def test_program_size_does_not_grow_with_depth() -> None:
+    size2, size16 = _program_size(2), _program_size(16)
     assert abs(size16 - size2) < 0.02 * size2, (size2, size16)  # one scanned body
-    assert t16 < 3 * t2 + 2.0, (t2, t16)  # unrolled, 16 layers would cost ~8x
 
 
 def test_modules_are_named_in_hlo_metadata() -> None:
