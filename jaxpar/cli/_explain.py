@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jaxpar.cli._common import parallel_config
+from jaxpar.engine._vocab import padded_config
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
 from jaxpar.models import KVCache, ModelConfig, abstract_model, preset
@@ -79,6 +80,7 @@ def abstract_engine(config: ModelConfig, parallel: ParallelConfig, *, max_batch:
             raise ConfigError(f"pp={parallel.pp}: this engine has no pipelined steps, so there "
                               "is no compiled program to show") from None
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    config = padded_config(config, parallel.tp)  # as the engine runs it
     graphdef, state = nnx.split(abstract_model(config))
     shardings = param_shardings(state, mesh, parallel, config)
     params = jax.tree.map(
@@ -201,7 +203,7 @@ def _config_of(args: argparse.Namespace) -> ModelConfig:
 def explain(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``jaxpar explain`` shows, as a JSON-ready dict."""
     config, parallel = _config_of(args), parallel_config(args)
-    plan = validate(config, parallel, n_devices=parallel.size, batch=args.batch,
+    plan = validate(padded_config(config, parallel.tp), parallel, n_devices=parallel.size, batch=args.batch,
                     max_seq_len=args.max_seq_len)
     phases = [Phase.PREFILL, Phase.DECODE] if args.phase == "both" else [Phase.coerce(args.phase)]
     engine, pending = None, None

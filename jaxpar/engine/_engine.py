@@ -14,9 +14,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar.engine._pipeline_steps import PipelineLayouts, PipelineSteps
-from jaxpar.engine._placement import param_shardings, place, put_global
+from jaxpar.engine._placement import logical_axes_of, param_shardings, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._steps import Layouts, Steps
+from jaxpar.engine._vocab import pad_vocab_params, padded_config, true_vocab
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
@@ -74,8 +75,11 @@ class InferenceEngine:
         config = parallel_config or ParallelConfig()
         devices = mesh.devices.size if mesh is not None else config.size
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
+        # A vocabulary tp does not divide is padded (see _vocab); the engine runs the padded
+        # model, and everything callers see has the true vocabulary.
+        padded = padded_config(model_config, config.tp)
         self.plan: Plan = validate(
-            model_config, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
+            padded, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
         self.mesh = mesh if mesh is not None else make_mesh(config)
         self.model_config = model_config
@@ -86,12 +90,20 @@ class InferenceEngine:
         abstract = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
         graphdef, abstract_state = nnx.split(abstract)
         _check_params(abstract_state, params)
-        shardings = param_shardings(abstract_state, self.mesh, config, model_config)
+        if padded is not model_config:
+            params = pad_vocab_params(params, logical_axes_of(abstract_state), padded.vocab_size)
+            graphdef, abstract_state = nnx.split(
+                nnx.eval_shape(lambda: Decoder(padded, rngs=nnx.Rngs(0)))
+            )
+        shardings = param_shardings(abstract_state, self.mesh, config, padded)
         self.params = jax.tree.map(place, params, shardings)
         # pp > 1: the pipelined programs (same entry points, stage-major results inside).
         layouts, steps = (PipelineLayouts, PipelineSteps) if config.pp > 1 else (Layouts, Steps)
-        self.layouts = layouts.build(self.mesh, config, model_config, shardings)
-        self.steps = steps(graphdef, self.layouts, self.mesh, config, model_config, max_seq_len)
+        self.layouts = layouts.build(self.mesh, config, padded, shardings)
+        self.steps = steps(
+            graphdef, self.layouts, self.mesh, config, padded, max_seq_len,
+            vocab_size=model_config.vocab_size,
+        )
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -159,7 +171,8 @@ class InferenceEngine:
         each sequence's first new token.
         """
         logits_BV, cache, first_B = self._prefill(tokens_BT, lengths_B, seed, sampling)
-        return self.steps.to_batch(logits_BV), cache, self.steps.to_batch(first_B)
+        logits_BV = true_vocab(self.steps.to_batch(logits_BV), self.model_config.vocab_size)
+        return logits_BV, cache, self.steps.to_batch(first_B)
 
     def _prefill(
         self, tokens_BT: np.ndarray, lengths_B: np.ndarray, seed: int, sampling: Sampling | None
@@ -181,7 +194,7 @@ class InferenceEngine:
         tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
         lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
         logits = self.steps.prefill(self.params, tokens, lengths, all_logits=True)[0]
-        return self.steps.to_batch(logits)
+        return true_vocab(self.steps.to_batch(logits), self.model_config.vocab_size)
 
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
         """One decode step (the cache is donated: do not reuse the argument)."""
@@ -189,7 +202,7 @@ class InferenceEngine:
         if not isinstance(tokens_B, jax.Array):
             tokens_B = put_global(np.asarray(tokens_B, np.int32), self.layouts.tokens_B)
         logits, cache = self.steps.decode(self.params, cache, tokens_B)
-        return self.steps.to_batch(logits), cache
+        return true_vocab(self.steps.to_batch(logits), self.model_config.vocab_size), cache
 
     # --- generation ----------------------------------------------------------------------
 

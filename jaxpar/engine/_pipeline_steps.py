@@ -26,6 +26,7 @@ from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._sampling import Sampling, select
 from jaxpar.engine._steps import Layouts, Steps
+from jaxpar.engine._vocab import mask_padded
 from jaxpar.models._cache import KVCache
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, sharding_context
 
@@ -105,7 +106,7 @@ class PipelineSteps(Steps):
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len)
             # Every stage samples its own row of logits; stage P-1's row is the real one.
             key = jax.random.fold_in(key, 0)
-            first_PB = self.stages.map(lambda _, lg: select(lg, key, sampling))(logits_PBV)
+            first_PB = self.stages.map(lambda _, lg: self._select(lg, key, sampling))(logits_PBV)
         return cache, first_PB
 
     def _step(self, params, cache, tokens_PB, emit, emitted, emitted_axes):
@@ -138,9 +139,13 @@ class PipelineSteps(Steps):
     def _decode_select(self, params, cache, tokens_PB, key, step, sampling):
         """Chained step: ``tokens_PB`` as the last stage left them (row P-1)."""
         b = tokens_PB.shape[1]
-        emit = group_sampler(
+        sample = group_sampler(
             jax.random.fold_in(key, step), sampling, self.config.decode_groups, self.dims.vocab_size
         )
+
+        def emit(logits_BgV, g):
+            return sample(mask_padded(logits_BgV, self.vocab_size), g)
+
         emitted = jax.ShapeDtypeStruct((self._group_rows(b),), jnp.int32)
         # The roll is the one collective-permute that brings them to stage 0.
         return self._step(params, cache, jnp.roll(tokens_PB, 1, axis=0), emit, emitted, ("batch",))

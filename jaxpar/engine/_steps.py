@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._sampling import Sampling, select
+from jaxpar.engine._vocab import mask_padded
 from jaxpar.models._cache import KVCache
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec, sharding_context
 
@@ -78,8 +79,13 @@ class Steps:
         config: ParallelConfig,
         dims: ModelDims,
         max_seq_len: int,
+        *,
+        vocab_size: int | None = None,
     ):
+        """``dims`` may have a padded vocabulary; ``vocab_size`` is the true one (default:
+        ``dims.vocab_size``): ids from it up are never chosen."""
         self.graphdef = graphdef
+        self.vocab_size = dims.vocab_size if vocab_size is None else vocab_size
         self.layouts = layouts
         self.mesh = mesh
         self.config = config
@@ -100,7 +106,7 @@ class Steps:
     def _handoff(self, k_LBTKH, v_LBTKH, lengths_B, logits_BV, key, sampling):
         with sharding_context(self.mesh, DECODE, self.config, self.dims):
             cache = KVCache.from_prefill(k_LBTKH, v_LBTKH, lengths_B, self.max_seq_len)
-            first_B = select(logits_BV, jax.random.fold_in(key, 0), sampling)
+            first_B = self._select(logits_BV, jax.random.fold_in(key, 0), sampling)
         return cache, first_B
 
     def _decode(self, params, cache, tokens_B):
@@ -110,7 +116,11 @@ class Steps:
     def _decode_select(self, params, cache, tokens_B, key, step, sampling):
         logits_BV, cache = self._decode(params, cache, tokens_B)
         with sharding_context(self.mesh, DECODE, self.config, self.dims):
-            return select(logits_BV, jax.random.fold_in(key, step), sampling), cache
+            return self._select(logits_BV, jax.random.fold_in(key, step), sampling), cache
+
+    def _select(self, logits_BV, key, sampling):
+        """:func:`select` over the true vocabulary (padded ids masked)."""
+        return select(mask_padded(logits_BV, self.vocab_size), key, sampling)
 
     def _decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
         # n_new is a traced scalar: the output has room for the most tokens any prompt can
