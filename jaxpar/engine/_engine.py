@@ -58,7 +58,8 @@ class InferenceEngine:
             ``load_hf_checkpoint``); host or device arrays.
         parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
         max_batch: sequences per step; prompts are padded up to it.
-        max_seq_len: KV cache length per sequence (prompt + new tokens).
+        max_seq_len: KV cache length per sequence (prompt + new tokens - 1: the last new
+            token is returned, never cached).
         mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``make_mesh(parallel_config)``.
     """
 
