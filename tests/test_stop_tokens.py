@@ -76,3 +76,14 @@ def test_streaming_ends_when_every_row_stops():
     ).tokens
     assert got == [cut(row, stops) for row in full] and max(map(len, got)) <= 2
     assert seen == list(range(max(map(len, got))))
+
+
+def test_pipelined_loop_takes_the_token_count_at_run_time():
+    """One pipelined decode-loop program serves every max_new_tokens (item 9 for pp)."""
+    eng = _engine(PC(pp=2, tp=2))
+    full = reference("tiny-dense")[1]
+    programs = []
+    for n in (NEW_TOKENS, 5, NEW_TOKENS - 1):
+        assert eng.generate(PROMPTS, n).tokens == [row[:n] for row in full]
+        programs.append([key for key in eng.steps._compiled if key[0] == "decode_loop"])
+    assert len(programs[0]) >= 1 and programs[0] == programs[-1]
