@@ -9,6 +9,8 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
@@ -17,7 +19,10 @@ jax.config.update("jax_enable_x64", False)
 # Identical programs (same model, strategy and shapes) recur across test files; a cache
 # private to this run compiles each once. It starts empty, so every program is still
 # compiled and checked at least once per run.
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxpar-test-xla-"))
+# One per process (each xdist worker imports this file), removed when that process exits.
+_cache_dir = tempfile.mkdtemp(prefix="jaxpar-test-xla-")
+atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _cache_dir)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -24,7 +24,7 @@ def eng():
         ([[]], {}, jaxpar.ShapeError, "prompt 0 is empty"),
         ([], {}, jaxpar.ShapeError, "non-empty list"),
         ([[1]] * 5, {}, jaxpar.ShapeError, "5 prompts exceed the engine's max_batch=4"),
-        ([[1] * 30], {"max_new_tokens": 3}, jaxpar.CacheOverflowError, "exceeds max_seq_len=32"),
+        ([[1] * 30], {"max_new_tokens": 4}, jaxpar.CacheOverflowError, "exceeds max_seq_len=32"),
         ([[1.5, 2.0]], {}, jaxpar.ShapeError, "dtype float64; token ids must be integers"),
         ([[[1, 2]]], {}, jaxpar.ShapeError, "must be a 1-D sequence"),
         ([[1, 2]], {"max_new_tokens": 0}, jaxpar.ShapeError, "max_new_tokens must be an int >= 1"),
@@ -113,3 +113,35 @@ def test_stop_tokens_finish_sequences_individually(eng):
 def test_max_seq_len_past_learned_positions_is_refused():
     with pytest.raises(jaxpar.ConfigError, match="max_position_embeddings|position"):
         engine("tiny-gpt2", ParallelConfig(), max_seq_len=256)
+
+
+@pytest.mark.parametrize("prompt_len", [28, 29], ids=["prompt+new=max_seq_len", "cache-full"])
+def test_max_seq_len_boundary(eng, prompt_len):
+    """prompt + 4 new = max_seq_len (32), and one more: the last new token is never cached,
+    so 29 + 4 fills the cache exactly. Both equal a run with room to spare; 30 + 4 is refused."""
+    prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, 256, prompt_len)]
+    roomy = engine("tiny-dense", ParallelConfig(), max_batch=4, max_seq_len=64)
+    got = eng.generate([prompt, PROMPTS[1]], 4).tokens
+    assert got == roomy.generate([prompt, PROMPTS[1]], 4).tokens
+    assert len(got[0]) == 4
+    with pytest.raises(jaxpar.CacheOverflowError, match="max_seq_len=32"):
+        eng.generate([prompt + [1] * (30 - prompt_len)], 4)
+
+
+def _loop_programs(eng) -> list[tuple]:
+    return [key for key in eng.steps._compiled if key[0] == "decode_loop"]
+
+
+def test_max_new_tokens_does_not_recompile(eng):
+    """The token count is a runtime argument of the decode loop: 16, 17, 3 and 1 new
+    tokens (and a different stop list) share one program per sampling mode."""
+    sampled = Sampling(temperature=0.7, top_k=10)
+    runs, programs = {}, []
+    for n in (16, 17, 3, 1):
+        runs[n] = eng.generate(PROMPTS[:3], n).tokens
+        eng.generate(PROMPTS[:3], n, sampling=sampled, seed=1, stop_tokens=[5, 6, 7][: n % 4])
+        programs.append(_loop_programs(eng))
+    assert programs[0] == programs[-1], programs
+    assert sum(key[1] in (Sampling(), sampled) for key in programs[-1]) == 2
+    for n in (17, 3, 1):  # fewer tokens are a prefix of more (greedy)
+        assert [row[:n] for row in runs[17]] == runs[n] and all(len(r) == n for r in runs[n])

@@ -1,4 +1,4 @@
-"""Sliding window, cache shapes, scanned-layer compile time, module names in HLO."""
+"""Sliding window, cache shapes, scanned-layer program size, module names in HLO."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._progress import stage
+from jaxpar.engine._vocab import padded_config
 from jaxpar.errors import ConfigError
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
 from jaxpar.models import KVCache, ModelConfig, abstract_model
@@ -82,6 +83,7 @@ def abstract_engine(config: ModelConfig, parallel: ParallelConfig, *, max_batch:
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
     if parallel.pp > 1:  # pipeline stages run stacked layers, as the engine does
         config = dataclasses.replace(config, layer_loop="scan")
+    config = padded_config(config, parallel.tp)  # as the engine runs it
     graphdef, state = nnx.split(abstract_model(config))
     shardings = param_shardings(state, mesh, parallel, config)
     params = jax.tree.map(
@@ -198,7 +200,7 @@ def _config_of(args: argparse.Namespace) -> ModelConfig:
 def explain(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``jaxpar explain`` shows, as a JSON-ready dict."""
     config, parallel = _config_of(args), parallel_config(args)
-    plan = validate(config, parallel, n_devices=parallel.size, batch=args.batch,
+    plan = validate(padded_config(config, parallel.tp), parallel, n_devices=parallel.size, batch=args.batch,
                     max_seq_len=args.max_seq_len)
     phases = [Phase.PREFILL, Phase.DECODE] if args.phase == "both" else [Phase.coerce(args.phase)]
     engine, pending = None, None

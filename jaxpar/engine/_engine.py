@@ -14,9 +14,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar.engine._pipeline_steps import PipelineLayouts, PipelineSteps
-from jaxpar.engine._placement import param_shardings, place, put_global
+from jaxpar.engine._placement import logical_axes_of, param_shardings, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._steps import Layouts, Steps
+from jaxpar.engine._vocab import pad_vocab_params, padded_config, true_vocab
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
@@ -71,7 +72,8 @@ class InferenceEngine:
             ``load_hf_checkpoint``); host or device arrays.
         parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
         max_batch: sequences per step; prompts are padded up to it.
-        max_seq_len: KV cache length per sequence (prompt + new tokens).
+        max_seq_len: KV cache length per sequence (prompt + new tokens - 1: the last new
+            token is returned, never cached).
         mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``make_mesh(parallel_config)``.
     """
 
@@ -88,11 +90,14 @@ class InferenceEngine:
         config = parallel_config or ParallelConfig()
         devices = mesh.devices.size if mesh is not None else config.size
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
+        model_config, params = pipeline_layer_form(model_config, params, config)
+        # A vocabulary tp does not divide is padded (see _vocab); the engine runs the padded
+        # model, and everything callers see has the true vocabulary.
+        padded = padded_config(model_config, config.tp)
         self.plan: Plan = validate(
-            model_config, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
+            padded, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
         self.mesh = mesh if mesh is not None else make_mesh(config)
-        model_config, params = pipeline_layer_form(model_config, params, config)
         self.model_config = model_config
         self.parallel_config = config
         self.max_batch = max_batch
@@ -101,12 +106,20 @@ class InferenceEngine:
         abstract = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
         graphdef, abstract_state = nnx.split(abstract)
         _check_params(abstract_state, params)
-        shardings = param_shardings(abstract_state, self.mesh, config, model_config)
+        if padded is not model_config:
+            params = pad_vocab_params(params, logical_axes_of(abstract_state), padded.vocab_size)
+            graphdef, abstract_state = nnx.split(
+                nnx.eval_shape(lambda: Decoder(padded, rngs=nnx.Rngs(0)))
+            )
+        shardings = param_shardings(abstract_state, self.mesh, config, padded)
         self.params = jax.tree.map(place, params, shardings)
         # pp > 1: the pipelined programs (same entry points, stage-major results inside).
         layouts, steps = (PipelineLayouts, PipelineSteps) if config.pp > 1 else (Layouts, Steps)
-        self.layouts = layouts.build(self.mesh, config, model_config, shardings)
-        self.steps = steps(graphdef, self.layouts, self.mesh, config, model_config, max_seq_len)
+        self.layouts = layouts.build(self.mesh, config, padded, shardings)
+        self.steps = steps(
+            graphdef, self.layouts, self.mesh, config, padded, max_seq_len,
+            vocab_size=model_config.vocab_size,
+        )
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -134,10 +147,12 @@ class InferenceEngine:
                 raise ShapeError(
                     f"prompt {i} has token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab})"
                 )
-            if ids.size + max_new_tokens > self.max_seq_len:
+            # The last new token is returned, never fed back: the cache holds
+            # prompt + max_new_tokens - 1 tokens.
+            if ids.size + max_new_tokens - 1 > self.max_seq_len:
                 raise CacheOverflowError(
                     f"prompt {i} ({ids.size} tokens) + max_new_tokens={max_new_tokens} exceeds "
-                    f"max_seq_len={self.max_seq_len}; shorten it or raise max_seq_len"
+                    f"max_seq_len={self.max_seq_len} + 1; shorten it or raise max_seq_len"
                 )
 
     def _bucket(self, longest: int) -> int:
@@ -172,7 +187,8 @@ class InferenceEngine:
         each sequence's first new token.
         """
         logits_BV, cache, first_B = self._prefill(tokens_BT, lengths_B, seed, sampling)
-        return self.steps.to_batch(logits_BV), cache, self.steps.to_batch(first_B)
+        logits_BV = true_vocab(self.steps.to_batch(logits_BV), self.model_config.vocab_size)
+        return logits_BV, cache, self.steps.to_batch(first_B)
 
     def _prefill(
         self, tokens_BT: np.ndarray, lengths_B: np.ndarray, seed: int, sampling: Sampling | None
@@ -194,7 +210,7 @@ class InferenceEngine:
         tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
         lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
         logits = self.steps.prefill(self.params, tokens, lengths, all_logits=True)[0]
-        return self.steps.to_batch(logits)
+        return true_vocab(self.steps.to_batch(logits), self.model_config.vocab_size)
 
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
         """One decode step (the cache is donated: do not reuse the argument)."""
@@ -202,7 +218,7 @@ class InferenceEngine:
         if not isinstance(tokens_B, jax.Array):
             tokens_B = put_global(np.asarray(tokens_B, np.int32), self.layouts.tokens_B)
         logits, cache = self.steps.decode(self.params, cache, tokens_B)
-        return self.steps.to_batch(logits), cache
+        return true_vocab(self.steps.to_batch(logits), self.model_config.vocab_size), cache
 
     # --- generation ----------------------------------------------------------------------
 
@@ -242,7 +258,7 @@ class InferenceEngine:
         lay = self.layouts
         done = np.arange(self.max_batch) >= n
         done_B = put_global(done, lay.tokens_B)
-        stop_S = put_global(np.asarray(list(stop_tokens) or [-1], np.int32), lay.replicated)
+        stop_S = put_global(_stop_list(stop_tokens), lay.replicated)
         key = jax.random.wrap_key_data(
             put_global(np.asarray(jax.random.key_data(jax.random.key(seed))), lay.replicated)
         )
@@ -251,7 +267,7 @@ class InferenceEngine:
             out_BN, cache = self.steps.decode_loop(
                 self.params, cache, first_B, done_B, key, stop_S, max_new_tokens, sampling
             )
-            out = self.steps.host_batch(out_BN)
+            out = self.steps.host_batch(out_BN)[:, :max_new_tokens]
         else:
             out = self._stream(cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback)
         decode_seconds = time.perf_counter() - start
@@ -284,6 +300,15 @@ class InferenceEngine:
             if done.all():
                 break
         return out
+
+
+def _stop_list(stop_tokens: Sequence[int]) -> np.ndarray:
+    """Stop tokens padded with -1 (never generated) to a power of two >= 8: few shapes, so
+    the decode loop compiles once for any short stop list."""
+    stops = [int(t) for t in stop_tokens]
+    out = np.full(max(8, 1 << max(len(stops) - 1, 0).bit_length()), -1, np.int32)
+    out[: len(stops)] = stops
+    return out
 
 
 def _check_params(abstract: nnx.State, params: nnx.State) -> None:

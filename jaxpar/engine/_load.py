@@ -10,6 +10,7 @@ from typing import Any
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._vocab import padded_config, unsplit_vocab
 from jaxpar.errors import CheckpointError
 from jaxpar.models import load_hf_checkpoint
 from jaxpar.models._hf_config import config_from_hf
@@ -46,13 +47,17 @@ def engine_from_hf(
     layer_loop = "scan" if parallel.pp > 1 else "unrolled"
     config = config_from_hf(hf, dtype=dtype, source=str(source), layer_loop=layer_loop)
     devices = mesh.devices.size if mesh is not None else parallel.size
-    validate(config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
+    padded = padded_config(config, parallel.tp)
+    validate(padded, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
     mesh = mesh if mesh is not None else make_mesh(parallel)
 
     def sharding(path_: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
         if on_tensor is not None:
             on_tensor(".".join(map(str, path_)))
-        return NamedSharding(mesh, param_partition_spec(axes, parallel, dims=config))
+        spec = param_partition_spec(axes, parallel, dims=padded)
+        if padded is not config:  # tp does not divide the vocabulary: the engine pads it
+            spec = unsplit_vocab(spec, axes)
+        return NamedSharding(mesh, spec)
 
     config, params = load_hf_checkpoint(
         path, dtype=dtype, shardings=sharding, layer_loop=layer_loop

@@ -26,6 +26,7 @@ from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._sampling import Sampling, select
 from jaxpar.engine._steps import Layouts, Steps
+from jaxpar.engine._vocab import mask_padded
 from jaxpar.models._cache import KVCache
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, sharding_context
 
@@ -105,7 +106,7 @@ class PipelineSteps(Steps):
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len)
             # Every stage samples its own row of logits; stage P-1's row is the real one.
             key = jax.random.fold_in(key, 0)
-            first_PB = self.stages.map(lambda _, lg: select(lg, key, sampling))(logits_PBV)
+            first_PB = self.stages.map(lambda _, lg: self._select(lg, key, sampling))(logits_PBV)
         return cache, first_PB
 
     def _step(self, params, cache, tokens_PB, emit, emitted, emitted_axes):
@@ -138,9 +139,13 @@ class PipelineSteps(Steps):
     def _decode_select(self, params, cache, tokens_PB, key, step, sampling):
         """Chained step: ``tokens_PB`` as the last stage left them (row P-1)."""
         b = tokens_PB.shape[1]
-        emit = group_sampler(
+        sample = group_sampler(
             jax.random.fold_in(key, step), sampling, self.config.decode_groups, self.dims.vocab_size
         )
+
+        def emit(logits_BgV, g):
+            return sample(mask_padded(logits_BgV, self.vocab_size), g)
+
         emitted = jax.ShapeDtypeStruct((self._group_rows(b),), jnp.int32)
         # The roll is the one collective-permute that brings them to stage 0.
         return self._step(params, cache, jnp.roll(tokens_PB, 1, axis=0), emit, emitted, ("batch",))
@@ -148,7 +153,7 @@ class PipelineSteps(Steps):
     def _decode_loop(self, params, cache, first_PB, done_B, key, stop_S, n_new, sampling):
         p, b = first_PB.shape
         last_P1 = (jnp.arange(p) == p - 1)[:, None]
-        out_PBN = jnp.full((p, b, n_new), -1, jnp.int32).at[:, :, 0].set(first_PB)
+        out_PBN = jnp.full((p, b, self.max_seq_len), -1, jnp.int32).at[:, :, 0].set(first_PB)
         done_PB = done_B[None] | jnp.isin(first_PB, stop_S)
 
         def cond(carry):
@@ -221,16 +226,18 @@ class PipelineSteps(Steps):
 
     def decode_loop(self, params, cache, first_PB, done_B, key, stop_S, n_new, sampling):
         lay = self.layouts
+        n_new = put_global(np.asarray(n_new, np.int32), lay.replicated)  # runtime: one compile
         compiled = self._compile(
             "decode_loop",
-            (n_new, sampling, stop_S.shape),
-            lambda p, c, f, d, k, s: self._decode_loop(p, c, f, d, k, s, n_new, sampling),
-            (lay.params, lay.cache, lay.tokens_PB, lay.tokens_B, lay.replicated, lay.replicated),
+            (sampling, stop_S.shape),
+            lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
+            (lay.params, lay.cache, lay.tokens_PB, lay.tokens_B, lay.replicated, lay.replicated,
+             lay.replicated),
             (lay.out_PBN, lay.cache),
-            (params, cache, first_PB, done_B, key, stop_S),
+            (params, cache, first_PB, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, first_PB, done_B, key, stop_S)
+        return compiled(params, cache, first_PB, done_B, key, stop_S, n_new)
 
     # --- results as callers see them -----------------------------------------------------
 

@@ -56,4 +56,15 @@ def select(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
         kept = jnp.where(before_BV < sampling.top_p, sorted_BV, jnp.inf)
         cutoff_B1 = jnp.min(kept, axis=-1, keepdims=True)
         logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
-    return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)
+    return _gumbel_argmax(key, logits_BV)
+
+
+def _gumbel_argmax(key: jax.Array, logits_BV: jax.Array) -> jax.Array:
+    """A categorical draw per row, as ``jax.random.categorical`` (argmax of logits + Gumbel
+    noise), with row ``b``'s noise drawn from ``fold_in(key, b)`` over ``[V]``: the draw for
+    token ``v`` depends on neither the batch size nor the vocabulary length, so a vocabulary
+    padded for tp (padded ids at -inf) samples the same tokens as the unpadded one."""
+    vocab = logits_BV.shape[-1:]
+    rows_B = jnp.arange(logits_BV.shape[0], dtype=jnp.int32)
+    noise_BV = jax.vmap(lambda b: jax.random.gumbel(jax.random.fold_in(key, b), vocab))(rows_B)
+    return jnp.argmax(logits_BV + noise_BV, axis=-1).astype(jnp.int32)

@@ -23,8 +23,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.engine._placement import to_host
+from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._sampling import Sampling, select
+from jaxpar.engine._vocab import mask_padded
 from jaxpar.models._cache import PREFILL_KV_AXES, STACKED_KV_AXES, KVCache
 from jaxpar.models._config import ModelConfig
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec, sharding_context
@@ -85,8 +86,13 @@ class Steps:
         config: ParallelConfig,
         dims: ModelDims,
         max_seq_len: int,
+        *,
+        vocab_size: int | None = None,
     ):
+        """``dims`` may have a padded vocabulary; ``vocab_size`` is the true one (default:
+        ``dims.vocab_size``): ids from it up are never chosen."""
         self.graphdef = graphdef
+        self.vocab_size = dims.vocab_size if vocab_size is None else vocab_size
         self.layouts = layouts
         self.mesh = mesh
         self.config = config
@@ -107,7 +113,7 @@ class Steps:
     def _handoff(self, k, v, lengths_B, logits_BV, key, sampling):
         with sharding_context(self.mesh, DECODE, self.config, self.dims):
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len)
-            first_B = select(logits_BV, jax.random.fold_in(key, 0), sampling)
+            first_B = self._select(logits_BV, jax.random.fold_in(key, 0), sampling)
         return cache, first_B
 
     def _decode(self, params, cache, tokens_B):
@@ -117,11 +123,17 @@ class Steps:
     def _decode_select(self, params, cache, tokens_B, key, step, sampling):
         logits_BV, cache = self._decode(params, cache, tokens_B)
         with sharding_context(self.mesh, DECODE, self.config, self.dims):
-            return select(logits_BV, jax.random.fold_in(key, step), sampling), cache
+            return self._select(logits_BV, jax.random.fold_in(key, step), sampling), cache
+
+    def _select(self, logits_BV, key, sampling):
+        """:func:`select` over the true vocabulary (padded ids masked)."""
+        return select(mask_padded(logits_BV, self.vocab_size), key, sampling)
 
     def _decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+        # n_new is a traced scalar: the output has room for the most tokens any prompt can
+        # get (max_seq_len), so one program serves every max_new_tokens.
         batch = first_B.shape[0]
-        out_BN = jnp.full((batch, n_new), -1, jnp.int32).at[:, 0].set(first_B)
+        out_BN = jnp.full((batch, self.max_seq_len), -1, jnp.int32).at[:, 0].set(first_B)
         done_B = done_B | jnp.isin(first_B, stop_S)
 
         def cond(carry):
@@ -212,17 +224,23 @@ class Steps:
         return compiled(params, cache, tokens_B, key, step)
 
     def decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+        """Up to ``n_new`` tokens per row (``[B, max_seq_len]``, -1 past the end).
+
+        ``n_new`` is a runtime argument: one compile per sampling mode and stop-list size.
+        """
         lay = self.layouts
+        n_new = put_global(np.asarray(n_new, np.int32), lay.replicated)
         compiled = self._compile(
             "decode_loop",
-            (n_new, sampling, stop_S.shape),
-            lambda p, c, f, d, k, s: self._decode_loop(p, c, f, d, k, s, n_new, sampling),
-            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated),
+            (sampling, stop_S.shape),
+            lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
+            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated,
+             lay.replicated),
             (lay.replicated, lay.cache),
-            (params, cache, first_B, done_B, key, stop_S),
+            (params, cache, first_B, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, first_B, done_B, key, stop_S)
+        return compiled(params, cache, first_B, done_B, key, stop_S, n_new)
 
     # --- results as callers see them -----------------------------------------------------
 

@@ -1,0 +1,77 @@
+"""Vocabulary padding: a vocabulary that tp does not divide is padded to a multiple of tp.
+
+As in Megatron and vLLM, the token table and an untied LM head get zero rows (columns) up to
+the padded size, so the vocab-parallel split is exact; tokens never look the padded rows up,
+their logits are masked to ``-inf`` before any token is chosen, and logits handed to callers
+are cut back to the true vocabulary. Logits of real tokens are unchanged (the padded rows
+only add zeros), so a padded sharded run equals the unpadded single-device run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxpar.models._config import ModelConfig
+
+VOCAB = "vocab"
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The smallest multiple of ``tp`` that is >= ``vocab_size``."""
+    return -(-vocab_size // tp) * tp
+
+
+def padded_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """``config`` with its vocabulary padded for ``tp`` (itself when tp divides it)."""
+    padded = padded_vocab_size(config.vocab_size, tp)
+    return config if padded == config.vocab_size else dataclasses.replace(config, vocab_size=padded)
+
+
+def pad_vocab_params(params: Any, axes: Any, padded: int) -> Any:
+    """Every parameter with a ``vocab`` dimension zero-padded along it to ``padded``.
+
+    Args:
+        params: the parameter pytree (host or device arrays), true vocabulary.
+        axes: its logical axis names, a pytree of tuples like ``params``.
+        padded: the padded vocabulary size.
+    """
+
+    def pad(value: Any, names: tuple[str | None, ...]) -> Any:
+        if VOCAB not in names or np.shape(value)[names.index(VOCAB)] == padded:
+            return value
+        dim = names.index(VOCAB)
+        widths = [(0, 0)] * len(names)
+        widths[dim] = (0, padded - np.shape(value)[dim])
+        if isinstance(value, jax.Array):
+            return jnp.pad(value, widths)
+        return np.pad(np.asarray(value), widths)
+
+    return jax.tree.map(pad, params, axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def unsplit_vocab(spec: PartitionSpec, axes: tuple[str | None, ...]) -> PartitionSpec:
+    """``spec`` with the ``vocab`` dimension unsplit (to load an unpadded table whole)."""
+    if VOCAB not in axes:
+        return spec
+    entries = list(spec) + [None] * (len(axes) - len(spec))
+    entries[axes.index(VOCAB)] = None
+    return PartitionSpec(*entries)
+
+
+def mask_padded(logits_xV: jax.Array, vocab_size: int) -> jax.Array:
+    """``-inf`` at the padded ids ``>= vocab_size`` (traced; keeps the vocab sharding)."""
+    if logits_xV.shape[-1] == vocab_size:
+        return logits_xV
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits_xV.shape, logits_xV.ndim - 1)
+    return jnp.where(ids < vocab_size, logits_xV, -jnp.inf)
+
+
+def true_vocab(logits_xV: jax.Array, vocab_size: int) -> jax.Array:
+    """Logits as callers see them: the padded ids cut off."""
+    return logits_xV if logits_xV.shape[-1] == vocab_size else logits_xV[..., :vocab_size]
