@@ -31,8 +31,8 @@ def test_sharded_hf_checkpoint_matches_transformers(name, parallel):
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
     eng = engine_from_hf(FIXTURES / name, parallel, max_batch=4, max_seq_len=48, mesh=mesh)
     # Loaded in place: weights carry their final shardings straight from the reader.
-    q = eng.params["layers"]["attn"]["q_kernel"].get_value()
-    assert q.sharding.spec[2] == "tp"
+    q = eng.params["layers"][0]["attn"]["q_kernel"].get_value()  # [D, N, H], one layer
+    assert q.sharding.spec[1] == "tp"
     tokens, lengths = eng.pad_prompts(prompts)
     logits = np.asarray(eng.prefill_logits(tokens, lengths))
     for i, prompt in enumerate(prompts):

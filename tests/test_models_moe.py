@@ -18,7 +18,7 @@ G, T = 3, 8
 def _moe(capacity_factor: float | None) -> tuple[MoE, dict[str, np.ndarray]]:
     """Layer 0's MoE of tiny-moe, with its weights as float64 numpy arrays."""
     config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=capacity_factor)
-    layer0 = jax.tree.map(lambda a: a[0], nnx.state(init_model(config, seed=2).layers.ffn))
+    layer0 = nnx.state(init_model(config, seed=2).layers[0].ffn)
     moe = nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0)))
     nnx.update(moe, layer0)
     flat = {

@@ -191,7 +191,9 @@ def _arg_bytes(name: str, parallel: ParallelConfig) -> tuple[int, int]:
         if "layers" in jax.tree_util.keystr(p)
     )
     cache = KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN)
-    kv = 2 * math.prod(eng.layouts.cache.k.shard_shape(cache.k.shape)) * 4
+    # The flat engine keeps one [B, K, S, H] array per layer, the pipelined one a stack.
+    shardings, shapes = jax.tree.leaves(eng.layouts.cache.k), jax.tree.leaves(cache.k)
+    kv = 2 * sum(math.prod(s.shard_shape(x.shape)) for s, x in zip(shardings, shapes)) * 4
     return per_device, stack + kv
 
 

@@ -104,15 +104,26 @@ def _spec_text(spec) -> str:
 
 
 def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[str, Any]]:
-    """Every parameter: logical axes, its one PartitionSpec (both phases), bytes per device."""
-    rows = []
+    """Every parameter: logical axes, its one PartitionSpec (both phases), bytes per device.
+
+    Per-layer parameters (``layer_loop="unrolled"``) are one row each, named
+    ``layers.*.<rest>``, with one layer's shape and ``count`` layers' bytes per device.
+    """
+    rows: dict[str, dict[str, Any]] = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
         value, axes = var.get_value(), tuple(var.get_metadata()["out_sharding"])
         spec = param_partition_spec(axes, parallel, dims=config)
-        rows.append({"tensor": ".".join(map(str, path)), "shape": list(value.shape),
-                     "logical_axes": list(axes), "spec": _spec_text(spec),
-                     "bytes_per_device": _per_device(value.shape, spec, parallel, value.dtype.itemsize)})
-    return rows
+        per_layer = len(path) > 1 and path[0] == "layers" and isinstance(path[1], int)
+        name = ".".join(map(str, ("layers", "*", *path[2:]) if per_layer else path))
+        nbytes = _per_device(value.shape, spec, parallel, value.dtype.itemsize)
+        if name in rows:
+            rows[name]["count"] += 1
+            rows[name]["bytes_per_device"] += nbytes
+            continue
+        rows[name] = {"tensor": name, "shape": list(value.shape), "count": 1,
+                      "logical_axes": list(axes), "spec": _spec_text(spec),
+                      "bytes_per_device": nbytes}
+    return list(rows.values())
 
 
 def tensor_rows(config: ModelConfig, parallel: ParallelConfig, phase: Phase, *, batch: int,
@@ -264,7 +275,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[bold]jaxpar explain[/]: {args.hf or args.model or args.default_model}, strategy "
                   f"{data['strategy']}, batch {args.batch}, prompt {args.prompt_len}, cache {args.max_seq_len}")
     console.print(_table("parameters (one layout for both phases)", data["parameters"],
-                         ["tensor", "shape", "logical_axes", "spec", "bytes_per_device"]))
+                         ["tensor", "count", "shape", "logical_axes", "spec", "bytes_per_device"]))
     for phase, d in data["phases"].items():
         console.rule(f"[bold]{phase}")
         console.print(_table(f"{phase}: tensors", d["tensors"],
