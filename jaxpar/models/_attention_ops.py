@@ -114,15 +114,19 @@ def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window):
     k_heads, s = k_BKSH.shape[1], k_BKSH.shape[2]
     q_BKGH = q_BNH.reshape(b, k_heads, n // k_heads, h)
     k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)
-    s_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH, preferred_element_type=jnp.float32) * (
-        h**-0.5
-    )
+    # Products and sums, not dot_general: decode reads each cached key and value once, a
+    # bandwidth-bound reduction; as a batched dot over (B, K) XLA drops size-1 batch dims
+    # with a reshape that it fuses into the cache write, duplicating the write (and the
+    # cache buffer) per reader.
+    qk_BKGSH = q_BKGH[:, :, :, None, :].astype(jnp.float32) * k_BKSH[:, :, None].astype(jnp.float32)
+    s_BKGS = jnp.sum(qk_BKGSH, axis=-1) * (h**-0.5)
     k_pos_S = jnp.arange(s, dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
     s_BKGS = jnp.where(mask_BS[:, None, None], s_BKGS, MASKED)
     p_BKGS = jax.nn.softmax(s_BKGS, axis=-1).astype(q_BNH.dtype)
-    return jnp.einsum("BKGS,BKSH->BKGH", p_BKGS, v_BKSH).reshape(b, n, h)
+    pv_BKGSH = p_BKGS[..., None] * v_BKSH[:, :, None]
+    return jnp.sum(pv_BKGSH, axis=-2, dtype=jnp.float32).astype(q_BNH.dtype).reshape(b, n, h)
 
 
 # --- Public API -----------------------------------------------------------------------------

@@ -191,11 +191,18 @@ class KVCache:
 
             return self.replace(k=write(self.k, k_new_BKH), v=write(self.v, v_new_BKH))
 
-        def write_one(layers: tuple[jax.Array, ...], new_BKH: jax.Array) -> tuple[jax.Array, ...]:
-            updated = write_row_token(layers[layer], self.lengths_B, new_BKH)
-            return (*layers[:layer], updated, *layers[layer + 1 :])
+        k_BKSH = write_row_token(self.k[layer], self.lengths_B, k_new_BKH)
+        v_BKSH = write_row_token(self.v[layer], self.lengths_B, v_new_BKH)
+        # A barrier between the write and its readers: with a size-1 dim (one row or one kv
+        # head per device) XLA otherwise fuses the write into each reader's reshape and
+        # gives every copy of that fusion a buffer of its own: whole-cache copies per step.
+        # (The decode attention's cache contractions are reductions for the same reason.)
+        k_BKSH, v_BKSH = jax.lax.optimization_barrier((k_BKSH, v_BKSH))
 
-        return self.replace(k=write_one(self.k, k_new_BKH), v=write_one(self.v, v_new_BKH))
+        def put(layers: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
+            return (*layers[:layer], x, *layers[layer + 1 :])
+
+        return self.replace(k=put(self.k, k_BKSH), v=put(self.v, v_BKSH))
 
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         """Keys and values ``[B, K, S, H]`` of one layer (read after :meth:`write_layer`)."""
