@@ -389,10 +389,26 @@ def gpu_section(model: str = "llama-1b", devices: list | None = None, quick: boo
         "device_kind": kind, "jax": jax.__version__, "model": model, "dtype": str(config.dtype),
         "peak_hbm_bytes_per_s": peak_bw, "peak_bf16_flops": peak_flops,
         "decode": decode_rows, "prefill": prefill_rows,
+        "peer": torch_peer(model, shapes, steps),
         "compile": gpu_compile_seconds(model, (2, 4) if quick else (16, 32, 80), gpus[:1]),
         "note": "decode: median ms/step over timed steps; prefill: the compiled step, median of "
                 "3; MFU counts 2*params*tokens (attention FLOPs left out)",
     }
+
+
+def torch_peer(model: str, shapes: list[tuple[int, int]], steps: int) -> dict:
+    """transformers + torch on the same shapes (``scripts/bench_torch_peer.py``), in its own
+    process so the two frameworks do not share the GPU's memory; skipped without torch."""
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
+        return {"skipped": "torch or transformers not importable"}
+    argv = [sys.executable, str(Path(__file__).with_name("bench_torch_peer.py")), "--model", model,
+            "--shapes", ",".join(f"{b}x{p}" for b, p in shapes), "--steps", str(steps)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        return {"skipped": "peer run failed: " + done.stderr.strip().splitlines()[-1][:300]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list) -> list[dict]:
@@ -489,6 +505,20 @@ def gpu_markdown(g: dict) -> list[str]:
     out += ["", "| prefill tokens | batch x prompt | ms | MFU |", "|---|---|---|---|"]
     out += [f"| {r['tokens']} | {r['batch']} x {r['prompt_len']} | {r['prefill_ms']:.2f} | "
             f"{_fmt(r['mfu'])} |" for r in g["prefill"]]
+    peer = g.get("peer", {"skipped": "not run"})
+    if "skipped" in peer:
+        out += ["", f"transformers + torch peer: skipped ({peer['skipped']})"]
+    else:
+        out += ["", f"Peer: {peer['peer']} (torch {peer['torch']}, transformers "
+                f"{peer['transformers']})", "",
+                "| batch x prompt | decode ms: jaxpar | peer | peer / jaxpar | prefill ms: jaxpar "
+                "| peer |", "|---|---|---|---|---|---|"]
+        for mine, theirs in zip(g["decode"], peer["rows"], strict=True):
+            pre = next(r for r in g["prefill"] if (r["batch"], r["prompt_len"])
+                       == (theirs["batch"], theirs["prompt_len"]))
+            out.append(f"| {theirs['batch']} x {theirs['prompt_len']} | {mine['decode_ms']:.3f} | "
+                       f"{theirs['decode_ms']:.3f} | {theirs['decode_ms'] / mine['decode_ms']:.2f} | "
+                       f"{pre['prefill_ms']:.2f} | {theirs['prefill_ms']:.2f} |")
     out += ["", "| layers | layer loop | prefill compile s | decode compile s |", "|---|---|---|---|"]
     out += [f"| {r['n_layers']} | {r['layer_loop']} | {r['prefill_compile_s']} | "
             f"{r['decode_compile_s']} |" for r in g["compile"]]
