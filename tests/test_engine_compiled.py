@@ -3,7 +3,6 @@ place, per-device memory is the ideal share, and the handoff is exact."""
 
 from __future__ import annotations
 
-import math
 import re
 
 import jax
