@@ -42,17 +42,25 @@ def _check_axes(state: nnx.State) -> None:
         assert len(axes) == len(var.get_value().shape), f"{name}: {axes} vs rank"
         assert set(axes) <= LEGAL_NAMES, f"{name}: {axes}"
         assert not set(axes) & MESH_NAMES, f"{name} names a mesh axis: {axes}"
-        if path[0] == "layers":
+        stacked = path[0] == "layers" and not isinstance(path[1], int)  # layer_loop="scan"
+        if stacked:
             assert axes[0] == "layers", f"stacked {name} must lead with 'layers': {axes}"
+        else:  # per-layer arrays name no layers dim
+            assert "layers" not in axes, f"per-layer {name} names 'layers': {axes}"
 
 
+LOOPS = ["unrolled", "scan"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("name", TINY)
-def test_every_param_has_logical_axes(name: str) -> None:
-    _check_axes(nnx.state(init_model(preset(name))))
+def test_every_param_has_logical_axes(name: str, loop: str) -> None:
+    _check_axes(nnx.state(init_model(dataclasses.replace(preset(name), layer_loop=loop))))
 
 
-def test_llama_1b_axes_and_size_abstractly() -> None:
-    model = abstract_model(preset("llama-1b"))
+@pytest.mark.parametrize("loop", LOOPS)
+def test_llama_1b_axes_and_size_abstractly(loop: str) -> None:
+    model = abstract_model(dataclasses.replace(preset("llama-1b"), layer_loop=loop))
     state = nnx.state(model)
     _check_axes(state)
     n_params = sum(math.prod(v.get_value().shape) for _, v in _leaves(state))
@@ -60,19 +68,18 @@ def test_llama_1b_axes_and_size_abstractly() -> None:
     assert all(v.get_value().dtype == jnp.bfloat16 for _, v in _leaves(state))
 
 
-def test_expected_axes_of_key_params() -> None:
-    specs = nnx.to_flat_state(param_logical_axes(preset("tiny-moe")))
+@pytest.mark.parametrize("loop", LOOPS)
+def test_expected_axes_of_key_params(loop: str) -> None:
+    config = dataclasses.replace(preset("tiny-moe"), layer_loop=loop)
+    specs = nnx.to_flat_state(param_logical_axes(config))
     got = {path: tuple(var.get_value()) for path, var in specs}
-    assert got[("layers", "attn", "q_kernel")] == ("layers", "embed", "heads", "head_dim")
-    assert got[("layers", "attn", "k_kernel")] == ("layers", "embed", "kv_heads", "head_dim")
-    assert got[("layers", "attn", "o_kernel")] == ("layers", "heads", "head_dim", "embed")
-    assert got[("layers", "ffn", "router", "kernel")] == ("layers", "embed", None)
-    assert got[("layers", "ffn", "experts", "down_kernel")] == (
-        "layers",
-        "experts",
-        "mlp",
-        "embed",
-    )
+    # Layer 1 of the per-layer form; the stacked form adds a leading "layers" dim.
+    at, lead = (("layers",), ("layers",)) if loop == "scan" else (("layers", 1), ())
+    assert got[(*at, "attn", "q_kernel")] == (*lead, "embed", "heads", "head_dim")
+    assert got[(*at, "attn", "kv_kernel")] == (*lead, "embed", None, "kv_heads", "head_dim")
+    assert got[(*at, "attn", "o_kernel")] == (*lead, "heads", "head_dim", "embed")
+    assert got[(*at, "ffn", "router", "kernel")] == (*lead, "embed", None)
+    assert got[(*at, "ffn", "experts", "down_kernel")] == (*lead, "experts", "mlp", "embed")
     assert got[("embed", "token_table")] == ("vocab", "embed")
     assert got[("lm_head", "kernel")] == ("embed", "vocab")
     assert got[("final_norm", "scale")] == ("embed",)

@@ -54,7 +54,8 @@ def test_attention_and_cache_axes(recorded: Counter) -> None:
         # Prefill scores see every key position; the cache copy is sharded like the cache.
         ("attention", ("batch", None, "kv_heads", "head_dim")),
         ("attention", ("batch", "cache_seq", "kv_heads", "head_dim")),
-        ("attention", ("layers", "batch", "cache_seq", "kv_heads", "head_dim")),
+        # The decode cache, one [B, K, S, H] array per layer.
+        ("attention", ("batch", "kv_heads", "cache_seq", "head_dim")),
         ("ffn", ("batch", "seq", "embed")),
         ("ffn", ("batch", "seq", "mlp")),
         ("lm_head", ("batch", "embed")),
