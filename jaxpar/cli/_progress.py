@@ -17,7 +17,9 @@ from rich.progress import (
 
 
 @contextlib.contextmanager
-def stage(console: Console, description: str, total: int | None = None) -> Iterator[Callable[..., None]]:
+def stage(
+    console: Console, description: str, total: int | None = None
+) -> Iterator[Callable[..., None]]:
     """A spinner (or a bar of ``total`` steps) with the elapsed time while the body runs.
 
     Yields ``advance(n=1)``. The finished line stays on screen (``done <description>``), so

@@ -117,7 +117,12 @@ class InferenceEngine:
         layouts, steps = (PipelineLayouts, PipelineSteps) if config.pp > 1 else (Layouts, Steps)
         self.layouts = layouts.build(self.mesh, config, padded, shardings)
         self.steps = steps(
-            graphdef, self.layouts, self.mesh, config, padded, max_seq_len,
+            graphdef,
+            self.layouts,
+            self.mesh,
+            config,
+            padded,
+            max_seq_len,
             vocab_size=model_config.vocab_size,
         )
 
@@ -137,7 +142,9 @@ class InferenceEngine:
         for i, prompt in enumerate(prompts):
             ids = np.asarray(prompt)
             if ids.ndim != 1:
-                raise ShapeError(f"prompt {i} must be a 1-D sequence of token ids, got shape {ids.shape}")
+                raise ShapeError(
+                    f"prompt {i} must be a 1-D sequence of token ids, got shape {ids.shape}"
+                )
             if ids.size == 0:
                 raise ShapeError(f"prompt {i} is empty; every prompt needs at least one token")
             if not np.issubdtype(ids.dtype, np.integer):
@@ -179,8 +186,14 @@ class InferenceEngine:
 
     # --- steps -------------------------------------------------------------------------
 
-    def prefill(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, *, seed: int = 0,
-                sampling: Sampling | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
+    def prefill(
+        self,
+        tokens_BT: np.ndarray,
+        lengths_B: np.ndarray,
+        *,
+        seed: int = 0,
+        sampling: Sampling | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
         """Prefill, then the one handoff into the decode layout.
 
         Returns the last-position logits ``[B, V]``, the cache in the decode layout, and
@@ -269,7 +282,9 @@ class InferenceEngine:
             )
             out = self.steps.host_batch(out_BN)[:, :max_new_tokens]
         else:
-            out = self._stream(cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback)
+            out = self._stream(
+                cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback
+            )
         decode_seconds = time.perf_counter() - start
 
         tokens = []
@@ -292,7 +307,9 @@ class InferenceEngine:
         for step in range(n_new):
             if step:
                 step_arr = put_global(np.asarray(step, np.int32), self.layouts.replicated)
-                tokens_B, cache = self.steps.decode_select(self.params, cache, tokens_B, key, step_arr, sampling)
+                tokens_B, cache = self.steps.decode_select(
+                    self.params, cache, tokens_B, key, step_arr, sampling
+                )
                 host = self.steps.host_batch(tokens_B)
             out[:, step] = np.where(done, -1, host)
             callback(step, out[:, step].copy())

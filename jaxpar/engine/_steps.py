@@ -48,16 +48,17 @@ class Layouts:
     replicated: NamedSharding
 
     @classmethod
-    def build(
-        cls, mesh: Mesh, config: ParallelConfig, dims: ModelConfig, params: Any
-    ) -> Layouts:
+    def build(cls, mesh: Mesh, config: ParallelConfig, dims: ModelConfig, params: Any) -> Layouts:
         def at(axes, module, phase):
             return NamedSharding(mesh, partition_spec(axes, module, phase, config, dims=dims))
 
         def tree_at(tree, module, phase):
             return jax.tree.map(
-                lambda axes: at(axes, module, phase), tree, is_leaf=lambda x: isinstance(x, tuple)
-                and all(isinstance(a, str | None) for a in x)
+                lambda axes: at(axes, module, phase),
+                tree,
+                is_leaf=lambda x: (
+                    isinstance(x, tuple) and all(isinstance(a, str | None) for a in x)
+                ),
             )
 
         stacked = dims.layer_loop == "scan"
@@ -173,7 +174,9 @@ class Steps:
     def _jit_prefill(self, all_logits: bool):
         lay = self.layouts
         logits = (
-            NamedSharding(self.mesh, _logits_BTV_spec(self)) if all_logits else lay.logits_prefill_BV
+            NamedSharding(self.mesh, _logits_BTV_spec(self))
+            if all_logits
+            else lay.logits_prefill_BV
         )
         return jax.jit(
             lambda p, t, n: self._prefill(p, t, n, all_logits),
@@ -183,7 +186,9 @@ class Steps:
 
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         args = (params, tokens_BT, lengths_B)
-        return self._aot("prefill", (tokens_BT.shape, all_logits), self._jit_prefill(all_logits), args)(*args)
+        return self._aot(
+            "prefill", (tokens_BT.shape, all_logits), self._jit_prefill(all_logits), args
+        )(*args)
 
     def handoff(self, k, v, lengths_B, logits_BV, key, sampling: Sampling):
         lay = self.layouts
@@ -191,7 +196,13 @@ class Steps:
             "handoff",
             (jax.tree.map(jnp.shape, k), sampling),
             lambda k, v, n, lg, key: self._handoff(k, v, n, lg, key, sampling),
-            (lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, lay.logits_prefill_BV, lay.replicated),
+            (
+                lay.kv_prefill,
+                lay.kv_prefill,
+                lay.lengths_prefill_B,
+                lay.logits_prefill_BV,
+                lay.replicated,
+            ),
             (lay.cache, lay.tokens_B),
             (k, v, lengths_B, logits_BV, key),
         )
@@ -234,8 +245,15 @@ class Steps:
             "decode_loop",
             (sampling, stop_S.shape),
             lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
-            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated,
-             lay.replicated),
+            (
+                lay.params,
+                lay.cache,
+                lay.tokens_B,
+                lay.tokens_B,
+                lay.replicated,
+                lay.replicated,
+                lay.replicated,
+            ),
             (lay.replicated, lay.cache),
             (params, cache, first_B, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
@@ -254,4 +272,6 @@ class Steps:
 
 
 def _logits_BTV_spec(steps: Steps) -> PartitionSpec:
-    return partition_spec(("batch", "seq", "vocab"), Module.LM_HEAD, PREFILL, steps.config, dims=steps.dims)
+    return partition_spec(
+        ("batch", "seq", "vocab"), Module.LM_HEAD, PREFILL, steps.config, dims=steps.dims
+    )

@@ -170,7 +170,9 @@ def communication_model(
     tokens = prompt_len if phase is Phase.PREFILL else 1
     pp = config.pp
     # Pipeline: each device runs its stage's layers; the batch goes through in groups.
-    groups = (config.microbatches if phase is Phase.PREFILL else config.decode_groups) if pp > 1 else 1
+    groups = (
+        (config.microbatches if phase is Phase.PREFILL else config.decode_groups) if pp > 1 else 1
+    )
     layers = model.n_layers // pp
     b_group = batch // groups
     d = model.d_model
@@ -179,63 +181,117 @@ def communication_model(
         return mesh_axes(module, phase, config, dims=model)
 
     def rows(ax: Mapping[str, tuple[str, ...]]) -> tuple[int, int]:
-        return (_local(b_group, ax["batch"], config, "batch"),
-                _local(tokens, ax["seq"], config, "tokens"))
+        return (
+            _local(b_group, ax["batch"], config, "batch"),
+            _local(tokens, ax["seq"], config, "tokens"),
+        )
 
     items: list[Expected] = []
     notes: list[str] = []
 
     def add(kind, axes, module, step, shape, count, why, itemsize=size):
         if axes and count:  # no mesh axis (degree 1), no collective
-            items.append(Expected(kind, _ordered(axes), module, step, tuple(shape), itemsize, count, why))
+            items.append(
+                Expected(kind, _ordered(axes), module, step, tuple(shape), itemsize, count, why)
+            )
 
     emb = axes_of(Module.EMBEDDING)
     b_l, t_l = rows(emb)
-    add("all-reduce", emb["vocab"], "embedding", "embedding lookup", (b_l, t_l, d), groups,
-        "vocab-parallel table: each shard contributes the rows of its vocab range")
+    add(
+        "all-reduce",
+        emb["vocab"],
+        "embedding",
+        "embedding lookup",
+        (b_l, t_l, d),
+        groups,
+        "vocab-parallel table: each shard contributes the rows of its vocab range",
+    )
 
     att = axes_of(Module.ATTENTION)
     b_l, t_l = rows(att)
-    add("all-reduce", att["heads"], "attention", "attention out-proj", (b_l, t_l, d),
-        layers * groups, "row-parallel output projection: partial sums over the head shards")
+    add(
+        "all-reduce",
+        att["heads"],
+        "attention",
+        "attention out-proj",
+        (b_l, t_l, d),
+        layers * groups,
+        "row-parallel output projection: partial sums over the head shards",
+    )
     kv_l = _local(model.n_kv_heads, att["kv_heads"], config, "n_kv_heads")
-    add("all-gather", att["seq"], "attention", "K/V gather", (b_l, tokens, kv_l, model.head_dim),
-        2 * layers * groups, "causal attention: every query needs the K and V of all earlier "
-        "tokens, which other sp shards computed (one gather for K, one for V)")
+    add(
+        "all-gather",
+        att["seq"],
+        "attention",
+        "K/V gather",
+        (b_l, tokens, kv_l, model.head_dim),
+        2 * layers * groups,
+        "causal attention: every query needs the K and V of all earlier "
+        "tokens, which other sp shards computed (one gather for K, one for V)",
+    )
 
     if att["seq"] and att["heads"]:
-        notes.append("TP+SP: tokens are split over sp and heads over tp on separate mesh axes, so "
-                     "the TP all-reduces run on the T/sp local tokens; Megatron-style SP on the tp "
-                     "devices would swap each all-reduce for a reduce-scatter + all-gather pair "
-                     "moving the same bytes.")
+        notes.append(
+            "TP+SP: tokens are split over sp and heads over tp on separate mesh axes, so "
+            "the TP all-reduces run on the T/sp local tokens; Megatron-style SP on the tp "
+            "devices would swap each all-reduce for a reduce-scatter + all-gather pair "
+            "moving the same bytes."
+        )
     if model.n_experts:
         _moe(model, config, phase, axes_of(Module.MOE), b_group, tokens, layers * groups, add)
     else:
         ffn = axes_of(Module.FFN)
         b_l, t_l = rows(ffn)
-        add("all-reduce", ffn["mlp"], "ffn", "FFN down-proj", (b_l, t_l, d), layers * groups,
-            "row-parallel second linear: partial sums over the intermediate shards")
+        add(
+            "all-reduce",
+            ffn["mlp"],
+            "ffn",
+            "FFN down-proj",
+            (b_l, t_l, d),
+            layers * groups,
+            "row-parallel second linear: partial sums over the intermediate shards",
+        )
 
     lm = axes_of(Module.LM_HEAD)
     if phase is Phase.PREFILL:
         b_l = _local(b_group, lm["batch"], config, "batch")
-        add("all-reduce", lm["seq"], None, "last-position select", (b_l, d), groups,
+        add(
+            "all-reduce",
+            lm["seq"],
+            None,
+            "last-position select",
+            (b_l, d),
+            groups,
             "each sequence's last prompt token lives on one sp shard; the logits are "
-            "replicated over sp, so the selected rows are summed over sp")
+            "replicated over sp, so the selected rows are summed over sp",
+        )
     if lm["vocab"]:
-        notes.append("LM head: logits stay vocab-parallel over "
-                     f"{','.join(lm['vocab'])}; sampling reduces across the shards (no gather).")
+        notes.append(
+            "LM head: logits stay vocab-parallel over "
+            f"{','.join(lm['vocab'])}; sampling reduces across the shards (no gather)."
+        )
 
     if pp > 1:
         b_l, t_l = rows(att)
-        add("collective-permute", ("pp",), None, "stage boundary", (b_l, t_l, d), groups,
-            "each stage hands every microbatch (decode: group) on to the next stage once")
-        notes.append("PP: per device, one permute per microbatch; an SPMD GPipe schedule runs "
-                     "M + pp - 1 iterations on every stage, so bubbles multiply what runs inside "
-                     "the pipeline by (M + pp - 1) / M.")
+        add(
+            "collective-permute",
+            ("pp",),
+            None,
+            "stage boundary",
+            (b_l, t_l, d),
+            groups,
+            "each stage hands every microbatch (decode: group) on to the next stage once",
+        )
+        notes.append(
+            "PP: per device, one permute per microbatch; an SPMD GPipe schedule runs "
+            "M + pp - 1 iterations on every stage, so bubbles multiply what runs inside "
+            "the pipeline by (M + pp - 1) / M."
+        )
     if not items:
-        notes.append("No collective is needed: every device holds whole sequences and whole "
-                     "weights for its share of the work.")
+        notes.append(
+            "No collective is needed: every device holds whole sequences and whole "
+            "weights for its share of the work."
+        )
     return CommModel(phase, config, tuple(items), tuple(notes))
 
 
@@ -244,16 +300,36 @@ def _moe(model, config, phase, ax, b_group, tokens, count, add) -> None:
     e, d = model.n_experts, model.d_model
     capacity = model.expert_capacity(tokens) if hasattr(model, "expert_capacity") else tokens
     g_l = _local(b_group, ax["batch"], config, "batch")
-    add("all-reduce", ax["seq"], "moe", "dispatch sum over sp", (g_l, e, capacity, d), count,
+    add(
+        "all-reduce",
+        ax["seq"],
+        "moe",
+        "dispatch sum over sp",
+        (g_l, e, capacity, d),
+        count,
         "groups are whole sequences: a group's expert slots span tokens on every sp shard, "
-        "so the one-hot dispatch einsum's partial sums are added over sp")
-    add("all-to-all", ax["experts"], "moe", "dispatch + combine", (g_l, e, capacity, d),
-        2 * count, "[G,E,C,D] resharded group-sharded -> expert-sharded (dispatch) and back "
-        "(combine)")
+        "so the one-hot dispatch einsum's partial sums are added over sp",
+    )
+    add(
+        "all-to-all",
+        ax["experts"],
+        "moe",
+        "dispatch + combine",
+        (g_l, e, capacity, d),
+        2 * count,
+        "[G,E,C,D] resharded group-sharded -> expert-sharded (dispatch) and back (combine)",
+    )
     e_l = _local(e, ax["experts"], config, "n_experts")
     g_e = _local(b_group, ax["expert_batch"], config, "batch")
-    add("all-reduce", ax["mlp"], "moe", "expert down-proj", (e_l, g_e, capacity, d), count,
-        "row-parallel second linear inside each expert: partial sums over the mlp shards")
+    add(
+        "all-reduce",
+        ax["mlp"],
+        "moe",
+        "expert down-proj",
+        (e_l, g_e, capacity, d),
+        count,
+        "row-parallel second linear inside each expert: partial sums over the mlp shards",
+    )
 
 
 def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
@@ -266,8 +342,11 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         config: a jaxpar ``ModelConfig`` (``positional``, ``is_moe``, ``top_k``, ...).
         model: :func:`communication_model` of the same config, strategy and phase.
     """
-    comm = {item.step: f"{item.kind} over {','.join(item.axes)} of {'x'.join(map(str, item.shape))} "
-            f"({item.bytes_each:,} B)" for item in model.items}
+    comm = {
+        item.step: f"{item.kind} over {','.join(item.axes)} of {'x'.join(map(str, item.shape))} "
+        f"({item.bytes_each:,} B)"
+        for item in model.items
+    }
     prefill = model.phase is Phase.PREFILL
     layer = f"layer x{config.n_layers // model.config.pp} (scan)"
     out: list[dict[str, str]] = []
@@ -277,30 +356,62 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         for name in comm_steps:
             what = name.split(":")[-1]  # "label:model step" shows the step under a label
             if what in comm:
-                out.append({"section": section, "kind": "comm",
-                            "text": f"{name.split(':')[0]}: {comm[what]}"})
+                out.append(
+                    {
+                        "section": section,
+                        "kind": "comm",
+                        "text": f"{name.split(':')[0]}: {comm[what]}",
+                    }
+                )
 
-    step("embedding", "token lookup" + (" + learned positions" if config.positional == "learned"
-                                        else ""), "embedding lookup")
-    step(layer, "attention norm; Q/K/V projections" + (" + RoPE" if config.positional == "rope"
-                                                        else ""), "K/V gather")
-    step(layer, ("causal scores over the prompt" if prefill else "scores over the KV cache")
-         + ", softmax, weighted V; output projection", "attention out-proj")
+    step(
+        "embedding",
+        "token lookup" + (" + learned positions" if config.positional == "learned" else ""),
+        "embedding lookup",
+    )
+    step(
+        layer,
+        "attention norm; Q/K/V projections" + (" + RoPE" if config.positional == "rope" else ""),
+        "K/V gather",
+    )
+    step(
+        layer,
+        ("causal scores over the prompt" if prefill else "scores over the KV cache")
+        + ", softmax, weighted V; output projection",
+        "attention out-proj",
+    )
     step(layer, "residual add; FFN norm")
     if config.is_moe:
-        step(layer, f"router top-{config.top_k}; one-hot dispatch einsum", "dispatch sum over sp",
-             "dispatch:dispatch + combine")
-        step(layer, "experts: gate/up (column-parallel), SwiGLU, down (row-parallel)",
-             "expert down-proj", "combine:dispatch + combine")
+        step(
+            layer,
+            f"router top-{config.top_k}; one-hot dispatch einsum",
+            "dispatch sum over sp",
+            "dispatch:dispatch + combine",
+        )
+        step(
+            layer,
+            "experts: gate/up (column-parallel), SwiGLU, down (row-parallel)",
+            "expert down-proj",
+            "combine:dispatch + combine",
+        )
         step(layer, "combine einsum; residual add")
     else:
-        step(layer, "FFN first linear(s) (column-parallel), activation, second linear "
-             "(row-parallel)", "FFN down-proj")
+        step(
+            layer,
+            "FFN first linear(s) (column-parallel), activation, second linear (row-parallel)",
+            "FFN down-proj",
+        )
         step(layer, "residual add")
     if "stage boundary" in comm:
         step(layer, "end of a pipeline stage", "stage boundary")
-    step("head", "final norm" + ("; select each sequence's last position" if prefill else ""),
-         "last-position select")
-    step("head", "LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits",
-         "next tokens to stage 0")
+    step(
+        "head",
+        "final norm" + ("; select each sequence's last position" if prefill else ""),
+        "last-position select",
+    )
+    step(
+        "head",
+        "LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits",
+        "next tokens to stage 0",
+    )
     return out

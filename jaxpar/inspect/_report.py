@@ -209,20 +209,49 @@ class CollectiveReport:
         """A ``rich.table.Table``: one row per group, then the total."""
         from rich.table import Table
 
-        table = Table(title=title or f"{self.label} {self.phase.value}: collectives, compiled "
-                      "vs minimum (bytes per device per step)", title_justify="left")
-        for header in ("kind", "mesh axes", "module", "step", "count", "compiled", "minimum",
-                       "ratio", "cause"):
+        table = Table(
+            title=title
+            or f"{self.label} {self.phase.value}: collectives, compiled "
+            "vs minimum (bytes per device per step)",
+            title_justify="left",
+        )
+        for header in (
+            "kind",
+            "mesh axes",
+            "module",
+            "step",
+            "count",
+            "compiled",
+            "minimum",
+            "ratio",
+            "cause",
+        ):
             right = header in ("count", "compiled", "minimum", "ratio")
             table.add_column(header, justify="right" if right else "left")
         for r in self.rows:
             axes = UNMAPPED if r.axes is None else (",".join(r.axes) or "-")
-            table.add_row(r.kind, axes, r.module or "-", ", ".join(r.steps) or "-",
-                          f"{r.compiled_count}/{r.minimum_count}", f"{r.compiled_bytes:,}",
-                          f"{r.minimum_bytes:,}", format_ratio(r.ratio),
-                          f"[yellow]{r.cause}[/]" if r.cause else "")
-        table.add_row("[bold]total[/]", "", "", "", "", f"[bold]{self.compiled_bytes:,}[/]",
-                      f"[bold]{self.minimum_bytes:,}[/]", f"[bold]{format_ratio(self.ratio)}[/]", "")
+            table.add_row(
+                r.kind,
+                axes,
+                r.module or "-",
+                ", ".join(r.steps) or "-",
+                f"{r.compiled_count}/{r.minimum_count}",
+                f"{r.compiled_bytes:,}",
+                f"{r.minimum_bytes:,}",
+                format_ratio(r.ratio),
+                f"[yellow]{r.cause}[/]" if r.cause else "",
+            )
+        table.add_row(
+            "[bold]total[/]",
+            "",
+            "",
+            "",
+            "",
+            f"[bold]{self.compiled_bytes:,}[/]",
+            f"[bold]{self.minimum_bytes:,}[/]",
+            f"[bold]{format_ratio(self.ratio)}[/]",
+            "",
+        )
         return table
 
 
@@ -256,10 +285,16 @@ def collective_report(
     groups = _group(collectives, mesh, expected)
     keys = list(expected) + [k for k in groups if k not in expected]
     cfg = model.config
-    runs = (cfg.microbatches if model.phase is Phase.PREFILL else cfg.decode_groups) if cfg.pp > 1 else 1
+    runs = (
+        (cfg.microbatches if model.phase is Phase.PREFILL else cfg.decode_groups)
+        if cfg.pp > 1
+        else 1
+    )
     bubble = (runs + cfg.pp - 1) / runs
-    rows = [_row(k, groups.get(k, []), expected.get(k, []), model.phase, itemsize, cache_dims, bubble)
-            for k in keys]
+    rows = [
+        _row(k, groups.get(k, []), expected.get(k, []), model.phase, itemsize, cache_dims, bubble)
+        for k in keys
+    ]
     rows.sort(key=lambda r: (r.kind, r.axes is None, r.axes or (), r.module or "~"))
     return CollectiveReport(
         label=label or str(model.config),
@@ -353,8 +388,10 @@ def phase_report(
 
     config = engine.model_config
     compiled = compile_step(engine, phase, prompt_len=prompt_len)
-    model = communication_model(config, engine.parallel_config, phase,
-                                batch=engine.max_batch, prompt_len=prompt_len)
-    report = collective_report(compiled, engine.mesh, model, label=label,
-                               cache_dims=(engine.max_seq_len, config.head_dim))
+    model = communication_model(
+        config, engine.parallel_config, phase, batch=engine.max_batch, prompt_len=prompt_len
+    )
+    report = collective_report(
+        compiled, engine.mesh, model, label=label, cache_dims=(engine.max_seq_len, config.head_dim)
+    )
     return report, compiled

@@ -130,7 +130,9 @@ def load_spec_table(directory: str | Path) -> SpecTable:
 
 def _display(directory: Path) -> str:
     """How messages name the tables' directory: ``sharding_specs`` for the packaged tables."""
-    return "sharding_specs" if directory.resolve() == default_spec_dir().resolve() else str(directory)
+    return (
+        "sharding_specs" if directory.resolve() == default_spec_dir().resolve() else str(directory)
+    )
 
 
 def _read(path: Path) -> dict[str, Any]:
