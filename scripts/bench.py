@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 # (preset, strategy): TP, TP+SP, SP, DP, mixes, GQA with replicated K/V heads, EP, EP+TP,
-# PP (reported as pending if the engine refuses pp > 1).
+# PP.
 MATRIX: list[tuple[str, str]] = [
     ("tiny-dense", "tp=8"),
     ("tiny-dense", "sp=2,tp=4"),
@@ -90,12 +90,11 @@ def strategy_kind(strategy: str) -> str:
 
 @dataclasses.dataclass
 class Case:
-    """One matrix entry: its engine (None when refused) and per-phase reports."""
+    """One matrix entry: its engine and per-phase reports."""
 
     preset: str
     strategy: str
     engine: Any = None
-    refused: str | None = None
     reports: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -105,8 +104,7 @@ def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> 
     import jax
 
     from jaxpar.engine import InferenceEngine
-    from jaxpar.errors import ConfigError
-    from jaxpar.inspect import communication_model, phase_report
+    from jaxpar.inspect import phase_report
     from jaxpar.models import init_params
     from jaxpar.models import preset as get_preset
     from jaxpar.spec import ParallelConfig, make_mesh
@@ -116,22 +114,14 @@ def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> 
     if preset not in params_cache:
         params_cache[preset] = init_params(config)
     case = Case(preset, strategy)
-    try:
-        case.engine = InferenceEngine(
-            config,
-            params_cache[preset],
-            parallel,
-            max_batch=BATCH,
-            max_seq_len=MAX_SEQ_LEN,
-            mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
-        )
-    except ConfigError as e:
-        case.refused = str(e)
-        for phase in ("prefill", "decode"):
-            case.reports[phase] = communication_model(
-                config, parallel, phase, batch=BATCH, prompt_len=PROMPT_LEN
-            )
-        return case
+    case.engine = InferenceEngine(
+        config,
+        params_cache[preset],
+        parallel,
+        max_batch=BATCH,
+        max_seq_len=MAX_SEQ_LEN,
+        mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
+    )
     for phase in ("prefill", "decode"):
         report, compiled = phase_report(
             case.engine, phase, prompt_len=PROMPT_LEN, label=f"{preset} {strategy}"
@@ -172,17 +162,6 @@ def collectives_section(matrix: list[tuple[str, str]]) -> tuple[list[dict], list
                 "kind": strategy_kind(strategy),
                 "phase": phase,
             }
-            if case.refused:
-                rows.append(
-                    {
-                        **base,
-                        "status": "pending",
-                        "why": case.refused,
-                        "minimum_bytes": rep.total_bytes,
-                        "model": rep.to_dict(),
-                    }
-                )
-                continue
             rows.append(
                 {
                     **base,
@@ -191,18 +170,17 @@ def collectives_section(matrix: list[tuple[str, str]]) -> tuple[list[dict], list
                     "documented": DOCUMENTED.get((preset, strategy, phase), {}),
                 }
             )
-        if not case.refused:
-            measured = case.compiled["decode"].memory_analysis().argument_size_in_bytes
-            ideal = memory_ideal(case)
-            memory.append(
-                {
-                    "preset": preset,
-                    "strategy": strategy,
-                    "measured_bytes": measured,
-                    "ideal_bytes": ideal,
-                    "ratio": round(measured / ideal, 4),
-                }
-            )
+        measured = case.compiled["decode"].memory_analysis().argument_size_in_bytes
+        ideal = memory_ideal(case)
+        memory.append(
+            {
+                "preset": preset,
+                "strategy": strategy,
+                "measured_bytes": measured,
+                "ideal_bytes": ideal,
+                "ratio": round(measured / ideal, 4),
+            }
+        )
         print(f"  {preset} {strategy}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return rows, memory
 
@@ -323,7 +301,6 @@ def time_decode(
     reference: bool = True,
 ) -> dict:
     """Median seconds per decode step of jaxpar (and the reference), same weights and cache."""
-    import functools
 
     import jax
     import jax.numpy as jnp
@@ -356,30 +333,9 @@ def time_decode(
         prefill_times.append(time.perf_counter() - start)
     prefill_s = statistics.median(prefill_times)
     contenders = {"jaxpar": lambda c, t: eng.steps.decode(eng.params, c, t)}
-    if reference:
-        w = jax.device_put(_weights(config, params), devices[0])
-        ref = jax.jit(
-            functools.partial(
-                reference_decode,
-                n_heads=config.n_heads,
-                theta=config.rope_theta,
-                eps=config.norm_eps,
-            ),
-            donate_argnums=(1, 2),
-        )
-
-        def ref_step(c, t):  # c: the reference's own (k, v, lengths), stacked [L, B, S, K, H]
-            logits, k, v = ref(w, c[0], c[1], c[2], t)
-            return logits, (k, v, c[2] + 1)
-
-        contenders["reference"] = ref_step
     starts = {"jaxpar": lambda: jax.tree.map(jnp.copy, cache0)}
-    if reference:  # the same cache, as the reference stores it (built once, not timed)
-
-        def stacked(layers):
-            return jnp.stack([x.transpose(0, 2, 1, 3) for x in layers])
-
-        starts["reference"] = lambda: (stacked(cache0.k), stacked(cache0.v), cache0.lengths_B)
+    if reference:
+        contenders["reference"], starts["reference"] = _reference(config, params, devices, cache0)
     out: dict[str, Any] = {
         "batch": batch,
         "max_seq_len": max_seq_len,
@@ -393,8 +349,52 @@ def time_decode(
         check[name] = np.asarray(step(starts[name](), first)[0])
     if reference:
         out["max_abs_logit_diff"] = float(np.max(np.abs(check["jaxpar"] - check["reference"])))
+    times = _interleaved_times(contenders, starts, first, steps, repeats)
+    for name, values in times.items():
+        out[f"{name}_step_s"] = statistics.median(values)
+        out[f"{name}_tokens_per_s"] = batch / statistics.median(values)
+    if reference:
+        out["ratio"] = out["jaxpar_step_s"] / out["reference_step_s"]
+    out["engine"], out["params"] = eng, params
+    return out
+
+
+def _reference(config, params, devices, cache0):
+    """The reference decode step and its start cache (the same cache, as the reference
+    stores it: stacked [L, B, S, K, H], built once, not timed)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.device_put(_weights(config, params), devices[0])
+    ref = jax.jit(
+        functools.partial(
+            reference_decode,
+            n_heads=config.n_heads,
+            theta=config.rope_theta,
+            eps=config.norm_eps,
+        ),
+        donate_argnums=(1, 2),
+    )
+
+    def ref_step(c, t):  # c: the reference's own (k, v, lengths)
+        logits, k, v = ref(w, c[0], c[1], c[2], t)
+        return logits, (k, v, c[2] + 1)
+
+    def stacked(layers):
+        return jnp.stack([x.transpose(0, 2, 1, 3) for x in layers])
+
+    return ref_step, lambda: (stacked(cache0.k), stacked(cache0.v), cache0.lengths_B)
+
+
+def _interleaved_times(contenders, starts, first, steps: int, repeats: int) -> dict:
+    """Seconds per step of each contender, ``repeats`` times, interleaved so both see the
+    same machine load."""
+    import jax
+
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):  # interleaved, so both see the same machine load
+    for _ in range(repeats):
         for name, step in contenders.items():
             cache, tokens = starts[name](), first
             jax.block_until_ready(cache)
@@ -403,13 +403,7 @@ def time_decode(
                 logits, cache = step(cache, tokens)
             logits.block_until_ready()
             times[name].append((time.perf_counter() - start) / steps)
-    for name, values in times.items():
-        out[f"{name}_step_s"] = statistics.median(values)
-        out[f"{name}_tokens_per_s"] = batch / statistics.median(values)
-    if reference:
-        out["ratio"] = out["jaxpar_step_s"] / out["reference_step_s"]
-    out["engine"], out["params"] = eng, params
-    return out
+    return times
 
 
 def decode_section(quick: bool) -> dict:
@@ -550,16 +544,19 @@ def torch_peer(model: str, shapes: list[tuple[int, int]], steps: int) -> dict:
 
 def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list) -> list[dict]:
     """Prefill and decode compile seconds by depth, for each layer loop (shapes only)."""
-    from jaxpar.cli._explain import abstract_engine
+
+    from jaxpar.engine import AbstractEngine
     from jaxpar.inspect import compile_step
     from jaxpar.models import preset
-    from jaxpar.spec import ParallelConfig
+    from jaxpar.spec import ParallelConfig, make_mesh
 
     rows = []
     for n in layer_counts:
         for loop in ("unrolled", "scan"):
             config = dataclasses.replace(preset(model), n_layers=n, layer_loop=loop)
-            eng = abstract_engine(config, ParallelConfig(), max_batch=16, max_seq_len=1024)
+            one = ParallelConfig()
+            mesh = make_mesh(one, devices[:1])
+            eng = AbstractEngine.build(config, one, max_batch=16, max_seq_len=1024, mesh=mesh)
             row = {"n_layers": n, "layer_loop": loop}
             for phase in ("prefill", "decode"):
                 start = time.perf_counter()
@@ -603,12 +600,6 @@ def markdown(results: dict) -> str:
             (r["preset"], r["strategy"]) for r in results["collectives"]
         ):
             p, d = by[preset, strategy, "prefill"], by[preset, strategy, "decode"]
-            if p["status"] == "pending":
-                out.append(
-                    f"| {preset} | {strategy} | {p['kind']} | pending / {p['minimum_bytes']:,} | - "
-                    f"| pending / {d['minimum_bytes']:,} | - | engine refuses pp>1 (ConfigError) |"
-                )
-                continue
             exc = (
                 "; ".join(
                     f"{ph}: " + ", ".join(f"{k} {v:,}" for k, v in r["exceptions"].items())

@@ -140,8 +140,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
 def model_config(args: argparse.Namespace):
     """The model's configuration from ``--model`` or ``--hf`` (config.json only), in ``--dtype``."""
-    from jaxpar.models import preset
-    from jaxpar.models._hf_config import config_from_hf
+    from jaxpar.models import config_from_hf, preset
 
     if args.hf is None:
         config = preset(args.model or args.default_model)

@@ -25,12 +25,18 @@ from rich.table import Table
 
 from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._progress import stage
-from jaxpar.engine._vocab import padded_config
-from jaxpar.errors import ConfigError
+from jaxpar.engine import AbstractEngine, run_form
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
-from jaxpar.models import KVCache, ModelConfig, abstract_model
-from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES
-from jaxpar.models._moe import EXPERT_AXES, EXPERT_HIDDEN_AXES, GROUPED_AXES
+from jaxpar.models import (
+    EXPERT_AXES,
+    EXPERT_HIDDEN_AXES,
+    GROUPED_AXES,
+    KV_SCORE_AXES,
+    Q_AXES,
+    KVCache,
+    ModelConfig,
+    abstract_model,
+)
 from jaxpar.spec import (
     Module,
     ParallelConfig,
@@ -43,60 +49,26 @@ from jaxpar.spec import (
 )
 
 
-@dataclasses.dataclass
-class AbstractEngine:
-    """What :func:`jaxpar.inspect.phase_report` needs of an engine, without any array."""
-
-    model_config: ModelConfig
-    parallel_config: ParallelConfig
-    mesh: jax.sharding.Mesh
-    layouts: Any
-    steps: Any
-    params: Any
-    max_batch: int
-    max_seq_len: int
-
-
 def abstract_engine(
     config: ModelConfig, parallel: ParallelConfig, *, max_batch: int, max_seq_len: int
 ) -> AbstractEngine:
-    """The engine's layouts and step functions over abstract parameters.
+    """The engine's layouts and steps over abstract parameters, on the first devices."""
+    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    return AbstractEngine.build(
+        config, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
+    )
 
-    Mirrors ``InferenceEngine.__init__`` (which needs real arrays): the same shardings and
-    the same step classes, pipelined ones for pp > 1.
 
-    Raises:
-        ConfigError: too few devices, or pp > 1 where this engine has no pipelined steps.
-    """
-    from jaxpar.engine._placement import param_shardings
-    from jaxpar.engine._steps import Layouts, Steps
-
+def _compile_note(args: argparse.Namespace, parallel: ParallelConfig) -> str | None:
+    """Why no program is compiled (the analytic model is shown instead), or None."""
+    if args.no_compile:
+        return "skipped (--no-compile)"
     if parallel.size > jax.device_count():
-        raise ConfigError(
+        return (
             f"{parallel} needs {parallel.size} devices, {jax.device_count()} "
             "available (on CPU raise --cpu-devices)"
         )
-    if parallel.pp > 1:
-        try:
-            from jaxpar.engine._pipeline_steps import PipelineLayouts as Layouts
-            from jaxpar.engine._pipeline_steps import PipelineSteps as Steps
-        except ImportError:
-            raise ConfigError(
-                f"pp={parallel.pp}: this engine has no pipelined steps, so there "
-                "is no compiled program to show"
-            ) from None
-    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    if parallel.pp > 1:  # pipeline stages run stacked layers, as the engine does
-        config = dataclasses.replace(config, layer_loop="scan")
-    config = padded_config(config, parallel.tp)  # as the engine runs it
-    graphdef, state = nnx.split(abstract_model(config))
-    shardings = param_shardings(state, mesh, parallel, config)
-    params = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
-    layouts = Layouts.build(mesh, parallel, config, shardings)
-    steps = Steps(graphdef, layouts, mesh, parallel, config, max_seq_len)
-    return AbstractEngine(config, parallel, mesh, layouts, steps, params, max_batch, max_seq_len)
+    return None
 
 
 def _per_device(shape, spec, config: ParallelConfig, itemsize: int) -> int:
@@ -300,21 +272,19 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``jaxpar explain`` shows, as a JSON-ready dict."""
     config, parallel = _config_of(args), parallel_config(args)
     plan = validate(
-        padded_config(config, parallel.tp),
+        run_form(config, parallel),
         parallel,
         n_devices=parallel.size,
         batch=args.batch,
         max_seq_len=args.max_seq_len,
     )
     phases = [Phase.PREFILL, Phase.DECODE] if args.phase == "both" else [Phase.coerce(args.phase)]
-    engine, pending = None, None
-    if not args.no_compile:
-        try:
-            engine = abstract_engine(
-                config, parallel, max_batch=args.batch, max_seq_len=args.max_seq_len
-            )
-        except ConfigError as e:
-            pending = str(e)
+    note = _compile_note(args, parallel)
+    engine = None
+    if note is None:
+        engine = abstract_engine(
+            config, parallel, max_batch=args.batch, max_seq_len=args.max_seq_len
+        )
     out: dict[str, Any] = {
         "model": {
             k: (str(v) if k in ("dtype", "param_dtype") else v)
@@ -326,7 +296,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": args.prompt_len,
         "max_seq_len": args.max_seq_len,
         "compiled": engine is not None,
-        "compiled_note": pending or ("skipped (--no-compile)" if args.no_compile else None),
+        "compiled_note": note,
         "parameters": parameter_rows(config, parallel),
         "phases": {},
     }
@@ -383,13 +353,14 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
         data = explain(args)
     if not console.is_terminal:  # piped or captured: wide enough for the tables
         console = Console(width=160)
-    private = {
+    # Keys starting with "_" hold the report objects behind the tables; JSON shows the rest.
+    public = {
         p: {k: v for k, v in d.items() if not k.startswith("_")} for p, d in data["phases"].items()
     }
     if args.dot:
         Path(args.dot).write_text(to_dot({p: d["execution"] for p, d in data["phases"].items()}))
     if args.json:
-        print(json.dumps({**data, "phases": private}, indent=1))
+        print(json.dumps({**data, "phases": public}, indent=1))
         return 0
     console.print(
         f"[bold]jaxpar explain[/]: {args.hf or args.model or args.default_model}, strategy "

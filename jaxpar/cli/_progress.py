@@ -42,7 +42,8 @@ def stage(
 def tensor_count(config) -> int:
     """How many parameter tensors a model has (the steps of a checkpoint load)."""
     import jax
+    from flax import nnx
 
-    from jaxpar.engine._engine import abstract_params
+    from jaxpar.models import abstract_model
 
-    return len(jax.tree.leaves(abstract_params(config)))
+    return len(jax.tree.leaves(nnx.state(abstract_model(config))))

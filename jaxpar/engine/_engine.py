@@ -13,16 +13,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.engine._pipeline_steps import PipelineLayouts, PipelineSteps
-from jaxpar.engine._placement import logical_axes_of, param_shardings, place, put_global
+from jaxpar.engine._abstract import AbstractEngine
+from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
-from jaxpar.engine._steps import Layouts, Steps
-from jaxpar.engine._vocab import pad_vocab_params, padded_config, true_vocab
+from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
-from jaxpar.models._cache import KVCache
-from jaxpar.models._config import ModelConfig
-from jaxpar.models._decoder import Decoder, with_layer_loop
-from jaxpar.spec import ParallelConfig, Plan, make_mesh, validate
+from jaxpar.models import KVCache, ModelConfig, abstract_model, with_layer_loop
+from jaxpar.spec import ParallelConfig, Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,43 +85,34 @@ class InferenceEngine:
         mesh: Mesh | None = None,
     ):
         config = parallel_config or ParallelConfig()
-        devices = mesh.devices.size if mesh is not None else config.size
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         model_config, params = pipeline_layer_form(model_config, params, config)
-        # A vocabulary tp does not divide is padded (see _vocab); the engine runs the padded
-        # model, and everything callers see has the true vocabulary.
-        padded = padded_config(model_config, config.tp)
-        self.plan: Plan = validate(
-            padded, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
+        # Validated and laid out from shapes; a vocabulary tp does not divide is padded
+        # (see _vocab): the engine runs the padded model, and everything callers see has
+        # the true vocabulary.
+        self.program = AbstractEngine.build(
+            model_config, config, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
         )
-        self.mesh = mesh if mesh is not None else make_mesh(config)
+        self.plan: Plan = self.program.plan
+        self.mesh = self.program.mesh
         self.model_config = model_config
         self.parallel_config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
 
-        abstract = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
-        graphdef, abstract_state = nnx.split(abstract)
+        abstract_state = nnx.state(abstract_model(model_config))
         _check_params(abstract_state, params)
-        if padded is not model_config:
+        padded = self.program.model_config
+        if padded.vocab_size != model_config.vocab_size:
             params = pad_vocab_params(params, logical_axes_of(abstract_state), padded.vocab_size)
-            graphdef, abstract_state = nnx.split(
-                nnx.eval_shape(lambda: Decoder(padded, rngs=nnx.Rngs(0)))
-            )
-        shardings = param_shardings(abstract_state, self.mesh, config, padded)
-        self.params = jax.tree.map(place, params, shardings)
-        # pp > 1: the pipelined programs (same entry points, stage-major results inside).
-        layouts, steps = (PipelineLayouts, PipelineSteps) if config.pp > 1 else (Layouts, Steps)
-        self.layouts = layouts.build(self.mesh, config, padded, shardings)
-        self.steps = steps(
-            graphdef,
-            self.layouts,
-            self.mesh,
-            config,
-            padded,
-            max_seq_len,
-            vocab_size=model_config.vocab_size,
-        )
+        self.layouts = self.program.layouts
+        self.steps = self.program.steps
+        self.params = jax.tree.map(place, params, self.layouts.params)
+
+    def lower(self, phase: str, *, prompt_len: int) -> Any:
+        """The ``jax.stages.Lowered`` prefill or decode step over this engine's parameters
+        (see :meth:`AbstractEngine.lower`)."""
+        return self.program.lower(phase, prompt_len=prompt_len, params=self.params)
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -343,7 +331,3 @@ def _check_params(abstract: nnx.State, params: nnx.State) -> None:
     extra = set(got_paths) - {jax.tree_util.keystr(p) for p, _ in want}
     if extra:
         raise ConfigError(f"unexpected parameter(s) {sorted(extra)[:5]}")
-
-
-def abstract_params(model_config: ModelConfig) -> Any:
-    return nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))[1]

@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxpar.models._cache import write_token
+from jaxpar.models import write_token
 
 
 @flax.struct.dataclass

@@ -11,8 +11,7 @@ import numpy as np
 
 from jaxpar.errors import CacheOverflowError, ShapeError
 from jaxpar.models._config import ModelConfig
-from jaxpar.spec._constrain import constrain
-from jaxpar.spec._enums import Module
+from jaxpar.spec import Module, constrain
 
 
 def check_room(lengths_host: np.ndarray | jax.Array, n_new: int, max_seq_len: int) -> None:
