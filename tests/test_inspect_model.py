@@ -160,16 +160,17 @@ def test_report_matches_groups_and_names_the_excess():
             2 * L,
         ),
         coll("all-reduce", (4, D), ((0, 2), (1, 3), (4, 6), (5, 7)), "jit(f)/gather"),
-        coll("all-reduce", (4, D), DP_GROUPS, "jit(f)/gather"),  # not needed
+        # Not needed, and inside a scope jaxpar names a cause by:
+        coll("all-reduce", (4, D), DP_GROUPS, "jit(f)/while/body/moe/expert_slots/cumsum"),
     ]
     report = collective_report(found, Mesh(), model)
-    assert report.exceptions == {"last-position-gather": 4 * D * F32}
+    assert report.exceptions == {"moe-slot-cumsum-gather": 4 * D * F32}
     assert report.ratio_explained == pytest.approx(1.0)
     assert report.ratio == pytest.approx(1 + 4 * D * F32 / model.total_bytes)
     row = next(r for r in report.rows if r.axes == ("dp",))
-    assert (row.minimum_bytes, row.cause, row.ratio) == (0, "last-position-gather", math.inf)
+    assert (row.minimum_bytes, row.cause, row.ratio) == (0, "moe-slot-cumsum-gather", math.inf)
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["exceptions"] == {"last-position-gather": 1024} and data["rows"]
+    assert data["exceptions"] == {"moe-slot-cumsum-gather": 1024} and data["rows"]
     from rich.console import Console
 
     Console(file=io.StringIO(), width=160).print(report.to_rich_table())
@@ -192,13 +193,14 @@ def test_excess_on_a_needed_group_goes_to_its_cause():
 
 
 def test_classify_rules():
-    topk = coll("all-gather", (8, 1, 8), DP_GROUPS, "jit(f)/while/body/closed_call/moe/top_k")
-    cumsum = coll(
-        "all-gather", (2, 16, 8), DP_GROUPS, "jit(f)/while/body/moe/jit(cumsum)/reduce_window_sum"
-    )
+    slots = "jit(f)/while/body/moe/expert_slots/jit(cumsum)/reduce_window_sum"
+    cumsum = coll("all-gather", (2, 16, 8), DP_GROUPS, slots)
+    # Causes are keyed on jaxpar's own named scopes, not on XLA's op text: a cumsum outside
+    # the expert-slot scope (sampling's top-p) is no MoE slot count.
+    other = coll("all-gather", (2, 16, 8), DP_GROUPS, "jit(f)/lm_head/jit(cumsum)/reduce")
     cache = coll("all-gather", (1, 8, 64, 2, 8), None, "jit(f)/while/body/squeeze")
-    assert classify(topk, "decode") == "moe-topk-gather"
     assert classify(cumsum, "prefill") == "moe-slot-cumsum-gather"
+    assert classify(other, "prefill") == "unclassified"
     assert classify(cache, "decode", cache_dims=(64, 8)) == "kv-cache-gather"
     assert classify(cache, "decode") == "unclassified"
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxpar.engine import pipeline
-from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.models import preset
 from jaxpar.spec import ParallelConfig, Phase, make_mesh, sharding_context
 
@@ -55,7 +54,7 @@ def _count_head(s, x, out_M, *, i):
 def test_run_schedule_passes_every_microbatch_through_every_stage(pp, count):
     config = ParallelConfig(pp=pp, dp=8 // pp)
     mesh = make_mesh(config, jax.devices()[: config.size])
-    stages = Stages(mesh, config, preset("tiny-dense"))
+    stages = pipeline.Stages(mesh, config, preset("tiny-dense"))
     inputs_M = 10.0 * jnp.arange(count)
 
     @jax.jit
