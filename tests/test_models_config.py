@@ -42,13 +42,17 @@ def _check_axes(state: nnx.State) -> None:
         assert len(axes) == len(var.get_value().shape), f"{name}: {axes} vs rank"
         assert set(axes) <= LEGAL_NAMES, f"{name}: {axes}"
         assert not set(axes) & MESH_NAMES, f"{name} names a mesh axis: {axes}"
-        if path[0] == "layers":
+        if path[0] == "layers" and isinstance(path[1], int):  # layers/<i>/...: one layer
+            assert "layers" not in axes, f"per-layer {name} has no 'layers' axis: {axes}"
+        elif path[0] == "layers":  # stacked [L, ...] (layer_loop="scan")
             assert axes[0] == "layers", f"stacked {name} must lead with 'layers': {axes}"
 
 
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 @pytest.mark.parametrize("name", TINY)
-def test_every_param_has_logical_axes(name: str) -> None:
-    _check_axes(nnx.state(init_model(preset(name))))
+def test_every_param_has_logical_axes(name: str, layer_loop: str) -> None:
+    config = dataclasses.replace(preset(name), layer_loop=layer_loop)
+    _check_axes(nnx.state(init_model(config)))
 
 
 def test_llama_1b_axes_and_size_abstractly() -> None:
@@ -60,19 +64,18 @@ def test_llama_1b_axes_and_size_abstractly() -> None:
     assert all(v.get_value().dtype == jnp.bfloat16 for _, v in _leaves(state))
 
 
-def test_expected_axes_of_key_params() -> None:
-    specs = nnx.to_flat_state(param_logical_axes(preset("tiny-moe")))
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_expected_axes_of_key_params(layer_loop: str) -> None:
+    config = dataclasses.replace(preset("tiny-moe"), layer_loop=layer_loop)
+    specs = nnx.to_flat_state(param_logical_axes(config))
     got = {path: tuple(var.get_value()) for path, var in specs}
-    assert got[("layers", "attn", "q_kernel")] == ("layers", "embed", "heads", "head_dim")
-    assert got[("layers", "attn", "k_kernel")] == ("layers", "embed", "kv_heads", "head_dim")
-    assert got[("layers", "attn", "o_kernel")] == ("layers", "heads", "head_dim", "embed")
-    assert got[("layers", "ffn", "router", "kernel")] == ("layers", "embed", None)
-    assert got[("layers", "ffn", "experts", "down_kernel")] == (
-        "layers",
-        "experts",
-        "mlp",
-        "embed",
-    )
+    # Per layer: layers/<i>/...; stacked: layers/... with a leading "layers" axis.
+    at, lead = (("layers", 0), ()) if layer_loop == "unrolled" else (("layers",), ("layers",))
+    assert got[(*at, "attn", "q_kernel")] == (*lead, "embed", "heads", "head_dim")
+    assert got[(*at, "attn", "kv_kernel")] == (*lead, "embed", None, "kv_heads", "head_dim")
+    assert got[(*at, "attn", "o_kernel")] == (*lead, "heads", "head_dim", "embed")
+    assert got[(*at, "ffn", "router", "kernel")] == (*lead, "embed", None)
+    assert got[(*at, "ffn", "experts", "down_kernel")] == (*lead, "experts", "mlp", "embed")
     assert got[("embed", "token_table")] == ("vocab", "embed")
     assert got[("lm_head", "kernel")] == ("embed", "vocab")
     assert got[("final_norm", "scale")] == ("embed",)
