@@ -26,12 +26,22 @@ from jaxpar.models import KVCache, ModelConfig, abstract_model
 from jaxpar.spec import ParallelConfig, Phase, Plan, make_mesh, validate
 
 
+def layer_loop_for(model_config: ModelConfig, parallel: ParallelConfig) -> str:
+    """The layer storage an engine runs: stacked (``"scan"``) when ``pp > 1``.
+
+    Pipeline stages split the stacked ``[L, ...]`` layer parameters and cache over ``pp``
+    (one contiguous block of layers per stage). Without pipelining the model's own form is
+    kept.
+    """
+    return "scan" if parallel.pp > 1 else model_config.layer_loop
+
+
 def run_form(model_config: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
-    """The model an engine runs: stacked layers when ``pp > 1`` (pipeline stages split the
-    stacked ``[L, ...]`` parameters and cache over ``pp``), the vocabulary padded to a
-    multiple of ``tp`` (see ``_vocab``)."""
-    if parallel.pp > 1 and model_config.layer_loop != "scan":
-        model_config = dataclasses.replace(model_config, layer_loop="scan")
+    """The model an engine runs: in its :func:`layer_loop_for` form, the vocabulary padded
+    to a multiple of ``tp`` (see ``_vocab``)."""
+    loop = layer_loop_for(model_config, parallel)
+    if loop != model_config.layer_loop:
+        model_config = dataclasses.replace(model_config, layer_loop=loop)
     return padded_config(model_config, parallel.tp)
 
 

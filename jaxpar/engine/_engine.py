@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.engine._abstract import AbstractEngine
+from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
@@ -44,14 +44,13 @@ class Generation:
 def pipeline_layer_form(
     model_config: ModelConfig, params: nnx.State, parallel: ParallelConfig
 ) -> tuple[ModelConfig, nnx.State]:
-    """The layer storage an engine runs: stacked (``layer_loop="scan"``) when ``pp > 1``.
+    """The config and parameters in the layer form the engine runs (:func:`layer_loop_for`).
 
-    Pipeline stages split the stacked ``[L, ...]`` layer parameters and cache over ``pp``
-    (one contiguous block of layers per stage), so a pipelined engine restacks per-layer
-    parameters once, here. Without pipelining the model's own form is kept.
+    A pipelined engine restacks per-layer parameters once, here.
     """
-    if parallel.pp > 1 and model_config.layer_loop != "scan":
-        return with_layer_loop(model_config, params, "scan")
+    loop = layer_loop_for(model_config, parallel)
+    if loop != model_config.layer_loop:
+        return with_layer_loop(model_config, params, loop)
     return model_config, params
 
 
