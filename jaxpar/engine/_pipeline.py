@@ -14,6 +14,14 @@ activation-sized permutes to cross stages.
 Microbatch ``m`` of ``M`` (and decode group ``g`` of ``G``) is the batch rows ``b`` with
 ``b % M == m``: ``B -> [B / M, M]`` keeps the batch sharding on the major dim, and picking
 a microbatch indexes the unsharded minor one, locally.
+
+The pieces are top-level functions, each callable on its own: :func:`stage_slot` (which
+microbatch a stage runs at an iteration: fill, steady state, drain), the stage-local steps
+:func:`prefill_stage` / :func:`decode_stage` (one stage's layers, layer by layer in
+:func:`prefill_layer` / :func:`decode_layer`), the last stage's :func:`prefill_head` /
+:func:`decode_head` (with :func:`last_position`), and :func:`pipeline_iteration` /
+:func:`run_schedule`, the loop both phases share. :func:`prefill` and :func:`decode`
+only set up buffers and bind these.
 """
 
 from __future__ import annotations
