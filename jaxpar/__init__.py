@@ -49,6 +49,7 @@ _LAZY = {
     "preset": "jaxpar.models",
     "init_params": "jaxpar.models",
     "load_hf_checkpoint": "jaxpar.models",
+    "AbstractEngine": "jaxpar.engine",
     "InferenceEngine": "jaxpar.engine",
     "Generation": "jaxpar.engine",
     "Sampling": "jaxpar.engine",
@@ -66,6 +67,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AbstractEngine",
     "CacheOverflowError",
     "CheckpointError",
     "ConfigError",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 # (preset, strategy): TP, TP+SP, SP, DP, mixes, GQA with replicated K/V heads, EP, EP+TP,
-# PP (reported as pending if the engine refuses pp > 1).
+# PP.
 MATRIX: list[tuple[str, str]] = [
     ("tiny-dense", "tp=8"),
     ("tiny-dense", "sp=2,tp=4"),
@@ -44,8 +44,13 @@ MATRIX: list[tuple[str, str]] = [
     ("tiny-moe", "sp=2,ep=4"),
     ("tiny-moe", "pp=2,ep=4"),
 ]
-QUICK = [("tiny-dense", "tp=8"), ("tiny-dense", "dp=2,sp=2,tp=2"), ("tiny-dense", "pp=2,tp=4"),
-         ("tiny-moe", "ep=8"), ("tiny-moe", "dp=2,ep=2,tp=2")]
+QUICK = [
+    ("tiny-dense", "tp=8"),
+    ("tiny-dense", "dp=2,sp=2,tp=2"),
+    ("tiny-dense", "pp=2,tp=4"),
+    ("tiny-moe", "ep=8"),
+    ("tiny-moe", "dp=2,ep=2,tp=2"),
+]
 BATCH, PROMPT_LEN, MAX_SEQ_LEN = 8, 16, 64
 
 # Compiled bytes above the minimum, per (preset, strategy, phase): {cause: bytes}. Causes
@@ -54,7 +59,9 @@ BATCH, PROMPT_LEN, MAX_SEQ_LEN = 8, 16, 64
 DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {
     ("tiny-dense", "pp=2,tp=4", "prefill"): {"pp-bubble": 163840},
     ("tiny-dense", "pp=2,tp=4", "decode"): {"pp-bubble": 10240},
-    ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "prefill"): {"pp-bubble": 40960},
+    ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "prefill"): {
+        "pp-bubble": 40960
+    },
     ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "decode"): {"pp-bubble": 2560},
     ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-slot-cumsum-gather": 4096},
     ("tiny-moe", "pp=2,ep=4", "prefill"): {"pp-bubble": 270336},
@@ -62,8 +69,13 @@ DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {
 }
 
 # Peak HBM bandwidth (B/s) and dense bf16 FLOP/s, by a substring of jax's device_kind.
-PEAKS = {"H200": (4.8e12, 989e12), "H100 PCIe": (2.0e12, 756e12), "H100": (3.35e12, 989e12),
-         "A100-SXM4-80GB": (2.039e12, 312e12), "A100": (1.555e12, 312e12)}
+PEAKS = {
+    "H200": (4.8e12, 989e12),
+    "H100 PCIe": (2.0e12, 756e12),
+    "H100": (3.35e12, 989e12),
+    "A100-SXM4-80GB": (2.039e12, 312e12),
+    "A100": (1.555e12, 312e12),
+}
 
 
 def strategy_kind(strategy: str) -> str:
@@ -78,12 +90,11 @@ def strategy_kind(strategy: str) -> str:
 
 @dataclasses.dataclass
 class Case:
-    """One matrix entry: its engine (None when refused) and per-phase reports."""
+    """One matrix entry: its engine and per-phase reports."""
 
     preset: str
     strategy: str
     engine: Any = None
-    refused: str | None = None
     reports: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -93,8 +104,7 @@ def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> 
     import jax
 
     from jaxpar.engine import InferenceEngine
-    from jaxpar.errors import ConfigError
-    from jaxpar.inspect import communication_model, phase_report
+    from jaxpar.inspect import phase_report
     from jaxpar.models import init_params
     from jaxpar.models import preset as get_preset
     from jaxpar.spec import ParallelConfig, make_mesh
@@ -104,19 +114,18 @@ def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> 
     if preset not in params_cache:
         params_cache[preset] = init_params(config)
     case = Case(preset, strategy)
-    try:
-        case.engine = InferenceEngine(config, params_cache[preset], parallel, max_batch=BATCH,
-                                      max_seq_len=MAX_SEQ_LEN,
-                                      mesh=make_mesh(parallel, jax.devices()[: parallel.size]))
-    except ConfigError as e:
-        case.refused = str(e)
-        for phase in ("prefill", "decode"):
-            case.reports[phase] = communication_model(config, parallel, phase, batch=BATCH,
-                                                      prompt_len=PROMPT_LEN)
-        return case
+    case.engine = InferenceEngine(
+        config,
+        params_cache[preset],
+        parallel,
+        max_batch=BATCH,
+        max_seq_len=MAX_SEQ_LEN,
+        mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
+    )
     for phase in ("prefill", "decode"):
-        report, compiled = phase_report(case.engine, phase, prompt_len=PROMPT_LEN,
-                                        label=f"{preset} {strategy}")
+        report, compiled = phase_report(
+            case.engine, phase, prompt_len=PROMPT_LEN, label=f"{preset} {strategy}"
+        )
         case.reports[phase], case.compiled[phase] = report, compiled
     return case
 
@@ -147,19 +156,31 @@ def collectives_section(matrix: list[tuple[str, str]]) -> tuple[list[dict], list
         start = time.perf_counter()
         case = build_case(preset, strategy, params_cache)
         for phase, rep in case.reports.items():
-            base = {"preset": preset, "strategy": strategy, "kind": strategy_kind(strategy),
-                    "phase": phase}
-            if case.refused:
-                rows.append({**base, "status": "pending", "why": case.refused,
-                             "minimum_bytes": rep.total_bytes, "model": rep.to_dict()})
-                continue
-            rows.append({**base, "status": "ok", **rep.to_dict(),
-                         "documented": DOCUMENTED.get((preset, strategy, phase), {})})
-        if not case.refused:
-            measured = case.compiled["decode"].memory_analysis().argument_size_in_bytes
-            ideal = memory_ideal(case)
-            memory.append({"preset": preset, "strategy": strategy, "measured_bytes": measured,
-                           "ideal_bytes": ideal, "ratio": round(measured / ideal, 4)})
+            base = {
+                "preset": preset,
+                "strategy": strategy,
+                "kind": strategy_kind(strategy),
+                "phase": phase,
+            }
+            rows.append(
+                {
+                    **base,
+                    "status": "ok",
+                    **rep.to_dict(),
+                    "documented": DOCUMENTED.get((preset, strategy, phase), {}),
+                }
+            )
+        measured = case.compiled["decode"].memory_analysis().argument_size_in_bytes
+        ideal = memory_ideal(case)
+        memory.append(
+            {
+                "preset": preset,
+                "strategy": strategy,
+                "measured_bytes": measured,
+                "ideal_bytes": ideal,
+                "ratio": round(measured / ideal, 4),
+            }
+        )
         print(f"  {preset} {strategy}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return rows, memory
 
@@ -179,8 +200,14 @@ def compile_section(layer_counts: tuple[int, ...], strategy: str = "dp=2,sp=2,tp
     parallel, out = ParallelConfig.parse(strategy), []
     for n in layer_counts:
         config = dataclasses.replace(preset("tiny-dense"), n_layers=n)
-        eng = InferenceEngine(config, init_params(config), parallel, max_batch=BATCH,
-                              max_seq_len=MAX_SEQ_LEN, mesh=make_mesh(parallel, jax.devices()[: parallel.size]))
+        eng = InferenceEngine(
+            config,
+            init_params(config),
+            parallel,
+            max_batch=BATCH,
+            max_seq_len=MAX_SEQ_LEN,
+            mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
+        )
         row = {"n_layers": n, "strategy": strategy}
         for phase in ("prefill", "decode"):
             start = time.perf_counter()
@@ -193,8 +220,9 @@ def compile_section(layer_counts: tuple[int, ...], strategy: str = "dp=2,sp=2,tp
 # --- decode speed against a plain-JAX reference -----------------------------------------
 
 
-def reference_decode(w: dict, k_LBSKH, v_LBSKH, lengths_B, tokens_B, *, n_heads: int, theta: float,
-                     eps: float):
+def reference_decode(
+    w: dict, k_LBSKH, v_LBSKH, lengths_B, tokens_B, *, n_heads: int, theta: float, eps: float
+):
     """One llama-style decode step in plain jnp (no jaxpar layer): logits and the cache.
 
     Its own cache, stacked [L, B, S, K, H], and its own separate q/k/v and gate/up weights.
@@ -225,7 +253,9 @@ def reference_decode(w: dict, k_LBSKH, v_LBSKH, lengths_B, tokens_B, *, n_heads:
         v = jnp.einsum("bd,dkh->bkh", y, w["v"][i])
         k_LBSKH = k_LBSKH.at[i, rows, pos].set(k)
         v_LBSKH = v_LBSKH.at[i, rows, pos].set(v)
-        scores = jnp.einsum("bkgh,bskh->bkgs", q.reshape(b, kh, n_heads // kh, h), k_LBSKH[i]) * h**-0.5
+        scores = (
+            jnp.einsum("bkgh,bskh->bkgs", q.reshape(b, kh, n_heads // kh, h), k_LBSKH[i]) * h**-0.5
+        )
         p = jax.nn.softmax(jnp.where(valid, scores, -1e30), axis=-1)
         o = jnp.einsum("bkgs,bskh->bkgh", p, v_LBSKH[i]).reshape(b, n_heads, h)
         x = x + jnp.einsum("bnh,nhd->bd", o, w["o"][i])
@@ -242,10 +272,16 @@ def _weights(config, params) -> dict:
 
     _, stacked = with_layer_loop(config, params, "scan")
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(stacked)}
-    names = {"embed": "embed.token_table", "attn_norm": "layers.attn_norm.scale",
-             "q": "layers.attn.q_kernel", "o": "layers.attn.o_kernel",
-             "ffn_norm": "layers.ffn_norm.scale", "down": "layers.ffn.down_kernel",
-             "final_norm": "final_norm.scale", "lm_head": "lm_head.kernel"}
+    names = {
+        "embed": "embed.token_table",
+        "attn_norm": "layers.attn_norm.scale",
+        "q": "layers.attn.q_kernel",
+        "o": "layers.attn.o_kernel",
+        "ffn_norm": "layers.ffn_norm.scale",
+        "down": "layers.ffn.down_kernel",
+        "final_norm": "final_norm.scale",
+        "lm_head": "lm_head.kernel",
+    }
     w = {k: flat[v] for k, v in names.items()}
     kv, gate_up = flat["layers.attn.kv_kernel"], flat["layers.ffn.gate_up_kernel"]
     w["k"], w["v"] = kv[:, :, 0], kv[:, :, 1]  # [L, D, 2, K, H] -> two [L, D, K, H]
@@ -253,10 +289,18 @@ def _weights(config, params) -> dict:
     return w
 
 
-def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps: int, repeats: int,
-                devices=None, reference: bool = True) -> dict:
+def time_decode(
+    config,
+    *,
+    batch: int,
+    max_seq_len: int,
+    prompt_len: int,
+    steps: int,
+    repeats: int,
+    devices=None,
+    reference: bool = True,
+) -> dict:
     """Median seconds per decode step of jaxpar (and the reference), same weights and cache."""
-    import functools
 
     import jax
     import jax.numpy as jnp
@@ -268,8 +312,14 @@ def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps:
 
     devices = devices or jax.devices()[:1]
     params = init_params(config)
-    eng = InferenceEngine(config, params, ParallelConfig(), max_batch=batch, max_seq_len=max_seq_len,
-                          mesh=make_mesh(ParallelConfig(), devices))
+    eng = InferenceEngine(
+        config,
+        params,
+        ParallelConfig(),
+        max_batch=batch,
+        max_seq_len=max_seq_len,
+        mesh=make_mesh(ParallelConfig(), devices),
+    )
     rng = np.random.default_rng(0)
     tokens_BT = rng.integers(0, config.vocab_size, (batch, prompt_len)).astype(np.int32)
     lengths_B = np.full(batch, prompt_len, np.int32)
@@ -283,40 +333,23 @@ def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps:
         prefill_times.append(time.perf_counter() - start)
     prefill_s = statistics.median(prefill_times)
     contenders = {"jaxpar": lambda c, t: eng.steps.decode(eng.params, c, t)}
-    if reference:
-        w = jax.device_put(_weights(config, params), devices[0])
-        ref = jax.jit(functools.partial(reference_decode, n_heads=config.n_heads,
-                                        theta=config.rope_theta, eps=config.norm_eps),
-                      donate_argnums=(1, 2))
-
-        def ref_step(c, t):  # c: the reference's own (k, v, lengths), stacked [L, B, S, K, H]
-            logits, k, v = ref(w, c[0], c[1], c[2], t)
-            return logits, (k, v, c[2] + 1)
-
-        contenders["reference"] = ref_step
     starts = {"jaxpar": lambda: jax.tree.map(jnp.copy, cache0)}
-    if reference:  # the same cache, as the reference stores it (built once, not timed)
-        def stacked(layers):
-            return jnp.stack([x.transpose(0, 2, 1, 3) for x in layers])
-
-        starts["reference"] = lambda: (stacked(cache0.k), stacked(cache0.v), cache0.lengths_B)
-    out: dict[str, Any] = {"batch": batch, "max_seq_len": max_seq_len, "prompt_len": prompt_len,
-                           "steps": steps, "repeats": repeats, "prefill_s": prefill_s}
+    if reference:
+        contenders["reference"], starts["reference"] = _reference(config, params, devices, cache0)
+    out: dict[str, Any] = {
+        "batch": batch,
+        "max_seq_len": max_seq_len,
+        "prompt_len": prompt_len,
+        "steps": steps,
+        "repeats": repeats,
+        "prefill_s": prefill_s,
+    }
     check = {}
     for name, step in contenders.items():  # compile, and check the two agree
         check[name] = np.asarray(step(starts[name](), first)[0])
     if reference:
         out["max_abs_logit_diff"] = float(np.max(np.abs(check["jaxpar"] - check["reference"])))
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(repeats):  # interleaved, so both see the same machine load
-        for name, step in contenders.items():
-            cache, tokens = starts[name](), first
-            jax.block_until_ready(cache)
-            start = time.perf_counter()
-            for _ in range(steps):
-                logits, cache = step(cache, tokens)
-            logits.block_until_ready()
-            times[name].append((time.perf_counter() - start) / steps)
+    times = _interleaved_times(contenders, starts, first, steps, repeats)
     for name, values in times.items():
         out[f"{name}_step_s"] = statistics.median(values)
         out[f"{name}_tokens_per_s"] = batch / statistics.median(values)
@@ -326,17 +359,79 @@ def time_decode(config, *, batch: int, max_seq_len: int, prompt_len: int, steps:
     return out
 
 
+def _reference(config, params, devices, cache0):
+    """The reference decode step and its start cache (the same cache, as the reference
+    stores it: stacked [L, B, S, K, H], built once, not timed)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    w = jax.device_put(_weights(config, params), devices[0])
+    ref = jax.jit(
+        functools.partial(
+            reference_decode,
+            n_heads=config.n_heads,
+            theta=config.rope_theta,
+            eps=config.norm_eps,
+        ),
+        donate_argnums=(1, 2),
+    )
+
+    def ref_step(c, t):  # c: the reference's own (k, v, lengths)
+        logits, k, v = ref(w, c[0], c[1], c[2], t)
+        return logits, (k, v, c[2] + 1)
+
+    def stacked(layers):
+        return jnp.stack([x.transpose(0, 2, 1, 3) for x in layers])
+
+    return ref_step, lambda: (stacked(cache0.k), stacked(cache0.v), cache0.lengths_B)
+
+
+def _interleaved_times(contenders, starts, first, steps: int, repeats: int) -> dict:
+    """Seconds per step of each contender, ``repeats`` times, interleaved so both see the
+    same machine load."""
+    import jax
+
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, step in contenders.items():
+            cache, tokens = starts[name](), first
+            jax.block_until_ready(cache)
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits, cache = step(cache, tokens)
+            logits.block_until_ready()
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
 def decode_section(quick: bool) -> dict:
     """jaxpar vs the plain-JAX reference on one CPU device, same run, median of repeats."""
     from jaxpar.models import preset
 
-    config = dataclasses.replace(preset("tiny-dense"), d_model=256, n_heads=8, n_kv_heads=4,
-                                 head_dim=32, d_ff=768, vocab_size=2048)
-    res = time_decode(config, batch=8, max_seq_len=256, prompt_len=64, steps=16 if quick else 48,
-                      repeats=3 if quick else 7)
+    config = dataclasses.replace(
+        preset("tiny-dense"),
+        d_model=256,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        d_ff=768,
+        vocab_size=2048,
+    )
+    res = time_decode(
+        config,
+        batch=8,
+        max_seq_len=256,
+        prompt_len=64,
+        steps=16 if quick else 48,
+        repeats=3 if quick else 7,
+    )
     res.pop("engine"), res.pop("params")
-    return {"model": "tiny-dense widened: d_model 256, 8 heads (4 kv), d_ff 768, vocab 2048, 4 layers",
-            **res}
+    return {
+        "model": "tiny-dense widened: d_model 256, 8 heads (4 kv), d_ff 768, vocab 2048, 4 layers",
+        **res,
+    }
 
 
 # --- GPU --------------------------------------------------------------------------------
@@ -363,36 +458,64 @@ def gpu_section(model: str = "llama-1b", devices: list | None = None, quick: boo
     decode_rows, prefill_rows = [], []
     shapes = [(1, 16), (4, 16)] if quick else [(b, c) for c in (512, 4096) for b in (1, 16, 64)]
     for batch, context in shapes:
-        res = time_decode(config, batch=batch, max_seq_len=context + steps + 8, prompt_len=context,
-                          steps=steps, repeats=3 if quick else 5, devices=gpus[:1], reference=False)
+        res = time_decode(
+            config,
+            batch=batch,
+            max_seq_len=context + steps + 8,
+            prompt_len=context,
+            steps=steps,
+            repeats=3 if quick else 5,
+            devices=gpus[:1],
+            reference=False,
+        )
         eng, params = res.pop("engine"), res.pop("params")
         param_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.params))
         mid = context + steps // 2  # KV positions in use, averaged over the timed steps
-        kv_bytes = (2 * config.n_layers * batch * mid * config.n_kv_heads * config.head_dim
-                    * config.dtype.itemsize)
+        kv_bytes = (
+            2
+            * config.n_layers
+            * batch
+            * mid
+            * config.n_kv_heads
+            * config.head_dim
+            * config.dtype.itemsize
+        )
         bandwidth = (param_bytes + kv_bytes) / res["jaxpar_step_s"]
-        decode_rows.append({
-            "batch": batch, "context": context, "decode_ms": 1e3 * res["jaxpar_step_s"],
-            "bytes_per_step": param_bytes + kv_bytes,
-            "floor_ms": peak_bw and 1e3 * (param_bytes + kv_bytes) / peak_bw,
-            "hbm_fraction": peak_bw and bandwidth / peak_bw,
-        })
+        decode_rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "decode_ms": 1e3 * res["jaxpar_step_s"],
+                "bytes_per_step": param_bytes + kv_bytes,
+                "floor_ms": peak_bw and 1e3 * (param_bytes + kv_bytes) / peak_bw,
+                "hbm_fraction": peak_bw and bandwidth / peak_bw,
+            }
+        )
         n_params = sum(x.size for x in jax.tree.leaves(params))
         flops = 2 * n_params * batch * context  # prefill of this shape, matmul FLOPs
-        prefill_rows.append({
-            "batch": batch, "prompt_len": context, "tokens": batch * context,
-            "prefill_ms": 1e3 * res["prefill_s"],
-            "mfu": peak_flops and flops / res["prefill_s"] / peak_flops,
-        })
+        prefill_rows.append(
+            {
+                "batch": batch,
+                "prompt_len": context,
+                "tokens": batch * context,
+                "prefill_ms": 1e3 * res["prefill_s"],
+                "mfu": peak_flops and flops / res["prefill_s"] / peak_flops,
+            }
+        )
         del eng, params
     return {
-        "device_kind": kind, "jax": jax.__version__, "model": model, "dtype": str(config.dtype),
-        "peak_hbm_bytes_per_s": peak_bw, "peak_bf16_flops": peak_flops,
-        "decode": decode_rows, "prefill": prefill_rows,
+        "device_kind": kind,
+        "jax": jax.__version__,
+        "model": model,
+        "dtype": str(config.dtype),
+        "peak_hbm_bytes_per_s": peak_bw,
+        "peak_bf16_flops": peak_flops,
+        "decode": decode_rows,
+        "prefill": prefill_rows,
         "peer": torch_peer(model, shapes, steps),
         "compile": gpu_compile_seconds(model, (2, 4) if quick else (16, 32, 80), gpus[:1]),
         "note": "decode: median ms/step over timed steps; prefill: the compiled step, median of "
-                "3; MFU counts 2*params*tokens (attention FLOPs left out)",
+        "3; MFU counts 2*params*tokens (attention FLOPs left out)",
     }
 
 
@@ -403,8 +526,16 @@ def torch_peer(model: str, shapes: list[tuple[int, int]], steps: int) -> dict:
 
     if not all(importlib.util.find_spec(m) for m in ("torch", "transformers")):
         return {"skipped": "torch or transformers not importable"}
-    argv = [sys.executable, str(Path(__file__).with_name("bench_torch_peer.py")), "--model", model,
-            "--shapes", ",".join(f"{b}x{p}" for b, p in shapes), "--steps", str(steps)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_torch_peer.py")),
+        "--model",
+        model,
+        "--shapes",
+        ",".join(f"{b}x{p}" for b, p in shapes),
+        "--steps",
+        str(steps),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return {"skipped": "peer run failed: " + done.stderr.strip().splitlines()[-1][:300]}
@@ -413,16 +544,19 @@ def torch_peer(model: str, shapes: list[tuple[int, int]], steps: int) -> dict:
 
 def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list) -> list[dict]:
     """Prefill and decode compile seconds by depth, for each layer loop (shapes only)."""
-    from jaxpar.cli._explain import abstract_engine
+
+    from jaxpar.engine import AbstractEngine
     from jaxpar.inspect import compile_step
     from jaxpar.models import preset
-    from jaxpar.spec import ParallelConfig
+    from jaxpar.spec import ParallelConfig, make_mesh
 
     rows = []
     for n in layer_counts:
         for loop in ("unrolled", "scan"):
             config = dataclasses.replace(preset(model), n_layers=n, layer_loop=loop)
-            eng = abstract_engine(config, ParallelConfig(), max_batch=16, max_seq_len=1024)
+            one = ParallelConfig()
+            mesh = make_mesh(one, devices[:1])
+            eng = AbstractEngine.build(config, one, max_batch=16, max_seq_len=1024, mesh=mesh)
             row = {"n_layers": n, "layer_loop": loop}
             for phase in ("prefill", "decode"):
                 start = time.perf_counter()
@@ -451,43 +585,78 @@ def markdown(results: dict) -> str:
 
     out = []
     if "collectives" in results:
-        out += ["### Collective bytes per device per step: compiled / analytic minimum", "",
-                f"batch {BATCH}, prompt {PROMPT_LEN} (prefill), cache {MAX_SEQ_LEN}, float32, "
-                "8 simulated CPU devices. Exceptions: bytes above the minimum, by cause.", "",
-                "| model | strategy | kind | prefill compiled / min | ratio | decode compiled / min "
-                "| ratio | exceptions (bytes) |", "|---|---|---|---|---|---|---|---|"]
+        out += [
+            "### Collective bytes per device per step: compiled / analytic minimum",
+            "",
+            f"batch {BATCH}, prompt {PROMPT_LEN} (prefill), cache {MAX_SEQ_LEN}, float32, "
+            "8 simulated CPU devices. Exceptions: bytes above the minimum, by cause.",
+            "",
+            "| model | strategy | kind | prefill compiled / min | ratio | decode compiled / min "
+            "| ratio | exceptions (bytes) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         by = {(r["preset"], r["strategy"], r["phase"]): r for r in results["collectives"]}
-        for preset, strategy in dict.fromkeys((r["preset"], r["strategy"]) for r in results["collectives"]):
+        for preset, strategy in dict.fromkeys(
+            (r["preset"], r["strategy"]) for r in results["collectives"]
+        ):
             p, d = by[preset, strategy, "prefill"], by[preset, strategy, "decode"]
-            if p["status"] == "pending":
-                out.append(f"| {preset} | {strategy} | {p['kind']} | pending / {p['minimum_bytes']:,} | - "
-                           f"| pending / {d['minimum_bytes']:,} | - | engine refuses pp>1 (ConfigError) |")
-                continue
-            exc = "; ".join(f"{ph}: " + ", ".join(f"{k} {v:,}" for k, v in r["exceptions"].items())
-                            for ph, r in (("prefill", p), ("decode", d)) if r["exceptions"]) or "-"
-            out.append(f"| {preset} | {strategy} | {p['kind']} | {p['compiled_bytes']:,} / "
-                       f"{p['minimum_bytes']:,} | {_ratio(p['ratio'])} | {d['compiled_bytes']:,} / "
-                       f"{d['minimum_bytes']:,} | {_ratio(d['ratio'])} | {exc} |")
+            exc = (
+                "; ".join(
+                    f"{ph}: " + ", ".join(f"{k} {v:,}" for k, v in r["exceptions"].items())
+                    for ph, r in (("prefill", p), ("decode", d))
+                    if r["exceptions"]
+                )
+                or "-"
+            )
+            out.append(
+                f"| {preset} | {strategy} | {p['kind']} | {p['compiled_bytes']:,} / "
+                f"{p['minimum_bytes']:,} | {_ratio(p['ratio'])} | {d['compiled_bytes']:,} / "
+                f"{d['minimum_bytes']:,} | {_ratio(d['ratio'])} | {exc} |"
+            )
         seen = {k for r in results["collectives"] for k in r.get("exceptions", {})}
-        out += ["", "| cause | why |", "|---|---|"] + [f"| {k} | {CAUSES[k]} |" for k in sorted(seen)]
+        out += ["", "| cause | why |", "|---|---|"] + [
+            f"| {k} | {CAUSES[k]} |" for k in sorted(seen)
+        ]
     if "memory" in results:
-        out += ["", "### Per-device decode arguments (params + KV cache): measured / ideal", "",
-                "| model | strategy | measured bytes | ideal bytes | ratio |", "|---|---|---|---|---|"]
-        out += [f"| {m['preset']} | {m['strategy']} | {m['measured_bytes']:,} | {m['ideal_bytes']:,} | "
-                f"{m['ratio']:.2f} |" for m in results["memory"]]
+        out += [
+            "",
+            "### Per-device decode arguments (params + KV cache): measured / ideal",
+            "",
+            "| model | strategy | measured bytes | ideal bytes | ratio |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {m['preset']} | {m['strategy']} | {m['measured_bytes']:,} | {m['ideal_bytes']:,} | "
+            f"{m['ratio']:.2f} |"
+            for m in results["memory"]
+        ]
     if "compile_time" in results:
-        out += ["", f"### Compile time (tiny-dense, {results['compile_time'][0]['strategy']}, seconds)",
-                "", "| layers | prefill | decode |", "|---|---|---|"]
-        out += [f"| {r['n_layers']} | {r['prefill_s']:.2f} | {r['decode_s']:.2f} |" for r in results["compile_time"]]
+        out += [
+            "",
+            f"### Compile time (tiny-dense, {results['compile_time'][0]['strategy']}, seconds)",
+            "",
+            "| layers | prefill | decode |",
+            "|---|---|---|",
+        ]
+        out += [
+            f"| {r['n_layers']} | {r['prefill_s']:.2f} | {r['decode_s']:.2f} |"
+            for r in results["compile_time"]
+        ]
     if "decode" in results:
         d = results["decode"]
-        out += ["", "### Decode step on one CPU device: jaxpar vs a plain-JAX reference", "",
-                f"{d['model']}; batch {d['batch']}, cache {d['max_seq_len']}, {d['steps']} steps, "
-                f"median of {d['repeats']}; max |logit diff| {d['max_abs_logit_diff']:.1e}", "",
-                "| | ms / step | tokens/s |", "|---|---|---|",
-                f"| jaxpar | {1e3 * d['jaxpar_step_s']:.3f} | {d['jaxpar_tokens_per_s']:,.0f} |",
-                f"| reference | {1e3 * d['reference_step_s']:.3f} | {d['reference_tokens_per_s']:,.0f} |",
-                f"| ratio (jaxpar / reference) | {d['ratio']:.2f} | |"]
+        out += [
+            "",
+            "### Decode step on one CPU device: jaxpar vs a plain-JAX reference",
+            "",
+            f"{d['model']}; batch {d['batch']}, cache {d['max_seq_len']}, {d['steps']} steps, "
+            f"median of {d['repeats']}; max |logit diff| {d['max_abs_logit_diff']:.1e}",
+            "",
+            "| | ms / step | tokens/s |",
+            "|---|---|---|",
+            f"| jaxpar | {1e3 * d['jaxpar_step_s']:.3f} | {d['jaxpar_tokens_per_s']:,.0f} |",
+            f"| reference | {1e3 * d['reference_step_s']:.3f} | {d['reference_tokens_per_s']:,.0f} |",
+            f"| ratio (jaxpar / reference) | {d['ratio']:.2f} | |",
+        ]
     if "gpu" in results:
         out += ["", "### GPU", "", *gpu_markdown(results["gpu"])]
     return "\n".join(out)
@@ -497,31 +666,56 @@ def gpu_markdown(g: dict) -> list[str]:
     """The GPU section's tables."""
     if "skipped" in g:
         return [f"skipped: {g['skipped']}"]
-    out = [f"{g['device_kind']}, jax {g['jax']}, {g['model']} {g['dtype']}", "",
-           "| decode batch | context | ms / step | floor ms (bytes / peak) | HBM fraction |",
-           "|---|---|---|---|---|"]
-    out += [f"| {r['batch']} | {r['context']} | {r['decode_ms']:.3f} | {_fmt(r['floor_ms'])} | "
-            f"{_fmt(r['hbm_fraction'])} |" for r in g["decode"]]
+    out = [
+        f"{g['device_kind']}, jax {g['jax']}, {g['model']} {g['dtype']}",
+        "",
+        "| decode batch | context | ms / step | floor ms (bytes / peak) | HBM fraction |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['batch']} | {r['context']} | {r['decode_ms']:.3f} | {_fmt(r['floor_ms'])} | "
+        f"{_fmt(r['hbm_fraction'])} |"
+        for r in g["decode"]
+    ]
     out += ["", "| prefill tokens | batch x prompt | ms | MFU |", "|---|---|---|---|"]
-    out += [f"| {r['tokens']} | {r['batch']} x {r['prompt_len']} | {r['prefill_ms']:.2f} | "
-            f"{_fmt(r['mfu'])} |" for r in g["prefill"]]
+    out += [
+        f"| {r['tokens']} | {r['batch']} x {r['prompt_len']} | {r['prefill_ms']:.2f} | "
+        f"{_fmt(r['mfu'])} |"
+        for r in g["prefill"]
+    ]
     peer = g.get("peer", {"skipped": "not run"})
     if "skipped" in peer:
         out += ["", f"transformers + torch peer: skipped ({peer['skipped']})"]
     else:
-        out += ["", f"Peer: {peer['peer']} (torch {peer['torch']}, transformers "
-                f"{peer['transformers']})", "",
-                "| batch x prompt | decode ms: jaxpar | peer | peer / jaxpar | prefill ms: jaxpar "
-                "| peer |", "|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"Peer: {peer['peer']} (torch {peer['torch']}, transformers {peer['transformers']})",
+            "",
+            "| batch x prompt | decode ms: jaxpar | peer | peer / jaxpar | prefill ms: jaxpar "
+            "| peer |",
+            "|---|---|---|---|---|---|",
+        ]
         for mine, theirs in zip(g["decode"], peer["rows"], strict=True):
-            pre = next(r for r in g["prefill"] if (r["batch"], r["prompt_len"])
-                       == (theirs["batch"], theirs["prompt_len"]))
-            out.append(f"| {theirs['batch']} x {theirs['prompt_len']} | {mine['decode_ms']:.3f} | "
-                       f"{theirs['decode_ms']:.3f} | {theirs['decode_ms'] / mine['decode_ms']:.2f} | "
-                       f"{pre['prefill_ms']:.2f} | {theirs['prefill_ms']:.2f} |")
-    out += ["", "| layers | layer loop | prefill compile s | decode compile s |", "|---|---|---|---|"]
-    out += [f"| {r['n_layers']} | {r['layer_loop']} | {r['prefill_compile_s']} | "
-            f"{r['decode_compile_s']} |" for r in g["compile"]]
+            pre = next(
+                r
+                for r in g["prefill"]
+                if (r["batch"], r["prompt_len"]) == (theirs["batch"], theirs["prompt_len"])
+            )
+            out.append(
+                f"| {theirs['batch']} x {theirs['prompt_len']} | {mine['decode_ms']:.3f} | "
+                f"{theirs['decode_ms']:.3f} | {theirs['decode_ms'] / mine['decode_ms']:.2f} | "
+                f"{pre['prefill_ms']:.2f} | {theirs['prefill_ms']:.2f} |"
+            )
+    out += [
+        "",
+        "| layers | layer loop | prefill compile s | decode compile s |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['n_layers']} | {r['layer_loop']} | {r['prefill_compile_s']} | "
+        f"{r['decode_compile_s']} |"
+        for r in g["compile"]
+    ]
     return out
 
 
@@ -540,20 +734,32 @@ def _cpu_env(devices: int = 8) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller matrix, fewer repeats")
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
-    parser.add_argument("--sections", default="collectives,compile,decode,pipeline",
-                        help="comma-separated CPU sections: collectives, compile, decode, pipeline")
-    parser.add_argument("--gpu", action="store_true", help="also run the GPU section if a GPU exists")
-    parser.add_argument("--gpu-only", action="store_true", help="only the GPU section, in this process")
+    parser.add_argument(
+        "--sections",
+        default="collectives,compile,decode,pipeline",
+        help="comma-separated CPU sections: collectives, compile, decode, pipeline",
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="also run the GPU section if a GPU exists"
+    )
+    parser.add_argument(
+        "--gpu-only", action="store_true", help="only the GPU section, in this process"
+    )
     parser.add_argument("--gpu-model", default="llama-1b")
-    parser.add_argument("--print-documented", action="store_true",
-                        help="print the measured exceptions as a DOCUMENTED literal (to update it)")
+    parser.add_argument(
+        "--print-documented",
+        action="store_true",
+        help="print the measured exceptions as a DOCUMENTED literal (to update it)",
+    )
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.gpu_only:
@@ -562,12 +768,19 @@ def main(argv: list[str] | None = None) -> int:
         _cpu_env()
         import jax
 
-        results: dict[str, Any] = {"env": {"jax": jax.__version__, "devices": jax.device_count(),
-                                           "platform": jax.devices()[0].platform,
-                                           "date": time.strftime("%Y-%m-%d %H:%M")}}
+        results: dict[str, Any] = {
+            "env": {
+                "jax": jax.__version__,
+                "devices": jax.device_count(),
+                "platform": jax.devices()[0].platform,
+                "date": time.strftime("%Y-%m-%d %H:%M"),
+            }
+        }
         sections = args.sections.split(",")
         if "collectives" in sections:
-            results["collectives"], results["memory"] = collectives_section(QUICK if args.quick else MATRIX)
+            results["collectives"], results["memory"] = collectives_section(
+                QUICK if args.quick else MATRIX
+            )
             if args.print_documented:
                 print(documented_literal(results["collectives"]))
         if "compile" in sections:
@@ -593,7 +806,11 @@ def _pipeline_subprocess(quick: bool) -> str:
     argv += ["--batch", "16", "--repeats", "2"] if quick else ["--batch", "32"]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else f"pipeline bench failed: {done.stderr[-500:]}"
+    return (
+        done.stdout.strip()
+        if done.returncode == 0
+        else f"pipeline bench failed: {done.stderr[-500:]}"
+    )
 
 
 def _gpu_subprocess(args: argparse.Namespace) -> dict:
@@ -601,9 +818,16 @@ def _gpu_subprocess(args: argparse.Namespace) -> dict:
         return {"skipped": "no nvidia-smi: no GPU on this machine"}
     out = args.out.with_name(args.out.stem + "_gpu.json")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    done = subprocess.run([sys.executable, __file__, "--gpu-only", "--gpu-model", args.gpu_model,
-                           "--out", str(out)], env=env, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())["gpu"] if done.returncode == 0 else {"skipped": "GPU run failed"}
+    done = subprocess.run(
+        [sys.executable, __file__, "--gpu-only", "--gpu-model", args.gpu_model, "--out", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    return (
+        json.loads(out.read_text())["gpu"]
+        if done.returncode == 0
+        else {"skipped": "GPU run failed"}
+    )
 
 
 if __name__ == "__main__":

@@ -84,12 +84,11 @@ def _stage_pass(eng, tokens, lengths):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxpar.engine._pipeline import BTD
-    from jaxpar.engine._pipeline_stages import stage_layer
+    from jaxpar.engine import pipeline
     from jaxpar.spec import Module, Phase, sharding_context
 
     steps, lay = eng.steps, eng.layouts
-    stages, prefill = steps.stages, Phase.PREFILL
+    stages, prefill = steps.schedule.stages, Phase.PREFILL
 
     def run(params, tokens_BT, lengths_B):
         with sharding_context(eng.mesh, prefill, steps.config, steps.dims):
@@ -100,14 +99,14 @@ def _stage_pass(eng, tokens, lengths):
             x_BTD = model.embed(tokens_BT, pos_BT)
             x_PBTD = stages.constrain(
                 jnp.broadcast_to(x_BTD, (stages.count, *x_BTD.shape)),
-                BTD,
+                pipeline.BTD,
                 Module.ATTENTION,
                 prefill,
             )
 
             def stage(_, state_Lp, x_BTD):
                 def layer(j, x_BTD):
-                    merged = nnx.merge(graphdef, stage_layer(state_Lp, j))
+                    merged = nnx.merge(graphdef, pipeline.stage_layer(state_Lp, j))
                     return merged.prefill(x_BTD, pos_BT, lengths_B)[0]
 
                 return jax.lax.fori_loop(0, steps.dims.n_layers // stages.count, layer, x_BTD)
@@ -124,8 +123,7 @@ def prefill_bubble(
     """Measured vs predicted GPipe bubble of the pipelined prefill, one row per M."""
     import numpy as np
 
-    from jaxpar.engine._pipeline import bubble_fraction, schedule
-    from jaxpar.engine._placement import put_global
+    from jaxpar.engine import pipeline, put_global
     from jaxpar.models import init_params
     from jaxpar.spec import ParallelConfig
 
@@ -150,14 +148,14 @@ def prefill_bubble(
     seconds = _interleaved(programs, repeats)
     rows = []
     for m in microbatches:
-        grid = schedule(pp, m)
+        grid = pipeline.schedule(pp, m)
         idle = sum(x is None for row in grid for x in row) / (len(grid) * pp)
         rows.append(
             {
                 "pp": pp,
                 "microbatches": m,
                 "iterations": len(grid),
-                "predicted": bubble_fraction(pp, m),
+                "predicted": pipeline.bubble_fraction(pp, m),
                 "schedule_idle": idle,
                 "prefill_ms": 1e3 * seconds[m],
                 "ideal_ms": 1e3 * seconds["ideal"],

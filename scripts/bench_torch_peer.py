@@ -24,15 +24,30 @@ def _llama(config, device: str):
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling is not None:
         s = c.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings}
-    hf = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
-                     num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-                     num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
-                     max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
-                     tie_word_embeddings=c.tie_embeddings, rope_parameters=rope,
-                     bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": c.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    hf = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.d_ff,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps,
+        tie_word_embeddings=c.tie_embeddings,
+        rope_parameters=rope,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     with torch.device(device):
         return LlamaForCausalLM(hf).to(torch.bfloat16).eval()
 
@@ -65,20 +80,35 @@ def measure(model_name: str, shapes: list[tuple[int, int]], steps: int) -> dict:
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
 
         def generate(n: int, ids=ids) -> None:
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
 
         with torch.no_grad():
             generate(steps)  # compiles for this shape
             prefill_s = _timed(lambda ids=ids: model(ids, logits_to_keep=1), sync)
             one, many = _timed(lambda: generate(1), sync), _timed(lambda: generate(steps), sync)
-        rows.append({"batch": batch, "prompt_len": prompt, "prefill_ms": 1e3 * prefill_s,
-                     "decode_ms": 1e3 * (many - one) / (steps - 1)})
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_len": prompt,
+                "prefill_ms": 1e3 * prefill_s,
+                "decode_ms": 1e3 * (many - one) / (steps - 1),
+            }
+        )
     import transformers
 
-    return {"peer": "transformers + torch, static cache + torch.compile",
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "device": device, "rows": rows}
+    return {
+        "peer": "transformers + torch, static cache + torch.compile",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "rows": rows,
+    }
 
 
 def main() -> None:

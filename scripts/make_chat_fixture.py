@@ -30,8 +30,27 @@ MODEL = Path("..") / "hf" / "llama"  # relative to OUT
 VOCAB_SIZE = 256  # the model's vocabulary
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-WORDS = ["hello", "world", "how", "are", "you", "the", "a", "is", "what", "name", "your",
-         "i", "am", "fine", "thanks", "?", "!", ".", ","]
+WORDS = [
+    "hello",
+    "world",
+    "how",
+    "are",
+    "you",
+    "the",
+    "a",
+    "is",
+    "what",
+    "name",
+    "your",
+    "i",
+    "am",
+    "fine",
+    "thanks",
+    "?",
+    "!",
+    ".",
+    ",",
+]
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -76,20 +95,26 @@ def main() -> None:
         os.symlink(MODEL / name, link)
     assert json.loads((OUT / "config.json").read_text())["vocab_size"] == VOCAB_SIZE
     build_tokenizer().save(str(OUT / "tokenizer.json"))
-    write_json(OUT / "tokenizer_config.json", {
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": "<unk>",
-        "chat_template": CHAT_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    })
-    write_json(OUT / "generation_config.json", {
-        "bos_token_id": 1,
-        "eos_token_id": [2, 6],
-        "pad_token_id": 0,
-        "do_sample": False,
-    })
+    write_json(
+        OUT / "tokenizer_config.json",
+        {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "pad_token": "<unk>",
+            "chat_template": CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
+    write_json(
+        OUT / "generation_config.json",
+        {
+            "bos_token_id": 1,
+            "eos_token_id": [2, 6],
+            "pad_token_id": 0,
+            "do_sample": False,
+        },
+    )
     print(f"wrote {OUT}")
 
 

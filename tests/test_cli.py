@@ -18,10 +18,27 @@ def test_demo_prints_plan_tokens_and_match(capsys):
 
 
 def test_run_hf_with_text_and_ids(capsys):
-    code = main([
-        "run", "--hf", HF_LLAMA, "--dp", "2", "--tp", "4", "--batch", "2",
-        "--prompt", "ba be bi", "--prompt", "5,6,7", "--max-new-tokens", "4", "--max-seq-len", "32",
-    ])
+    code = main(
+        [
+            "run",
+            "--hf",
+            HF_LLAMA,
+            "--dp",
+            "2",
+            "--tp",
+            "4",
+            "--batch",
+            "2",
+            "--prompt",
+            "ba be bi",
+            "--prompt",
+            "5,6,7",
+            "--max-new-tokens",
+            "4",
+            "--max-seq-len",
+            "32",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "'ba be bi' ->" in out

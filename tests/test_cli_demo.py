@@ -25,7 +25,9 @@ def _strategy(*argv: str, n_devices: int = 8) -> ParallelConfig:
 
 def test_pp_demo_runs(capsys):
     # Item 1: the plan table of a pp strategy (pp is layer_only in decode) used to crash rich.
-    code = main(["demo", "--model", "tiny-dense", "--pp", "2", "--tp", "4", "--max-new-tokens", "3"])
+    code = main(
+        ["demo", "--model", "tiny-dense", "--pp", "2", "--tp", "4", "--max-new-tokens", "3"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "layers (layer_only)" in out
@@ -49,8 +51,9 @@ def test_default_strategy_fits_the_model_and_the_devices():
             chosen = _strategy(*argv, n_devices=n_devices)
             assert chosen.size <= n_devices
             args = _parser().parse_args(["demo", *argv])
-            jaxpar.validate(model_config(args), chosen, n_devices=chosen.size, batch=8,
-                            max_seq_len=64)
+            jaxpar.validate(
+                model_config(args), chosen, n_devices=chosen.size, batch=8, max_seq_len=64
+            )
 
 
 def test_demo_of_a_dense_checkpoint_by_default(capsys):
@@ -105,8 +108,19 @@ def test_low_precision_passes_a_near_tie_and_fails_a_wrong_result():
 
 
 def test_bf16_demo_reports_tolerance_and_token_agreement(capsys):
-    code = main(["demo", "--model", "tiny-dense", "--dtype", "bfloat16", "--tp", "2",
-                 "--max-new-tokens", "4"])
+    code = main(
+        [
+            "demo",
+            "--model",
+            "tiny-dense",
+            "--dtype",
+            "bfloat16",
+            "--tp",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0, out
     assert re.search(r"tokens: \d of 8 sequences identical to the single-device run", out)

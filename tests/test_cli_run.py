@@ -45,7 +45,8 @@ def test_devices_simulated_only_where_the_cpu_is_used(monkeypatch):
     setup_devices(None)
     assert "JAX_PLATFORMS" not in os.environ  # JAX picks GPU/TPU where present
     assert os.environ["XLA_FLAGS"] == (
-        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8")  # read by the CPU only
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8"
+    )  # read by the CPU only
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     setup_devices(None)
     assert os.environ["JAX_PLATFORMS"] == "cuda"
@@ -62,10 +63,25 @@ def test_readme_example_runs_without_any_environment():
     # reported (item 6).
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from jaxpar.cli import main; sys.exit(main())",
-         "run", "--hf", str(HF_LLAMA), "--tp", "4", "--prompt", "hello world",
-         "--max-new-tokens", "3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from jaxpar.cli import main; sys.exit(main())",
+            "run",
+            "--hf",
+            str(HF_LLAMA),
+            "--tp",
+            "4",
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "3",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -88,8 +104,23 @@ def test_negative_prompt_ids_get_a_clear_error(capsys):
 
 def test_one_prompt_is_padded_to_the_batch_the_strategy_divides(capsys):
     fused = FIXTURES / "hf" / "mixtral_fused"
-    code = main(["run", "--hf", str(fused), "--ep", "2", "--tp", "4", "--prompt", "1,2,3",
-                 "--max-new-tokens", "3", "--max-seq-len", "32"])
+    code = main(
+        [
+            "run",
+            "--hf",
+            str(fused),
+            "--ep",
+            "2",
+            "--tp",
+            "4",
+            "--prompt",
+            "1,2,3",
+            "--max-new-tokens",
+            "3",
+            "--max-seq-len",
+            "32",
+        ]
+    )
     out = _out(capsys)
     assert code == 0, out
     assert "1 prompt(s) padded to 2 rows" in out
@@ -99,12 +130,16 @@ def test_one_prompt_is_padded_to_the_batch_the_strategy_divides(capsys):
 def test_dtype_option_reaches_the_model():
     for command in ("run", "demo"):
         extra = ["--prompt", "1"] if command == "run" else []
-        args = _parser().parse_args([command, "--model", "tiny-dense", "--dtype", "bfloat16", *extra])
+        args = _parser().parse_args(
+            [command, "--model", "tiny-dense", "--dtype", "bfloat16", *extra]
+        )
         from jaxpar.cli._common import model_config
 
         assert str(model_config(args).dtype) == "bfloat16"
         assert str(model_config(args).param_dtype) == "bfloat16"
-    args = _parser().parse_args(["run", "--hf", str(HF_LLAMA), "--dtype", "bfloat16", "--prompt", "1"])
+    args = _parser().parse_args(
+        ["run", "--hf", str(HF_LLAMA), "--dtype", "bfloat16", "--prompt", "1"]
+    )
     from jaxpar.cli._common import model_config
 
     assert str(model_config(args).dtype) == "bfloat16"
@@ -129,8 +164,14 @@ def test_illegal_strategy_cites_the_rule_file_once(capsys):
 def test_warm_up_compiles_everything_the_timed_run_needs():
     config = jaxpar.preset("tiny-dense")
     parallel = jaxpar.ParallelConfig(tp=2)
-    engine = jaxpar.InferenceEngine(config, jaxpar.init_params(config, 0), parallel, max_batch=2,
-                                    max_seq_len=32, mesh=jaxpar.make_mesh(parallel, jax.devices()[:2]))
+    engine = jaxpar.InferenceEngine(
+        config,
+        jaxpar.init_params(config, 0),
+        parallel,
+        max_batch=2,
+        max_seq_len=32,
+        mesh=jaxpar.make_mesh(parallel, jax.devices()[:2]),
+    )
     prompts, sampling = [[1, 2, 3], [4]], jaxpar.Sampling()
     compiled = warm_up(engine, prompts, 5, sampling=sampling, seed=0)
     assert {"prefill", "handoff", "decode_step"} <= set(compiled)
@@ -141,15 +182,31 @@ def test_warm_up_compiles_everything_the_timed_run_needs():
 
 
 def test_run_shows_progress_and_separates_compile_from_throughput(capsys):
-    code = main(["run", "--hf", str(HF_LLAMA), "--tp", "2", "--prompt", "5,6,7", "--prompt", "8",
-                 "--max-new-tokens", "4", "--max-seq-len", "32"])
+    code = main(
+        [
+            "run",
+            "--hf",
+            str(HF_LLAMA),
+            "--tp",
+            "2",
+            "--prompt",
+            "5,6,7",
+            "--prompt",
+            "8",
+            "--max-new-tokens",
+            "4",
+            "--max-seq-len",
+            "32",
+        ]
+    )
     out = _out(capsys)
     assert code == 0, out
     n_tensors = len(jax.tree.leaves(jaxpar.load_hf_checkpoint(HF_LLAMA)[1]))
     assert re.search(rf"done load {re.escape(str(HF_LLAMA))} .* {n_tensors}/{n_tensors}", out), out
     assert "done compile prefill, handoff and decode step" in out
-    compile_line = re.search(r"^compile: prefill [\d.]+ s, handoff [\d.]+ s, decode step [\d.]+ s",
-                             out, re.M)
+    compile_line = re.search(
+        r"^compile: prefill [\d.]+ s, handoff [\d.]+ s, decode step [\d.]+ s", out, re.M
+    )
     assert compile_line, out
     assert re.search(r"^decode: +\d+ tokens in [\d.]+ s \([\d.]+ tokens/s, steady state", out, re.M)
     assert "incl." not in out
@@ -173,8 +230,9 @@ def test_generation_defaults_from_the_checkpoint(tmp_path):
     config = json.loads((HF_LLAMA / "config.json").read_text())
     assert llama.eos_token_ids == (config["eos_token_id"],)
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [3, 4], "do_sample": True, "temperature": 0.7, "top_p": 0.9}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [3, 4], "do_sample": True, "temperature": 0.7, "top_p": 0.9})
+    )
     custom = generation_defaults(tmp_path)
     assert custom.eos_token_ids == (3, 4)  # generation_config.json wins over config.json
     assert custom.eos_source == "generation_config.json" and llama.eos_source == "config.json"
@@ -192,34 +250,62 @@ def test_chat_template_rendered_like_transformers():
     defaults = generation_defaults(CHAT)
     config = json.loads((CHAT / "tokenizer_config.json").read_text())
     messages = [{"role": "system", "content": "be fine"}, {"role": "user", "content": "hello you"}]
-    want = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
-        config["chat_template"]).render(messages=messages, add_generation_prompt=True,
-                                        bos_token="<s>", eos_token="</s>",
-                                        raise_exception=None)
-    [ids] = encode_prompts(_args(chat=True, system="be fine", prompt=["hello you"]),
-                           tokenizer, defaults, None)
+    want = (
+        jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        .from_string(config["chat_template"])
+        .render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token="<s>",
+            eos_token="</s>",
+            raise_exception=None,
+        )
+    )
+    [ids] = encode_prompts(
+        _args(chat=True, system="be fine", prompt=["hello you"]), tokenizer, defaults, None
+    )
     assert ids == tokenizer.encode(want, add_special_tokens=False).ids
     assert ids.count(1) == 1 and ids[0] == 1  # BOS from the template, not added twice
     assert tokenizer.id_to_token(ids[-1]) == "<|assistant|>"
     with pytest.raises(ConfigError, match="roles are system, user and assistant, not tool"):
         chat_template(CHAT, tokenizer, defaults).render([{"role": "tool", "content": "x"}])
     with pytest.raises(ConfigError, match="no chat template"):
-        encode_prompts(_args(hf=HF_LLAMA, chat=True, prompt=["ba"]), load_tokenizer(HF_LLAMA),
-                       generation_defaults(HF_LLAMA), None)
+        encode_prompts(
+            _args(hf=HF_LLAMA, chat=True, prompt=["ba"]),
+            load_tokenizer(HF_LLAMA),
+            generation_defaults(HF_LLAMA),
+            None,
+        )
 
 
 def test_generation_stops_at_eos_by_default(tmp_path, capsys):
     # A checkpoint whose EOS is a token this model emits after the first: generation stops there.
-    free = jaxpar.engine_from_hf(HF_LLAMA, max_batch=1, max_seq_len=32,
-                                 mesh=jaxpar.make_mesh(jaxpar.ParallelConfig(), jax.devices()[:1])
-                                 ).generate([[5, 6, 7]], 6).tokens[0]
+    free = (
+        jaxpar.engine_from_hf(
+            HF_LLAMA,
+            max_batch=1,
+            max_seq_len=32,
+            mesh=jaxpar.make_mesh(jaxpar.ParallelConfig(), jax.devices()[:1]),
+        )
+        .generate([[5, 6, 7]], 6)
+        .tokens[0]
+    )
     k = next(i for i in range(1, len(free) - 1) if free[i] not in free[:i] and free[i] != 2)
     eos = free[k]
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).symlink_to(HF_LLAMA / name)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    argv = ["run", "--hf", str(tmp_path), "--prompt", "5,6,7", "--max-new-tokens", "6",
-            "--max-seq-len", "32"]
+    argv = [
+        "run",
+        "--hf",
+        str(tmp_path),
+        "--prompt",
+        "5,6,7",
+        "--max-new-tokens",
+        "6",
+        "--max-seq-len",
+        "32",
+    ]
     assert main(argv) == 0
     out = _out(capsys)
     assert f"[5, 6, 7] -> {free[: k + 1]} (stop token)" in out, out
@@ -228,8 +314,20 @@ def test_generation_stops_at_eos_by_default(tmp_path, capsys):
 
 
 def test_chat_run_end_to_end(capsys):
-    code = main(["run", "--hf", str(CHAT), "--chat", "--prompt", "hello how are you ?",
-                 "--max-new-tokens", "3", "--max-seq-len", "32"])
+    code = main(
+        [
+            "run",
+            "--hf",
+            str(CHAT),
+            "--chat",
+            "--prompt",
+            "hello how are you ?",
+            "--max-new-tokens",
+            "3",
+            "--max-seq-len",
+            "32",
+        ]
+    )
     out = _out(capsys)
     assert code == 0, out
     assert "'<s> <|user|> hello how are you ? <|end|> <|assistant|>' ->" in out
@@ -248,8 +346,10 @@ def test_explain_cites_table_files_not_seed_documents(capsys):
 
 
 def test_command_line_sampling_over_the_checkpoints_defaults():
-    sampled = GenerationDefaults(sampling=jaxpar.Sampling(temperature=0.7, top_k=50, top_p=0.9),
-                                 sources=("generation_config.json",))
+    sampled = GenerationDefaults(
+        sampling=jaxpar.Sampling(temperature=0.7, top_k=50, top_p=0.9),
+        sources=("generation_config.json",),
+    )
 
     def chosen(defaults, temperature=None, top_k=None, top_p=None):
         args = argparse.Namespace(temperature=temperature, top_k=top_k, top_p=top_p)

@@ -69,7 +69,8 @@ def test_decode_moves_no_weights_and_updates_cache_in_place(name, parallel):
     assert stats.alias_size_in_bytes >= per_device_cache
     local_shape = ",".join(map(str, layers[0].addressable_shards[0].data.shape))
     copies = [
-        line for line in compiled.as_text().splitlines()
+        line
+        for line in compiled.as_text().splitlines()
         if re.search(rf"= f32\[{local_shape}\]\S* copy\(", line)
     ]
     assert not copies, copies
@@ -86,7 +87,9 @@ def test_per_device_memory_is_the_ideal_share(name, parallel):
     )
     cache_total = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
     batch_split = parallel.dp * parallel.sp * parallel.ep
-    ideal += cache_total / (batch_split * parallel.tp) + 2 * 4 * 8 / batch_split  # + lengths, tokens
+    ideal += (
+        cache_total / (batch_split * parallel.tp) + 2 * 4 * 8 / batch_split
+    )  # + lengths, tokens
     measured = compiled.memory_analysis().argument_size_in_bytes
     assert measured == pytest.approx(ideal, rel=0.02)
 

@@ -39,7 +39,9 @@ def test_dense_model_refuses_ep():
         engine("tiny-dense", ParallelConfig(dp=2, ep=2, tp=2))
 
 
-@pytest.mark.parametrize(("name", "parallel"), CASES, ids=lambda x: x if isinstance(x, str) else _id(x))
+@pytest.mark.parametrize(
+    ("name", "parallel"), CASES, ids=lambda x: x if isinstance(x, str) else _id(x)
+)
 def test_matches_single_device(name, parallel):
     ref_logits, ref_tokens = reference(name)
     eng = engine(name, parallel)

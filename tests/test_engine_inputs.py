@@ -19,7 +19,12 @@ def eng():
 @pytest.mark.parametrize(
     ("prompts", "kwargs", "error", "match"),
     [
-        ([[1, 2, 256]], {}, jaxpar.ShapeError, r"token id\(s\) \[256\] outside the vocabulary \[0, 256\)"),
+        (
+            [[1, 2, 256]],
+            {},
+            jaxpar.ShapeError,
+            r"token id\(s\) \[256\] outside the vocabulary \[0, 256\)",
+        ),
         ([[1, -3]], {}, jaxpar.ShapeError, "outside the vocabulary"),
         ([[]], {}, jaxpar.ShapeError, "prompt 0 is empty"),
         ([], {}, jaxpar.ShapeError, "non-empty list"),
@@ -69,7 +74,9 @@ def test_illegal_strategy_rejected_before_compile():
 
 
 @pytest.mark.parametrize(
-    "sampling", [Sampling(), Sampling(temperature=0.8, top_k=20, top_p=0.9)], ids=["greedy", "sampled"]
+    "sampling",
+    [Sampling(), Sampling(temperature=0.8, top_k=20, top_p=0.9)],
+    ids=["greedy", "sampled"],
 )
 def test_deterministic_across_runs_and_engines(eng, sampling):
     first = eng.generate(PROMPTS[:4], 8, sampling=sampling, seed=7).tokens

@@ -37,7 +37,8 @@ def test_json_holds_per_tensor_specs_and_compiled_collectives(capsys, argv, name
     assert q["logical_axes"] == ["embed", "heads", "head_dim"]
     assert q["spec"] == "P(None, tp, None)"
     assert q["bytes_per_device"] * 2 <= data["model"]["d_model"] * data["model"]["n_heads"] * 4 * (
-        data["model"]["head_dim"] * data["model"]["n_layers"])
+        data["model"]["head_dim"] * data["model"]["n_layers"]
+    )
     for phase, d in data["phases"].items():
         tensors = {t["tensor"]: t for t in d["tensors"]}
         cache = tensors["KV cache (K and V each)"]
@@ -61,11 +62,34 @@ def test_json_holds_per_tensor_specs_and_compiled_collectives(capsys, argv, name
 
 def test_text_tables_and_dot_file(capsys, tmp_path):
     dot = tmp_path / "steps.dot"
-    assert main(["explain", "--model", "tiny-moe", "--sp", "2", "--ep", "4", "--phase", "prefill",
-                 "--dot", str(dot)]) == 0
+    assert (
+        main(
+            [
+                "explain",
+                "--model",
+                "tiny-moe",
+                "--sp",
+                "2",
+                "--ep",
+                "4",
+                "--phase",
+                "prefill",
+                "--dot",
+                str(dot),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for text in ("parameters", "prefill: tensors", "spec table rows", "compiled vs minimum",
-                 "prefill: execution", "all-to-all", "moe-slot-cumsum-gather"):
+    for text in (
+        "parameters",
+        "prefill: tensors",
+        "spec table rows",
+        "compiled vs minimum",
+        "prefill: execution",
+        "all-to-all",
+        "moe-slot-cumsum-gather",
+    ):
         assert text in out, text
     graph = dot.read_text()
     assert graph.startswith("digraph") and "cluster_prefill" in graph and "next layer" in graph

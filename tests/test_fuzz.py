@@ -22,14 +22,47 @@ from jaxpar.spec import ParallelConfig, make_mesh
 from tests._engine_util import factorizations
 
 MODELS = {
-    "dense": ModelConfig(arch="llama", vocab_size=64, d_model=16, n_layers=2, n_heads=8,
-                         n_kv_heads=2, head_dim=2, d_ff=32),
-    "moe": ModelConfig(arch="mixtral", vocab_size=64, d_model=16, n_layers=2, n_heads=8,
-                       n_kv_heads=4, head_dim=2, d_ff=16, n_experts=4, top_k=2),
-    "gpt2": ModelConfig(arch="gpt2", vocab_size=97, d_model=16, n_layers=1, n_heads=8,
-                        n_kv_heads=8, head_dim=2, d_ff=64, norm="layer", activation="gelu_tanh",
-                        gated_ffn=False, positional="learned", max_position_embeddings=64,
-                        qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True),
+    "dense": ModelConfig(
+        arch="llama",
+        vocab_size=64,
+        d_model=16,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=2,
+        d_ff=32,
+    ),
+    "moe": ModelConfig(
+        arch="mixtral",
+        vocab_size=64,
+        d_model=16,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=2,
+        d_ff=16,
+        n_experts=4,
+        top_k=2,
+    ),
+    "gpt2": ModelConfig(
+        arch="gpt2",
+        vocab_size=97,
+        d_model=16,
+        n_layers=1,
+        n_heads=8,
+        n_kv_heads=8,
+        head_dim=2,
+        d_ff=64,
+        norm="layer",
+        activation="gelu_tanh",
+        gated_ffn=False,
+        positional="learned",
+        max_position_embeddings=64,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=True,
+    ),
 }
 MAX_SEQ_LEN = 32
 _engines: dict[tuple, InferenceEngine] = {}
@@ -41,8 +74,12 @@ def _engine(name: str, parallel: ParallelConfig, max_batch: int) -> InferenceEng
     if key not in _engines:
         mesh = make_mesh(parallel, jax.devices()[: parallel.size])
         _engines[key] = InferenceEngine(
-            MODELS[name], _params[name], parallel, max_batch=max_batch,
-            max_seq_len=MAX_SEQ_LEN, mesh=mesh,
+            MODELS[name],
+            _params[name],
+            parallel,
+            max_batch=max_batch,
+            max_seq_len=MAX_SEQ_LEN,
+            mesh=mesh,
         )
     return _engines[key]
 
@@ -69,7 +106,7 @@ def draws(draw):
 
 
 def _check(case) -> str:
-    """"refused" (a jaxpar exception before compile) or "matched"; anything else fails."""
+    """ "refused" (a jaxpar exception before compile) or "matched"; anything else fails."""
     name, (dp, sp, ep, tp), max_batch, prompts, phase = case
     parallel = ParallelConfig(dp=dp, sp=sp, ep=ep, tp=tp)
     assert parallel.size == jax.device_count()
@@ -83,7 +120,8 @@ def _check(case) -> str:
         np.testing.assert_allclose(
             np.asarray(engine.prefill(tokens, lengths)[0]),
             np.asarray(reference.prefill(tokens, lengths)[0]),
-            atol=1e-4, rtol=0,
+            atol=1e-4,
+            rtol=0,
         )
     else:
         assert engine.generate(prompts, 4).tokens == reference.generate(prompts, 4).tokens

@@ -60,7 +60,13 @@ def test_cache_logical_axes_and_abstract() -> None:
     assert [x.shape for x in abstract.k] == [(3, 2, 10, 8)] * 4  # per layer [B, K, S, H]
     assert abstract.lengths_B.dtype == jnp.int32
     scanned = dataclasses.replace(config, layer_loop="scan")
-    assert KVCache.logical_axes(scanned).k == ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    assert KVCache.logical_axes(scanned).k == (
+        "layers",
+        "batch",
+        "cache_seq",
+        "kv_heads",
+        "head_dim",
+    )
     assert KVCache.abstract(scanned, batch=3, max_seq_len=10).k.shape == (4, 3, 10, 2, 8)
 
 

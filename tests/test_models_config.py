@@ -42,25 +42,21 @@ def _check_axes(state: nnx.State) -> None:
         assert len(axes) == len(var.get_value().shape), f"{name}: {axes} vs rank"
         assert set(axes) <= LEGAL_NAMES, f"{name}: {axes}"
         assert not set(axes) & MESH_NAMES, f"{name} names a mesh axis: {axes}"
-        stacked = path[0] == "layers" and not isinstance(path[1], int)  # layer_loop="scan"
-        if stacked:
+        if path[0] == "layers" and isinstance(path[1], int):  # layers/<i>/...: one layer
+            assert "layers" not in axes, f"per-layer {name} has no 'layers' axis: {axes}"
+        elif path[0] == "layers":  # stacked [L, ...] (layer_loop="scan")
             assert axes[0] == "layers", f"stacked {name} must lead with 'layers': {axes}"
-        else:  # per-layer arrays name no layers dim
-            assert "layers" not in axes, f"per-layer {name} names 'layers': {axes}"
 
 
-LOOPS = ["unrolled", "scan"]
-
-
-@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 @pytest.mark.parametrize("name", TINY)
-def test_every_param_has_logical_axes(name: str, loop: str) -> None:
-    _check_axes(nnx.state(init_model(dataclasses.replace(preset(name), layer_loop=loop))))
+def test_every_param_has_logical_axes(name: str, layer_loop: str) -> None:
+    config = dataclasses.replace(preset(name), layer_loop=layer_loop)
+    _check_axes(nnx.state(init_model(config)))
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_llama_1b_axes_and_size_abstractly(loop: str) -> None:
-    model = abstract_model(dataclasses.replace(preset("llama-1b"), layer_loop=loop))
+def test_llama_1b_axes_and_size_abstractly() -> None:
+    model = abstract_model(preset("llama-1b"))
     state = nnx.state(model)
     _check_axes(state)
     n_params = sum(math.prod(v.get_value().shape) for _, v in _leaves(state))
@@ -68,13 +64,13 @@ def test_llama_1b_axes_and_size_abstractly(loop: str) -> None:
     assert all(v.get_value().dtype == jnp.bfloat16 for _, v in _leaves(state))
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_expected_axes_of_key_params(loop: str) -> None:
-    config = dataclasses.replace(preset("tiny-moe"), layer_loop=loop)
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_expected_axes_of_key_params(layer_loop: str) -> None:
+    config = dataclasses.replace(preset("tiny-moe"), layer_loop=layer_loop)
     specs = nnx.to_flat_state(param_logical_axes(config))
     got = {path: tuple(var.get_value()) for path, var in specs}
-    # Layer 1 of the per-layer form; the stacked form adds a leading "layers" dim.
-    at, lead = (("layers",), ("layers",)) if loop == "scan" else (("layers", 1), ())
+    # Per layer: layers/<i>/...; stacked: layers/... with a leading "layers" axis.
+    at, lead = (("layers", 0), ()) if layer_loop == "unrolled" else (("layers",), ("layers",))
     assert got[(*at, "attn", "q_kernel")] == (*lead, "embed", "heads", "head_dim")
     assert got[(*at, "attn", "kv_kernel")] == (*lead, "embed", None, "kv_heads", "head_dim")
     assert got[(*at, "attn", "o_kernel")] == (*lead, "heads", "head_dim", "embed")

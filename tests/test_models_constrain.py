@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import jax
@@ -31,9 +32,11 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return calls
 
 
-def _trace(name: str) -> None:
+def _trace(name: str, layer_loop: str | None = None) -> None:
     """Abstractly evaluates prefill, the cache handoff and one decode step."""
     config = preset(name)
+    if layer_loop is not None:
+        config = dataclasses.replace(config, layer_loop=layer_loop)
     graphdef, state = nnx.split(abstract_model(config))
 
     def run(state, tokens_BT, lengths_B):
@@ -45,8 +48,15 @@ def _trace(name: str) -> None:
     jax.eval_shape(run, state, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32))
 
 
-def test_attention_and_cache_axes(recorded: Counter) -> None:
-    _trace("tiny-gqa")
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_attention_and_cache_axes(recorded: Counter, layer_loop: str) -> None:
+    _trace("tiny-gqa", layer_loop)
+    # The decode cache: per layer [B, K, S, H], or stacked [L, B, S, K, H] (scan).
+    cache_axes = (
+        ("batch", "kv_heads", "cache_seq", "head_dim")
+        if layer_loop == "unrolled"
+        else ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    )
     want = {
         ("embedding", ("batch", "seq", "embed")),
         ("attention", ("batch", "seq", "embed")),
@@ -54,8 +64,7 @@ def test_attention_and_cache_axes(recorded: Counter) -> None:
         # Prefill scores see every key position; the cache copy is sharded like the cache.
         ("attention", ("batch", None, "kv_heads", "head_dim")),
         ("attention", ("batch", "cache_seq", "kv_heads", "head_dim")),
-        # The decode cache, one [B, K, S, H] array per layer.
-        ("attention", ("batch", "kv_heads", "cache_seq", "head_dim")),
+        ("attention", cache_axes),
         ("ffn", ("batch", "seq", "embed")),
         ("ffn", ("batch", "seq", "mlp")),
         ("lm_head", ("batch", "embed")),

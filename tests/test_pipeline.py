@@ -193,7 +193,11 @@ def _arg_bytes(name: str, parallel: ParallelConfig) -> tuple[int, int]:
     cache = KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN)
     # The flat engine keeps one [B, K, S, H] array per layer, the pipelined one a stack.
     shardings, shapes = jax.tree.leaves(eng.layouts.cache.k), jax.tree.leaves(cache.k)
-    kv = 2 * sum(math.prod(s.shard_shape(x.shape)) for s, x in zip(shardings, shapes, strict=True)) * 4
+    kv = (
+        2
+        * sum(math.prod(s.shard_shape(x.shape)) for s, x in zip(shardings, shapes, strict=True))
+        * 4
+    )
     return per_device, stack + kv
 
 

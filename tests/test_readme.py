@@ -37,9 +37,15 @@ def test_readme_python_block_runs(index, tmp_path):
     script.write_text(BLOCKS[index])
     proc = subprocess.run(
         [sys.executable, "-W", "error::UserWarning", str(script)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert proc.returncode == 0, f"README python block {index}:\n{BLOCKS[index]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"README python block {index}:\n{BLOCKS[index]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def test_streaming_callback_gets_minus_one_for_padding_and_finished_rows():
@@ -47,16 +53,25 @@ def test_streaming_callback_gets_minus_one_for_padding_and_finished_rows():
     # 4, prompt 0 stops at its first token, prompt 1 never stops.
     config = jaxpar.preset("tiny-dense")
     parallel = ParallelConfig(dp=2)
-    engine = jaxpar.InferenceEngine(config, jaxpar.init_params(config, seed=0), parallel,
-                                    max_batch=4, max_seq_len=32,
-                                    mesh=jaxpar.make_mesh(parallel, jax.devices()[:2]))
+    engine = jaxpar.InferenceEngine(
+        config,
+        jaxpar.init_params(config, seed=0),
+        parallel,
+        max_batch=4,
+        max_seq_len=32,
+        mesh=jaxpar.make_mesh(parallel, jax.devices()[:2]),
+    )
     prompts = [[5, 6, 7], [8, 9]]
     free = engine.generate(prompts, 4).tokens
     stop = free[0][0]
     assert stop not in free[1], "pick prompts whose second row does not emit the stop token"
     calls = []
-    out = engine.generate(prompts, 4, stop_tokens=[stop],
-                          callback=lambda step, tokens_B: calls.append((step, tokens_B.copy())))
+    out = engine.generate(
+        prompts,
+        4,
+        stop_tokens=[stop],
+        callback=lambda step, tokens_B: calls.append((step, tokens_B.copy())),
+    )
     assert [step for step, _ in calls] == [0, 1, 2, 3]
     streamed = np.stack([tokens_B for _, tokens_B in calls], axis=1)  # [rows, steps]
     assert streamed.shape == (4, 4) and streamed.dtype == np.int32

@@ -19,8 +19,10 @@ from tests._engine_util import PROMPTS, engine
 ALPHA = 1e-4  # false-alarm rate of each chi-square test (the seeds are fixed anyway)
 # Two rows of 10 logits: spread out, no near-ties at the top-k or nucleus boundaries.
 LOGITS_BV = np.array(
-    [[2.0, 1.5, 1.1, 0.6, 0.2, -0.3, -0.9, -1.4, -2.0, -3.0],
-     [-1.0, 0.4, 3.0, 0.0, 1.7, -2.5, 0.9, -0.5, 2.2, -1.8]],
+    [
+        [2.0, 1.5, 1.1, 0.6, 0.2, -0.3, -0.9, -1.4, -2.0, -3.0],
+        [-1.0, 0.4, 3.0, 0.0, 1.7, -2.5, 0.9, -0.5, 2.2, -1.8],
+    ],
     np.float32,
 )
 N_SEEDS, ROWS = 500, 32  # each logits row is tiled ROWS times: 16,000 draws per row
@@ -107,7 +109,9 @@ def test_top_k_1_and_tiny_top_p_are_greedy_in_select(sampling):
     logits = jnp.asarray(np.random.default_rng(1).normal(size=(32, 50)).astype(np.float32))
     greedy = np.asarray(select(logits, jax.random.key(0), Sampling()))
     for seed in range(5):
-        np.testing.assert_array_equal(np.asarray(select(logits, jax.random.key(seed), sampling)), greedy)
+        np.testing.assert_array_equal(
+            np.asarray(select(logits, jax.random.key(seed), sampling)), greedy
+        )
 
 
 @pytest.fixture(scope="module")

@@ -55,15 +55,17 @@ def test_streaming_with_stops(parallel):
     seen: list[list[int]] = []
     eng = _engine(parallel)
     streamed = eng.generate(
-        PROMPTS, NEW_TOKENS, stop_tokens=sorted(stops),
+        PROMPTS,
+        NEW_TOKENS,
+        stop_tokens=sorted(stops),
         callback=lambda step, tokens_B: seen.append(tokens_B.tolist()),
     )
     want = [cut(row, stops) for row in full]
     assert streamed.tokens == want
     for i, row in enumerate(want):
         column = [step[i] for step in seen]
-        assert column[: len(row)] == row and set(column[len(row):]) <= {-1}
-    assert all(step[len(PROMPTS):] == [-1] * (8 - len(PROMPTS)) for step in seen)  # padding rows
+        assert column[: len(row)] == row and set(column[len(row) :]) <= {-1}
+    assert all(step[len(PROMPTS) :] == [-1] * (8 - len(PROMPTS)) for step in seen)  # padding rows
     assert len(seen) == max(len(row) for row in want)
 
 
@@ -71,9 +73,13 @@ def test_streaming_ends_when_every_row_stops():
     full = reference("tiny-dense")[1]
     stops = {row[1] for row in full}  # every row stops by its second token
     seen = []
-    got = _engine(PC()).generate(
-        PROMPTS, NEW_TOKENS, stop_tokens=sorted(stops), callback=lambda s, t: seen.append(s)
-    ).tokens
+    got = (
+        _engine(PC())
+        .generate(
+            PROMPTS, NEW_TOKENS, stop_tokens=sorted(stops), callback=lambda s, t: seen.append(s)
+        )
+        .tokens
+    )
     assert got == [cut(row, stops) for row in full] and max(map(len, got)) <= 2
     assert seen == list(range(max(map(len, got))))
 

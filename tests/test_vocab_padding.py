@@ -57,7 +57,8 @@ def test_padded_vocab_matches_one_device(parallel):
     eng, logits, greedy, sampled = _run(parallel)
     padded = padded_vocab_size(VOCAB, parallel.tp)
     (table,) = [
-        v for path, v in jax.tree_util.tree_flatten_with_path(eng.params)[0]
+        v
+        for path, v in jax.tree_util.tree_flatten_with_path(eng.params)[0]
         if "token_table" in jax.tree_util.keystr(path)
     ]
     assert table.shape[0] == padded > VOCAB and table.sharding.spec[0] == "tp"
@@ -70,7 +71,8 @@ def test_padded_vocab_matches_one_device(parallel):
 
 
 @pytest.mark.parametrize(
-    "sampling", [Sampling(), Sampling(temperature=1.0), SAMPLED, Sampling(temperature=2.0, top_k=3)],
+    "sampling",
+    [Sampling(), Sampling(temperature=1.0), SAMPLED, Sampling(temperature=2.0, top_k=3)],
     ids=str,
 )
 def test_padded_logits_are_never_chosen(sampling):
@@ -103,7 +105,10 @@ def test_hf_checkpoint_with_a_vocabulary_tp_does_not_divide(tmp_path):
         mesh = make_mesh(parallel, jax.devices()[: parallel.size])
         eng = engine_from_hf(dst, parallel, max_batch=4, max_seq_len=32, mesh=mesh)
         tokens, lengths = eng.pad_prompts(prompts)
-        out[parallel] = (np.asarray(eng.prefill_logits(tokens, lengths)), eng.generate(prompts, 8).tokens)
+        out[parallel] = (
+            np.asarray(eng.prefill_logits(tokens, lengths)),
+            eng.generate(prompts, 8).tokens,
+        )
     (ref_logits, ref_tokens), (logits, tokens) = out.values()
     assert logits.shape[-1] == 253
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=0)

@@ -34,23 +34,32 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
     parser.add_argument(
-        "--cpu-devices", type=int, default=None,
+        "--cpu-devices",
+        type=int,
+        default=None,
         help="run on the CPU with this many simulated devices (per process). Default: JAX's "
-             "platform (GPU or TPU when present), and on the CPU "
-             f"{DEFAULT_CPU_DEVICES} simulated devices")
+        "platform (GPU or TPU when present), and on the CPU "
+        f"{DEFAULT_CPU_DEVICES} simulated devices",
+    )
     dist = parser.add_argument_group("several processes (jax.distributed)")
-    dist.add_argument("--distributed", action="store_true",
-                      help="join a multi-process job (TPU pod / SLURM: detected automatically)")
+    dist.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process job (TPU pod / SLURM: detected automatically)",
+    )
     dist.add_argument("--coordinator", default=None, help="host:port of process 0")
     dist.add_argument("--num-processes", type=int, default=None)
     dist.add_argument("--process-id", type=int, default=None)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
-        "demo", help="plan + generation under a mixed strategy + check vs 1 device",
+        "demo",
+        help="plan + generation under a mixed strategy + check vs 1 device",
         description="The plan, generation under a mixed strategy, and the check against one device.",
-        epilog=_DEMO_HELP.format(presets=", ".join(PRESETS),
-                                 **{kind: " / ".join(map(str, c)) for kind, c in DEMO_STRATEGIES.items()}),
+        epilog=_DEMO_HELP.format(
+            presets=", ".join(PRESETS),
+            **{kind: " / ".join(map(str, c)) for kind, c in DEMO_STRATEGIES.items()},
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(demo, default_model="tiny-moe")
@@ -62,37 +71,68 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate from a preset or an HF checkpoint directory")
     add_model_args(run, default_model="tiny-dense")
     add_degree_args(run)
-    run.add_argument("--prompt", action="append", required=True,
-                     help="text (needs tokenizer.json) or token ids '1,2,3' (also '--prompt=-5,2'); "
-                          "repeat for a batch")
-    run.add_argument("--chat", action="store_true",
-                     help="each prompt is a user message, rendered with the chat template of "
-                          "tokenizer_config.json")
+    run.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="text (needs tokenizer.json) or token ids '1,2,3' (also '--prompt=-5,2'); "
+        "repeat for a batch",
+    )
+    run.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message, rendered with the chat template of "
+        "tokenizer_config.json",
+    )
     run.add_argument("--system", default=None, help="with --chat: a system message first")
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--max-seq-len", type=int, default=256)
-    run.add_argument("--batch", type=int, default=None,
-                     help="engine batch (default: the prompts, padded to what the strategy divides)")
-    run.add_argument("--temperature", type=float, default=None,
-                     help="0 is greedy (default: generation_config.json's, else greedy)")
+    run.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="engine batch (default: the prompts, padded to what the strategy divides)",
+    )
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 is greedy (default: generation_config.json's, else greedy)",
+    )
     run.add_argument("--top-k", type=int, default=None)
     run.add_argument("--top-p", type=float, default=None)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--stop", type=int, action="append", default=[],
-                     help="stop token id (repeatable), besides the checkpoint's EOS")
-    run.add_argument("--ignore-eos", action="store_true",
-                     help="do not stop at the EOS ids of generation_config.json / config.json")
+    run.add_argument(
+        "--stop",
+        type=int,
+        action="append",
+        default=[],
+        help="stop token id (repeatable), besides the checkpoint's EOS",
+    )
+    run.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at the EOS ids of generation_config.json / config.json",
+    )
 
-    explain = sub.add_parser("explain", help="tensors, specs, table rows and collectives (expected vs compiled)")
+    explain = sub.add_parser(
+        "explain", help="tensors, specs, table rows and collectives (expected vs compiled)"
+    )
     add_model_args(explain, default_model="tiny-dense")
     add_degree_args(explain)
     explain.add_argument("--phase", choices=("prefill", "decode", "both"), default="both")
     explain.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    explain.add_argument("--prompt-len", type=int, default=16, help="padded prompt length (default 16)")
+    explain.add_argument(
+        "--prompt-len", type=int, default=16, help="padded prompt length (default 16)"
+    )
     explain.add_argument("--max-seq-len", type=int, default=64, help="KV cache length (default 64)")
     explain.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    explain.add_argument("--dot", type=str, default=None, help="write the execution graph (Graphviz DOT) here")
-    explain.add_argument("--no-compile", action="store_true", help="analytic model only (no compiled program)")
+    explain.add_argument(
+        "--dot", type=str, default=None, help="write the execution graph (Graphviz DOT) here"
+    )
+    explain.add_argument(
+        "--no-compile", action="store_true", help="analytic model only (no compiled program)"
+    )
     return parser
 
 
@@ -117,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             if cpu_devices is None and _on_cpu():
                 cpu_devices = DEFAULT_CPU_DEVICES
             info = initialize_distributed(
-                args.coordinator, args.num_processes, args.process_id,
+                args.coordinator,
+                args.num_processes,
+                args.process_id,
                 local_device_count=cpu_devices,
             )
-            console.print(f"process {info.process_id} of {info.num_processes}: "
-                          f"{info.local_devices} local, {info.global_devices} global devices")
+            console.print(
+                f"process {info.process_id} of {info.num_processes}: "
+                f"{info.local_devices} local, {info.global_devices} global devices"
+            )
         with peer_failures():
             return _dispatch(args, console)
     except JaxparError as e:

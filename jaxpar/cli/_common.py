@@ -41,7 +41,9 @@ def setup_devices(cpu_devices: int | None) -> None:
             raise ConfigError(f"--cpu-devices must be >= 1, got {cpu_devices}")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = _COUNT_FLAG.sub("", flags)
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
+        )
     elif not _COUNT_FLAG.search(flags):
         os.environ["XLA_FLAGS"] = (
             f"{flags} --xla_force_host_platform_device_count={DEFAULT_CPU_DEVICES}".strip()
@@ -92,21 +94,35 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
     from jaxpar.models import PRESETS
 
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None, choices=list(PRESETS), metavar="PRESET",
-                        help=f"model preset: {', '.join(PRESETS)} (default {default_model})")
+    source.add_argument(
+        "--model",
+        default=None,
+        choices=list(PRESETS),
+        metavar="PRESET",
+        help=f"model preset: {', '.join(PRESETS)} (default {default_model})",
+    )
     source.add_argument("--hf", type=Path, default=None, help="Hugging Face checkpoint directory")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="compute and parameter dtype (default: the model's own)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="compute and parameter dtype (default: the model's own)",
+    )
     parser.set_defaults(default_model=default_model)
 
 
 def add_degree_args(parser: argparse.ArgumentParser, defaults_text: str = "1") -> None:
     """``--dp ... --tp``: default None (not given); :func:`parallel_config` fills in 1."""
     for axis in DEGREES:
-        parser.add_argument(f"--{axis}", type=int, default=None,
-                            help=f"{axis} degree (default {defaults_text})")
-    parser.add_argument("--microbatches", type=int, default=1, help="prefill pipeline microbatches (pp > 1)")
-    parser.add_argument("--decode-groups", type=int, default=1, help="decode pipeline groups (pp > 1)")
+        parser.add_argument(
+            f"--{axis}", type=int, default=None, help=f"{axis} degree (default {defaults_text})"
+        )
+    parser.add_argument(
+        "--microbatches", type=int, default=1, help="prefill pipeline microbatches (pp > 1)"
+    )
+    parser.add_argument(
+        "--decode-groups", type=int, default=1, help="decode pipeline groups (pp > 1)"
+    )
 
 
 def degrees_given(args: argparse.Namespace) -> bool:
@@ -117,14 +133,14 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """The degrees on the command line; those not given are 1."""
     return ParallelConfig(
         **{axis: getattr(args, axis) or 1 for axis in DEGREES},
-        microbatches=args.microbatches, decode_groups=args.decode_groups,
+        microbatches=args.microbatches,
+        decode_groups=args.decode_groups,
     )
 
 
 def model_config(args: argparse.Namespace):
     """The model's configuration from ``--model`` or ``--hf`` (config.json only), in ``--dtype``."""
-    from jaxpar.models import preset
-    from jaxpar.models._hf_config import config_from_hf
+    from jaxpar.models import config_from_hf, preset
 
     if args.hf is None:
         config = preset(args.model or args.default_model)
@@ -157,6 +173,7 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
         return config, params
     device = SingleDeviceSharding(jax.devices()[0])
     with stage(console, f"load {args.hf}", total=tensor_count(config)) as advance:
+
         def on_device(_path, _axes):
             advance()
             return device

@@ -38,10 +38,16 @@ class Comparison:
     max_abs_diff: float | None = None  # max |sharded - 1 device| logits, for information
 
     def lines(self, dtype: str) -> list[str]:
-        out = [f"tokens: {self.rows_identical} of {self.rows} sequences identical to the "
-               "single-device run"]
+        out = [
+            f"tokens: {self.rows_identical} of {self.rows} sequences identical to the "
+            "single-device run"
+        ]
         for row, step, gap in self.divergences:
-            near = "" if gap is None else f"; there the 1-device logits of the two tokens differ by {gap:.4g}"
+            near = (
+                ""
+                if gap is None
+                else f"; there the 1-device logits of the two tokens differ by {gap:.4g}"
+            )
             out.append(f"  sequence {row} first differs at new token {step}{near}")
         if self.sharded_error is not None:
             ratio = self.sharded_error / self.single_error if self.single_error else float("inf")
@@ -68,8 +74,12 @@ def compare_exact(tokens: list[list[int]], reference: list[list[int]]) -> Compar
         for row, (got, want) in enumerate(zip(tokens, reference, strict=True))
         if (step := first_divergence(got, want)) is not None
     )
-    return Comparison(ok=not divergences, rows=len(tokens),
-                      rows_identical=len(tokens) - len(divergences), divergences=divergences)
+    return Comparison(
+        ok=not divergences,
+        rows=len(tokens),
+        rows_identical=len(tokens) - len(divergences),
+        divergences=divergences,
+    )
 
 
 def compare_to_float32(
@@ -86,8 +96,10 @@ def compare_to_float32(
     every engine fed the reference tokens before it (:func:`teacher_forced_logits`).
     """
     rows = len(tokens)
-    got, single, exact = (np.asarray(x, np.float32)[:, :rows]
-                          for x in (logits_NBV, reference_logits_NBV, float32_logits_NBV))
+    got, single, exact = (
+        np.asarray(x, np.float32)[:, :rows]
+        for x in (logits_NBV, reference_logits_NBV, float32_logits_NBV)
+    )
     sharded_error = float(np.mean(np.abs(got - exact)))
     single_error = float(np.mean(np.abs(single - exact)))
     divergences = []
@@ -110,8 +122,9 @@ def compare_to_float32(
     )
 
 
-def teacher_forced_logits(engine: InferenceEngine, prompts: list[list[int]],
-                          tokens: list[list[int]]) -> np.ndarray:
+def teacher_forced_logits(
+    engine: InferenceEngine, prompts: list[list[int]], tokens: list[list[int]]
+) -> np.ndarray:
     """``[N, B, V]``: the logits of every new token when the engine is fed ``tokens``.
 
     Step 0 is prefill's last position; step ``s`` is the decode step fed token ``s - 1``.

@@ -42,7 +42,9 @@ def default_strategy(config, *, n_devices: int, batch: int, max_seq_len: int) ->
         if candidate.size > n_devices:
             continue
         try:
-            validate(config, candidate, n_devices=candidate.size, batch=batch, max_seq_len=max_seq_len)
+            validate(
+                config, candidate, n_devices=candidate.size, batch=batch, max_seq_len=max_seq_len
+            )
         except IllegalStrategyError:
             continue
         return candidate
@@ -54,26 +56,36 @@ def demo_strategy(args: argparse.Namespace, config, n_devices: int) -> ParallelC
     else :func:`default_strategy`."""
     if degrees_given(args):
         return parallel_config(args)
-    return default_strategy(config, n_devices=n_devices, batch=args.batch,
-                            max_seq_len=args.max_seq_len)
+    return default_strategy(
+        config, n_devices=n_devices, batch=args.batch, max_seq_len=args.max_seq_len
+    )
 
 
 def run_demo(args: argparse.Namespace, console: Console) -> int:
     config = model_config(args)
     parallel = demo_strategy(args, config, jax.device_count())
-    validate(config, parallel, n_devices=parallel.size, batch=args.batch, max_seq_len=args.max_seq_len)
+    validate(
+        config, parallel, n_devices=parallel.size, batch=args.batch, max_seq_len=args.max_seq_len
+    )
     console.print(
         f"[bold]jaxpar demo[/bold]: {args.model or args.hf or args.default_model} "
         f"({config.arch}, {config.n_layers} layers, d_model {config.d_model}"
         f"{f', {config.n_experts} experts top-{config.top_k}' if config.is_moe else ''}, "
         f"{config.dtype}) on {describe_devices()}, strategy {parallel}"
-        f"{'' if degrees_given(args) else ' (default)'}", soft_wrap=True,
+        f"{'' if degrees_given(args) else ' (default)'}",
+        soft_wrap=True,
     )
     devices = select_devices(parallel, console)
     config, params = load_model(args, console)
     with stage(console, f"place parameters on {parallel.size} device(s)"):
-        engine = InferenceEngine(config, params, parallel, max_batch=args.batch,
-                                 max_seq_len=args.max_seq_len, mesh=make_mesh(parallel, devices))
+        engine = InferenceEngine(
+            config,
+            params,
+            parallel,
+            max_batch=args.batch,
+            max_seq_len=args.max_seq_len,
+            mesh=make_mesh(parallel, devices),
+        )
     for phase in Phase:
         console.print(plan_table(engine.plan, phase))
 
@@ -92,9 +104,12 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
         with stage(console, f"teacher-forced logits: sharded, 1 device {dtype}, 1 device float32"):
             exact = _single_device(
                 dataclasses.replace(config, dtype="float32", param_dtype="float32"),
-                jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), args)
-            logits = [teacher_forced_logits(e, prompts, reference.tokens)
-                      for e in (engine, single, exact)]
+                jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params),
+                args,
+            )
+            logits = [
+                teacher_forced_logits(e, prompts, reference.tokens) for e in (engine, single, exact)
+            ]
         comparison = compare_to_float32(result.tokens, reference.tokens, *logits)
 
     tokens = Table(title="generated tokens (greedy)", title_justify="left")
@@ -109,29 +124,54 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     for col in ("phase", "compile s", "tokens", "seconds", "tokens/s"):
         perf.add_column(col, justify="right" if col != "phase" else "left")
     compile_s = engine.steps.compile_seconds
-    perf.add_row("prefill", f"{compile_s.get('prefill', 0) + compile_s.get('handoff', 0):.2f}",
-                 str(result.prompt_tokens), f"{result.prefill_seconds:.3f}",
-                 f"{result.prefill_tokens_per_second:.1f}")
-    perf.add_row("decode", f"{compile_s.get('decode_loop', 0):.2f}", str(result.new_tokens),
-                 f"{result.decode_seconds:.3f}", f"{result.decode_tokens_per_second:.1f}")
+    perf.add_row(
+        "prefill",
+        f"{compile_s.get('prefill', 0) + compile_s.get('handoff', 0):.2f}",
+        str(result.prompt_tokens),
+        f"{result.prefill_seconds:.3f}",
+        f"{result.prefill_tokens_per_second:.1f}",
+    )
+    perf.add_row(
+        "decode",
+        f"{compile_s.get('decode_loop', 0):.2f}",
+        str(result.new_tokens),
+        f"{result.decode_seconds:.3f}",
+        f"{result.decode_tokens_per_second:.1f}",
+    )
     console.print(perf)
     console.print("[dim]tokens/s from a warm run on simulated devices; see scripts/bench.py[/dim]")
     for line in comparison.lines(dtype):
         console.print(line, soft_wrap=True, highlight=False)
     if comparison.ok and dtype == "float32":
-        console.print(f"[bold green]OK[/]: all {len(prompts)} sequences match the single-device run token for token.")
+        console.print(
+            f"[bold green]OK[/]: all {len(prompts)} sequences match the single-device run token for token."
+        )
         return 0
     if comparison.ok:
-        console.print(f"[bold green]OK[/] ({dtype}): the sharded logits are as close to float32 as "
-                      "the single-device ones (within the stated tolerance).", soft_wrap=True)
+        console.print(
+            f"[bold green]OK[/] ({dtype}): the sharded logits are as close to float32 as "
+            "the single-device ones (within the stated tolerance).",
+            soft_wrap=True,
+        )
         return 0
-    console.print("[bold red]MISMATCH[/]: " + (
-        "sharded tokens differ from the single-device run." if dtype == "float32" else
-        "the sharded logits are farther from float32 than the tolerance allows."))
+    console.print(
+        "[bold red]MISMATCH[/]: "
+        + (
+            "sharded tokens differ from the single-device run."
+            if dtype == "float32"
+            else "the sharded logits are farther from float32 than the tolerance allows."
+        )
+    )
     return 1
 
 
 def _single_device(config, params, args) -> InferenceEngine:
     one = ParallelConfig()
-    return InferenceEngine(config, params, one, max_batch=args.batch, max_seq_len=args.max_seq_len,
-                           mesh=make_mesh(one, jax.devices()[:1]))
+    return InferenceEngine(
+        config,
+        params,
+        one,
+        max_batch=args.batch,
+        max_seq_len=args.max_seq_len,
+        mesh=make_mesh(one, jax.devices()[:1]),
+    )

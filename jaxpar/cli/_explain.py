@@ -25,12 +25,18 @@ from rich.table import Table
 
 from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._progress import stage
-from jaxpar.engine._vocab import padded_config
-from jaxpar.errors import ConfigError
+from jaxpar.engine import AbstractEngine, run_form
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
-from jaxpar.models import KVCache, ModelConfig, abstract_model
-from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES
-from jaxpar.models._moe import EXPERT_AXES, EXPERT_HIDDEN_AXES, GROUPED_AXES
+from jaxpar.models import (
+    EXPERT_AXES,
+    EXPERT_HIDDEN_AXES,
+    GROUPED_AXES,
+    KV_SCORE_AXES,
+    Q_AXES,
+    KVCache,
+    ModelConfig,
+    abstract_model,
+)
 from jaxpar.spec import (
     Module,
     ParallelConfig,
@@ -43,64 +49,44 @@ from jaxpar.spec import (
 )
 
 
-@dataclasses.dataclass
-class AbstractEngine:
-    """What :func:`jaxpar.inspect.phase_report` needs of an engine, without any array."""
-
-    model_config: ModelConfig
-    parallel_config: ParallelConfig
-    mesh: jax.sharding.Mesh
-    layouts: Any
-    steps: Any
-    params: Any
-    max_batch: int
-    max_seq_len: int
-
-
-def abstract_engine(config: ModelConfig, parallel: ParallelConfig, *, max_batch: int,
-                    max_seq_len: int) -> AbstractEngine:
-    """The engine's layouts and step functions over abstract parameters.
-
-    Mirrors ``InferenceEngine.__init__`` (which needs real arrays): the same shardings and
-    the same step classes, pipelined ones for pp > 1.
-
-    Raises:
-        ConfigError: too few devices, or pp > 1 where this engine has no pipelined steps.
-    """
-    from jaxpar.engine._placement import param_shardings
-    from jaxpar.engine._steps import Layouts, Steps
-
-    if parallel.size > jax.device_count():
-        raise ConfigError(f"{parallel} needs {parallel.size} devices, {jax.device_count()} "
-                          "available (on CPU raise --cpu-devices)")
-    if parallel.pp > 1:
-        try:
-            from jaxpar.engine._pipeline_steps import PipelineLayouts as Layouts
-            from jaxpar.engine._pipeline_steps import PipelineSteps as Steps
-        except ImportError:
-            raise ConfigError(f"pp={parallel.pp}: this engine has no pipelined steps, so there "
-                              "is no compiled program to show") from None
+def abstract_engine(
+    config: ModelConfig, parallel: ParallelConfig, *, max_batch: int, max_seq_len: int
+) -> AbstractEngine:
+    """The engine's layouts and steps over abstract parameters, on the first devices."""
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    if parallel.pp > 1:  # pipeline stages run stacked layers, as the engine does
-        config = dataclasses.replace(config, layer_loop="scan")
-    config = padded_config(config, parallel.tp)  # as the engine runs it
-    graphdef, state = nnx.split(abstract_model(config))
-    shardings = param_shardings(state, mesh, parallel, config)
-    params = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    layouts = Layouts.build(mesh, parallel, config, shardings)
-    steps = Steps(graphdef, layouts, mesh, parallel, config, max_seq_len)
-    return AbstractEngine(config, parallel, mesh, layouts, steps, params, max_batch, max_seq_len)
+    return AbstractEngine.build(
+        config, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
+    )
+
+
+def _compile_note(args: argparse.Namespace, parallel: ParallelConfig) -> str | None:
+    """Why no program is compiled (the analytic model is shown instead), or None."""
+    if args.no_compile:
+        return "skipped (--no-compile)"
+    if parallel.size > jax.device_count():
+        return (
+            f"{parallel} needs {parallel.size} devices, {jax.device_count()} "
+            "available (on CPU raise --cpu-devices)"
+        )
+    return None
 
 
 def _per_device(shape, spec, config: ParallelConfig, itemsize: int) -> int:
-    split = math.prod(config.degree(a) for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+    split = math.prod(
+        config.degree(a) for e in spec if e for a in ((e,) if isinstance(e, str) else e)
+    )
     return math.prod(shape) * itemsize // split
 
 
 def _spec_text(spec) -> str:
-    return "P(" + ", ".join("None" if e is None else (e if isinstance(e, str) else "(" + ",".join(e) + ")")
-                            for e in spec) + ")"
+    return (
+        "P("
+        + ", ".join(
+            "None" if e is None else (e if isinstance(e, str) else "(" + ",".join(e) + ")")
+            for e in spec
+        )
+        + ")"
+    )
 
 
 def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[str, Any]]:
@@ -120,55 +106,120 @@ def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[s
             rows[name]["count"] += 1
             rows[name]["bytes_per_device"] += nbytes
             continue
-        rows[name] = {"tensor": name, "shape": list(value.shape), "count": 1,
-                      "logical_axes": list(axes), "spec": _spec_text(spec),
-                      "bytes_per_device": nbytes}
+        rows[name] = {
+            "tensor": name,
+            "shape": list(value.shape),
+            "count": 1,
+            "logical_axes": list(axes),
+            "spec": _spec_text(spec),
+            "bytes_per_device": nbytes,
+        }
     return list(rows.values())
 
 
-def tensor_rows(config: ModelConfig, parallel: ParallelConfig, phase: Phase, *, batch: int,
-                prompt_len: int, max_seq_len: int) -> list[dict[str, Any]]:
+def tensor_rows(
+    config: ModelConfig,
+    parallel: ParallelConfig,
+    phase: Phase,
+    *,
+    batch: int,
+    prompt_len: int,
+    max_seq_len: int,
+) -> list[dict[str, Any]]:
     """The KV cache and the main activations of ``phase`` in the layouts the model applies."""
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
     cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
     size = c.dtype.itemsize
     cap = c.expert_capacity(t) if c.is_moe else 0
     table = [
-        ("KV cache (K and V each)", Module.ATTENTION, KVCache.KV_AXES,
-         (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim), size),
+        (
+            "KV cache (K and V each)",
+            Module.ATTENTION,
+            KVCache.KV_AXES,
+            (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim),
+            size,
+        ),
         ("tokens", Module.EMBEDDING, ("batch", "seq"), (batch, t), 4),
         ("hidden x", Module.ATTENTION, ("batch", "seq", "embed"), (batch, t, c.d_model), size),
         ("queries", Module.ATTENTION, Q_AXES, (batch, t, c.n_heads, c.head_dim), size),
     ]
     if phase is Phase.PREFILL:
-        table.append(("K/V for scores", Module.ATTENTION, KV_SCORE_AXES,
-                      (batch, t, c.n_kv_heads, c.head_dim), size))
+        table.append(
+            (
+                "K/V for scores",
+                Module.ATTENTION,
+                KV_SCORE_AXES,
+                (batch, t, c.n_kv_heads, c.head_dim),
+                size,
+            )
+        )
     if c.is_moe:
         table += [
-            ("dispatched [G,E,C,D]", Module.MOE, GROUPED_AXES, (batch, c.n_experts, cap, c.d_model), size),
-            ("expert input [E,G,C,D]", Module.MOE, EXPERT_AXES, (c.n_experts, batch, cap, c.d_model), size),
-            ("expert hidden", Module.MOE, EXPERT_HIDDEN_AXES, (c.n_experts, batch, cap, c.d_ff), size),
+            (
+                "dispatched [G,E,C,D]",
+                Module.MOE,
+                GROUPED_AXES,
+                (batch, c.n_experts, cap, c.d_model),
+                size,
+            ),
+            (
+                "expert input [E,G,C,D]",
+                Module.MOE,
+                EXPERT_AXES,
+                (c.n_experts, batch, cap, c.d_model),
+                size,
+            ),
+            (
+                "expert hidden",
+                Module.MOE,
+                EXPERT_HIDDEN_AXES,
+                (c.n_experts, batch, cap, c.d_ff),
+                size,
+            ),
         ]
     else:
         table.append(("FFN hidden", Module.FFN, ("batch", "seq", "mlp"), (batch, t, c.d_ff), size))
-    table.append(("logits (last position)" if phase is Phase.PREFILL else "logits", Module.LM_HEAD,
-                  ("batch", "vocab"), (batch, c.vocab_size), 4))
+    table.append(
+        (
+            "logits (last position)" if phase is Phase.PREFILL else "logits",
+            Module.LM_HEAD,
+            ("batch", "vocab"),
+            (batch, c.vocab_size),
+            4,
+        )
+    )
     rows = []
     for name, module, axes, shape, itemsize in table:
         spec = partition_spec(axes, module, phase, parallel, dims=config)
-        rows.append({"tensor": name, "module": module.value, "shape": list(shape),
-                     "logical_axes": [a or "-" for a in axes], "spec": _spec_text(spec),
-                     "bytes_per_device": _per_device(shape, spec, parallel, itemsize)})
+        rows.append(
+            {
+                "tensor": name,
+                "module": module.value,
+                "shape": list(shape),
+                "logical_axes": [a or "-" for a in axes],
+                "spec": _spec_text(spec),
+                "bytes_per_device": _per_device(shape, spec, parallel, itemsize),
+            }
+        )
     return rows
 
 
 def module_rows(plan: Plan, phase: Phase) -> list[dict[str, Any]]:
     """Per module and active primitive: the table row, why, its sync point, and where the
     row is written (file and key under ``sharding_specs/``)."""
-    return [{"module": a.module.value, "primitive": f"{a.primitive.value}={a.degree}",
-             "status": a.status.value, "splits": list(a.splits) or ["-"], "sync": a.sync or "-",
-             "row": a.row, "source": f"sharding_specs/{a.module.value}.toml [{a.primitive.value}]"}
-            for a in plan.for_phase(phase) if a.degree > 1]
+    return [
+        {
+            "module": a.module.value,
+            "primitive": f"{a.primitive.value}={a.degree}",
+            "status": a.status.value,
+            "splits": list(a.splits) or ["-"],
+            "sync": a.sync or "-",
+            "row": a.row,
+            "source": f"sharding_specs/{a.module.value}.toml [{a.primitive.value}]",
+        }
+        for a in plan.for_phase(phase)
+        if a.degree > 1
+    ]
 
 
 def _modules_table(phase: str, rows: list[dict[str, Any]]) -> Table:
@@ -176,8 +227,13 @@ def _modules_table(phase: str, rows: list[dict[str, Any]]) -> Table:
     for col in ("module", "primitive", "status", "splits", "table row / sync point / source"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["module"], r["primitive"], r["status"], ", ".join(r["splits"]),
-                      f"{escape(r['row'])}\n[cyan]sync[/]: {escape(r['sync'])}\n[dim]{r['source']}[/]")
+        table.add_row(
+            r["module"],
+            r["primitive"],
+            r["status"],
+            ", ".join(r["splits"]),
+            f"{escape(r['row'])}\n[cyan]sync[/]: {escape(r['sync'])}\n[dim]{r['source']}[/]",
+        )
     return table
 
 
@@ -197,9 +253,13 @@ def to_dot(phases: dict[str, list[dict[str, str]]]) -> str:
                 lines.append(f'      {phase}_{i} [label="{text}"{style}];')
             lines.append("    }")
         lines += [f"    {phase}_{i} -> {phase}_{i + 1};" for i in range(len(steps) - 1)]
-        layer = next((ids for section, ids in sections.items() if section.startswith("layer")), None)
+        layer = next(
+            (ids for section, ids in sections.items() if section.startswith("layer")), None
+        )
         if layer:  # the scan runs the layer block again for every layer
-            lines.append(f'    {phase}_{layer[-1]} -> {phase}_{layer[0]} [style=dashed, label="next layer"];')
+            lines.append(
+                f'    {phase}_{layer[-1]} -> {phase}_{layer[0]} [style=dashed, label="next layer"];'
+            )
         lines.append("  }")
     return "\n".join([*lines, "}"]) + "\n"
 
@@ -211,49 +271,74 @@ def _config_of(args: argparse.Namespace) -> ModelConfig:
 def explain(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``jaxpar explain`` shows, as a JSON-ready dict."""
     config, parallel = _config_of(args), parallel_config(args)
-    plan = validate(padded_config(config, parallel.tp), parallel, n_devices=parallel.size, batch=args.batch,
-                    max_seq_len=args.max_seq_len)
+    plan = validate(
+        run_form(config, parallel),
+        parallel,
+        n_devices=parallel.size,
+        batch=args.batch,
+        max_seq_len=args.max_seq_len,
+    )
     phases = [Phase.PREFILL, Phase.DECODE] if args.phase == "both" else [Phase.coerce(args.phase)]
-    engine, pending = None, None
-    if not args.no_compile:
-        try:
-            engine = abstract_engine(config, parallel, max_batch=args.batch, max_seq_len=args.max_seq_len)
-        except ConfigError as e:
-            pending = str(e)
+    note = _compile_note(args, parallel)
+    engine = None
+    if note is None:
+        engine = abstract_engine(
+            config, parallel, max_batch=args.batch, max_seq_len=args.max_seq_len
+        )
     out: dict[str, Any] = {
-        "model": {k: (str(v) if k in ("dtype", "param_dtype") else v)
-                  for k, v in dataclasses.asdict(config).items()},
-        "strategy": str(parallel), "degrees": dict(zip(("dp", "pp", "sp", "ep", "tp"), parallel.shape, strict=True)),
-        "batch": args.batch, "prompt_len": args.prompt_len, "max_seq_len": args.max_seq_len,
-        "compiled": engine is not None, "compiled_note": pending or ("skipped (--no-compile)" if args.no_compile else None),
-        "parameters": parameter_rows(config, parallel), "phases": {},
+        "model": {
+            k: (str(v) if k in ("dtype", "param_dtype") else v)
+            for k, v in dataclasses.asdict(config).items()
+        },
+        "strategy": str(parallel),
+        "degrees": dict(zip(("dp", "pp", "sp", "ep", "tp"), parallel.shape, strict=True)),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "max_seq_len": args.max_seq_len,
+        "compiled": engine is not None,
+        "compiled_note": note,
+        "parameters": parameter_rows(config, parallel),
+        "phases": {},
     }
     for phase in phases:
-        model = communication_model(config, parallel, phase, batch=args.batch, prompt_len=args.prompt_len)
+        model = communication_model(
+            config, parallel, phase, batch=args.batch, prompt_len=args.prompt_len
+        )
         report = None
         if engine is not None:
             report = phase_report(engine, phase, prompt_len=args.prompt_len, label=str(parallel))[0]
         out["phases"][phase.value] = {
-            "tensors": tensor_rows(config, parallel, phase, batch=args.batch,
-                                   prompt_len=args.prompt_len, max_seq_len=args.max_seq_len),
+            "tensors": tensor_rows(
+                config,
+                parallel,
+                phase,
+                batch=args.batch,
+                prompt_len=args.prompt_len,
+                max_seq_len=args.max_seq_len,
+            ),
             "modules": module_rows(plan, phase),
             "collectives": report.to_dict() if report else {"model": model.to_dict()},
             "execution": execution_steps(config, model),
-            "_report": report, "_model": model,
+            "_report": report,
+            "_model": model,
         }
     return out
 
 
 def _cell(column: str, value: Any) -> str:
     if isinstance(value, list):
-        return "x".join(map(str, value)) if column == "shape" else escape(", ".join(map(str, value)))
+        return (
+            "x".join(map(str, value)) if column == "shape" else escape(", ".join(map(str, value)))
+        )
     return f"{value:,}" if isinstance(value, int) else escape(str(value))
 
 
 def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
     table = Table(title=title, title_justify="left")
     for col in columns:
-        table.add_column(col.replace("_", " "), justify="right" if col.startswith("bytes") else "left")
+        table.add_column(
+            col.replace("_", " "), justify="right" if col.startswith("bytes") else "left"
+        )
     for row in rows:
         table.add_row(*(_cell(col, row[col]) for col in columns))
     return table
@@ -261,41 +346,65 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
 
 def run_explain(args: argparse.Namespace, console: Console) -> int:
     """Entry point of the ``explain`` subcommand."""
-    what = "analytic model" if args.no_compile else "lower and compile the steps (abstract parameters)"
+    what = (
+        "analytic model" if args.no_compile else "lower and compile the steps (abstract parameters)"
+    )
     with stage(Console(stderr=True) if args.json else console, what):  # stdout stays JSON
         data = explain(args)
     if not console.is_terminal:  # piped or captured: wide enough for the tables
         console = Console(width=160)
-    private = {p: {k: v for k, v in d.items() if not k.startswith("_")} for p, d in data["phases"].items()}
+    # Keys starting with "_" hold the report objects behind the tables; JSON shows the rest.
+    public = {
+        p: {k: v for k, v in d.items() if not k.startswith("_")} for p, d in data["phases"].items()
+    }
     if args.dot:
         Path(args.dot).write_text(to_dot({p: d["execution"] for p, d in data["phases"].items()}))
     if args.json:
-        print(json.dumps({**data, "phases": private}, indent=1))
+        print(json.dumps({**data, "phases": public}, indent=1))
         return 0
-    console.print(f"[bold]jaxpar explain[/]: {args.hf or args.model or args.default_model}, strategy "
-                  f"{data['strategy']}, batch {args.batch}, prompt {args.prompt_len}, cache {args.max_seq_len}")
-    console.print(_table("parameters (one layout for both phases)", data["parameters"],
-                         ["tensor", "count", "shape", "logical_axes", "spec", "bytes_per_device"]))
+    console.print(
+        f"[bold]jaxpar explain[/]: {args.hf or args.model or args.default_model}, strategy "
+        f"{data['strategy']}, batch {args.batch}, prompt {args.prompt_len}, cache {args.max_seq_len}"
+    )
+    console.print(
+        _table(
+            "parameters (one layout for both phases)",
+            data["parameters"],
+            ["tensor", "count", "shape", "logical_axes", "spec", "bytes_per_device"],
+        )
+    )
     for phase, d in data["phases"].items():
         console.rule(f"[bold]{phase}")
-        console.print(_table(f"{phase}: tensors", d["tensors"],
-                             ["tensor", "module", "shape", "logical_axes", "spec", "bytes_per_device"]))
+        console.print(
+            _table(
+                f"{phase}: tensors",
+                d["tensors"],
+                ["tensor", "module", "shape", "logical_axes", "spec", "bytes_per_device"],
+            )
+        )
         console.print(_modules_table(phase, d["modules"]))
         if d["_report"] is not None:
             console.print(d["_report"].to_rich_table())
             for cause, nbytes in d["_report"].exceptions.items():
-                console.print(f"[yellow]above the minimum[/]: {cause} ({nbytes:,} B): "
-                              f"{escape(CAUSES[cause])}")
+                console.print(
+                    f"[yellow]above the minimum[/]: {cause} ({nbytes:,} B): {escape(CAUSES[cause])}"
+                )
         else:
-            console.print(_table(f"{phase}: expected collectives ({data['compiled_note']})",
-                                 [i.to_dict() for i in d["_model"].items],
-                                 ["kind", "axes", "module", "step", "shape", "count", "bytes", "why"]))
+            console.print(
+                _table(
+                    f"{phase}: expected collectives ({data['compiled_note']})",
+                    [i.to_dict() for i in d["_model"].items],
+                    ["kind", "axes", "module", "step", "shape", "count", "bytes", "why"],
+                )
+            )
         for note in d["_model"].notes:
             console.print(f"[dim]{escape(note)}[/]")
         console.print(f"[bold]{phase}: execution[/]")
         for s in d["execution"]:
             kind = "[yellow]comm   [/]" if s["kind"] == "comm" else "compute"
-            console.print(f"  {kind} [dim]{s['section']:<16}[/] {escape(s['text'])}", highlight=False)
+            console.print(
+                f"  {kind} [dim]{s['section']:<16}[/] {escape(s['text'])}", highlight=False
+            )
     if args.dot:
         console.print(f"DOT graph written to {args.dot}")
     return 0

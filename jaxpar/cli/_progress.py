@@ -17,7 +17,9 @@ from rich.progress import (
 
 
 @contextlib.contextmanager
-def stage(console: Console, description: str, total: int | None = None) -> Iterator[Callable[..., None]]:
+def stage(
+    console: Console, description: str, total: int | None = None
+) -> Iterator[Callable[..., None]]:
     """A spinner (or a bar of ``total`` steps) with the elapsed time while the body runs.
 
     Yields ``advance(n=1)``. The finished line stays on screen (``done <description>``), so
@@ -40,7 +42,8 @@ def stage(console: Console, description: str, total: int | None = None) -> Itera
 def tensor_count(config) -> int:
     """How many parameter tensors a model has (the steps of a checkpoint load)."""
     import jax
+    from flax import nnx
 
-    from jaxpar.engine._engine import abstract_params
+    from jaxpar.models import abstract_model
 
-    return len(jax.tree.leaves(abstract_params(config)))
+    return len(jax.tree.leaves(nnx.state(abstract_model(config))))

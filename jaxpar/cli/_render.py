@@ -27,7 +27,9 @@ def _status_note(status: Status) -> str:
 def plan_table(plan: Plan, phase: Phase) -> Table:
     """Rows: modules; columns: mesh axes; cells: the logical dims the axis splits there."""
     config = plan.config
-    table = Table(title=f"{phase.value}: what each mesh axis splits ({config})", title_justify="left")
+    table = Table(
+        title=f"{phase.value}: what each mesh axis splits ({config})", title_justify="left"
+    )
     table.add_column("module")
     for primitive in Primitive:
         table.add_column(f"{primitive.value}={config.degree(primitive)}")
@@ -38,7 +40,9 @@ def plan_table(plan: Plan, phase: Phase) -> Table:
     for module in modules:
         cells = []
         for primitive in Primitive:
-            a = next(x for x in plan.for_phase(phase) if x.module is module and x.primitive is primitive)
+            a = next(
+                x for x in plan.for_phase(phase) if x.module is module and x.primitive is primitive
+            )
             if a.degree == 1:
                 text = "[dim]-[/dim]"
             elif a.splits:

@@ -39,8 +39,9 @@ def prompt_ids(text: str) -> list[int] | None:
     return [int(t) for t in text.replace(",", " ").split()]
 
 
-def encode_prompts(args: argparse.Namespace, tokenizer, defaults: GenerationDefaults,
-                   console: Console | None) -> list[list[int]]:
+def encode_prompts(
+    args: argparse.Namespace, tokenizer, defaults: GenerationDefaults, console: Console | None
+) -> list[list[int]]:
     """Token ids of every ``--prompt``: ids as given, text through the tokenizer (or the
     chat template with ``--chat``), warning about text the tokenizer does not know."""
     console = console or Console(quiet=True)
@@ -70,14 +71,18 @@ def encode_prompts(args: argparse.Namespace, tokenizer, defaults: GenerationDefa
             encoded = encode(tokenizer, text)
             bos = defaults.bos_token_id
             if bos is not None and encoded.ids[:1] != [bos] and i == 0:
-                console.print(f"[dim]note: the tokenizer's post-processor adds no BOS (id {bos}); "
-                              "prompts are used as they encode[/]", soft_wrap=True)
+                console.print(
+                    f"[dim]note: the tokenizer's post-processor adds no BOS (id {bos}); "
+                    "prompts are used as they encode[/]",
+                    soft_wrap=True,
+                )
         if encoded.unknown:
             pieces = ", ".join(repr(p) for p in encoded.unknown[:8])
             console.print(
                 f"[yellow]warning[/]: prompt {i}: {len(encoded.unknown)} of {len(encoded.ids)} "
                 f"tokens are unknown to the tokenizer (each became the unknown token): "
-                f"{escape(pieces)}", soft_wrap=True,
+                f"{escape(pieces)}",
+                soft_wrap=True,
             )
         prompts.append(encoded.ids)
     return prompts
@@ -87,7 +92,9 @@ def choose_sampling(args: argparse.Namespace, defaults: GenerationDefaults) -> t
     """Command-line sampling over the checkpoint's defaults; and where it came from."""
     base = defaults.sampling
     if args.temperature is None and args.top_k is None and args.top_p is None:
-        where = "generation_config.json" if "generation_config.json" in defaults.sources else "default"
+        where = (
+            "generation_config.json" if "generation_config.json" in defaults.sources else "default"
+        )
         return base, where
     temperature = args.temperature
     if temperature is None:  # --top-k / --top-p alone: sample, at the default temperature
@@ -107,8 +114,15 @@ def _describe(sampling: Sampling) -> str:
     return ", ".join(parts)
 
 
-def warm_up(engine: InferenceEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-            sampling: Sampling, seed: int, console: Console | None = None) -> dict[str, float]:
+def warm_up(
+    engine: InferenceEngine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling,
+    seed: int,
+    console: Console | None = None,
+) -> dict[str, float]:
     """Compiles every program a streamed generation of ``prompts`` runs, before it is timed.
 
     A streamed run of ``min(2, max_new_tokens)`` tokens compiles the prefill for this
@@ -118,8 +132,13 @@ def warm_up(engine: InferenceEngine, prompts: Sequence[Sequence[int]], max_new_t
     """
     before = dict(engine.steps.compile_seconds)
     with stage(console or Console(quiet=True), "compile prefill, handoff and decode step"):
-        engine.generate(prompts, min(2, max_new_tokens), sampling=sampling, seed=seed,
-                        callback=lambda step, tokens_B: None)
+        engine.generate(
+            prompts,
+            min(2, max_new_tokens),
+            sampling=sampling,
+            seed=seed,
+            callback=lambda step, tokens_B: None,
+        )
     return {k: v for k, v in engine.steps.compile_seconds.items() if before.get(k) != v}
 
 
@@ -134,14 +153,19 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     batch = args.batch or _padded_batch(len(args.prompt), multiple)
     # Refuses an illegal strategy before anything is read, initialised or compiled.
     validate(config, parallel, n_devices=parallel.size, batch=batch, max_seq_len=args.max_seq_len)
-    console.print(f"[bold]jaxpar run[/]: {args.hf or args.model or args.default_model} "
-                  f"({config.arch}, {config.dtype}) on {describe_devices()}, strategy {parallel}",
-                  soft_wrap=True)
+    console.print(
+        f"[bold]jaxpar run[/]: {args.hf or args.model or args.default_model} "
+        f"({config.arch}, {config.dtype}) on {describe_devices()}, strategy {parallel}",
+        soft_wrap=True,
+    )
     devices = select_devices(parallel, console)
     if args.batch is None and batch != len(args.prompt):
-        console.print(f"[dim]batch: {len(args.prompt)} prompt(s) padded to {batch} rows (the "
-                      f"batch divides over the axes that carry it: a multiple of {multiple}); "
-                      "padding rows are never returned[/]", soft_wrap=True)
+        console.print(
+            f"[dim]batch: {len(args.prompt)} prompt(s) padded to {batch} rows (the "
+            f"batch divides over the axes that carry it: a multiple of {multiple}); "
+            "padding rows are never returned[/]",
+            soft_wrap=True,
+        )
 
     tokenizer = load_tokenizer(args.hf) if args.hf is not None else None
     defaults = generation_defaults(args.hf) if args.hf is not None else GenerationDefaults()
@@ -155,38 +179,59 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     sampling, sampling_source = choose_sampling(args, defaults)
     eos = () if args.ignore_eos else defaults.eos_token_ids
     stop_tokens = list(dict.fromkeys([*args.stop, *eos]))
-    console.print(f"[dim]sampling: {_describe(sampling)} ({sampling_source}); "
-                  f"stop at: {stop_tokens or 'nothing'}"
-                  f"{f' (EOS {list(eos)} from {defaults.eos_source})' if eos else ''}[/]",
-                  soft_wrap=True)
+    console.print(
+        f"[dim]sampling: {_describe(sampling)} ({sampling_source}); "
+        f"stop at: {stop_tokens or 'nothing'}"
+        f"{f' (EOS {list(eos)} from {defaults.eos_source})' if eos else ''}[/]",
+        soft_wrap=True,
+    )
 
     mesh = make_mesh(parallel, devices)
     if args.hf is not None:  # each device reads only its shards of the checkpoint
         with stage(console, f"load {args.hf}", total=tensor_count(config)) as advance:
-            engine = engine_from_hf(args.hf, parallel, max_batch=batch, max_seq_len=args.max_seq_len,
-                                    mesh=mesh, dtype=args.dtype, on_tensor=lambda name: advance())
+            engine = engine_from_hf(
+                args.hf,
+                parallel,
+                max_batch=batch,
+                max_seq_len=args.max_seq_len,
+                mesh=mesh,
+                dtype=args.dtype,
+                on_tensor=lambda name: advance(),
+            )
     else:
         config, params = load_model(args, console)
         with stage(console, f"place parameters on {parallel.size} device(s)"):
-            engine = InferenceEngine(config, params, parallel, max_batch=batch,
-                                     max_seq_len=args.max_seq_len, mesh=mesh)
+            engine = InferenceEngine(
+                config, params, parallel, max_batch=batch, max_seq_len=args.max_seq_len, mesh=mesh
+            )
 
-    compiled = warm_up(engine, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed,
-                       console=console)
+    compiled = warm_up(
+        engine, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, console=console
+    )
     with Progress(
-        TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
+        TextColumn("decode"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
     ) as progress:
         task = progress.add_task("decode", total=args.max_new_tokens)
         result = engine.generate(
-            prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, stop_tokens=stop_tokens,
+            prompts,
+            args.max_new_tokens,
+            sampling=sampling,
+            seed=args.seed,
+            stop_tokens=stop_tokens,
             callback=lambda step, tokens_B: progress.update(task, completed=step + 1),
         )
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens, strict=True)):
         end = " [dim](stop token)[/]" if new and new[-1] in stop_tokens else ""
         if tokenizer is not None:
-            shown = (f"{tokenizer.decode(prompt, skip_special_tokens=False)!r} -> "
-                     f"{tokenizer.decode(new, skip_special_tokens=True)!r}")
+            shown = (
+                f"{tokenizer.decode(prompt, skip_special_tokens=False)!r} -> "
+                f"{tokenizer.decode(new, skip_special_tokens=True)!r}"
+            )
         else:
             shown = f"{prompt} -> {new}"
         console.print(f"[bold]{i}[/] {escape(shown)}{end}", soft_wrap=True, highlight=False)

@@ -100,7 +100,9 @@ def generation_defaults(directory: str | Path) -> GenerationDefaults:
     sampling = Sampling()
     do_sample, path = merged.get("do_sample", (False, directory))
     if do_sample:
-        knobs = {k: merged.get(k, (default, path))[0] for k, default in _HF_SAMPLING_DEFAULTS.items()}
+        knobs = {
+            k: merged.get(k, (default, path))[0] for k, default in _HF_SAMPLING_DEFAULTS.items()
+        }
         try:
             top_k = int(knobs["top_k"] or 0)  # 0 or null: no top-k
             top_p = float(1.0 if knobs["top_p"] is None else knobs["top_p"])  # 1.0: no nucleus
@@ -179,17 +181,24 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                              separators=separators, sort_keys=sort_keys)
+            return json.dumps(
+                x,
+                ensure_ascii=ensure_ascii,
+                indent=indent,
+                separators=separators,
+                sort_keys=sort_keys,
+            )
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             return env.from_string(self.template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as e:
@@ -227,8 +236,10 @@ def chat_template(directory: str | Path, tokenizer, defaults: GenerationDefaults
             "nor chat_template.jinja); run without --chat to use the prompt as it is"
         )
     special = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v))}
-    for key, token_id in (("bos_token", defaults.bos_token_id),
-                          ("eos_token", (defaults.eos_token_ids or (None,))[0])):
+    for key, token_id in (
+        ("bos_token", defaults.bos_token_id),
+        ("eos_token", (defaults.eos_token_ids or (None,))[0]),
+    ):
         known = key not in special and token_id is not None and tokenizer is not None
         if known and (token := tokenizer.id_to_token(token_id)) is not None:
             special[key] = token

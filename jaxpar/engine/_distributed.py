@@ -116,33 +116,14 @@ def initialize(
             ``initialization_timeout_s``. Process 0 waiting in vain for the others is
             terminated by JAX itself ("DEADLINE_EXCEEDED ... RegisterTask").
     """
-    from jax._src import xla_bridge  # no public "have the backends started?" query
-
-    if jax.distributed.is_initialized():
-        raise DistributedError("jax.distributed is already initialized in this process")
-    if xla_bridge.backends_are_initialized():
-        raise DistributedError(
-            "the distributed initialize must run before any other JAX call in this process "
-            "(jax.devices(), an array, a jit): JAX has already started its backends"
-        )
-    for name, value in (
-        ("heartbeat_timeout_s", heartbeat_timeout_s),
-        ("initialization_timeout_s", initialization_timeout_s),
-        ("shutdown_timeout_s", shutdown_timeout_s),
-        ("cpu_collective_timeout_s", cpu_collective_timeout_s),
-    ):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise DistributedError(f"{name} must be an int >= 1, got {value!r}")
-
-    # CPU backend settings: harmless on GPU/TPU, which do not read them.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if local_device_count is not None:
-        jax.config.update("jax_num_cpu_devices", int(local_device_count))
-    if cpu_collective_timeout_s is not None:
-        _set_xla_flag("xla_cpu_collective_timeout_seconds", cpu_collective_timeout_s)
-
+    _check_not_started()
+    _check_timeouts(
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        initialization_timeout_s=initialization_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        cpu_collective_timeout_s=cpu_collective_timeout_s,
+    )
+    _configure_cpu(local_device_count, cpu_collective_timeout_s)
     if coordinator is not None and process_id:
         # JAX aborts the whole process when it cannot register with the coordinator;
         # probing the port first turns the usual mistake into an exception.
@@ -168,6 +149,35 @@ def initialize(
         local_devices=jax.local_device_count(),
         global_devices=jax.device_count(),
     )
+
+
+def _check_not_started() -> None:
+    from jax._src import xla_bridge  # no public "have the backends started?" query
+
+    if jax.distributed.is_initialized():
+        raise DistributedError("jax.distributed is already initialized in this process")
+    if xla_bridge.backends_are_initialized():
+        raise DistributedError(
+            "the distributed initialize must run before any other JAX call in this process "
+            "(jax.devices(), an array, a jit): JAX has already started its backends"
+        )
+
+
+def _check_timeouts(**timeouts: int | None) -> None:
+    for name, value in timeouts.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise DistributedError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _configure_cpu(local_device_count: int | None, cpu_collective_timeout_s: int | None) -> None:
+    """CPU backend settings: harmless on GPU/TPU, which do not read them."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if local_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", int(local_device_count))
+    if cpu_collective_timeout_s is not None:
+        _set_xla_flag("xla_cpu_collective_timeout_seconds", cpu_collective_timeout_s)
 
 
 @contextlib.contextmanager

@@ -13,16 +13,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.engine._pipeline_steps import PipelineLayouts, PipelineSteps
-from jaxpar.engine._placement import logical_axes_of, param_shardings, place, put_global
+from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
+from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
-from jaxpar.engine._steps import Layouts, Steps
-from jaxpar.engine._vocab import pad_vocab_params, padded_config, true_vocab
+from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
-from jaxpar.models._cache import KVCache
-from jaxpar.models._config import ModelConfig
-from jaxpar.models._decoder import Decoder, with_layer_loop
-from jaxpar.spec import ParallelConfig, Plan, make_mesh, validate
+from jaxpar.models import KVCache, ModelConfig, abstract_model, with_layer_loop
+from jaxpar.spec import ParallelConfig, Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +44,13 @@ class Generation:
 def pipeline_layer_form(
     model_config: ModelConfig, params: nnx.State, parallel: ParallelConfig
 ) -> tuple[ModelConfig, nnx.State]:
-    """The layer storage an engine runs: stacked (``layer_loop="scan"``) when ``pp > 1``.
+    """The config and parameters in the layer form the engine runs (:func:`layer_loop_for`).
 
-    Pipeline stages split the stacked ``[L, ...]`` layer parameters and cache over ``pp``
-    (one contiguous block of layers per stage), so a pipelined engine restacks per-layer
-    parameters once, here. Without pipelining the model's own form is kept.
+    A pipelined engine restacks per-layer parameters once, here.
     """
-    if parallel.pp > 1 and model_config.layer_loop != "scan":
-        return with_layer_loop(model_config, params, "scan")
+    loop = layer_loop_for(model_config, parallel)
+    if loop != model_config.layer_loop:
+        return with_layer_loop(model_config, params, loop)
     return model_config, params
 
 
@@ -88,38 +84,34 @@ class InferenceEngine:
         mesh: Mesh | None = None,
     ):
         config = parallel_config or ParallelConfig()
-        devices = mesh.devices.size if mesh is not None else config.size
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         model_config, params = pipeline_layer_form(model_config, params, config)
-        # A vocabulary tp does not divide is padded (see _vocab); the engine runs the padded
-        # model, and everything callers see has the true vocabulary.
-        padded = padded_config(model_config, config.tp)
-        self.plan: Plan = validate(
-            padded, config, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
+        # Validated and laid out from shapes; a vocabulary tp does not divide is padded
+        # (see _vocab): the engine runs the padded model, and everything callers see has
+        # the true vocabulary.
+        self.program = AbstractEngine.build(
+            model_config, config, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
         )
-        self.mesh = mesh if mesh is not None else make_mesh(config)
+        self.plan: Plan = self.program.plan
+        self.mesh = self.program.mesh
         self.model_config = model_config
         self.parallel_config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
 
-        abstract = nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
-        graphdef, abstract_state = nnx.split(abstract)
+        abstract_state = nnx.state(abstract_model(model_config))
         _check_params(abstract_state, params)
-        if padded is not model_config:
+        padded = self.program.model_config
+        if padded.vocab_size != model_config.vocab_size:
             params = pad_vocab_params(params, logical_axes_of(abstract_state), padded.vocab_size)
-            graphdef, abstract_state = nnx.split(
-                nnx.eval_shape(lambda: Decoder(padded, rngs=nnx.Rngs(0)))
-            )
-        shardings = param_shardings(abstract_state, self.mesh, config, padded)
-        self.params = jax.tree.map(place, params, shardings)
-        # pp > 1: the pipelined programs (same entry points, stage-major results inside).
-        layouts, steps = (PipelineLayouts, PipelineSteps) if config.pp > 1 else (Layouts, Steps)
-        self.layouts = layouts.build(self.mesh, config, padded, shardings)
-        self.steps = steps(
-            graphdef, self.layouts, self.mesh, config, padded, max_seq_len,
-            vocab_size=model_config.vocab_size,
-        )
+        self.layouts = self.program.layouts
+        self.steps = self.program.steps
+        self.params = jax.tree.map(place, params, self.layouts.params)
+
+    def lower(self, phase: str, *, prompt_len: int) -> Any:
+        """The ``jax.stages.Lowered`` prefill or decode step over this engine's parameters
+        (see :meth:`AbstractEngine.lower`)."""
+        return self.program.lower(phase, prompt_len=prompt_len, params=self.params)
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -137,7 +129,9 @@ class InferenceEngine:
         for i, prompt in enumerate(prompts):
             ids = np.asarray(prompt)
             if ids.ndim != 1:
-                raise ShapeError(f"prompt {i} must be a 1-D sequence of token ids, got shape {ids.shape}")
+                raise ShapeError(
+                    f"prompt {i} must be a 1-D sequence of token ids, got shape {ids.shape}"
+                )
             if ids.size == 0:
                 raise ShapeError(f"prompt {i} is empty; every prompt needs at least one token")
             if not np.issubdtype(ids.dtype, np.integer):
@@ -179,8 +173,14 @@ class InferenceEngine:
 
     # --- steps -------------------------------------------------------------------------
 
-    def prefill(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, *, seed: int = 0,
-                sampling: Sampling | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
+    def prefill(
+        self,
+        tokens_BT: np.ndarray,
+        lengths_B: np.ndarray,
+        *,
+        seed: int = 0,
+        sampling: Sampling | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
         """Prefill, then the one handoff into the decode layout.
 
         Returns the last-position logits ``[B, V]``, the cache in the decode layout, and
@@ -269,7 +269,9 @@ class InferenceEngine:
             )
             out = self.steps.host_batch(out_BN)[:, :max_new_tokens]
         else:
-            out = self._stream(cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback)
+            out = self._stream(
+                cache, first_B, done, key, stop_tokens, max_new_tokens, sampling, callback
+            )
         decode_seconds = time.perf_counter() - start
 
         tokens = []
@@ -292,7 +294,9 @@ class InferenceEngine:
         for step in range(n_new):
             if step:
                 step_arr = put_global(np.asarray(step, np.int32), self.layouts.replicated)
-                tokens_B, cache = self.steps.decode_select(self.params, cache, tokens_B, key, step_arr, sampling)
+                tokens_B, cache = self.steps.decode_select(
+                    self.params, cache, tokens_B, key, step_arr, sampling
+                )
                 host = self.steps.host_batch(tokens_B)
             out[:, step] = np.where(done, -1, host)
             callback(step, out[:, step].copy())
@@ -326,7 +330,3 @@ def _check_params(abstract: nnx.State, params: nnx.State) -> None:
     extra = set(got_paths) - {jax.tree_util.keystr(p) for p, _ in want}
     if extra:
         raise ConfigError(f"unexpected parameter(s) {sorted(extra)[:5]}")
-
-
-def abstract_params(model_config: ModelConfig) -> Any:
-    return nnx.split(nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0))))[1]

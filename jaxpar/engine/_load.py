@@ -12,8 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._vocab import padded_config, unsplit_vocab
 from jaxpar.errors import CheckpointError
-from jaxpar.models import load_hf_checkpoint
-from jaxpar.models._hf_config import config_from_hf
+from jaxpar.models import config_from_hf, load_hf_checkpoint
 from jaxpar.spec import ParallelConfig, make_mesh, param_partition_spec, validate
 
 

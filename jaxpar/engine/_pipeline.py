@@ -14,10 +14,19 @@ activation-sized permutes to cross stages.
 Microbatch ``m`` of ``M`` (and decode group ``g`` of ``G``) is the batch rows ``b`` with
 ``b % M == m``: ``B -> [B / M, M]`` keeps the batch sharding on the major dim, and picking
 a microbatch indexes the unsharded minor one, locally.
+
+The pieces are top-level functions, each callable on its own: :func:`stage_slot` (which
+microbatch a stage runs at an iteration: fill, steady state, drain), the stage-local steps
+:func:`prefill_stage` / :func:`decode_stage` (one stage's layers, layer by layer in
+:func:`prefill_layer` / :func:`decode_layer`), the last stage's :func:`prefill_head` /
+:func:`decode_head` (with :func:`last_position`), and :func:`pipeline_iteration` /
+:func:`run_schedule`, the loop both phases share. :func:`prefill` and :func:`decode`
+only set up buffers and bind these.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -26,8 +35,7 @@ from flax import nnx
 
 from jaxpar.engine._pipeline_cache import GroupCacheView
 from jaxpar.engine._pipeline_stages import Stages, stage_layer
-from jaxpar.models._cache import KVCache
-from jaxpar.models._decoder import Decoder
+from jaxpar.models import Decoder, KVCache
 from jaxpar.spec import Module, Phase
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
@@ -36,15 +44,100 @@ BTD = ("batch", "seq", "embed")
 # A stage's prefill K/V with the microbatch index after the batch rows.
 STAGE_KV_AXES = (None, "batch", None, "cache_seq", "kv_heads", "head_dim")
 
+# --- the schedule: which work a stage does at which iteration --------------------------
 
-def _slot(index: jax.Array, count: int) -> tuple[jax.Array | int, jax.Array]:
-    """(index clipped into range for reading, index for writing: ``count`` = dropped).
 
+def stage_slot(i: jax.Array, s: jax.Array, count: int) -> tuple[jax.Array | int, jax.Array]:
+    """Microbatch (or group) ``i - s`` of ``count``, run by stage ``s`` at iteration ``i``.
+
+    Returns ``(read, write)``: the index clipped into range for reading, and the index for
+    writing, ``count`` (so dropped) while the stage is in a bubble: during the fill
+    (``i < s``) and the drain (``i - s >= count``); in the steady state both are ``i - s``.
     With one slot the read index is the constant 0, which XLA folds into plain slices.
     """
+    index = i - s
     valid = (index >= 0) & (index < count)
     read = 0 if count == 1 else jnp.clip(index, 0, count - 1)
     return read, jnp.where(valid, index, count)
+
+
+def pipeline_iteration(carry, i, *, stages: Stages, state_P, x_emb, stage_step, head):
+    """Iteration ``i``: every stage runs ``stage_step`` on its slot, the last stage's
+    ``head`` reads what it finished, and the roll hands every stage's output to the next.
+
+    ``carry`` is ``(activations [P, ...], k, v, out)``; ``stage_step(s, state, x, x_emb, k,
+    v, i=i)`` and ``head(s, x, out, i=i)`` are stage-local (run under :meth:`Stages.map`).
+    """
+    buf, k, v, out = carry
+    buf, k, v = stages.map(functools.partial(stage_step, i=i))(state_P, buf, x_emb, k, v)
+    # Only iterations where the last stage finishes a microbatch pay for the LM head.
+    out = jax.lax.cond(
+        i >= stages.count - 1,
+        lambda: stages.map(functools.partial(head, i=i))(buf, out),
+        lambda: out,
+    )
+    return (jnp.roll(buf, 1, axis=0), k, v, out), None
+
+
+def run_schedule(stages: Stages, count: int, init, **iteration_args):
+    """Fill, steady state and drain: ``count + P - 1`` :func:`pipeline_iteration` s."""
+    iteration = functools.partial(pipeline_iteration, stages=stages, **iteration_args)
+    steps = jnp.arange(count + stages.count - 1, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(iteration, init, steps)
+    return carry
+
+
+def last_position(x_BTD: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """Each row's hidden state at its last prompt position, ``[B, D]``.
+
+    A one-hot select, not an index: take_along_axis makes XLA's SPMD partitioner abort (a
+    CHECK in ExpandDeviceGroupsWithIota) inside the pp-manual shard_map with sp > 1 (jax
+    0.10.2), and x[arange(B), lengths - 1] gathers across the batch shards. The select
+    needs only the minimal all-reduce over sp.
+    """
+    last_B1 = (lengths_B - 1)[:, None]
+    at_last_BT = jnp.arange(x_BTD.shape[1])[None, :] == last_B1
+    return jnp.sum(jnp.where(at_last_BT[..., None], x_BTD, 0), axis=1)
+
+
+# --- prefill: stage-local steps ----------------------------------------------------------
+
+
+def prefill_layer(j, carry, *, graphdef, state_Lp, pos_BmT, lengths_Bm, write):
+    """Layer ``j`` of a stage on one microbatch; its K/V go to slot ``write``."""
+    x_BmTD, k_buf, v_buf = carry
+    layer = nnx.merge(graphdef, stage_layer(state_Lp, j))
+    x_BmTD, k_BmTKH, v_BmTKH = layer.prefill(x_BmTD, pos_BmT, lengths_Bm)
+    k_buf = k_buf.at[j, :, write].set(k_BmTKH, mode="drop")
+    v_buf = v_buf.at[j, :, write].set(v_BmTKH, mode="drop")
+    return x_BmTD, k_buf, v_buf
+
+
+def prefill_stage(
+    s, state_Lp, x_BmTD, x_emb_BmMTD, k_buf, v_buf, *, i, graphdef, lengths_BmM, pos_BmT, lp
+):
+    """Stage ``s`` at iteration ``i``: its ``lp`` layers on its microbatch (stage 0 takes
+    the next one from the embedding)."""
+    m_count = lengths_BmM.shape[1]
+    read, write = stage_slot(i, s, m_count)
+    x_BmTD = jnp.where(s == 0, x_emb_BmMTD[:, jnp.minimum(i, m_count - 1)], x_BmTD)
+    layer = functools.partial(
+        prefill_layer,
+        graphdef=graphdef,
+        state_Lp=state_Lp,
+        pos_BmT=pos_BmT,
+        lengths_Bm=lengths_BmM[:, read],
+        write=write,
+    )
+    return jax.lax.fori_loop(0, lp, layer, (x_BmTD, k_buf, v_buf))
+
+
+def prefill_head(s, x_BmTD, logits_buf, *, i, model: Decoder, lengths_BmM, all_logits: bool):
+    """The LM head on what stage ``s`` finished at iteration ``i`` (meaningful at ``P - 1``)."""
+    read, write = stage_slot(i, s, lengths_BmM.shape[1])
+    if not all_logits:
+        x_BmTD = last_position(x_BmTD, lengths_BmM[:, read])  # -> x_BmD
+    return logits_buf.at[:, write].set(model.logits(x_BmTD), mode="drop")
 
 
 def prefill(
@@ -81,49 +174,6 @@ def prefill(
     tokens_PBT = stages.constrain(
         jnp.broadcast_to(tokens_BT, (p, b, t)), ("batch", "seq"), EMBEDDING, PREFILL
     )
-    x_PBmMTD = stages.map(embed)(tokens_PBT)
-
-    def run_stage(s, state_Lp, x_BmTD, x_emb_BmMTD, k_buf, v_buf, i):
-        read, write = _slot(i - s, m_count)
-        x_BmTD = jnp.where(s == 0, x_emb_BmMTD[:, jnp.minimum(i, m_count - 1)], x_BmTD)
-        lengths_Bm = lengths_BmM[:, read]
-
-        def layer(j, carry):
-            x_BmTD, k_buf, v_buf = carry
-            x_BmTD, k_BmTKH, v_BmTKH = nnx.merge(graphdef, stage_layer(state_Lp, j)).prefill(
-                x_BmTD, pos_BmT, lengths_Bm
-            )
-            k_buf = k_buf.at[j, :, write].set(k_BmTKH, mode="drop")
-            v_buf = v_buf.at[j, :, write].set(v_BmTKH, mode="drop")
-            return x_BmTD, k_buf, v_buf
-
-        return jax.lax.fori_loop(0, lp, layer, (x_BmTD, k_buf, v_buf))
-
-    def head(s, x_BmTD, logits_buf, i):
-        read, write = _slot(i - s, m_count)
-        if not all_logits:
-            # A one-hot select, not an index: take_along_axis makes XLA's SPMD partitioner
-            # abort (a CHECK in ExpandDeviceGroupsWithIota) inside the pp-manual shard_map
-            # with sp > 1 (jax 0.10.2), and x[arange(B), lengths - 1] gathers across the
-            # batch shards. The select needs only the minimal all-reduce over sp.
-            last_Bm1 = (lengths_BmM[:, read] - 1)[:, None]
-            at_last_BmT = jnp.arange(x_BmTD.shape[1])[None, :] == last_Bm1
-            x_BmTD = jnp.sum(jnp.where(at_last_BmT[..., None], x_BmTD, 0), axis=1)  # -> x_BmD
-        return logits_buf.at[:, write].set(model.logits(x_BmTD), mode="drop")
-
-    def iteration(carry, i):
-        buf_PBmTD, k_buf, v_buf, logits_buf = carry
-        buf_PBmTD, k_buf, v_buf = stages.map(lambda *a: run_stage(*a, i=i))(
-            state_P, buf_PBmTD, x_PBmMTD, k_buf, v_buf
-        )
-        # Only iterations where the last stage finishes a microbatch pay for the LM head.
-        logits_buf = jax.lax.cond(
-            i >= p - 1,
-            lambda: stages.map(lambda *a: head(*a, i=i))(buf_PBmTD, logits_buf),
-            lambda: logits_buf,
-        )
-        return (jnp.roll(buf_PBmTD, 1, axis=0), k_buf, v_buf, logits_buf), None
-
     kv_shape = (p, lp, bm, m_count, t, cfg.n_kv_heads, cfg.head_dim)
     kv_zeros = stages.constrain(jnp.zeros(kv_shape, cfg.dtype), STAGE_KV_AXES, ATTENTION, PREFILL)
     logits_axes = ("batch", None, "seq", "vocab") if all_logits else ("batch", None, "vocab")
@@ -134,12 +184,60 @@ def prefill(
         kv_zeros,
         stages.constrain(jnp.zeros(logits_shape, jnp.float32), logits_axes, LM_HEAD, PREFILL),
     )
-    steps = jnp.arange(m_count + p - 1, dtype=jnp.int32)
-    (_, k_buf, v_buf, logits_buf), _ = jax.lax.scan(iteration, init, steps)
+    _, k_buf, v_buf, logits_buf = run_schedule(
+        stages,
+        m_count,
+        init,
+        state_P=state_P,
+        x_emb=stages.map(embed)(tokens_PBT),
+        stage_step=functools.partial(
+            prefill_stage, graphdef=graphdef, lengths_BmM=lengths_BmM, pos_BmT=pos_BmT, lp=lp
+        ),
+        head=functools.partial(
+            prefill_head, model=model, lengths_BmM=lengths_BmM, all_logits=all_logits
+        ),
+    )
     # [P, Lp] -> L and [B/M, M] -> B are both local: the sharded dim stays the major one.
     kv_LBTKH = (cfg.n_layers, b, t, cfg.n_kv_heads, cfg.head_dim)
     logits = logits_buf.reshape(p, b, *logits_shape[3:])
     return logits, k_buf.reshape(kv_LBTKH), v_buf.reshape(kv_LBTKH)
+
+
+# --- decode: stage-local steps -----------------------------------------------------------
+
+
+def decode_layer(j, carry, *, graphdef, state_Lp, pos_Bg):
+    """Layer ``j`` of a stage on one group's tokens, writing into the group's cache view."""
+    x_Bg1D, view = carry
+    return nnx.merge(graphdef, stage_layer(state_Lp, j)).decode(x_Bg1D, pos_Bg, j, view)
+
+
+def decode_stage(
+    s, state_Lp, x_Bg1D, x_emb_BgG1D, k_LpBSKH, v_LpBSKH, *, i, graphdef, lengths_B, pos_BgG, lp
+):
+    """Stage ``s`` at iteration ``i``: its ``lp`` layers on its group (stage 0 takes the
+    next group from the embedding); in a bubble every cache write is dropped."""
+    g_count = pos_BgG.shape[1]
+    read, write = stage_slot(i, s, g_count)
+    x_Bg1D = jnp.where(s == 0, x_emb_BgG1D[:, read], x_Bg1D)
+    view = GroupCacheView.open(k_LpBSKH, v_LpBSKH, read, g_count, lengths_B, write < g_count)
+    layer = functools.partial(
+        decode_layer, graphdef=graphdef, state_Lp=state_Lp, pos_Bg=pos_BgG[:, read]
+    )
+    x_Bg1D, view = jax.lax.fori_loop(0, lp, layer, (x_Bg1D, view))
+    return x_Bg1D, view.k_LBSKH, view.v_LBSKH
+
+
+def decode_head(s, x_Bg1D, out, *, i, model: Decoder, groups: int, emit):
+    """``emit`` of the logits of what stage ``s`` finished at iteration ``i``."""
+    read, write = stage_slot(i, s, groups)
+    return out.at[:, write].set(emit(model.logits(x_Bg1D[:, 0]), read), mode="drop")
+
+
+def stage_major_kv(x_LBSKH: jax.Array, stages: Stages) -> jax.Array:
+    """A stacked cache ``[L, ...]`` viewed as ``[P, Lp, ...]`` (a local reshape)."""
+    x_PLpBSKH = x_LBSKH.reshape(stages.count, -1, *x_LBSKH.shape[1:])
+    return stages.constrain(x_PLpBSKH, (None, *KVCache.KV_AXES[1:]), ATTENTION, DECODE)
 
 
 def decode(
@@ -176,7 +274,6 @@ def decode(
     cfg, p, g_count = model.config, stages.count, groups
     b, lp = tokens_PB.shape[1], cfg.n_layers // p
     bg = b // g_count
-    pos_BgG = cache.lengths_B.reshape(bg, g_count)
     graphdef, state_P = stages.split_layers(model)
 
     # Each stage embeds its own row of tokens (only stage 0's is real), so no stage needs
@@ -185,54 +282,34 @@ def decode(
         return model.embed(tokens_B[:, None], cache.lengths_B[:, None])
 
     x_PBgG1D = stages.map(embed)(tokens_PB).reshape(p, bg, g_count, 1, cfg.d_model)
-
-    def run_stage(s, state_Lp, x_Bg1D, x_emb_BgG1D, k_LpBSKH, v_LpBSKH, i):
-        read, write = _slot(i - s, g_count)
-        x_Bg1D = jnp.where(s == 0, x_emb_BgG1D[:, read], x_Bg1D)
-        pos_Bg = pos_BgG[:, read]
-        view = GroupCacheView.open(
-            k_LpBSKH, v_LpBSKH, read, g_count, cache.lengths_B, write < g_count
-        )
-
-        def layer(j, carry):
-            x_Bg1D, view = carry
-            return nnx.merge(graphdef, stage_layer(state_Lp, j)).decode(x_Bg1D, pos_Bg, j, view)
-
-        x_Bg1D, view = jax.lax.fori_loop(0, lp, layer, (x_Bg1D, view))
-        return x_Bg1D, view.k_LBSKH, view.v_LBSKH
-
-    def head(s, x_Bg1D, out, i):
-        read, write = _slot(i - s, g_count)
-        return out.at[:, write].set(emit(model.logits(x_Bg1D[:, 0]), read), mode="drop")
-
-    def iteration(carry, i):
-        buf_PBg1D, k, v, out = carry
-        buf_PBg1D, k, v = stages.map(lambda *a: run_stage(*a, i=i))(
-            state_P, buf_PBg1D, x_PBgG1D, k, v
-        )
-        out = jax.lax.cond(
-            i >= p - 1,
-            lambda: stages.map(lambda *a: head(*a, i=i))(buf_PBg1D, out),
-            lambda: out,
-        )
-        return (jnp.roll(buf_PBg1D, 1, axis=0), k, v, out), None
-
-    def stage_major(x_LBSKH: jax.Array) -> jax.Array:
-        x_PLpBSKH = x_LBSKH.reshape(p, lp, *x_LBSKH.shape[1:])
-        return stages.constrain(x_PLpBSKH, (None, *KVCache.KV_AXES[1:]), ATTENTION, DECODE)
-
     out_shape = (p, bg, g_count, *emitted.shape[1:])
     out_axes = (emitted_axes[0], None, *emitted_axes[1:])
     init = (
         stages.constrain(jnp.zeros((p, bg, 1, cfg.d_model), cfg.dtype), BTD, ATTENTION, DECODE),
-        stage_major(cache.k),
-        stage_major(cache.v),
+        stage_major_kv(cache.k, stages),
+        stage_major_kv(cache.v, stages),
         stages.constrain(jnp.zeros(out_shape, emitted.dtype), out_axes, LM_HEAD, DECODE),
     )
-    steps = jnp.arange(g_count + p - 1, dtype=jnp.int32)
-    (_, k, v, out), _ = jax.lax.scan(iteration, init, steps)
+    _, k, v, out = run_schedule(
+        stages,
+        g_count,
+        init,
+        state_P=state_P,
+        x_emb=x_PBgG1D,
+        stage_step=functools.partial(
+            decode_stage,
+            graphdef=graphdef,
+            lengths_B=cache.lengths_B,
+            pos_BgG=cache.lengths_B.reshape(bg, g_count),
+            lp=lp,
+        ),
+        head=functools.partial(decode_head, model=model, groups=g_count, emit=emit),
+    )
     cache = cache.replace(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape))
     return out.reshape(p, b, *emitted.shape[1:]), cache.advance()
+
+
+# --- what the schedule costs -------------------------------------------------------------
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

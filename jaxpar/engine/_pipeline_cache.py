@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxpar.models._cache import write_token
+from jaxpar.models import write_token
 
 
 @flax.struct.dataclass
@@ -73,6 +73,7 @@ class GroupCacheView:
         self, layer: jax.Array, k_new_BgKH: jax.Array, v_new_BgKH: jax.Array
     ) -> GroupCacheView:
         """Writes layer ``layer``'s new token of each row of the group (see ``KVCache``)."""
+
         def write(cache: jax.Array, new_BgKH: jax.Array) -> jax.Array:
             # Other groups' rows and bubbles carry position S: dropped, not clamped.
             spread_BKH = self._spread(new_BgKH)

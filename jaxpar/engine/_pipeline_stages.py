@@ -18,15 +18,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.engine._layouts import stage_sharding
 from jaxpar.engine._placement import param_shardings
-from jaxpar.models._decoder import Decoder
+from jaxpar.models import Decoder
 from jaxpar.spec import (
     ModelDims,
     Module,
     ParallelConfig,
     Phase,
     active_phase,
-    partition_spec,
     sharding_context,
 )
 
@@ -46,8 +46,7 @@ class Stages:
 
     def sharding(self, axes: tuple[str | None, ...], module: Module, phase: Phase) -> NamedSharding:
         """``P("pp", *spec)``: a leading stage dim on ``pp``, then ``axes`` as the tables say."""
-        spec = partition_spec(axes, module, phase, self.config, dims=self.dims)
-        return NamedSharding(self.mesh, PartitionSpec("pp", *spec))
+        return stage_sharding(self.mesh, self.config, self.dims, axes, module, phase)
 
     def constrain(
         self, x: jax.Array, axes: tuple[str | None, ...], module: Module, phase: Phase

@@ -35,7 +35,9 @@ def logical_axes_of(state: nnx.State) -> Any:
             raise ConfigError(f"parameter {where} carries no logical axis names")
         axes = tuple(spec)
         if len(axes) != np.ndim(value):
-            raise ConfigError(f"parameter {where}: {len(axes)} logical names {axes} for shape {np.shape(value)}")
+            raise ConfigError(
+                f"parameter {where}: {len(axes)} logical names {axes} for shape {np.shape(value)}"
+            )
         return axes
 
     values = jax.tree.map(lambda v: v, state)
@@ -84,7 +86,9 @@ def place(value: Any, target: NamedSharding) -> jax.Array:
     array that every process holds the same value (uncommitted arrays, e.g. fresh from
     ``init_params``) or refuse outright (committed ones).
     """
-    if isinstance(value, jax.Array) and (target.is_fully_addressable or not value.is_fully_addressable):
+    if isinstance(value, jax.Array) and (
+        target.is_fully_addressable or not value.is_fully_addressable
+    ):
         return jax.device_put(value, target)
     return put_global(np.asarray(value), target)
 

@@ -4,16 +4,19 @@
 * ``handoff``: pads the prefill K/V to ``max_seq_len`` and reshards it once into the decode
   layout, and picks each sequence's first new token;
 * ``decode``: one token per sequence, cache donated and updated in place;
+* ``decode_select``: a decode step that also picks the next tokens;
 * ``decode_loop``: many decode steps inside one ``lax.while_loop``, so the host does not
   dispatch every token.
 
-Model code only names logical axes; the ``sharding_context`` around each traced body turns
-them into this phase's ``PartitionSpec``s.
+Each entry point is written once, for every strategy: the shardings come from
+:class:`~jaxpar.engine._layouts.Layouts`, the traced body from a schedule
+(:mod:`jaxpar.engine._schedules`: the plain model, or the pipeline when ``pp > 1``). Model
+code only names logical axes; the ``sharding_context`` around each traced body turns them
+into this phase's ``PartitionSpec``s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -21,58 +24,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxpar.engine._placement import put_global, to_host
-from jaxpar.engine._sampling import Sampling, select
-from jaxpar.engine._vocab import mask_padded
-from jaxpar.models._cache import PREFILL_KV_AXES, STACKED_KV_AXES, KVCache
-from jaxpar.models._config import ModelConfig
-from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec, sharding_context
+from jaxpar.engine._layouts import Layouts
+from jaxpar.engine._pipeline_stages import Stages
+from jaxpar.engine._placement import put_global
+from jaxpar.engine._sampling import Sampling
+from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
+from jaxpar.models import KVCache
+from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
 
 
-@dataclasses.dataclass(frozen=True)
-class Layouts:
-    """Every sharding the steps use, computed once from the spec layer."""
-
-    params: Any
-    tokens_BT: NamedSharding  # prefill
-    lengths_prefill_B: NamedSharding
-    logits_prefill_BV: NamedSharding
-    kv_prefill: Any  # per-layer [B, T, K, H] (a tuple), or stacked [L, B, T, K, H]
-    cache: KVCache  # of NamedSharding, decode layout
-    tokens_B: NamedSharding  # decode
-    logits_BV: NamedSharding  # decode
-    replicated: NamedSharding
-
-    @classmethod
-    def build(
-        cls, mesh: Mesh, config: ParallelConfig, dims: ModelConfig, params: Any
-    ) -> Layouts:
-        def at(axes, module, phase):
-            return NamedSharding(mesh, partition_spec(axes, module, phase, config, dims=dims))
-
-        def tree_at(tree, module, phase):
-            return jax.tree.map(
-                lambda axes: at(axes, module, phase), tree, is_leaf=lambda x: isinstance(x, tuple)
-                and all(isinstance(a, str | None) for a in x)
-            )
-
-        stacked = dims.layer_loop == "scan"
-        kv_prefill = STACKED_KV_AXES if stacked else (PREFILL_KV_AXES,) * dims.n_layers
-        return cls(
-            params=params,
-            tokens_BT=at(("batch", "seq"), Module.EMBEDDING, PREFILL),
-            lengths_prefill_B=at(("batch",), Module.ATTENTION, PREFILL),
-            logits_prefill_BV=at(("batch", "vocab"), Module.LM_HEAD, PREFILL),
-            kv_prefill=tree_at(kv_prefill, Module.ATTENTION, PREFILL),
-            cache=tree_at(KVCache.logical_axes(dims), Module.ATTENTION, DECODE),
-            tokens_B=at(("batch",), Module.EMBEDDING, DECODE),
-            logits_BV=at(("batch", "vocab"), Module.LM_HEAD, DECODE),
-            replicated=NamedSharding(mesh, PartitionSpec()),
-        )
+def schedule_for(mesh: Mesh, config: ParallelConfig, dims: ModelDims) -> Unpipelined | Pipelined:
+    """The traced bodies of this strategy: pipelined when ``pp > 1``."""
+    if config.pp == 1:
+        return Unpipelined()
+    return Pipelined(Stages(mesh, config, dims), config.microbatches, config.decode_groups)
 
 
 class Steps:
@@ -98,6 +67,7 @@ class Steps:
         self.config = config
         self.dims = dims
         self.max_seq_len = max_seq_len
+        self.schedule = schedule_for(mesh, config, dims)
         self.compile_seconds: dict[str, float] = {}
         self._compiled: dict[tuple, Any] = {}
 
@@ -106,50 +76,52 @@ class Steps:
     def _model(self, params):
         return nnx.merge(self.graphdef, params)
 
-    def _prefill(self, params, tokens_BT, lengths_B, all_logits=False):
-        with sharding_context(self.mesh, PREFILL, self.config, self.dims):
-            return self._model(params).prefill(tokens_BT, lengths_B, all_logits=all_logits)
+    def _context(self, phase: Phase):
+        return sharding_context(self.mesh, phase, self.config, self.dims)
 
-    def _handoff(self, k, v, lengths_B, logits_BV, key, sampling):
-        with sharding_context(self.mesh, DECODE, self.config, self.dims):
+    def _pick(self, key: jax.Array, sampling: Sampling) -> Pick:
+        return Pick(key, sampling, self.vocab_size)
+
+    def _prefill(self, params, tokens_BT, lengths_B, all_logits=False):
+        with self._context(PREFILL):
+            return self.schedule.prefill(self._model(params), tokens_BT, lengths_B, all_logits)
+
+    def _handoff(self, k, v, lengths_B, logits, key, sampling):
+        with self._context(DECODE):
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len)
-            first_B = self._select(logits_BV, jax.random.fold_in(key, 0), sampling)
-        return cache, first_B
+            pick = self._pick(jax.random.fold_in(key, 0), sampling)
+            return cache, self.schedule.first_tokens(logits, pick)
 
     def _decode(self, params, cache, tokens_B):
-        with sharding_context(self.mesh, DECODE, self.config, self.dims):
-            return self._model(params).decode(tokens_B, cache)
+        with self._context(DECODE):
+            return self.schedule.decode(self._model(params), cache, tokens_B)
 
-    def _decode_select(self, params, cache, tokens_B, key, step, sampling):
-        logits_BV, cache = self._decode(params, cache, tokens_B)
-        with sharding_context(self.mesh, DECODE, self.config, self.dims):
-            return self._select(logits_BV, jax.random.fold_in(key, step), sampling), cache
+    def _decode_select(self, params, cache, tokens, key, step, sampling):
+        with self._context(DECODE):
+            pick = self._pick(jax.random.fold_in(key, step), sampling)
+            return self.schedule.decode_tokens(self._model(params), cache, tokens, pick)
 
-    def _select(self, logits_BV, key, sampling):
-        """:func:`select` over the true vocabulary (padded ids masked)."""
-        return select(mask_padded(logits_BV, self.vocab_size), key, sampling)
-
-    def _decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+    def _decode_loop(self, params, cache, first, done_B, key, stop_S, n_new, sampling):
         # n_new is a traced scalar: the output has room for the most tokens any prompt can
-        # get (max_seq_len), so one program serves every max_new_tokens.
-        batch = first_B.shape[0]
-        out_BN = jnp.full((batch, self.max_seq_len), -1, jnp.int32).at[:, 0].set(first_B)
-        done_B = done_B | jnp.isin(first_B, stop_S)
+        # get (max_seq_len), so one program serves every max_new_tokens. ``first`` is
+        # [B] (or stage-major [P, B]), and so are the carried tokens and done flags.
+        out = jnp.full((*first.shape, self.max_seq_len), -1, jnp.int32).at[..., 0].set(first)
+        done = done_B | jnp.isin(first, stop_S)
 
         def cond(carry):
-            i, _, _, done_B, _ = carry
-            return (i < n_new) & ~jnp.all(done_B)
+            i, _, _, done, _ = carry
+            return (i < n_new) & ~self.schedule.all_done(done)
 
         def body(carry):
-            i, tokens_B, cache, done_B, out_BN = carry
-            next_B, cache = self._decode_select(params, cache, tokens_B, key, i, sampling)
-            out_BN = out_BN.at[:, i].set(jnp.where(done_B, -1, next_B))
-            done_B = done_B | jnp.isin(next_B, stop_S)
-            return i + 1, next_B, cache, done_B, out_BN
+            i, tokens, cache, done, out = carry
+            tokens, cache = self._decode_select(params, cache, tokens, key, i, sampling)
+            out = out.at[..., i].set(jnp.where(done, -1, tokens))
+            done = done | jnp.isin(tokens, stop_S)
+            return i + 1, tokens, cache, done, out
 
-        init = (jnp.int32(1), first_B, cache, done_B, out_BN)
-        _, _, cache, _, out_BN = jax.lax.while_loop(cond, body, init)
-        return out_BN, cache
+        init = (jnp.int32(1), first, cache, done, out)
+        _, _, cache, _, out = jax.lax.while_loop(cond, body, init)
+        return out, cache
 
     # --- compiled entry points -----------------------------------------------------------
 
@@ -172,9 +144,7 @@ class Steps:
 
     def _jit_prefill(self, all_logits: bool):
         lay = self.layouts
-        logits = (
-            NamedSharding(self.mesh, _logits_BTV_spec(self)) if all_logits else lay.logits_prefill_BV
-        )
+        logits = lay.logits_prefill_all if all_logits else lay.logits_prefill
         return jax.jit(
             lambda p, t, n: self._prefill(p, t, n, all_logits),
             in_shardings=(lay.params, lay.tokens_BT, lay.lengths_prefill_B),
@@ -183,75 +153,83 @@ class Steps:
 
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         args = (params, tokens_BT, lengths_B)
-        return self._aot("prefill", (tokens_BT.shape, all_logits), self._jit_prefill(all_logits), args)(*args)
+        jitted = self._jit_prefill(all_logits)
+        return self._aot("prefill", (tokens_BT.shape, all_logits), jitted, args)(*args)
 
-    def handoff(self, k, v, lengths_B, logits_BV, key, sampling: Sampling):
+    def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts
         compiled = self._compile(
             "handoff",
             (jax.tree.map(jnp.shape, k), sampling),
             lambda k, v, n, lg, key: self._handoff(k, v, n, lg, key, sampling),
-            (lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, lay.logits_prefill_BV, lay.replicated),
-            (lay.cache, lay.tokens_B),
-            (k, v, lengths_B, logits_BV, key),
+            (
+                lay.kv_prefill,
+                lay.kv_prefill,
+                lay.lengths_prefill_B,
+                lay.logits_prefill,
+                lay.replicated,
+            ),
+            (lay.cache, lay.next_tokens),
+            (k, v, lengths_B, logits, key),
         )
-        return compiled(k, v, lengths_B, logits_BV, key)
+        return compiled(k, v, lengths_B, logits, key)
 
     def jit_decode(self):
         lay = self.layouts
         return jax.jit(
             self._decode,
             in_shardings=(lay.params, lay.cache, lay.tokens_B),
-            out_shardings=(lay.logits_BV, lay.cache),
+            out_shardings=(lay.logits, lay.cache),
             donate_argnums=(1,),
         )
+
+    def lower_decode(self, params, cache, tokens_B):
+        """The ``jax.stages.Lowered`` decode step for these shapes (for inspection)."""
+        return self.jit_decode().lower(params, cache, tokens_B)
 
     def decode(self, params, cache, tokens_B):
         args = (params, cache, tokens_B)
         return self._aot("decode", (), self.jit_decode(), args)(*args)
 
-    def decode_select(self, params, cache, tokens_B, key, step, sampling: Sampling):
+    def decode_select(self, params, cache, tokens, key, step, sampling: Sampling):
+        """A decode step that picks the next tokens from the previous step's ``tokens``."""
         lay = self.layouts
         compiled = self._compile(
             "decode_step",
             (sampling,),
             lambda p, c, t, k, s: self._decode_select(p, c, t, k, s, sampling),
-            (lay.params, lay.cache, lay.tokens_B, lay.replicated, lay.replicated),
-            (lay.tokens_B, lay.cache),
-            (params, cache, tokens_B, key, step),
+            (lay.params, lay.cache, lay.next_tokens, lay.replicated, lay.replicated),
+            (lay.next_tokens, lay.cache),
+            (params, cache, tokens, key, step),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, tokens_B, key, step)
+        return compiled(params, cache, tokens, key, step)
 
-    def decode_loop(self, params, cache, first_B, done_B, key, stop_S, n_new, sampling):
+    def decode_loop(self, params, cache, first, done_B, key, stop_S, n_new, sampling):
         """Up to ``n_new`` tokens per row (``[B, max_seq_len]``, -1 past the end).
 
         ``n_new`` is a runtime argument: one compile per sampling mode and stop-list size.
         """
         lay = self.layouts
         n_new = put_global(np.asarray(n_new, np.int32), lay.replicated)
+        r = lay.replicated
         compiled = self._compile(
             "decode_loop",
             (sampling, stop_S.shape),
             lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
-            (lay.params, lay.cache, lay.tokens_B, lay.tokens_B, lay.replicated, lay.replicated,
-             lay.replicated),
-            (lay.replicated, lay.cache),
-            (params, cache, first_B, done_B, key, stop_S, n_new),
+            (lay.params, lay.cache, lay.next_tokens, lay.tokens_B, r, r, r),
+            (lay.out_tokens, lay.cache),
+            (params, cache, first, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, first_B, done_B, key, stop_S, n_new)
+        return compiled(params, cache, first, done_B, key, stop_S, n_new)
 
     # --- results as callers see them -----------------------------------------------------
 
     def to_batch(self, x: jax.Array) -> jax.Array:
         """A step's result as callers see it (pipelined steps drop their stage dim here)."""
-        return x
+        return self.schedule.to_batch(x)
 
     def host_batch(self, x: jax.Array) -> np.ndarray:
-        """A step's result on the host, on every process."""
-        return to_host(x)
-
-
-def _logits_BTV_spec(steps: Steps) -> PartitionSpec:
-    return partition_spec(("batch", "seq", "vocab"), Module.LM_HEAD, PREFILL, steps.config, dims=steps.dims)
+        """A step's result on the host, on every process (the last stage's row if pipelined)."""
+        return self.schedule.host_batch(x)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.models._config import ModelConfig
+from jaxpar.models import ModelConfig
 
 VOCAB = "vocab"
 

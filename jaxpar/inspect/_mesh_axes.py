@@ -15,9 +15,10 @@ from typing import Protocol
 import numpy as np
 
 from jaxpar.inspect._groups import Groups, Pairs
+from jaxpar.spec import Module
 
-# Scopes jaxpar's model code opens with ``jax.named_scope(name)`` around each module.
-MODULE_SCOPES = ("embedding", "attention", "ffn", "moe", "lm_head")
+# Scopes jaxpar's model code opens with ``jax.named_scope(module.value)`` around each module.
+MODULE_SCOPES = tuple(m.value for m in Module)
 
 
 class MeshLike(Protocol):

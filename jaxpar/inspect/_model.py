@@ -142,6 +142,38 @@ def _ordered(axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(set(axes), key=MESH_AXES.index))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One (model, strategy, phase) step, and the items and notes its modules add."""
+
+    model: ModelDims
+    config: ParallelConfig
+    phase: Phase
+    batch: int  # rows per pipeline microbatch (decode: group), the whole batch without pp
+    tokens: int  # per sequence in this step
+    count: int  # per-layer collectives per step: layers per device x microbatches
+    groups: int
+    itemsize: int
+    items: list[Expected] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def axes(self, module: Module) -> Mapping[str, tuple[str, ...]]:
+        return mesh_axes(module, self.phase, self.config, dims=self.model)
+
+    def rows(self, ax: Mapping[str, tuple[str, ...]]) -> tuple[int, int]:
+        """(batch rows, tokens) one device holds under ``ax``."""
+        return (
+            _local(self.batch, ax["batch"], self.config, "batch"),
+            _local(self.tokens, ax["seq"], self.config, "tokens"),
+        )
+
+    def add(self, kind, axes, module, step, shape, count, why, itemsize=None) -> None:
+        if axes and count:  # no mesh axis (degree 1), no collective
+            size = itemsize or self.itemsize
+            item = Expected(kind, _ordered(axes), module, step, tuple(shape), size, count, why)
+            self.items.append(item)
+
+
 def communication_model(
     model: ModelDims,
     config: ParallelConfig,
@@ -166,94 +198,169 @@ def communication_model(
         A :class:`CommModel` whose items use the parser's byte convention.
     """
     phase = Phase.coerce(phase)
-    size = itemsize or np.dtype(getattr(model, "dtype", "float32")).itemsize
-    tokens = prompt_len if phase is Phase.PREFILL else 1
-    pp = config.pp
+    prefill = phase is Phase.PREFILL
     # Pipeline: each device runs its stage's layers; the batch goes through in groups.
-    groups = (config.microbatches if phase is Phase.PREFILL else config.decode_groups) if pp > 1 else 1
-    layers = model.n_layers // pp
-    b_group = batch // groups
-    d = model.d_model
+    groups = (config.microbatches if prefill else config.decode_groups) if config.pp > 1 else 1
+    step = _Step(
+        model,
+        config,
+        phase,
+        batch=batch // groups,
+        tokens=prompt_len if prefill else 1,
+        count=model.n_layers // config.pp * groups,
+        groups=groups,
+        itemsize=itemsize or np.dtype(getattr(model, "dtype", "float32")).itemsize,
+    )
+    _embedding(step)
+    _attention(step)
+    _moe(step) if model.n_experts else _ffn(step)
+    _lm_head(step)
+    _pipeline(step)
+    if not step.items:
+        step.notes.append(
+            "No collective is needed: every device holds whole sequences and whole "
+            "weights for its share of the work."
+        )
+    return CommModel(phase, config, tuple(step.items), tuple(step.notes))
 
-    def axes_of(module: Module) -> Mapping[str, tuple[str, ...]]:
-        return mesh_axes(module, phase, config, dims=model)
 
-    def rows(ax: Mapping[str, tuple[str, ...]]) -> tuple[int, int]:
-        return (_local(b_group, ax["batch"], config, "batch"),
-                _local(tokens, ax["seq"], config, "tokens"))
+def _embedding(step: _Step) -> None:
+    emb = step.axes(Module.EMBEDDING)
+    b_l, t_l = step.rows(emb)
+    step.add(
+        "all-reduce",
+        emb["vocab"],
+        "embedding",
+        "embedding lookup",
+        (b_l, t_l, step.model.d_model),
+        step.groups,
+        "vocab-parallel table: each shard contributes the rows of its vocab range",
+    )
 
-    items: list[Expected] = []
-    notes: list[str] = []
 
-    def add(kind, axes, module, step, shape, count, why, itemsize=size):
-        if axes and count:  # no mesh axis (degree 1), no collective
-            items.append(Expected(kind, _ordered(axes), module, step, tuple(shape), itemsize, count, why))
-
-    emb = axes_of(Module.EMBEDDING)
-    b_l, t_l = rows(emb)
-    add("all-reduce", emb["vocab"], "embedding", "embedding lookup", (b_l, t_l, d), groups,
-        "vocab-parallel table: each shard contributes the rows of its vocab range")
-
-    att = axes_of(Module.ATTENTION)
-    b_l, t_l = rows(att)
-    add("all-reduce", att["heads"], "attention", "attention out-proj", (b_l, t_l, d),
-        layers * groups, "row-parallel output projection: partial sums over the head shards")
-    kv_l = _local(model.n_kv_heads, att["kv_heads"], config, "n_kv_heads")
-    add("all-gather", att["seq"], "attention", "K/V gather", (b_l, tokens, kv_l, model.head_dim),
-        2 * layers * groups, "causal attention: every query needs the K and V of all earlier "
-        "tokens, which other sp shards computed (one gather for K, one for V)")
-
+def _attention(step: _Step) -> None:
+    model, att = step.model, step.axes(Module.ATTENTION)
+    b_l, t_l = step.rows(att)
+    step.add(
+        "all-reduce",
+        att["heads"],
+        "attention",
+        "attention out-proj",
+        (b_l, t_l, model.d_model),
+        step.count,
+        "row-parallel output projection: partial sums over the head shards",
+    )
+    kv_l = _local(model.n_kv_heads, att["kv_heads"], step.config, "n_kv_heads")
+    step.add(
+        "all-gather",
+        att["seq"],
+        "attention",
+        "K/V gather",
+        (b_l, step.tokens, kv_l, model.head_dim),
+        2 * step.count,
+        "causal attention: every query needs the K and V of all earlier "
+        "tokens, which other sp shards computed (one gather for K, one for V)",
+    )
     if att["seq"] and att["heads"]:
-        notes.append("TP+SP: tokens are split over sp and heads over tp on separate mesh axes, so "
-                     "the TP all-reduces run on the T/sp local tokens; Megatron-style SP on the tp "
-                     "devices would swap each all-reduce for a reduce-scatter + all-gather pair "
-                     "moving the same bytes.")
-    if model.n_experts:
-        _moe(model, config, phase, axes_of(Module.MOE), b_group, tokens, layers * groups, add)
-    else:
-        ffn = axes_of(Module.FFN)
-        b_l, t_l = rows(ffn)
-        add("all-reduce", ffn["mlp"], "ffn", "FFN down-proj", (b_l, t_l, d), layers * groups,
-            "row-parallel second linear: partial sums over the intermediate shards")
+        step.notes.append(
+            "TP+SP: tokens are split over sp and heads over tp on separate mesh axes, so "
+            "the TP all-reduces run on the T/sp local tokens; Megatron-style SP on the tp "
+            "devices would swap each all-reduce for a reduce-scatter + all-gather pair "
+            "moving the same bytes."
+        )
 
-    lm = axes_of(Module.LM_HEAD)
-    if phase is Phase.PREFILL:
-        b_l = _local(b_group, lm["batch"], config, "batch")
-        add("all-reduce", lm["seq"], None, "last-position select", (b_l, d), groups,
+
+def _ffn(step: _Step) -> None:
+    ffn = step.axes(Module.FFN)
+    b_l, t_l = step.rows(ffn)
+    step.add(
+        "all-reduce",
+        ffn["mlp"],
+        "ffn",
+        "FFN down-proj",
+        (b_l, t_l, step.model.d_model),
+        step.count,
+        "row-parallel second linear: partial sums over the intermediate shards",
+    )
+
+
+def _lm_head(step: _Step) -> None:
+    lm = step.axes(Module.LM_HEAD)
+    if step.phase is Phase.PREFILL:
+        b_l = _local(step.batch, lm["batch"], step.config, "batch")
+        step.add(
+            "all-reduce",
+            lm["seq"],
+            None,
+            "last-position select",
+            (b_l, step.model.d_model),
+            step.groups,
             "each sequence's last prompt token lives on one sp shard; the logits are "
-            "replicated over sp, so the selected rows are summed over sp")
+            "replicated over sp, so the selected rows are summed over sp",
+        )
     if lm["vocab"]:
-        notes.append("LM head: logits stay vocab-parallel over "
-                     f"{','.join(lm['vocab'])}; sampling reduces across the shards (no gather).")
-
-    if pp > 1:
-        b_l, t_l = rows(att)
-        add("collective-permute", ("pp",), None, "stage boundary", (b_l, t_l, d), groups,
-            "each stage hands every microbatch (decode: group) on to the next stage once")
-        notes.append("PP: per device, one permute per microbatch; an SPMD GPipe schedule runs "
-                     "M + pp - 1 iterations on every stage, so bubbles multiply what runs inside "
-                     "the pipeline by (M + pp - 1) / M.")
-    if not items:
-        notes.append("No collective is needed: every device holds whole sequences and whole "
-                     "weights for its share of the work.")
-    return CommModel(phase, config, tuple(items), tuple(notes))
+        step.notes.append(
+            "LM head: logits stay vocab-parallel over "
+            f"{','.join(lm['vocab'])}; sampling reduces across the shards (no gather)."
+        )
 
 
-def _moe(model, config, phase, ax, b_group, tokens, count, add) -> None:
+def _pipeline(step: _Step) -> None:
+    if step.config.pp == 1:
+        return
+    b_l, t_l = step.rows(step.axes(Module.ATTENTION))
+    step.add(
+        "collective-permute",
+        ("pp",),
+        None,
+        "stage boundary",
+        (b_l, t_l, step.model.d_model),
+        step.groups,
+        "each stage hands every microbatch (decode: group) on to the next stage once",
+    )
+    step.notes.append(
+        "PP: per device, one permute per microbatch; an SPMD GPipe schedule runs "
+        "M + pp - 1 iterations on every stage, so bubbles multiply what runs inside "
+        "the pipeline by (M + pp - 1) / M."
+    )
+
+
+def _moe(step: _Step) -> None:
     """MoE layer: sp dispatch sum, ep all-to-alls, expert TP all-reduce."""
-    e, d = model.n_experts, model.d_model
+    model, config, ax = step.model, step.config, step.axes(Module.MOE)
+    e, d, tokens = model.n_experts, model.d_model, step.tokens
     capacity = model.expert_capacity(tokens) if hasattr(model, "expert_capacity") else tokens
-    g_l = _local(b_group, ax["batch"], config, "batch")
-    add("all-reduce", ax["seq"], "moe", "dispatch sum over sp", (g_l, e, capacity, d), count,
+    g_l = _local(step.batch, ax["batch"], config, "batch")
+    step.add(
+        "all-reduce",
+        ax["seq"],
+        "moe",
+        "dispatch sum over sp",
+        (g_l, e, capacity, d),
+        step.count,
         "groups are whole sequences: a group's expert slots span tokens on every sp shard, "
-        "so the one-hot dispatch einsum's partial sums are added over sp")
-    add("all-to-all", ax["experts"], "moe", "dispatch + combine", (g_l, e, capacity, d),
-        2 * count, "[G,E,C,D] resharded group-sharded -> expert-sharded (dispatch) and back "
-        "(combine)")
+        "so the one-hot dispatch einsum's partial sums are added over sp",
+    )
+    step.add(
+        "all-to-all",
+        ax["experts"],
+        "moe",
+        "dispatch + combine",
+        (g_l, e, capacity, d),
+        2 * step.count,
+        "[G,E,C,D] resharded group-sharded -> expert-sharded (dispatch) and back (combine)",
+    )
     e_l = _local(e, ax["experts"], config, "n_experts")
-    g_e = _local(b_group, ax["expert_batch"], config, "batch")
-    add("all-reduce", ax["mlp"], "moe", "expert down-proj", (e_l, g_e, capacity, d), count,
-        "row-parallel second linear inside each expert: partial sums over the mlp shards")
+    g_e = _local(step.batch, ax["expert_batch"], config, "batch")
+    step.add(
+        "all-reduce",
+        ax["mlp"],
+        "moe",
+        "expert down-proj",
+        (e_l, g_e, capacity, d),
+        step.count,
+        "row-parallel second linear inside each expert: partial sums over the mlp shards",
+    )
 
 
 def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
@@ -266,8 +373,11 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         config: a jaxpar ``ModelConfig`` (``positional``, ``is_moe``, ``top_k``, ...).
         model: :func:`communication_model` of the same config, strategy and phase.
     """
-    comm = {item.step: f"{item.kind} over {','.join(item.axes)} of {'x'.join(map(str, item.shape))} "
-            f"({item.bytes_each:,} B)" for item in model.items}
+    comm = {
+        item.step: f"{item.kind} over {','.join(item.axes)} of {'x'.join(map(str, item.shape))} "
+        f"({item.bytes_each:,} B)"
+        for item in model.items
+    }
     prefill = model.phase is Phase.PREFILL
     layer = f"layer x{config.n_layers // model.config.pp} (scan)"
     out: list[dict[str, str]] = []
@@ -277,30 +387,62 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         for name in comm_steps:
             what = name.split(":")[-1]  # "label:model step" shows the step under a label
             if what in comm:
-                out.append({"section": section, "kind": "comm",
-                            "text": f"{name.split(':')[0]}: {comm[what]}"})
+                out.append(
+                    {
+                        "section": section,
+                        "kind": "comm",
+                        "text": f"{name.split(':')[0]}: {comm[what]}",
+                    }
+                )
 
-    step("embedding", "token lookup" + (" + learned positions" if config.positional == "learned"
-                                        else ""), "embedding lookup")
-    step(layer, "attention norm; Q/K/V projections" + (" + RoPE" if config.positional == "rope"
-                                                        else ""), "K/V gather")
-    step(layer, ("causal scores over the prompt" if prefill else "scores over the KV cache")
-         + ", softmax, weighted V; output projection", "attention out-proj")
+    step(
+        "embedding",
+        "token lookup" + (" + learned positions" if config.positional == "learned" else ""),
+        "embedding lookup",
+    )
+    step(
+        layer,
+        "attention norm; Q/K/V projections" + (" + RoPE" if config.positional == "rope" else ""),
+        "K/V gather",
+    )
+    step(
+        layer,
+        ("causal scores over the prompt" if prefill else "scores over the KV cache")
+        + ", softmax, weighted V; output projection",
+        "attention out-proj",
+    )
     step(layer, "residual add; FFN norm")
     if config.is_moe:
-        step(layer, f"router top-{config.top_k}; one-hot dispatch einsum", "dispatch sum over sp",
-             "dispatch:dispatch + combine")
-        step(layer, "experts: gate/up (column-parallel), SwiGLU, down (row-parallel)",
-             "expert down-proj", "combine:dispatch + combine")
+        step(
+            layer,
+            f"router top-{config.top_k}; one-hot dispatch einsum",
+            "dispatch sum over sp",
+            "dispatch:dispatch + combine",
+        )
+        step(
+            layer,
+            "experts: gate/up (column-parallel), SwiGLU, down (row-parallel)",
+            "expert down-proj",
+            "combine:dispatch + combine",
+        )
         step(layer, "combine einsum; residual add")
     else:
-        step(layer, "FFN first linear(s) (column-parallel), activation, second linear "
-             "(row-parallel)", "FFN down-proj")
+        step(
+            layer,
+            "FFN first linear(s) (column-parallel), activation, second linear (row-parallel)",
+            "FFN down-proj",
+        )
         step(layer, "residual add")
     if "stage boundary" in comm:
         step(layer, "end of a pipeline stage", "stage boundary")
-    step("head", "final norm" + ("; select each sequence's last position" if prefill else ""),
-         "last-position select")
-    step("head", "LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits",
-         "next tokens to stage 0")
+    step(
+        "head",
+        "final norm" + ("; select each sequence's last position" if prefill else ""),
+        "last-position select",
+    )
+    step(
+        "head",
+        "LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits",
+        "next tokens to stage 0",
+    )
     return out

@@ -24,7 +24,9 @@ from jaxpar.inspect._hlo_text import (
 #: Opcodes that only move data.
 MOVES = frozenset({"copy", "transpose", "slice", "dynamic-slice"})
 # What else a fusion made only of moves may contain: structure, no arithmetic.
-_STRUCTURAL = frozenset({"parameter", "bitcast", "reshape", "constant", "tuple", "get-tuple-element"})
+_STRUCTURAL = frozenset(
+    {"parameter", "bitcast", "reshape", "constant", "tuple", "get-tuple-element"}
+)
 
 
 class _HasText(Protocol):

@@ -3,8 +3,9 @@
 :func:`collective_report` reads a compiled program, groups its collectives like
 :func:`jaxpar.inspect.summarize` (loop bodies times their trip count) and puts each group
 beside the :class:`~jaxpar.inspect.CommModel` items of the same key. Traffic the model does
-not need is attributed to a named cause (:data:`CAUSES`), from the collective's
-``op_name``, module and shape, so a report says *why* XLA moved more than the minimum.
+not need is attributed to a named cause (:data:`CAUSES`), from the named scopes jaxpar's
+model code sets (in the collective's ``op_name``) and its shape, so a report says *why*
+XLA moved more than the minimum.
 """
 
 from __future__ import annotations
@@ -28,18 +29,6 @@ TOLERANCE = 1.05
 
 #: Causes of compiled traffic above the analytic minimum, as measured on XLA:CPU.
 CAUSES: dict[str, str] = {
-    "last-position-gather": (
-        "prefill picks each sequence's last hidden state with the advanced index "
-        "x[arange(B), lengths-1]; XLA's SPMD partitioner does not keep that gather local to "
-        "the batch shards: it gathers the indices over the batch axes and all-reduces masked "
-        "full-batch [B, D] rows (take_along_axis keeps it local; measured)"
-    ),
-    "moe-topk-gather": (
-        "lax.top_k lowers to XLA's TopK custom call, which the SPMD partitioner does not "
-        "split along batch: the router probabilities f32[G, T, E] are all-gathered over every "
-        "axis that splits groups or tokens and each device routes all tokens (k rounds of "
-        "argmax partition cleanly; measured)"
-    ),
     "moe-slot-cumsum-gather": (
         "expert slots are a cumsum over a group's tokens; with tokens split over sp XLA's "
         "reduce-window cumsum all-gathers the whole s32[G, T, E] instead of scanning per-shard "
@@ -75,19 +64,16 @@ def classify(
         itemsize: bytes per activation element of the model.
         cache_dims: ``(max_seq_len, head_dim)`` of the KV cache, to recognise cache traffic.
     """
+    from jaxpar.models import EXPERT_SLOTS_SCOPE
+
     phase = Phase.coerce(phase)
-    op = c.op_name or ""
-    module = module_of(op)
-    if module == "moe" and "top_k" in op:
-        return "moe-topk-gather"
-    if module == "moe" and "cumsum" in op:
+    scopes = (c.op_name or "").split("/")  # jaxpar's own named scopes, outermost first
+    if EXPERT_SLOTS_SCOPE in scopes:
         return "moe-slot-cumsum-gather"
     if phase is Phase.DECODE and cache_dims is not None:
         positions, head_dim = cache_dims
         if any(len(s) >= 3 and s[-1] == head_dim and positions in s[:-1] for s in c.shapes):
             return "kv-cache-gather"
-    if phase is Phase.PREFILL and module is None and op.endswith("/gather"):
-        return "last-position-gather"
     if itemsize == 2 and c.dtypes and all(t == "f32" for t in c.dtypes):
         return "cpu-bf16-upcast"
     return "unclassified"
@@ -209,20 +195,49 @@ class CollectiveReport:
         """A ``rich.table.Table``: one row per group, then the total."""
         from rich.table import Table
 
-        table = Table(title=title or f"{self.label} {self.phase.value}: collectives, compiled "
-                      "vs minimum (bytes per device per step)", title_justify="left")
-        for header in ("kind", "mesh axes", "module", "step", "count", "compiled", "minimum",
-                       "ratio", "cause"):
+        table = Table(
+            title=title
+            or f"{self.label} {self.phase.value}: collectives, compiled "
+            "vs minimum (bytes per device per step)",
+            title_justify="left",
+        )
+        for header in (
+            "kind",
+            "mesh axes",
+            "module",
+            "step",
+            "count",
+            "compiled",
+            "minimum",
+            "ratio",
+            "cause",
+        ):
             right = header in ("count", "compiled", "minimum", "ratio")
             table.add_column(header, justify="right" if right else "left")
         for r in self.rows:
             axes = UNMAPPED if r.axes is None else (",".join(r.axes) or "-")
-            table.add_row(r.kind, axes, r.module or "-", ", ".join(r.steps) or "-",
-                          f"{r.compiled_count}/{r.minimum_count}", f"{r.compiled_bytes:,}",
-                          f"{r.minimum_bytes:,}", format_ratio(r.ratio),
-                          f"[yellow]{r.cause}[/]" if r.cause else "")
-        table.add_row("[bold]total[/]", "", "", "", "", f"[bold]{self.compiled_bytes:,}[/]",
-                      f"[bold]{self.minimum_bytes:,}[/]", f"[bold]{format_ratio(self.ratio)}[/]", "")
+            table.add_row(
+                r.kind,
+                axes,
+                r.module or "-",
+                ", ".join(r.steps) or "-",
+                f"{r.compiled_count}/{r.minimum_count}",
+                f"{r.compiled_bytes:,}",
+                f"{r.minimum_bytes:,}",
+                format_ratio(r.ratio),
+                f"[yellow]{r.cause}[/]" if r.cause else "",
+            )
+        table.add_row(
+            "[bold]total[/]",
+            "",
+            "",
+            "",
+            "",
+            f"[bold]{self.compiled_bytes:,}[/]",
+            f"[bold]{self.minimum_bytes:,}[/]",
+            f"[bold]{format_ratio(self.ratio)}[/]",
+            "",
+        )
         return table
 
 
@@ -256,10 +271,16 @@ def collective_report(
     groups = _group(collectives, mesh, expected)
     keys = list(expected) + [k for k in groups if k not in expected]
     cfg = model.config
-    runs = (cfg.microbatches if model.phase is Phase.PREFILL else cfg.decode_groups) if cfg.pp > 1 else 1
+    runs = (
+        (cfg.microbatches if model.phase is Phase.PREFILL else cfg.decode_groups)
+        if cfg.pp > 1
+        else 1
+    )
     bubble = (runs + cfg.pp - 1) / runs
-    rows = [_row(k, groups.get(k, []), expected.get(k, []), model.phase, itemsize, cache_dims, bubble)
-            for k in keys]
+    rows = [
+        _row(k, groups.get(k, []), expected.get(k, []), model.phase, itemsize, cache_dims, bubble)
+        for k in keys
+    ]
     rows.sort(key=lambda r: (r.kind, r.axes is None, r.axes or (), r.module or "~"))
     return CollectiveReport(
         label=label or str(model.config),
@@ -318,27 +339,12 @@ def _row(key, members: list[Collective], items, phase, itemsize, cache_dims, bub
 def compile_step(engine: Any, phase: Phase | str, *, prompt_len: int) -> Any:
     """Compiles the engine's prefill or decode step for abstract inputs (nothing runs).
 
-    ``engine`` is an :class:`jaxpar.engine.InferenceEngine`, or any object with its
-    ``steps``, ``layouts``, ``params`` (arrays or ``ShapeDtypeStruct``), ``model_config``,
-    ``max_batch`` and ``max_seq_len``. Inputs are ``ShapeDtypeStruct`` in the step's own
-    shardings, so nothing is allocated beyond what ``params`` already holds.
+    ``engine`` is a :class:`jaxpar.engine.InferenceEngine` or
+    :class:`jaxpar.engine.AbstractEngine` (anything with their ``lower(phase,
+    prompt_len=)``); inputs are ``ShapeDtypeStruct`` in the step's own shardings, so
+    nothing is allocated beyond the parameters the engine already holds.
     """
-    import jax
-    import numpy as np
-
-    from jaxpar.models import KVCache
-
-    lay, batch = engine.layouts, engine.max_batch
-    if Phase.coerce(phase) is Phase.PREFILL:
-        tokens = jax.ShapeDtypeStruct((batch, prompt_len), np.int32, sharding=lay.tokens_BT)
-        lengths = jax.ShapeDtypeStruct((batch,), np.int32, sharding=lay.lengths_prefill_B)
-        return engine.steps.lower_prefill(engine.params, tokens, lengths).compile()
-    cache = KVCache.abstract(engine.model_config, batch, engine.max_seq_len)
-    cache = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, lay.cache
-    )
-    tokens = jax.ShapeDtypeStruct((batch,), np.int32, sharding=lay.tokens_B)
-    return engine.steps.jit_decode().lower(engine.params, cache, tokens).compile()
+    return engine.lower(phase, prompt_len=prompt_len).compile()
 
 
 def phase_report(
@@ -353,8 +359,10 @@ def phase_report(
 
     config = engine.model_config
     compiled = compile_step(engine, phase, prompt_len=prompt_len)
-    model = communication_model(config, engine.parallel_config, phase,
-                                batch=engine.max_batch, prompt_len=prompt_len)
-    report = collective_report(compiled, engine.mesh, model, label=label,
-                               cache_dims=(engine.max_seq_len, config.head_dim))
+    model = communication_model(
+        config, engine.parallel_config, phase, batch=engine.max_batch, prompt_len=prompt_len
+    )
+    report = collective_report(
+        compiled, engine.mesh, model, label=label, cache_dims=(engine.max_seq_len, config.head_dim)
+    )
     return report, compiled

@@ -4,8 +4,14 @@ Models name logical axes only (``constrain`` at module boundaries, ``out_shardin
 metadata on every parameter); the engine maps them to mesh axes.
 """
 
-from jaxpar.models._attention import Attention
-from jaxpar.models._cache import KVCache, check_room
+from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES, Attention
+from jaxpar.models._cache import (
+    PREFILL_KV_AXES,
+    STACKED_KV_AXES,
+    KVCache,
+    check_room,
+    write_token,
+)
 from jaxpar.models._config import ARCHS, PRESETS, Llama3RopeScaling, ModelConfig, preset
 from jaxpar.models._decoder import (
     Decoder,
@@ -19,12 +25,31 @@ from jaxpar.models._decoder import (
     with_layer_loop,
 )
 from jaxpar.models._hf import load_hf_checkpoint
-from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES
+from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf
 from jaxpar.models._layers import FFN, Embedding, LayerNorm, LMHead, RMSNorm
-from jaxpar.models._moe import Experts, MoE, Router, dispatch_masks
+from jaxpar.models._moe import (
+    EXPERT_AXES,
+    EXPERT_HIDDEN_AXES,
+    EXPERT_SLOTS_SCOPE,
+    GROUPED_AXES,
+    Experts,
+    MoE,
+    Router,
+    dispatch_masks,
+)
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 
 __all__ = [
+    "EXPERT_AXES",
+    "EXPERT_HIDDEN_AXES",
+    "EXPERT_SLOTS_SCOPE",
+    "GROUPED_AXES",
+    "KV_SCORE_AXES",
+    "PREFILL_KV_AXES",
+    "Q_AXES",
+    "STACKED_KV_AXES",
+    "config_from_hf",
+    "write_token",
     "ARCHS",
     "FFN",
     "PRESETS",

@@ -11,8 +11,7 @@ from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
 from jaxpar.models._rope import apply_rope, rope_inv_freq
-from jaxpar.spec._constrain import constrain
-from jaxpar.spec._enums import Module
+from jaxpar.spec import Module, constrain
 
 Q_AXES = ("batch", "seq", "heads", "head_dim")
 # K/V the scores see in prefill: key positions replicated, so under sequence parallelism

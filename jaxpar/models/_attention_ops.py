@@ -35,8 +35,7 @@ import jax.numpy as jnp
 from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask
-from jaxpar.spec._constrain import logical_shard_map
-from jaxpar.spec._enums import Module
+from jaxpar.spec import Module, logical_shard_map
 
 __all__ = [
     "DECODE_IMPLS",

@@ -11,8 +11,7 @@ import numpy as np
 
 from jaxpar.errors import CacheOverflowError, ShapeError
 from jaxpar.models._config import ModelConfig
-from jaxpar.spec._constrain import constrain
-from jaxpar.spec._enums import Module
+from jaxpar.spec import Module, constrain
 
 
 def check_room(lengths_host: np.ndarray | jax.Array, n_new: int, max_seq_len: int) -> None:
@@ -127,9 +126,7 @@ class KVCache:
         return jax.eval_shape(lambda: cls.empty(config, batch, max_seq_len))
 
     @classmethod
-    def from_prefill(
-        cls, k: Any, v: Any, lengths_B: jax.Array, max_seq_len: int
-    ) -> KVCache:
+    def from_prefill(cls, k: Any, v: Any, lengths_B: jax.Array, max_seq_len: int) -> KVCache:
         """Pads prefill K/V to a cache of S = ``max_seq_len`` positions.
 
         Takes what :meth:`Decoder.prefill` returns: tuples of per-layer ``[B, T, K, H]``
@@ -186,6 +183,7 @@ class KVCache:
         ``layer`` is a Python int for the per-layer form, an int or traced index when stacked.
         """
         if self.stacked:
+
             def write(cache_LBSKH: jax.Array, new_BKH: jax.Array) -> jax.Array:
                 return write_token(cache_LBSKH, layer, self.lengths_B, new_BKH)
 

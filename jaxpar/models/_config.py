@@ -134,6 +134,10 @@ class ModelConfig:
             )
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        self._check_positions()
+        self._check_moe()
+
+    def _check_positions(self) -> None:
         if self.positional == "rope":
             if self.head_dim % 2:
                 raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
@@ -143,7 +147,6 @@ class ModelConfig:
             raise ConfigError("rope_scaling is only meaningful with positional='rope'")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be None or positive, got {self.sliding_window}")
-        self._check_moe()
 
     def _check_moe(self) -> None:
         if self.n_experts < 0:

@@ -13,8 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models._config import ModelConfig
-from jaxpar.spec._constrain import constrain
-from jaxpar.spec._enums import Module
+from jaxpar.spec import Module, constrain
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,

@@ -14,9 +14,10 @@ from flax import nnx
 
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, fan_in_normal, param
-from jaxpar.spec._constrain import constrain
-from jaxpar.spec._enums import Module
+from jaxpar.spec import Module, constrain
 
+# The named scope around the expert-slot count (a cumsum over a group's tokens).
+EXPERT_SLOTS_SCOPE = "expert_slots"
 GROUPED_AXES = ("batch", None, None, "embed")  # [G, E, C, D], token-sharded
 EXPERT_AXES = ("experts", "expert_batch", None, "embed")  # [E, G, C, D], expert-sharded
 EXPERT_HIDDEN_AXES = ("experts", "expert_batch", None, "mlp")  # [E, G, C, F]
@@ -93,7 +94,8 @@ def dispatch_masks(
     """
     onehot_GTkE = jax.nn.one_hot(experts_GTk, n_experts, dtype=jnp.int32)
     chosen_GTE = jnp.sum(onehot_GTkE, axis=2)
-    slot_GTE = jnp.cumsum(chosen_GTE, axis=1) - 1
+    with jax.named_scope(EXPERT_SLOTS_SCOPE):  # jaxpar.inspect names its traffic by this
+        slot_GTE = jnp.cumsum(chosen_GTE, axis=1) - 1
     kept_GTE = (chosen_GTE > 0) & (slot_GTE < capacity)
     # one_hot of an out-of-range slot is all zeros, and kept masks the rest.
     dispatch_GTEC = jax.nn.one_hot(jnp.where(kept_GTE, slot_GTE, capacity), capacity)

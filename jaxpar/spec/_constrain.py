@@ -154,6 +154,8 @@ def logical_shard_map(
         axis_names=frozenset(manual),
         check_vma=False,
     )
+
+
 def _caller_is_jaxpar() -> bool:
     """Whether :func:`constrain` was called from a jaxpar module (two frames up)."""
     return sys._getframe(2).f_globals.get("__name__", "").startswith("jaxpar.")

@@ -138,7 +138,17 @@ def partition_spec(
     return PartitionSpec(*out)
 
 
-_PARAM_DIMS = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "layers", "positions")
+_PARAM_DIMS = (
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "experts",
+    "layers",
+    "positions",
+)
 
 
 @functools.cache
@@ -182,6 +192,8 @@ def param_partition_spec(
     out = []
     for name in logical_axes:
         if name is not None and name not in rules:
-            raise JaxparError(f"unknown parameter logical axis {name!r}; legal: {list(rules)} or None")
+            raise JaxparError(
+                f"unknown parameter logical axis {name!r}; legal: {list(rules)} or None"
+            )
         out.append(None if name is None else _entry(rules[name]))
     return PartitionSpec(*out)

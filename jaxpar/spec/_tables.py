@@ -130,7 +130,9 @@ def load_spec_table(directory: str | Path) -> SpecTable:
 
 def _display(directory: Path) -> str:
     """How messages name the tables' directory: ``sharding_specs`` for the packaged tables."""
-    return "sharding_specs" if directory.resolve() == default_spec_dir().resolve() else str(directory)
+    return (
+        "sharding_specs" if directory.resolve() == default_spec_dir().resolve() else str(directory)
+    )
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -243,41 +245,43 @@ def _load_rules(path: Path, shown: str) -> tuple[dict[str, Rule], tuple[Role, ..
         raise SpecFileError(f"{path}: unknown key(s) {sorted(unknown)}; known: ['role', 'rule']")
     rules: dict[str, Rule] = {}
     for i, raw in enumerate(data.get("rule", [])):
-        where = f"{path}: rule[{i}]"
-        if unknown := set(raw) - _RULE_KEYS:
-            raise SpecFileError(f"{where}: unknown key(s) {sorted(unknown)}")
-        if missing := _RULE_KEYS - set(raw):
-            raise SpecFileError(f"{where}: missing key(s) {sorted(missing)}")
-        if raw["enforced_by"] not in _ENFORCERS:
-            raise SpecFileError(
-                f"{where}.enforced_by: {raw['enforced_by']!r} not in {sorted(_ENFORCERS)}"
-            )
-        rule = Rule(
-            id=_text(path, "id", raw["id"]),
-            text=_text(path, "text", raw["text"]),
-            sources=_words(path, "sources", raw["sources"]),
-            section=_text(path, "section", raw["section"]),
-            enforced_by=raw["enforced_by"],
-            file=shown,
-        )
+        rule = _load_rule(path, shown, f"{path}: rule[{i}]", raw)
         if rule.id in rules:
-            raise SpecFileError(f"{where}.id: duplicate rule id {rule.id!r}")
+            raise SpecFileError(f"{path}: rule[{i}].id: duplicate rule id {rule.id!r}")
         rules[rule.id] = rule
-    roles = []
-    for i, raw in enumerate(data.get("role", [])):
-        where = f"{path}: role[{i}]"
-        if set(raw) != _ROLE_KEYS:
-            raise SpecFileError(f"{where}: keys must be {sorted(_ROLE_KEYS)}, got {sorted(raw)}")
-        try:
-            axis = Primitive(raw["axis"])
-            phases = tuple(Phase(p) for p in raw["phases"])
-        except ValueError as e:
-            raise SpecFileError(f"{where}: {e}") from None
-        if raw["carries"] not in LOGICAL_AXES:
-            raise SpecFileError(f"{where}.carries: unknown logical axis {raw['carries']!r}")
-        if raw["when"] not in {"always", "not_allowed"}:
-            raise SpecFileError(f"{where}.when: {raw['when']!r} not in ['always', 'not_allowed']")
-        roles.append(
-            Role(axis=axis, phases=phases, carries=raw["carries"], when=raw["when"], why=raw["why"])
-        )
+    roles = [_load_role(f"{path}: role[{i}]", raw) for i, raw in enumerate(data.get("role", []))]
     return rules, tuple(roles)
+
+
+def _load_rule(path: Path, shown: str, where: str, raw: dict[str, Any]) -> Rule:
+    if unknown := set(raw) - _RULE_KEYS:
+        raise SpecFileError(f"{where}: unknown key(s) {sorted(unknown)}")
+    if missing := _RULE_KEYS - set(raw):
+        raise SpecFileError(f"{where}: missing key(s) {sorted(missing)}")
+    if raw["enforced_by"] not in _ENFORCERS:
+        raise SpecFileError(
+            f"{where}.enforced_by: {raw['enforced_by']!r} not in {sorted(_ENFORCERS)}"
+        )
+    return Rule(
+        id=_text(path, "id", raw["id"]),
+        text=_text(path, "text", raw["text"]),
+        sources=_words(path, "sources", raw["sources"]),
+        section=_text(path, "section", raw["section"]),
+        enforced_by=raw["enforced_by"],
+        file=shown,
+    )
+
+
+def _load_role(where: str, raw: dict[str, Any]) -> Role:
+    if set(raw) != _ROLE_KEYS:
+        raise SpecFileError(f"{where}: keys must be {sorted(_ROLE_KEYS)}, got {sorted(raw)}")
+    try:
+        axis = Primitive(raw["axis"])
+        phases = tuple(Phase(p) for p in raw["phases"])
+    except ValueError as e:
+        raise SpecFileError(f"{where}: {e}") from None
+    if raw["carries"] not in LOGICAL_AXES:
+        raise SpecFileError(f"{where}.carries: unknown logical axis {raw['carries']!r}")
+    if raw["when"] not in {"always", "not_allowed"}:
+        raise SpecFileError(f"{where}.when: {raw['when']!r} not in ['always', 'not_allowed']")
+    return Role(axis=axis, phases=phases, carries=raw["carries"], when=raw["when"], why=raw["why"])

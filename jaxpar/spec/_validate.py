@@ -114,6 +114,32 @@ def validate(
     out = _Collector(table)
     _check_tables(model, config, table, out)
     _check_sizes(model, config, out)
+    _check_shapes(
+        model, config, table, out, n_devices=n_devices, batch=batch, max_seq_len=max_seq_len
+    )
+    if out.found:
+        lines = "\n  ".join(v.message for v in out.found)
+        rules = dict.fromkeys(v.rule for v in out.found)  # each broken rule cited once
+        cited = "\n  ".join(table.rule(r).cite() for r in rules)
+        raise IllegalStrategyError(
+            f"strategy {config} is illegal for this model ({len(out.found)} violation(s)):\n  "
+            f"{lines}\nViolates:\n  {cited}",
+            out.found,
+        )
+    return _plan(model, config, table)
+
+
+def _check_shapes(
+    model: ModelDims,
+    config: ParallelConfig,
+    table: SpecTable,
+    out: _Collector,
+    *,
+    n_devices: int | None,
+    batch: int | None,
+    max_seq_len: int | None,
+) -> None:
+    """Rules about the mesh, the pipeline groups, the batch and the cache length."""
     if n_devices is not None and config.size != n_devices:
         out.add(
             "devices-product",
@@ -151,16 +177,6 @@ def validate(
             primitive=Primitive.SP,
             phase=Phase.PREFILL,
         )
-    if out.found:
-        lines = "\n  ".join(v.message for v in out.found)
-        rules = dict.fromkeys(v.rule for v in out.found)  # each broken rule cited once
-        cited = "\n  ".join(table.rule(r).cite() for r in rules)
-        raise IllegalStrategyError(
-            f"strategy {config} is illegal for this model ({len(out.found)} violation(s)):\n  "
-            f"{lines}\nViolates:\n  {cited}",
-            out.found,
-        )
-    return _plan(model, config, table)
 
 
 def _batch_split(
@@ -190,25 +206,7 @@ def _check_tables(
         for module in modules_of(model):
             axes = mesh_axes(module, phase, config, dims=model, table=table)
             if phase is Phase.DECODE:
-                for dim in _TOKEN_DIMS:
-                    if "sp" in axes[dim]:
-                        out.add(
-                            "sp-not-across-decode",
-                            f"the tables make sp={config.sp} split {dim!r}",
-                            "sp status 'not_allowed' in decode; sp then carries batch",
-                            module,
-                            Primitive.SP,
-                            phase,
-                        )
-                    elif axes[dim] and dim == "cache_seq":
-                        out.add(
-                            "kv-contiguous-decode",
-                            f"the decode KV cache would be split along its sequence over {axes[dim]}",
-                            "no mesh axis on cache_seq in decode",
-                            module,
-                            Primitive.coerce(axes[dim][0]),
-                            phase,
-                        )
+                _check_decode_axes(axes, module, config, out)
             for dim in (*_TOKEN_DIMS, "layers"):
                 if "tp" in axes[dim]:
                     out.add(
@@ -220,17 +218,45 @@ def _check_tables(
                         phase,
                     )
             if module in (Module.EMBEDDING, Module.LM_HEAD) and config.ep > 1:
-                param_dims = [d for d in ("vocab", "embed", "positions") if "ep" in axes[d]]
-                if param_dims:
-                    out.add(
-                        "ep-not-embedding",
-                        f"the tables make ep={config.ep} split {param_dims} (status "
-                        f"{table.status(module, 'ep', phase)})",
-                        "ep status 'rarely_applicable' for embedding and lm_head; ep then carries batch",
-                        module,
-                        Primitive.EP,
-                        phase,
-                    )
+                _check_ep_embedding(axes, module, phase, config, table, out)
+
+
+def _check_decode_axes(axes, module: Module, config: ParallelConfig, out: _Collector) -> None:
+    """Decode splits no token dimension over sp, and the KV cache not along its sequence."""
+    for dim in _TOKEN_DIMS:
+        if "sp" in axes[dim]:
+            out.add(
+                "sp-not-across-decode",
+                f"the tables make sp={config.sp} split {dim!r}",
+                "sp status 'not_allowed' in decode; sp then carries batch",
+                module,
+                Primitive.SP,
+                Phase.DECODE,
+            )
+        elif axes[dim] and dim == "cache_seq":
+            out.add(
+                "kv-contiguous-decode",
+                f"the decode KV cache would be split along its sequence over {axes[dim]}",
+                "no mesh axis on cache_seq in decode",
+                module,
+                Primitive.coerce(axes[dim][0]),
+                Phase.DECODE,
+            )
+
+
+def _check_ep_embedding(axes, module, phase, config, table, out: _Collector) -> None:
+    """ep splits no embedding or LM head parameter dimension."""
+    param_dims = [d for d in ("vocab", "embed", "positions") if "ep" in axes[d]]
+    if param_dims:
+        out.add(
+            "ep-not-embedding",
+            f"the tables make ep={config.ep} split {param_dims} (status "
+            f"{table.status(module, 'ep', phase)})",
+            "ep status 'rarely_applicable' for embedding and lm_head; ep then carries batch",
+            module,
+            Primitive.EP,
+            phase,
+        )
 
 
 def _check_sizes(model: ModelDims, config: ParallelConfig, out: _Collector) -> None:
