@@ -6,19 +6,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models._attention_ops import decode_attention, prefill_attention
+from jaxpar.models._attention_ops import (
+    KV_SCORE_AXES,
+    Q_AXES,
+    decode_attention,
+    prefill_attention,
+)
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 from jaxpar.spec import Module, constrain
-
-Q_AXES = ("batch", "seq", "heads", "head_dim")
-# K/V the scores see in prefill: key positions replicated, so under sequence parallelism
-# XLA gathers every earlier token before the causal product.
-KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
-# K/V handed to the cache by prefill, [B, T, K, H].
-KV_CACHE_AXES = PREFILL_KV_AXES
 
 
 class Attention(nnx.Module):
@@ -100,8 +98,8 @@ class Attention(nnx.Module):
         with jax.named_scope(Module.ATTENTION.value):
             x_BTD = constrain(x_BTD, BTD, Module.ATTENTION)
             q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT)
-            k_cache = constrain(k_BTKH, KV_CACHE_AXES, Module.ATTENTION)
-            v_cache = constrain(v_BTKH, KV_CACHE_AXES, Module.ATTENTION)
+            k_cache = constrain(k_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
+            v_cache = constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
             v_BSKH = constrain(v_BTKH, KV_SCORE_AXES, Module.ATTENTION)
             out_BTNH = prefill_attention(

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask
+from jaxpar.models._cache import LAYER_KV_AXES
 from jaxpar.spec import Module, logical_shard_map
 
 __all__ = [
@@ -50,12 +51,12 @@ PREFILL_IMPLS = ("auto", "xla", "cudnn", "pallas_tpu")
 DECODE_IMPLS = ("auto", "xla", "pallas_gpu")
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-Q_AXES = ("batch", "seq", "heads", "head_dim")
+Q_AXES = ("batch", "seq", "heads", "head_dim")  # also the model's query constraint
 # Keys replicated over the sequence: under sp each shard's queries see every earlier key.
 KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
 POS_AXES = ("batch", "seq")
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
-CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+CACHE_AXES = LAYER_KV_AXES
 
 
 def attention_impls(backend: str, dtype: jnp.dtype) -> tuple[str, str]:
