@@ -52,6 +52,10 @@ class CacheOverflowError(ShapeError):
     """A write to the KV cache would go past ``max_seq_len``."""
 
 
+class QueueFullError(JaxparError):
+    """A serving engine refused a request: its queue is full or it is shutting down."""
+
+
 class DistributedError(JaxparError):
     """Multi-process start-up or communication failed."""
 

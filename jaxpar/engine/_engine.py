@@ -149,7 +149,7 @@ class InferenceEngine:
                     f"max_seq_len={self.max_seq_len} + 1; shorten it or raise max_seq_len"
                 )
 
-    def _bucket(self, longest: int) -> int:
+    def bucket(self, longest: int) -> int:
         """Padded prompt length: a power of two >= 8, a multiple of sp, <= max_seq_len.
 
         Few distinct lengths keep the number of prefill compilations small.
@@ -166,7 +166,7 @@ class InferenceEngine:
         """
         lengths = np.ones(self.max_batch, np.int32)
         lengths[: len(prompts)] = [len(p) for p in prompts]
-        tokens = np.zeros((self.max_batch, self._bucket(int(lengths.max()))), np.int32)
+        tokens = np.zeros((self.max_batch, self.bucket(int(lengths.max()))), np.int32)
         for i, prompt in enumerate(prompts):
             tokens[i, : len(prompt)] = prompt
         return tokens, lengths

@@ -1,11 +1,18 @@
-"""Next-token selection from (possibly vocab-sharded) logits: greedy, temperature, top-k, top-p."""
+"""Next-token selection from (possibly vocab-sharded) logits: greedy, temperature, top-k, top-p.
+
+One :class:`Sampling` for a whole batch (``generate``), or per-row arrays
+(:class:`RowSampling`, serving slots).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.errors import ConfigError
 
@@ -68,3 +75,67 @@ def _gumbel_argmax(key: jax.Array, logits_BV: jax.Array) -> jax.Array:
     rows_B = jnp.arange(logits_BV.shape[0], dtype=jnp.int32)
     noise_BV = jax.vmap(lambda b: jax.random.gumbel(jax.random.fold_in(key, b), vocab))(rows_B)
     return jnp.argmax(logits_BV + noise_BV, axis=-1).astype(jnp.int32)
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """Sampling parameters per row, as arrays: serving slots change them without a compile.
+
+    ``temperature_B`` 0 is greedy; ``top_k_B`` 0 and ``top_p_B`` 1 switch those filters
+    off; ``key_B`` holds each row's ``key_data(PRNGKey(seed))``. A row draws as row 0 of an
+    offline :func:`select` with the same seed and step, so a served request samples the
+    tokens ``generate([prompt], seed=seed)`` does.
+    """
+
+    temperature_B: jax.Array
+    top_k_B: jax.Array
+    top_p_B: jax.Array
+    key_B: jax.Array
+
+    @classmethod
+    def rows(cls, samplings: Sequence[Sampling], seeds: Sequence[int]) -> RowSampling:
+        """Host arrays for one :class:`Sampling` and seed per row."""
+        keys = [np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in seeds]
+        return cls(
+            temperature_B=np.array([s.temperature for s in samplings], np.float32),
+            top_k_B=np.array([s.top_k or 0 for s in samplings], np.int32),
+            top_p_B=np.array([1.0 if s.top_p is None else s.top_p for s in samplings], np.float32),
+            key_B=np.stack(keys).astype(np.uint32),
+        )
+
+
+def select_rows(logits_BV: jax.Array, rows: RowSampling, step_B: jax.Array) -> jax.Array:
+    """The next token per row with that row's own parameters (int32 [B]); traced.
+
+    Row ``b`` at its step ``step_B[b]`` applies temperature, top-k and top-p exactly as
+    :func:`select` does and draws with ``fold_in(fold_in(key_b, step_b), 0)``. The sort the
+    filters need runs only when some row samples.
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    sampled_B = rows.temperature_B > 0
+
+    def draw(_) -> jax.Array:
+        vocab = logits_BV.shape[-1]
+        temperature_B1 = jnp.where(sampled_B, rows.temperature_B, 1.0)[:, None]
+        scaled_BV = logits_BV / temperature_B1
+        sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
+        k_B1 = jnp.where(rows.top_k_B > 0, jnp.minimum(rows.top_k_B, vocab), vocab)[:, None]
+        kth_B1 = jnp.take_along_axis(sorted_BV, k_B1 - 1, axis=-1)
+        scaled_BV = jnp.where(scaled_BV < kth_B1, -jnp.inf, scaled_BV)
+        sorted_BV = jnp.where(sorted_BV < kth_B1, -jnp.inf, sorted_BV)
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        top_p_B1 = rows.top_p_B[:, None]
+        cutoff_B1 = jnp.min(jnp.where(before_BV < top_p_B1, sorted_BV, jnp.inf), -1, keepdims=True)
+        scaled_BV = jnp.where((top_p_B1 < 1.0) & (scaled_BV < cutoff_B1), -jnp.inf, scaled_BV)
+
+        def noise(key_data: jax.Array, step: jax.Array) -> jax.Array:
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
+            return jax.random.gumbel(jax.random.fold_in(key, 0), (vocab,))
+
+        noise_BV = jax.vmap(noise)(rows.key_B, step_B)
+        drawn_B = jnp.argmax(scaled_BV + noise_BV, axis=-1).astype(jnp.int32)
+        return jnp.where(sampled_B, drawn_B, greedy_B)
+
+    return jax.lax.cond(jnp.any(sampled_B), draw, lambda _: greedy_B, None)

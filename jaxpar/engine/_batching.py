@@ -1,0 +1,457 @@
+"""Continuous batching: requests queue, prefill in buckets, decode over slots.
+
+:class:`ContinuousBatcher` runs one decode loop over the engine's ``max_batch`` slots
+(:mod:`jaxpar.engine._slots`). Between two decode steps it frees the slots of finished
+or cancelled requests and fills free slots with queued requests: their prompts are
+prefilled together (up to ``prefill_batch`` at a time, padded to a power-of-two bucket),
+and each one's K/V is written into its slot. A request never waits for another to finish,
+and nothing recompiles per request: prefill and insert compile once per bucket, the
+decode step once.
+
+Disaggregated (``prefill_engine`` given): prefill runs on that engine's devices with its
+own strategy, in a thread of its own, so it overlaps the decode steps; each batch's K/V
+and logits move to the decode devices once (:attr:`BatcherStats.transfer_bytes`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._placement import put_global
+from jaxpar.engine._requests import Request, RequestStream
+from jaxpar.engine._sampling import RowSampling, Sampling
+from jaxpar.engine._slots import Inserted, SlotSteps
+from jaxpar.errors import CacheOverflowError, ConfigError, QueueFullError, ShapeError
+
+#: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
+#: side fed without prefilling far ahead of it.
+READY_BATCHES = 2
+
+
+@dataclasses.dataclass
+class BatcherStats:
+    """Counters since start (read them while it runs; they only grow)."""
+
+    submitted: int = 0
+    finished: int = 0
+    decode_steps: int = 0
+    prefill_batches: int = 0
+    transfer_bytes: int = 0  # prefill -> decode devices (disaggregated only)
+    transfers: int = 0
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Requests prefilled together, with their prefill results on the decode devices."""
+
+    streams: list[RequestStream]
+    inserted: Inserted
+
+
+class ContinuousBatcher:
+    """Serves requests that arrive at any time over one engine's decode slots.
+
+    Args:
+        engine: runs decode; its ``max_batch`` is the number of slots, its
+            ``max_seq_len`` bounds prompt + ``max_tokens`` - 1 per request.
+        prefill_engine: disaggregated prefill on other devices (its own strategy and
+            mesh); default: prefill on ``engine``, between decode steps.
+        prefill_batch: prompts prefilled together (a multiple of the prefill strategy's
+            ``dp``); default: that ``dp`` (the prefill engine's ``max_batch`` when given).
+        max_queue: requests waiting beyond this are refused (:class:`QueueFullError`).
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        *,
+        prefill_engine: InferenceEngine | None = None,
+        prefill_batch: int | None = None,
+        max_queue: int = 256,
+    ):
+        self.engine = engine
+        self.prefill_engine = prefill_engine or engine
+        self.disaggregated = prefill_engine is not None
+        self.slot_steps = SlotSteps(engine.steps, engine.program.model_config, engine.max_batch)
+        if self.disaggregated:
+            _check_pair(engine, prefill_engine)
+        self.prefill_batch = _prefill_batch(self.prefill_engine, prefill_batch, prefill_engine)
+        if max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        self.max_prompt_len = min(engine.max_seq_len, self.prefill_engine.max_seq_len)
+        self.stats = BatcherStats()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[RequestStream] = collections.deque()
+        self._ready: collections.deque[_Batch] = collections.deque()
+        self._active = 0
+        self._next_id = 0
+        self._closing = False
+        self._stopping = False
+        self._owners: list[RequestStream | None] = []
+        self._threads: list[threading.Thread] = []
+        self._failure: BaseException | None = None
+
+    # --- clients -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+    ) -> RequestStream:
+        """Queues a request; its stream yields tokens as they are drawn.
+
+        Raises:
+            ShapeError / CacheOverflowError: a bad prompt or one that does not fit.
+            QueueFullError: ``max_queue`` requests are already waiting, or the batcher is
+                closing.
+        """
+        request = Request(
+            prompt=tuple(int(t) for t in self._check(prompt, max_tokens)),
+            max_tokens=max_tokens,
+            sampling=sampling or Sampling(),
+            seed=int(seed),
+            stop_tokens=frozenset(int(t) for t in stop_tokens),
+        )
+        with self._cond:
+            if self._failure is not None:
+                raise QueueFullError(f"the batcher stopped after an error: {self._failure!r}")
+            if self._closing:
+                raise QueueFullError("the batcher is shutting down and takes no new requests")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._queue)} requests are already waiting (max_queue="
+                    f"{self.max_queue}); retry shortly"
+                )
+            stream = RequestStream(self._next_id, request)
+            self._next_id += 1
+            self._queue.append(stream)
+            self.stats.submitted += 1
+            self._cond.notify_all()
+        return stream
+
+    def _check(self, prompt: Sequence[int], max_tokens: int) -> np.ndarray:
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ShapeError("prompt must be a non-empty 1-D sequence of token ids")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ShapeError(f"prompt has dtype {ids.dtype}; token ids must be integers")
+        vocab = self.engine.model_config.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ShapeError(f"token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab})")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if ids.size > self.max_prompt_len:
+            raise CacheOverflowError(
+                f"prompt of {ids.size} tokens exceeds max_seq_len={self.max_prompt_len}"
+            )
+        if ids.size + max_tokens - 1 > self.engine.max_seq_len:
+            raise CacheOverflowError(
+                f"prompt ({ids.size} tokens) + max_tokens={max_tokens} exceeds "
+                f"max_seq_len={self.engine.max_seq_len} + 1; lower max_tokens to at most "
+                f"{self.engine.max_seq_len + 1 - ids.size}"
+            )
+        return ids
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        """Requests holding a decode slot."""
+        return self._active
+
+    @property
+    def slots(self) -> int:
+        return self.engine.max_batch
+
+    @property
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    # --- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> ContinuousBatcher:
+        """Starts the decode loop (and the prefill loop when disaggregated) in threads."""
+        if self._threads:
+            return self
+        loops = [self._decode_loop] + ([self._prefill_loop] if self.disaggregated else [])
+        for loop in loops:
+            thread = threading.Thread(target=self._guard(loop), name=loop.__name__, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def warmup(self, prompt_lens: Sequence[int] | None = None) -> list[int]:
+        """Compiles every program before the first client: runs a 2-token request per
+        prompt bucket (default: every bucket up to ``max_seq_len``). Returns the buckets."""
+        buckets = sorted(
+            {self.prefill_engine.bucket(n) for n in (prompt_lens or range(1, self.max_prompt_len))}
+        )
+        for length in buckets:
+            n = min(length, self.max_prompt_len - 1)
+            self.submit([0] * max(n, 1), max_tokens=2).result()
+        return buckets
+
+    def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stops taking requests, then ends the loops.
+
+        ``drain``: let queued and running requests finish first (up to ``timeout``
+        seconds); what is left is then cancelled with finish reason ``"shutdown"``.
+        """
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with self._cond:
+                self._cond.wait_for(self._idle, _remaining(deadline))
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def __enter__(self) -> ContinuousBatcher:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _idle(self) -> bool:
+        return not self._queue and not self._ready and not self._active
+
+    def _guard(self, loop):
+        """Runs ``loop``; an exception ends every request with finish reason ``"error"``."""
+
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as e:  # noqa: BLE001 - reported to every waiting client
+                with self._cond:
+                    self._failure = e
+                    self._stopping = True
+                    self._cond.notify_all()
+                self._end_all("error", e)
+
+        return run
+
+    def _end_all(self, reason: str, error: BaseException | None = None) -> None:
+        with self._cond:
+            streams = [*self._queue, *(s for b in self._ready for s in b.streams)]
+            self._queue.clear()
+            self._ready.clear()
+        for stream in [*streams, *self._owners_snapshot()]:
+            stream.finish(reason, error)
+
+    def _owners_snapshot(self) -> list[RequestStream]:
+        return [s for s in list(self._owners) if s is not None]
+
+    # --- prefill -------------------------------------------------------------------------
+
+    def _take(self, n: int) -> list[RequestStream]:
+        """Up to ``n`` queued requests that are still wanted (call with the lock held)."""
+        taken = []
+        while self._queue and len(taken) < n:
+            stream = self._queue.popleft()
+            if stream.cancel_requested:
+                stream.finish(stream.cancel_reason)
+                self.stats.finished += 1
+            else:
+                taken.append(stream)
+        return taken
+
+    def _prefill(self, streams: list[RequestStream]) -> _Batch:
+        """Prefills ``streams`` together; the results laid out for the decode engine."""
+        eng, pb = self.prefill_engine, self.prefill_batch
+        longest = max(len(s.request.prompt) for s in streams)
+        tokens_PT = np.zeros((pb, eng.bucket(longest)), np.int32)
+        lengths_P = np.ones(pb, np.int32)
+        for i, stream in enumerate(streams):
+            tokens_PT[i, : len(stream.request.prompt)] = stream.request.prompt
+            lengths_P[i] = len(stream.request.prompt)
+        lay = eng.layouts
+        tokens = put_global(tokens_PT, lay.tokens_BT)
+        lengths = put_global(lengths_P, lay.lengths_prefill_B)
+        logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
+        inserted = Inserted(k=k, v=v, lengths_P=lengths, logits_PV=logits_PV)
+        self.stats.prefill_batches += 1
+        if self.disaggregated:
+            inserted = self._transfer(inserted)
+        return _Batch(streams, inserted)
+
+    def _transfer(self, new: Inserted) -> Inserted:
+        """Moves a prefilled batch onto the decode devices, in their prefill layout."""
+        lay = self.engine.layouts
+        padded_vocab = self.engine.program.model_config.vocab_size
+        logits_PV = new.logits_PV[:, : self.engine.model_config.vocab_size]
+        if logits_PV.shape[-1] != padded_vocab:  # decode pads the vocabulary for its tp
+            pad = padded_vocab - logits_PV.shape[-1]
+            logits_PV = jnp.pad(logits_PV, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+        moved = Inserted(
+            k=jax.device_put(new.k, lay.kv_prefill),
+            v=jax.device_put(new.v, lay.kv_prefill),
+            lengths_P=jax.device_put(new.lengths_P, lay.lengths_prefill_B),
+            logits_PV=jax.device_put(logits_PV, lay.logits_prefill),
+        )
+        self.stats.transfer_bytes += moved.nbytes
+        self.stats.transfers += 1
+        return moved
+
+    def _prefill_loop(self) -> None:
+        """Disaggregated: prefill queued requests on the prefill devices, ahead of decode."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._stopping or (self._queue and len(self._ready) < READY_BATCHES)
+                )
+                if self._stopping:
+                    return
+                streams = self._take(self.prefill_batch)
+            if not streams:
+                continue
+            batch = self._prefill(streams)
+            jax.block_until_ready(batch.inserted)
+            with self._cond:
+                self._ready.append(batch)
+                self._cond.notify_all()
+
+    # --- decode --------------------------------------------------------------------------
+
+    def _next_batches(self, free: int) -> list[_Batch]:
+        """Prefilled batches that fit ``free`` slots (prefilling now unless disaggregated)."""
+        if self.disaggregated:
+            with self._cond:
+                batches = []
+                while self._ready and len(self._ready[0].streams) <= free:
+                    batches.append(self._ready.popleft())
+                    free -= len(batches[-1].streams)
+                self._cond.notify_all()
+            return batches
+        batches = []
+        while free:
+            with self._cond:
+                streams = self._take(min(free, self.prefill_batch))
+            if not streams:
+                break
+            batches.append(self._prefill(streams))
+            free -= len(streams)
+        return batches
+
+    def _wait_for_work(self, busy: bool) -> bool:
+        """Blocks while there is nothing to do; False once the loop should end."""
+        with self._cond:
+            if not busy:
+                self._cond.wait_for(lambda: self._stopping or self._queue or self._ready)
+            return not self._stopping
+
+    def _decode_loop(self) -> None:
+        b = self.engine.max_batch
+        steps = self.slot_steps
+        slots = steps.empty()
+        owners: list[RequestStream | None] = [None] * b
+        self._owners = owners
+        release_B = np.zeros(b, bool)
+        while self._wait_for_work(any(owners)):
+            self._release_cancelled(owners, release_B)
+            free = [i for i, s in enumerate(owners) if s is None]
+            for batch in self._next_batches(len(free)):
+                slots = self._insert(slots, batch, free, owners, release_B)
+            if not any(owners):
+                continue
+            slots, next_B = steps.step(self.engine.params, slots, release_B)
+            release_B[:] = False
+            self.stats.decode_steps += 1
+            tokens_B = np.asarray(jax.device_get(next_B))
+            for i, stream in enumerate(owners):
+                if stream is not None:
+                    self._emit(owners, release_B, i, int(tokens_B[i]))
+        for stream in self._owners_snapshot():
+            stream.finish("shutdown")
+        self._end_all("shutdown")
+
+    def _insert(self, slots, batch: _Batch, free: list[int], owners, release_B):
+        n, pb = len(batch.streams), self.prefill_batch
+        chosen = [free.pop(0) for _ in range(n)]
+        slot_P = np.full(pb, self.engine.max_batch, np.int32)  # padding rows are dropped
+        slot_P[:n] = chosen
+        requests = [s.request for s in batch.streams]
+        requests += [requests[0]] * (pb - n)
+        sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
+        slots, first_P = self.slot_steps.insert(slots, batch.inserted, slot_P, sampling_P)
+        first = np.asarray(jax.device_get(first_P))
+        for i, stream in zip(chosen, batch.streams, strict=True):
+            owners[i] = stream
+            release_B[i] = False
+            self._active += 1
+            self._emit(owners, release_B, i, int(first[chosen.index(i)]))
+        return slots
+
+    def _emit(self, owners, release_B, i: int, token: int) -> None:
+        stream = owners[i]
+        if stream.emit(token) is not None:
+            self._free(owners, release_B, i)
+
+    def _release_cancelled(self, owners, release_B) -> None:
+        for i, stream in enumerate(owners):
+            if stream is not None and stream.cancel_requested:
+                stream.finish(stream.cancel_reason)
+                self._free(owners, release_B, i)
+
+    def _free(self, owners, release_B, i: int) -> None:
+        owners[i] = None
+        release_B[i] = True
+        with self._cond:
+            self._active -= 1
+            self.stats.finished += 1
+            self._cond.notify_all()
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _prefill_batch(engine: InferenceEngine, wanted: int | None, separate) -> int:
+    dp = engine.parallel_config.dp
+    default = engine.max_batch if separate is not None else dp
+    pb = wanted or default
+    if pb % dp or pb > engine.max_batch:
+        raise ConfigError(
+            f"prefill_batch={pb} must be a multiple of the prefill strategy's dp={dp} and at "
+            f"most its max_batch={engine.max_batch}"
+        )
+    return pb
+
+
+def _check_pair(decode: InferenceEngine, prefill: InferenceEngine) -> None:
+    """A disaggregated pair: one model, disjoint devices, the same cache form."""
+    if decode.model_config != prefill.model_config:
+        raise ConfigError("prefill and decode engines must run the same model config")
+    shared = set(decode.mesh.devices.flat) & set(prefill.mesh.devices.flat)
+    if shared:
+        raise ConfigError(
+            f"disaggregated prefill and decode must use disjoint devices; both use "
+            f"{sorted(d.id for d in shared)}"
+        )
+    if prefill.parallel_config.pp > 1:
+        raise ConfigError("disaggregated prefill runs unpipelined strategies (pp=1)")

@@ -1,0 +1,166 @@
+"""A served request and the stream of its tokens, handed between threads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from jaxpar.engine._sampling import Sampling
+
+#: Why a request ended: a stop token, ``max_tokens``, a ``cancel()`` (a client went away,
+#: a stop string matched), the batcher shutting down, or an error in a step.
+FINISH_REASONS = ("stop", "length", "cancelled", "shutdown", "error")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """What a client asks for: a prompt's token ids and how to continue it."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    stop_tokens: frozenset[int] = frozenset()
+
+
+class RequestStream:
+    """The tokens of one request as the batcher draws them; safe across threads.
+
+    Iterate it (``for token in stream``, blocking) or ``async for token in stream`` from
+    an event loop; both end when the request finishes. :meth:`cancel` frees its slot.
+    The stop token, when one ends the request, is the last token.
+    """
+
+    def __init__(self, request_id: int, request: Request):
+        self.id = request_id
+        self.request = request
+        self.submitted_at = time.perf_counter()
+        self.token_times: list[float] = []  # perf_counter() when each token reached the host
+        self._tokens: list[int] = []
+        self._finish_reason: str | None = None
+        self._cancel_reason: str | None = None
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    # --- what consumers read ---------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        with self._cond:
+            return list(self._tokens)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reason
+
+    @property
+    def done(self) -> bool:
+        return self._finish_reason is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that ended the request (``finish_reason == "error"``)."""
+        return self._error
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel_reason is not None
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Ends the request at the batcher's next step and frees its slot (idempotent).
+
+        ``reason`` becomes the finish reason (``"stop"`` when a stop string matched).
+        """
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"reason must be one of {FINISH_REASONS}, got {reason!r}")
+        if self._cancel_reason is None:
+            self._cancel_reason = reason
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Blocks until the request finishes; its tokens.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+            return list(self._tokens)
+
+    def __iter__(self) -> Iterator[int]:
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda n=seen: len(self._tokens) > n or self.done)
+                new, done = self._tokens[seen:], self.done
+            seen += len(new)
+            yield from new
+            if done:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        waker = (asyncio.get_running_loop(), asyncio.Event())
+        with self._cond:
+            self._wakers.add(waker)
+        seen = 0
+        try:
+            while True:
+                waker[1].clear()
+                with self._cond:
+                    new, done = self._tokens[seen:], self.done
+                seen += len(new)
+                for token in new:
+                    yield token
+                if done:
+                    return
+                await waker[1].wait()
+        finally:
+            with self._cond:
+                self._wakers.discard(waker)
+
+    # --- what the batcher writes -----------------------------------------------------
+
+    @property
+    def cancel_reason(self) -> str | None:
+        return self._cancel_reason
+
+    def emit(self, token: int) -> str | None:
+        """Appends a token; returns the finish reason if it ends the request."""
+        now = time.perf_counter()
+        request = self.request
+        with self._cond:
+            self._tokens.append(token)
+            self.token_times.append(now)
+            n = len(self._tokens)
+        if token in request.stop_tokens:
+            reason = "stop"
+        elif n >= request.max_tokens:
+            reason = "length"
+        else:
+            reason = None
+        if reason is None:
+            self._wake()
+        else:
+            self.finish(reason)
+        return reason
+
+    def finish(self, reason: str, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self._finish_reason is None:
+                self._finish_reason = reason
+                self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+            wakers = list(self._wakers)
+        for loop, event in wakers:
+            # A closed loop's consumer is gone: nothing to wake.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(event.set)
