@@ -19,17 +19,16 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._requests import Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
-from jaxpar.engine._slots import Inserted, SlotSteps
+from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import CacheOverflowError, ConfigError, QueueFullError, ShapeError
 
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
@@ -47,14 +46,25 @@ class BatcherStats:
     prefill_batches: int = 0
     transfer_bytes: int = 0  # prefill -> decode devices (disaggregated only)
     transfers: int = 0
+    decode_seconds: float = 0.0  # wall time in decode steps, their tokens read back
+    prefill_seconds: float = 0.0  # wall time in prefill, first tokens, transfer
+    insert_seconds: float = 0.0  # wall time dispatching inserts
 
 
 @dataclasses.dataclass
 class _Batch:
-    """Requests prefilled together, with their prefill results on the decode devices."""
+    """Requests prefilled together, with their prefill results on the decode devices.
 
-    streams: list[RequestStream]
+    ``streams[i]`` is row i's request, or None once it finished at its first token.
+    """
+
+    streams: list[RequestStream | None]
     inserted: Inserted
+    sampling_P: RowSampling
+
+    @property
+    def live(self) -> list[tuple[int, RequestStream]]:
+        return [(i, s) for i, s in enumerate(self.streams) if s is not None]
 
 
 class ContinuousBatcher:
@@ -65,8 +75,10 @@ class ContinuousBatcher:
             ``max_seq_len`` bounds prompt + ``max_tokens`` - 1 per request.
         prefill_engine: disaggregated prefill on other devices (its own strategy and
             mesh); default: prefill on ``engine``, between decode steps.
-        prefill_batch: prompts prefilled together (a multiple of the prefill strategy's
-            ``dp``); default: that ``dp`` (the prefill engine's ``max_batch`` when given).
+        prefill_batch: most prompts prefilled together (a multiple of the prefill
+            strategy's ``dp``); fewer waiting use the smallest row bucket (``dp`` doubled)
+            that holds them. Default: ``4 * dp`` (the prefill engine's ``max_batch`` when
+            disaggregated).
         max_queue: requests waiting beyond this are refused (:class:`QueueFullError`).
     """
 
@@ -84,6 +96,7 @@ class ContinuousBatcher:
         self.slot_steps = SlotSteps(engine.steps, engine.program.model_config, engine.max_batch)
         if self.disaggregated:
             _check_pair(engine, prefill_engine)
+        self.first_tokens = FirstTokens(self.prefill_engine.steps)
         self.prefill_batch = _prefill_batch(self.prefill_engine, prefill_batch, prefill_engine)
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
@@ -201,15 +214,40 @@ class ContinuousBatcher:
             self._threads.append(thread)
         return self
 
-    def warmup(self, prompt_lens: Sequence[int] | None = None) -> list[int]:
-        """Compiles every program before the first client: runs a 2-token request per
-        prompt bucket (default: every bucket up to ``max_seq_len``). Returns the buckets."""
-        buckets = sorted(
-            {self.prefill_engine.bucket(n) for n in (prompt_lens or range(1, self.max_prompt_len))}
-        )
-        for length in buckets:
-            n = min(length, self.max_prompt_len - 1)
-            self.submit([0] * max(n, 1), max_tokens=2).result()
+    def row_buckets(self) -> list[int]:
+        """Prefill batch sizes: the prefill ``dp`` doubled up to ``prefill_batch``."""
+        rows, out = self.prefill_engine.parallel_config.dp, []
+        while rows < self.prefill_batch:
+            out.append(rows)
+            rows *= 2
+        return [*out, self.prefill_batch]
+
+    def _rows(self, n: int) -> int:
+        return next(r for r in self.row_buckets() if r >= n)
+
+    def warmup(self, prompt_lens: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """Compiles every program before the first request: prefill and insert for each
+        (rows, prompt-length bucket), then the decode step. Nothing runs.
+
+        Args:
+            prompt_lens: the prompt lengths to cover (default: all up to ``max_seq_len``).
+
+        Returns:
+            The (rows, length) buckets compiled.
+        """
+        lens = prompt_lens or range(1, self.max_prompt_len + 1)
+        buckets = [
+            (rows, length)
+            for rows in self.row_buckets()
+            for length in sorted({self.prefill_engine.bucket(n) for n in lens})
+        ]
+        eng = self.prefill_engine
+        for rows, length in buckets:
+            logits, k, v = eng.steps.compile_prefill(eng.params, rows, length)
+            self.first_tokens.compile(logits)
+            row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
+            self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
+        self.slot_steps.compile_step(self.engine.params)
         return buckets
 
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
@@ -282,11 +320,13 @@ class ContinuousBatcher:
         return taken
 
     def _prefill(self, streams: list[RequestStream]) -> _Batch:
-        """Prefills ``streams`` together; the results laid out for the decode engine."""
-        eng, pb = self.prefill_engine, self.prefill_batch
+        """Prefills ``streams`` together and draws their first tokens (sent to the clients
+        at once); the results laid out for the decode engine."""
+        eng, rows = self.prefill_engine, self._rows(len(streams))
+        start = time.perf_counter()
         longest = max(len(s.request.prompt) for s in streams)
-        tokens_PT = np.zeros((pb, eng.bucket(longest)), np.int32)
-        lengths_P = np.ones(pb, np.int32)
+        tokens_PT = np.zeros((rows, eng.bucket(longest)), np.int32)
+        lengths_P = np.ones(rows, np.int32)
         for i, stream in enumerate(streams):
             tokens_PT[i, : len(stream.request.prompt)] = stream.request.prompt
             lengths_P[i] = len(stream.request.prompt)
@@ -294,25 +334,40 @@ class ContinuousBatcher:
         tokens = put_global(tokens_PT, lay.tokens_BT)
         lengths = put_global(lengths_P, lay.lengths_prefill_B)
         logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
-        inserted = Inserted(k=k, v=v, lengths_P=lengths, logits_PV=logits_PV)
+        requests = [s.request for s in streams]
+        requests += [requests[0]] * (rows - len(streams))
+        sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
+        first_P = self.first_tokens(logits_PV, sampling_P)
+        first = np.asarray(jax.device_get(first_P))
         self.stats.prefill_batches += 1
+        live = [
+            self._first(stream, int(token))
+            for stream, token in zip(streams, first[: len(streams)], strict=True)
+        ]
+        inserted = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
         if self.disaggregated:
             inserted = self._transfer(inserted)
-        return _Batch(streams, inserted)
+        jax.block_until_ready(inserted)
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return _Batch(live, inserted, sampling_P)
+
+    def _first(self, stream: RequestStream, token: int) -> RequestStream | None:
+        """Sends a request its first token; None if that finished it (it takes no slot)."""
+        if stream.emit(token) is None:
+            return stream
+        with self._cond:
+            self.stats.finished += 1
+            self._cond.notify_all()
+        return None
 
     def _transfer(self, new: Inserted) -> Inserted:
         """Moves a prefilled batch onto the decode devices, in their prefill layout."""
         lay = self.engine.layouts
-        padded_vocab = self.engine.program.model_config.vocab_size
-        logits_PV = new.logits_PV[:, : self.engine.model_config.vocab_size]
-        if logits_PV.shape[-1] != padded_vocab:  # decode pads the vocabulary for its tp
-            pad = padded_vocab - logits_PV.shape[-1]
-            logits_PV = jnp.pad(logits_PV, ((0, 0), (0, pad)), constant_values=-jnp.inf)
         moved = Inserted(
             k=jax.device_put(new.k, lay.kv_prefill),
             v=jax.device_put(new.v, lay.kv_prefill),
             lengths_P=jax.device_put(new.lengths_P, lay.lengths_prefill_B),
-            logits_PV=jax.device_put(logits_PV, lay.logits_prefill),
+            first_P=jax.device_put(new.first_P, lay.replicated),
         )
         self.stats.transfer_bytes += moved.nbytes
         self.stats.transfers += 1
@@ -331,7 +386,6 @@ class ContinuousBatcher:
             if not streams:
                 continue
             batch = self._prefill(streams)
-            jax.block_until_ready(batch.inserted)
             with self._cond:
                 self._ready.append(batch)
                 self._cond.notify_all()
@@ -343,9 +397,9 @@ class ContinuousBatcher:
         if self.disaggregated:
             with self._cond:
                 batches = []
-                while self._ready and len(self._ready[0].streams) <= free:
+                while self._ready and len(self._ready[0].live) <= free:
                     batches.append(self._ready.popleft())
-                    free -= len(batches[-1].streams)
+                    free -= len(batches[-1].live)
                 self._cond.notify_all()
             return batches
         batches = []
@@ -355,7 +409,7 @@ class ContinuousBatcher:
             if not streams:
                 break
             batches.append(self._prefill(streams))
-            free -= len(streams)
+            free -= len(batches[-1].live)
         return batches
 
     def _wait_for_work(self, busy: bool) -> bool:
@@ -379,10 +433,12 @@ class ContinuousBatcher:
                 slots = self._insert(slots, batch, free, owners, release_B)
             if not any(owners):
                 continue
+            start = time.perf_counter()
             slots, next_B = steps.step(self.engine.params, slots, release_B)
             release_B[:] = False
-            self.stats.decode_steps += 1
             tokens_B = np.asarray(jax.device_get(next_B))
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += time.perf_counter() - start
             for i, stream in enumerate(owners):
                 if stream is not None:
                     self._emit(owners, release_B, i, int(tokens_B[i]))
@@ -391,20 +447,21 @@ class ContinuousBatcher:
         self._end_all("shutdown")
 
     def _insert(self, slots, batch: _Batch, free: list[int], owners, release_B):
-        n, pb = len(batch.streams), self.prefill_batch
-        chosen = [free.pop(0) for _ in range(n)]
-        slot_P = np.full(pb, self.engine.max_batch, np.int32)  # padding rows are dropped
-        slot_P[:n] = chosen
-        requests = [s.request for s in batch.streams]
-        requests += [requests[0]] * (pb - n)
-        sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
-        slots, first_P = self.slot_steps.insert(slots, batch.inserted, slot_P, sampling_P)
-        first = np.asarray(jax.device_get(first_P))
-        for i, stream in zip(chosen, batch.streams, strict=True):
-            owners[i] = stream
-            release_B[i] = False
-            self._active += 1
-            self._emit(owners, release_B, i, int(first[chosen.index(i)]))
+        """Writes a batch's live requests into free slots (the others' rows are dropped)."""
+        live = batch.live
+        if not live:
+            return slots
+        slot_P = np.full(len(batch.streams), self.engine.max_batch, np.int32)
+        for row, stream in live:
+            slot = free.pop(0)
+            slot_P[row] = slot
+            owners[slot] = stream
+            release_B[slot] = False
+        with self._cond:
+            self._active += len(live)
+        start = time.perf_counter()
+        slots = self.slot_steps.insert(slots, batch.inserted, slot_P, batch.sampling_P)
+        self.stats.insert_seconds += time.perf_counter() - start
         return slots
 
     def _emit(self, owners, release_B, i: int, token: int) -> None:
@@ -432,8 +489,10 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 def _prefill_batch(engine: InferenceEngine, wanted: int | None, separate) -> int:
+    """Most prompts prefilled together: by default the prefill engine's ``max_batch`` when
+    disaggregated, else up to 4 per ``dp`` shard (fewer take a smaller row bucket)."""
     dp = engine.parallel_config.dp
-    default = engine.max_batch if separate is not None else dp
+    default = engine.max_batch if separate is not None else min(engine.max_batch, 4 * dp) // dp * dp
     pb = wanted or default
     if pb % dp or pb > engine.max_batch:
         raise ConfigError(

@@ -5,12 +5,14 @@ plus, per slot, the token it feeds next, whether it is active, how many tokens i
 drawn and its sampling parameters (:class:`Slots`). Two compiled programs change it:
 
 * ``insert``: takes prefill K/V of a few requests (``[P, T, K, H]`` per layer, in the
-  prefill layout of this engine's strategy), draws each request's first token and writes
-  its rows into the chosen slots: a scatter into the donated cache, so only the new rows
-  move, never the whole cache. One compile per prompt-length bucket.
+  prefill layout of this engine's strategy) and their first tokens, and writes their rows
+  into the chosen slots: a scatter into the donated cache, so only the new rows move,
+  never the whole cache. One compile per (rows, prompt-length) bucket.
 * ``step``: one decode step over every slot, each with its own length, sampling row and
   step; inactive slots write nothing anyone reads and keep length 0. One compile.
 
+:class:`FirstTokens` draws each request's first token from its prefill logits, on the
+prefill devices (one compile per row count), so it reaches the client before the insert.
 Sampling parameters are arrays (:class:`RowSampling`), so no request ever recompiles.
 """
 
@@ -52,14 +54,13 @@ class Inserted:
 
     k: Any  # per-layer [P, T, K, H] tuple, or stacked [L, P, T, K, H]
     v: Any
-    lengths_P: jax.Array
-    logits_PV: jax.Array
+    lengths_P: jax.Array  # prompt lengths
+    first_P: jax.Array  # each request's first new token (drawn after prefill)
 
     @property
     def nbytes(self) -> int:
         """Bytes of what moves between prefill and decode devices."""
-        leaves = jax.tree.leaves((self.k, self.v, self.lengths_P, self.logits_PV))
-        return sum(x.size * x.dtype.itemsize for x in leaves)
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
 class SlotSteps:
@@ -80,6 +81,7 @@ class SlotSteps:
         self.steps = steps
         self.model_config = model_config
         self.n_slots = slots
+        self._idle_sampling = RowSampling.rows([Sampling()] * slots, [0] * slots)
         lay = steps.layouts
         row = lay.tokens_B
         key_row = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
@@ -95,28 +97,31 @@ class SlotSteps:
 
     def empty(self) -> Slots:
         """Every slot free, in the decode layout."""
-        b, cfg = self.n_slots, self.model_config
-        cache = jax.jit(
-            lambda: KVCache.empty(cfg, b, self.steps.max_seq_len), out_shardings=self.layout.cache
-        )()
-        zeros = np.zeros(b, np.int32)
-        host = Slots(
-            cache=None,
-            tokens_B=zeros,
-            active_B=np.zeros(b, bool),
-            step_B=zeros,
-            sampling=RowSampling.rows([Sampling()] * b, [0] * b),
+        return jax.jit(self._empty, out_shardings=self.layout)()
+
+    def abstract(self) -> Slots:
+        """:meth:`empty`'s shapes and shardings, allocating nothing."""
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(self._empty),
+            self.layout,
         )
-        placed = jax.tree.map(put_global, host, self.layout.replace(cache=None))
-        return placed.replace(cache=cache)
+
+    def _empty(self) -> Slots:
+        b = self.n_slots
+        return Slots(
+            cache=KVCache.empty(self.model_config, b, self.steps.max_seq_len),
+            tokens_B=jnp.zeros(b, jnp.int32),
+            active_B=jnp.zeros(b, bool),
+            step_B=jnp.zeros(b, jnp.int32),
+            sampling=jax.tree.map(jnp.asarray, self._idle_sampling),
+        )
 
     # --- traced bodies -------------------------------------------------------------------
 
     def _insert(self, slots: Slots, new: Inserted, slot_P, sampling_P: RowSampling):
         """Writes new rows ``slot_P`` (``>= B``: a padding row, dropped)."""
         with self.steps._context(DECODE):
-            logits_PV = mask_padded(new.logits_PV, self.steps.vocab_size)
-            first_P = select_rows(logits_PV, sampling_P, jnp.zeros_like(slot_P))
             cache = _write_rows(slots.cache, new, slot_P)
 
             def put(x_B, x_P):
@@ -124,12 +129,12 @@ class SlotSteps:
 
             slots = Slots(
                 cache=cache.replace(lengths_B=put(cache.lengths_B, new.lengths_P)),
-                tokens_B=put(slots.tokens_B, first_P),
+                tokens_B=put(slots.tokens_B, new.first_P),
                 active_B=put(slots.active_B, jnp.ones_like(slot_P, bool)),
                 step_B=put(slots.step_B, jnp.ones_like(slot_P)),
                 sampling=jax.tree.map(put, slots.sampling, sampling_P),
             )
-            return slots, first_P
+            return slots
 
     def _step(self, params, slots: Slots, release_B):
         """One decode step over every slot; returns the tokens (``-1`` for inactive slots)."""
@@ -152,30 +157,50 @@ class SlotSteps:
 
     # --- compiled entry points -----------------------------------------------------------
 
-    def insert(self, slots: Slots, new: Inserted, slot_P: np.ndarray, sampling_P: RowSampling):
-        """Donates ``slots``; returns the new slots and the first tokens ``[P]``."""
-        lay = self.steps.layouts
-        inserted = Inserted(
-            lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, lay.logits_prefill
-        )
-        rep = lay.replicated
-        slot_P = put_global(np.asarray(slot_P, np.int32), rep)
-        sampling_P = jax.tree.map(put_global, sampling_P, RowSampling(rep, rep, rep, rep))
-        compiled = self.steps._compile(
+    def _insert_program(self, slots, new: Inserted, slot_P, sampling_P):
+        lay, rep = self.steps.layouts, self.steps.layouts.replicated
+        rows = RowSampling(rep, rep, rep, rep)
+        inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
+        return self.steps._compile(
             "insert",
             (jax.tree.map(jnp.shape, new.k),),
             self._insert,
-            (self.layout, inserted, rep, RowSampling(rep, rep, rep, rep)),
-            (self.layout, rep),
+            (self.layout, inserted, rep, rows),
+            self.layout,
             (slots, new, slot_P, sampling_P),
             donate_argnums=(0,),
         )
-        return compiled(slots, new, slot_P, sampling_P)
 
-    def step(self, params, slots: Slots, release_B: np.ndarray):
-        """Donates ``slots``; ``release_B`` frees slots before the step (finished requests)."""
-        release = put_global(np.asarray(release_B, bool), self.layout.active_B)
-        compiled = self.steps._compile(
+    def insert(self, slots: Slots, new: Inserted, slot_P: np.ndarray, sampling_P: RowSampling):
+        """Writes ``new`` into slots ``slot_P`` (donates ``slots``; ``>= B``: not written)."""
+        rep = self.steps.layouts.replicated
+        slot_P = put_global(np.asarray(slot_P, np.int32), rep)
+        sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
+        return self._insert_program(slots, new, slot_P, sampling_P)(slots, new, slot_P, sampling_P)
+
+    def compile_insert(self, new: Inserted) -> None:
+        """Compiles ``insert`` for prefill results shaped like ``new`` (``ShapeDtypeStruct``
+        trees are enough) ahead of its first call."""
+        rows = new.lengths_P.shape[0]
+        rep = self.steps.layouts.replicated
+
+        def spec(x, sharding=rep):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        lay = self.steps.layouts
+        new = Inserted(
+            k=jax.tree.map(spec, new.k, lay.kv_prefill),
+            v=jax.tree.map(spec, new.v, lay.kv_prefill),
+            lengths_P=spec(new.lengths_P, lay.lengths_prefill_B),
+            first_P=spec(new.first_P),
+        )
+        host = RowSampling.rows([Sampling()] * rows, [0] * rows)
+        self._insert_program(
+            self.abstract(), new, spec(np.zeros(rows, np.int32)), jax.tree.map(spec, host)
+        )
+
+    def _step_program(self, params, slots, release):
+        return self.steps._compile(
             "slot_step",
             (),
             self._step,
@@ -184,7 +209,16 @@ class SlotSteps:
             (params, slots, release),
             donate_argnums=(1,),
         )
-        return compiled(params, slots, release)
+
+    def step(self, params, slots: Slots, release_B: np.ndarray):
+        """Donates ``slots``; ``release_B`` frees slots before the step (finished requests)."""
+        release = put_global(np.asarray(release_B, bool), self.layout.active_B)
+        return self._step_program(params, slots, release)(params, slots, release)
+
+    def compile_step(self, params) -> None:
+        """Compiles ``step`` ahead of its first call."""
+        release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
+        self._step_program(params, self.abstract(), release)
 
 
 def _write_rows(cache: KVCache, new: Inserted, slot_P: jax.Array) -> KVCache:
@@ -204,3 +238,47 @@ def _write_rows(cache: KVCache, new: Inserted, slot_P: jax.Array) -> KVCache:
         return cache_BKSH.at[slot_P, :, :t].set(new_PKTH, mode="drop")
 
     return cache.replace(k=tuple(map(put, cache.k, new.k)), v=tuple(map(put, cache.v, new.v)))
+
+
+class FirstTokens:
+    """Draws prefilled requests' first tokens where the prefill ran (``steps``' devices).
+
+    ``logits [P, V]`` (the engine's padded vocabulary; padded ids never drawn) and one
+    sampling row per request, at step 0: as ``generate`` draws its first token.
+    """
+
+    def __init__(self, steps: Steps):
+        self.steps = steps
+
+    def _draw(self, logits_PV, sampling_P):
+        with self.steps._context(Phase.PREFILL):
+            logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
+            return select_rows(logits_PV, sampling_P, jnp.zeros(logits_PV.shape[0], jnp.int32))
+
+    def _program(self, logits_PV, sampling_P):
+        lay = self.steps.layouts
+        rep = lay.replicated
+        return self.steps._compile(
+            "first_tokens",
+            (logits_PV.shape,),
+            self._draw,
+            (lay.logits_prefill, RowSampling(rep, rep, rep, rep)),
+            rep,
+            (logits_PV, sampling_P),
+        )
+
+    def __call__(self, logits_PV: jax.Array, sampling_P: RowSampling) -> jax.Array:
+        rep = self.steps.layouts.replicated
+        sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
+        return self._program(logits_PV, sampling_P)(logits_PV, sampling_P)
+
+    def compile(self, logits_PV: jax.ShapeDtypeStruct) -> None:
+        """Compiles the draw for ``logits_PV``'s shape ahead of its first call."""
+        rep = self.steps.layouts.replicated
+        rows = logits_PV.shape[0]
+        host = RowSampling.rows([Sampling()] * rows, [0] * rows)
+        logits = jax.ShapeDtypeStruct(
+            logits_PV.shape, logits_PV.dtype, sharding=self.steps.layouts.logits_prefill
+        )
+        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), host)
+        self._program(logits, specs)

@@ -151,6 +151,17 @@ class Steps:
             out_shardings=(logits, lay.kv_prefill, lay.kv_prefill),
         )
 
+    def compile_prefill(self, params, rows: int, length: int) -> Any:
+        """Compiles the prefill of ``[rows, length]`` prompts ahead of its first call;
+        returns its outputs' shapes (``ShapeDtypeStruct`` trees)."""
+        lay = self.layouts
+        tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=lay.tokens_BT)
+        lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=lay.lengths_prefill_B)
+        args = (params, tokens, lengths)
+        return self._aot(
+            "prefill", ((rows, length), False), self._jit_prefill(False), args
+        ).out_info
+
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         args = (params, tokens_BT, lengths_B)
         jitted = self._jit_prefill(all_logits)
