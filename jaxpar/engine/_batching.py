@@ -451,7 +451,8 @@ class ContinuousBatcher:
         live = batch.live
         if not live:
             return slots
-        slot_P = np.full(len(batch.streams), self.engine.max_batch, np.int32)
+        rows = batch.inserted.lengths_P.shape[0]  # the row bucket: padding rows are dropped
+        slot_P = np.full(rows, self.engine.max_batch, np.int32)
         for row, stream in live:
             slot = free.pop(0)
             slot_P[row] = slot
