@@ -46,7 +46,7 @@ class BatcherStats:
     prefill_batches: int = 0
     transfer_bytes: int = 0  # prefill -> decode devices (disaggregated only)
     transfers: int = 0
-    decode_seconds: float = 0.0  # wall time in decode steps, their tokens read back
+    decode_seconds: float = 0.0  # wall time from one step's tokens on the host to the next's
     prefill_seconds: float = 0.0  # wall time in prefill, first tokens, transfer
     insert_seconds: float = 0.0  # wall time dispatching inserts
 
@@ -113,6 +113,7 @@ class ContinuousBatcher:
         self._owners: list[RequestStream | None] = []
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
+        self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
 
     # --- clients -------------------------------------------------------------------------
 
@@ -417,34 +418,51 @@ class ContinuousBatcher:
         with self._cond:
             if not busy:
                 self._cond.wait_for(lambda: self._stopping or self._queue or self._ready)
+                self._loop_started = time.perf_counter()
             return not self._stopping
 
     def _decode_loop(self) -> None:
+        """Decode steps over the slots, refilled in between.
+
+        Step n+1 is dispatched before step n's tokens are read back, so the host's work
+        (reading, streaming, stop checks, admitting) overlaps the device's. A request that
+        finished at step n has one more token drawn at step n+1; it is dropped.
+        """
         b = self.engine.max_batch
-        steps = self.slot_steps
-        slots = steps.empty()
+        slots = self.slot_steps.empty()
         owners: list[RequestStream | None] = [None] * b
         self._owners = owners
         release_B = np.zeros(b, bool)
-        while self._wait_for_work(any(owners)):
+        pending = None  # the last step's tokens (on device) and who held each slot then
+        while self._wait_for_work(any(owners) or pending is not None):
             self._release_cancelled(owners, release_B)
             free = [i for i, s in enumerate(owners) if s is None]
             for batch in self._next_batches(len(free)):
                 slots = self._insert(slots, batch, free, owners, release_B)
-            if not any(owners):
-                continue
-            start = time.perf_counter()
-            slots, next_B = steps.step(self.engine.params, slots, release_B)
-            release_B[:] = False
-            tokens_B = np.asarray(jax.device_get(next_B))
-            self.stats.decode_steps += 1
-            self.stats.decode_seconds += time.perf_counter() - start
-            for i, stream in enumerate(owners):
-                if stream is not None:
-                    self._emit(owners, release_B, i, int(tokens_B[i]))
+            dispatched = None
+            if any(owners):
+                slots, next_B = self.slot_steps.step(self.engine.params, slots, release_B)
+                release_B[:] = False
+                dispatched = (next_B, list(owners))
+            if pending is not None:
+                self._deliver(*pending, owners, release_B)
+            pending = dispatched
         for stream in self._owners_snapshot():
             stream.finish("shutdown")
         self._end_all("shutdown")
+
+    def _deliver(self, next_B, holders, owners, release_B) -> None:
+        """Streams one step's tokens to the requests that held the slots when it ran."""
+        tokens_B = np.asarray(jax.device_get(next_B))
+        now = time.perf_counter()
+        self.stats.decode_steps += 1
+        self.stats.decode_seconds += now - max(self._last_read, self._loop_started)
+        self._last_read = now
+        for i, stream in enumerate(holders):
+            if stream is None or stream.done:
+                continue
+            if stream.emit(int(tokens_B[i])) is not None and owners[i] is stream:
+                self._free(owners, release_B, i)
 
     def _insert(self, slots, batch: _Batch, free: list[int], owners, release_B):
         """Writes a batch's live requests into free slots (the others' rows are dropped)."""
@@ -464,11 +482,6 @@ class ContinuousBatcher:
         slots = self.slot_steps.insert(slots, batch.inserted, slot_P, batch.sampling_P)
         self.stats.insert_seconds += time.perf_counter() - start
         return slots
-
-    def _emit(self, owners, release_B, i: int, token: int) -> None:
-        stream = owners[i]
-        if stream.emit(token) is not None:
-            self._free(owners, release_B, i)
 
     def _release_cancelled(self, owners, release_B) -> None:
         for i, stream in enumerate(owners):

@@ -141,7 +141,10 @@ class SlotSteps:
         with self.steps._context(DECODE):
             active_B = slots.active_B & ~release_B
             cache = slots.cache
-            # A free slot appends at position 0 (never read: an insert rewrites the row).
+            # A free slot appends at position 0 (never read: an insert rewrites the row); so
+            # does a full one, whose request has finished (the host stops requests before
+            # max_seq_len, and learns it one step late).
+            active_B = active_B & (cache.lengths_B < cache.max_seq_len)
             cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, 0))
             logits_BV, cache = self.steps._model(params).decode(slots.tokens_B, cache)
             logits_BV = mask_padded(logits_BV, self.steps.vocab_size)
