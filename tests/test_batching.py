@@ -1,0 +1,234 @@
+"""Continuous batching (engine level): every request equals its own offline ``generate``.
+
+The batcher serves requests over a few decode slots, refilling them as requests finish;
+each request's tokens must equal ``engine.generate([prompt], ...)`` with the same
+sampling, seed and stop tokens, token for token, whatever else shares the slots. Also:
+nothing compiles per request, a cancelled request frees its slot, the queue is bounded,
+bad requests fail before they queue, and the insert moves only the new rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import ConfigError, InferenceEngine, ParallelConfig, QueueFullError, ShapeError
+from jaxpar.engine import ContinuousBatcher, RowSampling, Sampling
+from jaxpar.engine._sampling import select, select_rows
+from jaxpar.errors import CacheOverflowError
+from jaxpar.inspect import parse_collectives
+from jaxpar.inspect._movement import data_movement
+from jaxpar.models import init_params, preset
+from jaxpar.spec import make_mesh
+
+MAX_SEQ_LEN, SLOTS = 32, 4
+CONFIG = preset("tiny-gqa")
+SAMPLED = Sampling(temperature=0.9, top_k=20, top_p=0.9)
+
+
+@functools.cache
+def _params(layer_loop: str):
+    config = dataclasses.replace(CONFIG, layer_loop=layer_loop)
+    return config, init_params(config)
+
+
+def _engine(parallel: ParallelConfig, first_device: int = 0, layer_loop="unrolled", **kw):
+    config, params = _params(layer_loop)
+    devices = jax.devices()[first_device : first_device + parallel.size]
+    kw.setdefault("max_batch", SLOTS)
+    kw.setdefault("max_seq_len", MAX_SEQ_LEN)
+    return InferenceEngine(config, params, parallel, mesh=make_mesh(parallel, devices), **kw)
+
+
+def _requests() -> list[dict]:
+    """Eight requests for four slots: mixed prompt and output lengths, greedy and sampled
+    rows, one that ends at its first token, two with stop tokens (set from offline runs)."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i, (length, n) in enumerate([(3, 12), (9, 2), (14, 9), (5, 1), (2, 16), (11, 6)] * 2):
+        if i >= 8:
+            break
+        prompt = rng.integers(1, CONFIG.vocab_size, length).tolist()
+        sampled = i % 3 == 1
+        out.append(
+            dict(prompt=prompt, max_tokens=n, sampling=SAMPLED if sampled else Sampling(), seed=i)
+        )
+    return out
+
+
+def _offline(engine: InferenceEngine, r: dict, stop_tokens=()) -> list[int]:
+    gen = engine.generate(
+        [r["prompt"]],
+        r["max_tokens"],
+        sampling=r["sampling"],
+        seed=r["seed"],
+        stop_tokens=stop_tokens,
+    )
+    return gen.tokens[0]
+
+
+def _check_served(batcher: ContinuousBatcher, reference: InferenceEngine) -> None:
+    requests = _requests()
+    # Stop tokens from the offline runs: request 0 stops at (the first occurrence of) its
+    # 4th token, request 2 at a token it never emits (it runs to max_tokens).
+    expected = [_offline(reference, r) for r in requests]
+    stops = {0: [expected[0][3]], 2: [CONFIG.vocab_size - 1]}
+    expected[0] = _offline(reference, requests[0], stops[0])
+    compiled = len(batcher.engine.steps._compiled)
+    streams = [batcher.submit(**r, stop_tokens=stops.get(i, ())) for i, r in enumerate(requests)]
+    got = [s.result(timeout=120) for s in streams]
+    assert got == expected
+    assert [s.finish_reason for s in streams] == [
+        "stop" if i == 0 else "length" for i in range(len(requests))
+    ]
+    assert got[0].index(stops[0][0]) == len(got[0]) - 1  # ends at its first stop token
+    # Eight requests over four slots: slots were refilled; nothing compiled after warmup.
+    assert batcher.stats.finished == len(requests)
+    assert len(batcher.engine.steps._compiled) == compiled
+
+
+@pytest.mark.parametrize(
+    "parallel,layer_loop",
+    [(ParallelConfig(), "unrolled"), (ParallelConfig(dp=2, tp=2), "scan")],
+    ids=["single", "dp2-tp2-scan"],
+)
+def test_served_requests_equal_offline_generate(parallel, layer_loop):
+    engine = _engine(parallel, layer_loop=layer_loop)
+    with ContinuousBatcher(engine, prefill_batch=2) as batcher:
+        buckets = batcher.warmup(range(1, 17))
+        assert {length for _, length in buckets} == {8, 16}
+        _check_served(batcher, engine)
+
+
+def test_disaggregated_requests_equal_offline_generate():
+    """Prefill sp=2 on devices 0-1, decode tp=2 on devices 2-3; K/V moves once per batch."""
+    prefill = _engine(ParallelConfig(sp=2), 0, max_batch=2)
+    decode = _engine(ParallelConfig(tp=2), 2)
+    with ContinuousBatcher(decode, prefill_engine=prefill) as batcher:
+        batcher.warmup(range(1, 17))
+        _check_served(batcher, decode)
+        stats = batcher.stats
+    assert stats.transfers == stats.prefill_batches > 0
+    # K and V of every layer for the batch's rows and bucket, plus lengths and first tokens.
+    kv_row = 2 * CONFIG.n_layers * CONFIG.n_kv_heads * CONFIG.head_dim * 4  # f32, per token
+    assert stats.transfer_bytes >= stats.transfers * 2 * 8 * kv_row
+
+
+def test_disaggregated_pair_must_not_share_devices():
+    prefill = _engine(ParallelConfig(sp=2), 0, max_batch=2)
+    decode = _engine(ParallelConfig(tp=2), 1)
+    with pytest.raises(ConfigError, match="disjoint devices"):
+        ContinuousBatcher(decode, prefill_engine=prefill)
+
+
+def test_select_rows_draws_as_offline_select():
+    """Row b with its own sampling and step draws what ``select`` draws for row 0."""
+    rng = np.random.default_rng(0)
+    logits_BV = rng.normal(size=(5, 64)).astype(np.float32)
+    samplings = [
+        Sampling(),
+        Sampling(temperature=0.7),
+        Sampling(temperature=1.3, top_k=3),
+        Sampling(temperature=1.0, top_p=0.5),
+        Sampling(temperature=0.5, top_k=10, top_p=0.8),
+    ]
+    seeds, steps = [3, 1, 4, 1, 5], np.array([0, 2, 7, 1, 30], np.int32)
+    rows = jax.tree.map(np.asarray, RowSampling.rows(samplings, seeds))
+    got = np.asarray(jax.jit(select_rows)(logits_BV, rows, steps))
+    want = [
+        int(select(logits_BV[b : b + 1], jax.random.fold_in(jax.random.key(s), int(t)), sp)[0])
+        for b, (sp, s, t) in enumerate(zip(samplings, seeds, steps, strict=True))
+    ]
+    assert got.tolist() == want
+    # Sampled rows really sample: other seeds draw other tokens somewhere.
+    other = jax.tree.map(np.asarray, RowSampling.rows(samplings, [s + 100 for s in seeds]))
+    draws = [np.asarray(jax.jit(select_rows)(logits_BV, other, steps + k)) for k in range(8)]
+    assert any((d[1:] != got[1:]).any() for d in draws)
+    assert all(d[0] == got[0] for d in draws)  # the greedy row never changes
+
+
+def test_cancel_frees_the_slot():
+    engine = _engine(ParallelConfig(), max_batch=1)
+    with ContinuousBatcher(engine, prefill_batch=1) as batcher:
+        batcher.warmup([4])
+        long = batcher.submit([5, 6, 7, 8], max_tokens=MAX_SEQ_LEN - 3)
+        waiting = batcher.submit([9, 10], max_tokens=3)
+        next(iter(long))  # its first token arrived: it holds the only slot
+        long.cancel()
+        assert waiting.result(timeout=60) == _offline(
+            engine, dict(prompt=[9, 10], max_tokens=3, sampling=Sampling(), seed=0)
+        )
+        assert long.finish_reason == "cancelled"
+        assert len(long.tokens) < MAX_SEQ_LEN - 3
+        assert batcher.active == 0
+
+
+def test_queue_is_bounded_and_bad_requests_fail_before_queueing():
+    engine = _engine(ParallelConfig(), max_batch=1)
+    batcher = ContinuousBatcher(engine, max_queue=2)  # not started: nothing drains
+    for bad, error, match in [
+        ([], ShapeError, "non-empty"),
+        ([1, CONFIG.vocab_size], ShapeError, "outside the vocabulary"),
+        ([1.5, 2.0], ShapeError, "integers"),
+        ([1] * (MAX_SEQ_LEN + 1), CacheOverflowError, "max_seq_len"),
+    ]:
+        with pytest.raises(error, match=match):
+            batcher.submit(bad, max_tokens=1)
+    with pytest.raises(CacheOverflowError, match="lower max_tokens to at most 23"):
+        batcher.submit([1] * 10, max_tokens=24)
+    with pytest.raises(ShapeError, match="max_tokens"):
+        batcher.submit([1], max_tokens=0)
+    batcher.submit([1], max_tokens=1)
+    batcher.submit([2], max_tokens=1)
+    with pytest.raises(QueueFullError, match="max_queue=2"):
+        batcher.submit([3], max_tokens=1)
+    assert batcher.queued == 2
+    batcher.close()
+    with pytest.raises(QueueFullError, match="shutting down"):
+        batcher.submit([3], max_tokens=1)
+
+
+def test_close_ends_running_requests_and_drain_finishes_them():
+    engine = _engine(ParallelConfig(), max_batch=2)
+    batcher = ContinuousBatcher(engine, prefill_batch=1).start()
+    batcher.warmup([3])
+    kept = batcher.submit([1, 2, 3], max_tokens=6)
+    batcher.close(drain=True, timeout=60)
+    assert kept.finish_reason == "length" and len(kept.tokens) == 6
+    batcher = ContinuousBatcher(engine, prefill_batch=1).start()
+    running = batcher.submit([1, 2, 3], max_tokens=MAX_SEQ_LEN - 2)
+    next(iter(running))
+    batcher.close()
+    assert running.finish_reason == "shutdown"
+    assert not batcher.running
+
+
+def test_pipelined_strategies_are_refused_with_a_clear_error():
+    engine = _engine(ParallelConfig(pp=2))
+    with pytest.raises(ConfigError, match="pp=2: serve with pp=1"):
+        ContinuousBatcher(engine)
+
+
+def test_insert_writes_only_the_new_rows():
+    """The insert's compiled program copies no cache-sized buffer, and what it moves
+    between devices is the new rows' K/V (gathered over dp), not the cache."""
+    engine = _engine(ParallelConfig(dp=2, tp=2))
+    batcher = ContinuousBatcher(engine, prefill_batch=2)
+    batcher.warmup([16])
+    (name, key), compiled = next(
+        ((k[0], k[1:]), c) for k, c in engine.steps._compiled.items() if k[0] == "insert"
+    )
+    hlo = compiled.as_text()
+    dp, tp = 2, 2
+    k_heads = CONFIG.n_kv_heads // tp
+    layer_cache = SLOTS // dp * k_heads * MAX_SEQ_LEN * CONFIG.head_dim * 4
+    assert not data_movement(hlo, [layer_cache])
+    new_rows = 2 * CONFIG.n_layers * 2 * k_heads * 16 * CONFIG.head_dim * 4  # K+V, 2 rows
+    moved = sum(c.bytes for c in parse_collectives(hlo))
+    whole_cache = 2 * CONFIG.n_layers * layer_cache * dp
+    assert moved <= new_rows * dp, (moved, new_rows)
+    assert moved < whole_cache / 2
