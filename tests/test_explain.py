@@ -123,3 +123,28 @@ def test_llama_1b_from_shapes_only(capsys):
 def test_illegal_strategy_is_refused(capsys):
     assert main(["explain", "--model", "tiny-dense", "--ep", "2"]) == 2
     assert "ep-needs-moe" in capsys.readouterr().out
+
+
+def test_disaggregated_explains_each_phase_on_its_group_and_the_handoff(capsys):
+    """``--prefill sp=4``: prefill compiled under sp=4 on devices 4-7, decode under tp=4 on
+    devices 0-3, and the K/V handoff between them with its bytes."""
+    batch, prompt_len = 4, 16
+    data = run_json(
+        capsys,
+        ["--model", "tiny-gqa", "--tp", "4", "--prefill", "sp=4"]
+        + ["--batch", str(batch), "--prompt-len", str(prompt_len)],
+    )
+    prefill, decode = data["phases"]["prefill"], data["phases"]["decode"]
+    assert (prefill["strategy"], prefill["devices"]) == ("sp=4", [4, 5, 6, 7])
+    assert (decode["strategy"], decode["devices"]) == ("tp=4", [0, 1, 2, 3])
+    # Each phase's compiled collectives run over its own strategy's axes.
+    assert {a for r in prefill["collectives"]["rows"] for a in r["axes"]} == {"sp"}
+    assert {a for r in decode["collectives"]["rows"] for a in r["axes"]} == {"tp"}
+    m = data["model"]
+    kv = 2 * m["n_layers"] * batch * prompt_len * m["n_kv_heads"] * m["head_dim"] * 4  # f32
+    transfer = data["disaggregated"]["transfer"]
+    assert transfer["bytes_per_batch"] == kv + 2 * batch * 4  # + lengths and first tokens
+    assert transfer["from_spec"] == "P(None, 'sp', None, None)"
+    assert main(["explain", "--model", "tiny-gqa", "--tp", "4", "--prefill", "sp=4"]) == 0
+    text = capsys.readouterr().out
+    assert "prefill -> decode handoff" in text and "devices 4-7" in text

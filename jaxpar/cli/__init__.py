@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--no-compile", action="store_true", help="analytic model only (no compiled program)"
     )
+    explain.add_argument(
+        "--prefill",
+        metavar="STRATEGY",
+        default=None,
+        help="disaggregated serving: prefill under STRATEGY (e.g. sp=4) on the devices after "
+        "decode's; shows both groups and the K/V transfer between them",
+    )
     return parser
 
 

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jaxpar.cli._common import model_config, parallel_config
+from jaxpar.cli._groups import DeviceGroup, describe_groups, device_groups, handoff
 from jaxpar.cli._progress import stage
 from jaxpar.engine import AbstractEngine, run_form
 from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
@@ -42,31 +43,20 @@ from jaxpar.spec import (
     ParallelConfig,
     Phase,
     Plan,
-    make_mesh,
     param_partition_spec,
     partition_spec,
     validate,
 )
 
 
-def abstract_engine(
-    config: ModelConfig, parallel: ParallelConfig, *, max_batch: int, max_seq_len: int
-) -> AbstractEngine:
-    """The engine's layouts and steps over abstract parameters, on the first devices."""
-    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    return AbstractEngine.build(
-        config, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
-    )
-
-
-def _compile_note(args: argparse.Namespace, parallel: ParallelConfig) -> str | None:
+def _compile_note(args: argparse.Namespace, group: DeviceGroup) -> str | None:
     """Why no program is compiled (the analytic model is shown instead), or None."""
     if args.no_compile:
         return "skipped (--no-compile)"
-    if parallel.size > jax.device_count():
+    if group.end > jax.device_count():
         return (
-            f"{parallel} needs {parallel.size} devices, {jax.device_count()} "
-            "available (on CPU raise --cpu-devices)"
+            f"{group.parallel} on devices {group.first}..{group.end - 1} needs {group.end} "
+            f"devices, {jax.device_count()} available (on CPU raise --cpu-devices)"
         )
     return None
 
@@ -269,60 +259,75 @@ def _config_of(args: argparse.Namespace) -> ModelConfig:
 
 
 def explain(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``jaxpar explain`` shows, as a JSON-ready dict."""
-    config, parallel = _config_of(args), parallel_config(args)
-    plan = validate(
-        run_form(config, parallel),
-        parallel,
-        n_devices=parallel.size,
-        batch=args.batch,
-        max_seq_len=args.max_seq_len,
-    )
+    """Everything ``jaxpar explain`` shows, as a JSON-ready dict.
+
+    With ``--prefill STRATEGY`` (disaggregated serving) the prefill phase is explained under
+    that strategy on its own device group, the decode phase under the degree flags, and
+    the K/V handoff between the groups is added (``"disaggregated"``).
+    """
+    config = _config_of(args)
+    groups = device_groups(parallel_config(args), getattr(args, "prefill", None))
     phases = [Phase.PREFILL, Phase.DECODE] if args.phase == "both" else [Phase.coerce(args.phase)]
-    note = _compile_note(args, parallel)
-    engine = None
-    if note is None:
-        engine = abstract_engine(
-            config, parallel, max_batch=args.batch, max_seq_len=args.max_seq_len
-        )
+    decode = groups[Phase.DECODE]
     out: dict[str, Any] = {
         "model": {
             k: (str(v) if k in ("dtype", "param_dtype") else v)
             for k, v in dataclasses.asdict(config).items()
         },
-        "strategy": str(parallel),
-        "degrees": dict(zip(("dp", "pp", "sp", "ep", "tp"), parallel.shape, strict=True)),
+        "strategy": describe_groups(groups),
+        "degrees": dict(zip(("dp", "pp", "sp", "ep", "tp"), decode.parallel.shape, strict=True)),
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "max_seq_len": args.max_seq_len,
-        "compiled": engine is not None,
-        "compiled_note": note,
-        "parameters": parameter_rows(config, parallel),
+        "parameters": parameter_rows(config, decode.parallel),
         "phases": {},
     }
+    engines: dict[DeviceGroup, AbstractEngine | None] = {}
     for phase in phases:
-        model = communication_model(
-            config, parallel, phase, batch=args.batch, prompt_len=args.prompt_len
+        group = groups[phase]
+        parallel = group.parallel
+        plan = validate(
+            run_form(config, parallel),
+            parallel,
+            n_devices=parallel.size,
+            batch=args.batch,
+            max_seq_len=args.max_seq_len,
         )
-        report = None
-        if engine is not None:
-            report = phase_report(engine, phase, prompt_len=args.prompt_len, label=str(parallel))[0]
-        out["phases"][phase.value] = {
-            "tensors": tensor_rows(
-                config,
-                parallel,
-                phase,
-                batch=args.batch,
-                prompt_len=args.prompt_len,
-                max_seq_len=args.max_seq_len,
-            ),
-            "modules": module_rows(plan, phase),
-            "collectives": report.to_dict() if report else {"model": model.to_dict()},
-            "execution": execution_steps(config, model),
-            "_report": report,
-            "_model": model,
-        }
+        note = _compile_note(args, group)
+        if group not in engines:
+            engines[group] = None if note else group.abstract_engine(config, args)
+        out["compiled"], out["compiled_note"] = engines[group] is not None, note
+        out["phases"][phase.value] = _phase(args, config, group, plan, phase, engines[group])
+    if groups[Phase.PREFILL] != decode:
+        out["disaggregated"] = handoff(config, groups, batch=args.batch, prompt_len=args.prompt_len)
     return out
+
+
+def _phase(args, config, group, plan, phase, engine) -> dict[str, Any]:
+    parallel = group.parallel
+    model = communication_model(
+        config, parallel, phase, batch=args.batch, prompt_len=args.prompt_len
+    )
+    report = None
+    if engine is not None:
+        report = phase_report(engine, phase, prompt_len=args.prompt_len, label=str(parallel))[0]
+    return {
+        "strategy": str(parallel),
+        "devices": list(group.devices),
+        "tensors": tensor_rows(
+            config,
+            parallel,
+            phase,
+            batch=args.batch,
+            prompt_len=args.prompt_len,
+            max_seq_len=args.max_seq_len,
+        ),
+        "modules": module_rows(plan, phase),
+        "collectives": report.to_dict() if report else {"model": model.to_dict()},
+        "execution": execution_steps(config, model),
+        "_report": report,
+        "_model": model,
+    }
 
 
 def _cell(column: str, value: Any) -> str:
@@ -405,6 +410,23 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
             console.print(
                 f"  {kind} [dim]{s['section']:<16}[/] {escape(s['text'])}", highlight=False
             )
+    _print_handoff(console, data.get("disaggregated"))
     if args.dot:
         console.print(f"DOT graph written to {args.dot}")
     return 0
+
+
+def _print_handoff(console: Console, d: dict[str, Any] | None) -> None:
+    if d is None:
+        return
+    console.rule("[bold]prefill -> decode handoff")
+    for role, g in d["groups"].items():
+        devices = g["devices"]
+        console.print(f"  {role:<8} {g['strategy']:<24} devices {devices[0]}-{devices[-1]}")
+    t = d["transfer"]
+    console.print(
+        f"  moves {escape(t['what'])}: {t['bytes_per_batch']:,} B per prefilled batch "
+        f"({t['bytes_per_request']:,} B per request), {t['from_spec']} -> {t['to_spec']}, "
+        f"{t['when']}",
+        highlight=False,
+    )

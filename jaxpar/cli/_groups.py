@@ -1,0 +1,119 @@
+"""Device groups per phase: one strategy on the first devices, or disaggregated serving.
+
+Without ``--prefill`` both phases run one strategy on the first devices. With
+``--prefill STRATEGY`` decode keeps the degree flags on the first devices and prefill runs
+``STRATEGY`` on the devices after them; each request's K/V then moves from the prefill
+group to the decode group once (:func:`handoff`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from jaxpar.engine import AbstractEngine
+from jaxpar.errors import ConfigError
+from jaxpar.models import PREFILL_KV_AXES, ModelConfig
+from jaxpar.spec import Module, ParallelConfig, Phase, make_mesh, partition_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroup:
+    """A strategy on the contiguous devices ``[first, first + parallel.size)``."""
+
+    parallel: ParallelConfig
+    first: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.first + self.parallel.size
+
+    @property
+    def devices(self) -> range:
+        return range(self.first, self.end)
+
+    def mesh(self):
+        return make_mesh(self.parallel, jax.devices()[self.first : self.end])
+
+    def abstract_engine(self, config: ModelConfig, args: argparse.Namespace) -> AbstractEngine:
+        """The group's layouts and steps over abstract parameters."""
+        return AbstractEngine.build(
+            config,
+            self.parallel,
+            max_batch=args.batch,
+            max_seq_len=args.max_seq_len,
+            mesh=self.mesh(),
+        )
+
+
+def parse_strategy(text: str) -> ParallelConfig:
+    """``"sp=4"`` or ``"dp=2,tp=2"`` as a :class:`ParallelConfig` (clear error otherwise)."""
+    try:
+        return ParallelConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"--prefill {text!r}: expected degrees like 'sp=4' or 'dp=2,tp=2' ({e})"
+        ) from e
+
+
+def device_groups(decode: ParallelConfig, prefill: str | None) -> dict[Phase, DeviceGroup]:
+    """Where each phase runs: ``decode`` on the first devices, prefill after them if given."""
+    group = DeviceGroup(decode)
+    if not prefill:
+        return {Phase.PREFILL: group, Phase.DECODE: group}
+    separate = parse_strategy(prefill)
+    if separate.pp > 1 or decode.pp > 1:
+        raise ConfigError("disaggregated prefill and decode run unpipelined strategies (pp=1)")
+    return {Phase.PREFILL: DeviceGroup(separate, decode.size), Phase.DECODE: group}
+
+
+def describe_groups(groups: dict[Phase, DeviceGroup]) -> str:
+    prefill, decode = groups[Phase.PREFILL], groups[Phase.DECODE]
+    if prefill == decode:
+        return str(decode.parallel)
+    return (
+        f"prefill {prefill.parallel} on devices {prefill.first}-{prefill.end - 1}, "
+        f"decode {decode.parallel} on devices {decode.first}-{decode.end - 1}"
+    )
+
+
+def handoff(
+    config: ModelConfig, groups: dict[Phase, DeviceGroup], *, batch: int, prompt_len: int
+) -> dict[str, Any]:
+    """What moves from the prefill group to the decode group per prefilled batch.
+
+    K and V of every layer for the batch's rows and padded prompt length, plus each
+    row's prompt length and first token (int32), leave the prefill layout (``sp``/``tp``
+    of the prefill strategy) and arrive in the decode strategy's prefill layout, from
+    which the insert writes the decode slots.
+    """
+    kv_shape = (batch, prompt_len, config.n_kv_heads, config.head_dim)
+    kv_bytes = 2 * config.n_layers * math.prod(kv_shape) * config.dtype.itemsize
+    rows_bytes = 2 * batch * 4
+    specs = {
+        phase.value: str(
+            partition_spec(
+                PREFILL_KV_AXES, Module.ATTENTION, Phase.PREFILL, g.parallel, dims=config
+            )
+        )
+        for phase, g in groups.items()
+    }
+    return {
+        "groups": {
+            phase.value: {"strategy": str(g.parallel), "devices": list(g.devices)}
+            for phase, g in groups.items()
+        },
+        "transfer": {
+            "what": "K and V of every layer [B, T, K, H], prompt lengths and first tokens",
+            "shape_per_layer": list(kv_shape),
+            "from_spec": specs[Phase.PREFILL.value],
+            "to_spec": specs[Phase.DECODE.value],
+            "bytes_per_batch": kv_bytes + rows_bytes,
+            "bytes_per_request": (kv_bytes + rows_bytes) // batch,
+            "when": "once per prefilled batch, overlapping the decode steps of running requests",
+        },
+    }
