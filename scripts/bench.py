@@ -745,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
     parser.add_argument(
         "--sections",
-        default="collectives,compile,decode,pipeline",
-        help="comma-separated CPU sections: collectives, compile, decode, pipeline",
+        default="collectives,compile,decode,pipeline,serving",
+        help="comma-separated CPU sections: collectives, compile, decode, pipeline, serving",
     )
     parser.add_argument(
         "--gpu", action="store_true", help="also run the GPU section if a GPU exists"
@@ -789,15 +789,29 @@ def main(argv: list[str] | None = None) -> int:
             results["decode"] = decode_section(args.quick)
         if "pipeline" in sections:
             results["pipeline"] = _pipeline_subprocess(args.quick)
+        if "serving" in sections:
+            from bench_serving import serving_section
+
+            results["serving"] = serving_section(args.quick)
         if args.gpu:
             results["gpu"] = _gpu_subprocess(args)
     args.out.write_text(json.dumps(results, indent=1, default=str))
     print(markdown(results))
+    _print_subprocess_sections(results)
+    print(f"\nJSON: {args.out}", file=sys.stderr)
+    return 0
+
+
+def _print_subprocess_sections(results: dict) -> None:
+    """The sections that bring their own Markdown: pipeline, serving."""
     if "pipeline" in results:
         print("\n### Pipeline: prefill bubble vs (p-1)/(m+p-1), decode groups\n")
         print(results["pipeline"])
-    print(f"\nJSON: {args.out}", file=sys.stderr)
-    return 0
+    if "serving" in results:
+        from bench_serving import markdown as serving_markdown
+
+        print("\n### Serving: continuous vs static batching, Poisson arrivals\n")
+        print(serving_markdown(results["serving"]))
 
 
 def _pipeline_subprocess(quick: bool) -> str:

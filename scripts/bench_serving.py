@@ -121,7 +121,9 @@ def run_static(engine, work: Workload) -> Served:
             kept = gen.tokens[row][: work.max_tokens[i]]
             tokens[i] = kept
             first = began + gen.prefill_seconds
-            token_times[i] = [first] + [ended - per_step * (len(kept) - 1 - j) for j in range(1, len(kept))]
+            token_times[i] = [first] + [
+                ended - per_step * (len(kept) - 1 - j) for j in range(1, len(kept))
+            ]
         done += len(batch)
     return Served(arrival, token_times, tokens)
 
@@ -175,10 +177,19 @@ def serving_section(quick: bool = False, strategy: str = "", devices: list | Non
         for load, rate in (("heavy", 3 * capacity), ("moderate", 0.5 * capacity)):
             work = Workload.poisson(n, rate, config.vocab_size, max_prompt, max_out, seed=1)
             before = dataclasses.asdict(batcher.stats)
-            cont = run_continuous(batcher, work).summary()
+            served = run_continuous(batcher, work)
             after = dataclasses.asdict(batcher.stats)
+            static = run_static(engine, work)
+            # Same engine, same greedy requests: both systems must produce the same tokens.
+            if served.tokens != static.tokens:
+                bad = [
+                    i
+                    for i, (a, b) in enumerate(zip(served.tokens, static.tokens, strict=True))
+                    if a != b
+                ]
+                raise AssertionError(f"continuous and static tokens differ for requests {bad}")
+            cont, stat = served.summary(), static.summary()
             cont["engine"] = {k: after[k] - before[k] for k in after}
-            stat = run_static(engine, work).summary()
             short = [i for i, p in enumerate(work.prompts) if len(p) <= 8]
             results["loads"][load] = {
                 "rate_per_s": rate,
@@ -211,9 +222,15 @@ def _short_ttft(batcher, vocab: int, rate: float, n: int) -> float:
     """p50 TTFT of 8-token prompts mixed into a moderate load of long requests."""
     rng = np.random.default_rng(2)
     work = Workload.poisson(n, rate, vocab, 64, 128, seed=3)
-    prompts = [rng.integers(1, vocab, 8).tolist() if i % 4 == 0 else p for i, p in enumerate(work.prompts)]
+    prompts = [
+        rng.integers(1, vocab, 8).tolist() if i % 4 == 0 else p for i, p in enumerate(work.prompts)
+    ]
     served = run_continuous(batcher, dataclasses.replace(work, prompts=prompts))
-    ttft = [t[0] - a for i, (a, t) in enumerate(zip(served.arrival, served.token_times, strict=True)) if i % 4 == 0]
+    ttft = [
+        t[0] - a
+        for i, (a, t) in enumerate(zip(served.arrival, served.token_times, strict=True))
+        if i % 4 == 0
+    ]
     return 1e3 * float(np.median(ttft))
 
 
@@ -237,7 +254,9 @@ def markdown(res: dict) -> str:
             )
     lines.append("")
     for load, r in res["loads"].items():
-        lines.append(f"- {load}: continuous / static output tokens/s = **{r['speedup_tokens_per_s']:.2f}x** (goal >= 1.8x)")
+        lines.append(
+            f"- {load}: continuous / static output tokens/s = **{r['speedup_tokens_per_s']:.2f}x** (goal >= 1.8x)"
+        )
     g, a = res["ttft_goal"], res["alone"]
     lines.append(
         f"- short-prompt TTFT p50 under the moderate load: **{g['short_prompt_ttft_p50_ms']:.1f} ms** "
