@@ -90,6 +90,13 @@ class ContinuousBatcher:
         prefill_batch: int | None = None,
         max_queue: int = 256,
     ):
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "continuous batching schedules requests in one process; under "
+                f"jax.distributed ({jax.process_count()} processes) every process would have "
+                "to make the same scheduling decisions. Serve from one host, or use "
+                "InferenceEngine.generate for multi-host batches"
+            )
         self.engine = engine
         self.prefill_engine = prefill_engine or engine
         self.disaggregated = prefill_engine is not None
