@@ -182,12 +182,12 @@ def test_queue_is_bounded_and_bad_requests_fail_before_queueing():
         batcher.submit([1] * 10, max_tokens=24)
     with pytest.raises(ShapeError, match="max_tokens"):
         batcher.submit([1], max_tokens=0)
-    batcher.submit([1], max_tokens=1)
-    batcher.submit([2], max_tokens=1)
+    queued = [batcher.submit([1], max_tokens=1), batcher.submit([2], max_tokens=1)]
     with pytest.raises(QueueFullError, match="max_queue=2"):
         batcher.submit([3], max_tokens=1)
     assert batcher.queued == 2
     batcher.close()
+    assert [s.finish_reason for s in queued] == ["shutdown", "shutdown"]  # none left waiting
     with pytest.raises(QueueFullError, match="shutting down"):
         batcher.submit([3], max_tokens=1)
 

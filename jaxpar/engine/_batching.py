@@ -277,6 +277,7 @@ class ContinuousBatcher:
         for thread in self._threads:
             thread.join()
         self._threads = []
+        self._end_all("shutdown")  # what never started (or was never taken) ends too
 
     def __enter__(self) -> ContinuousBatcher:
         return self.start()
@@ -285,7 +286,8 @@ class ContinuousBatcher:
         self.close()
 
     def _idle(self) -> bool:
-        return not self._queue and not self._ready and not self._active
+        """Every submitted request has finished (none queued, prefilling or decoding)."""
+        return self.stats.finished == self.stats.submitted
 
     def _guard(self, loop):
         """Runs ``loop``; an exception ends every request with finish reason ``"error"``."""
@@ -323,6 +325,7 @@ class ContinuousBatcher:
             if stream.cancel_requested:
                 stream.finish(stream.cancel_reason)
                 self.stats.finished += 1
+                self._cond.notify_all()
             else:
                 taken.append(stream)
         return taken
