@@ -82,6 +82,7 @@ class SlotSteps:
         self.model_config = model_config
         self.n_slots = slots
         self._idle_sampling = RowSampling.rows([Sampling()] * slots, [0] * slots)
+        self._keep_all: jax.Array | None = None  # release nothing (placed on first use)
         lay = steps.layouts
         row = lay.tokens_B
         key_row = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
@@ -215,7 +216,12 @@ class SlotSteps:
 
     def step(self, params, slots: Slots, release_B: np.ndarray):
         """Donates ``slots``; ``release_B`` frees slots before the step (finished requests)."""
-        release = put_global(np.asarray(release_B, bool), self.layout.active_B)
+        if release_B.any():
+            release = put_global(np.asarray(release_B, bool), self.layout.active_B)
+        else:  # most steps free nothing: no host-to-device copy for them
+            if self._keep_all is None:
+                self._keep_all = put_global(np.zeros(self.n_slots, bool), self.layout.active_B)
+            release = self._keep_all
         return self._step_program(params, slots, release)(params, slots, release)
 
     def compile_step(self, params) -> None:
