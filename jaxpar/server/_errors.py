@@ -54,9 +54,17 @@ def bad_request(message: str, param: str | None, code: str = "invalid_value") ->
     return APIError(400, message, param=param, code=code)
 
 
+#: Parts of a pydantic error location that name a type of a union, not a field.
+_TYPE_NAMES = {"str", "int", "float", "bool", "none"}
+
+
 def _field(loc: tuple) -> str | None:
-    """``("body", "messages", 0, "role")`` -> ``"messages.0.role"``."""
-    parts = [str(p) for p in loc[1:] if not str(p).startswith(("function-", "list["))]
+    """``("body", "messages", 0, "content", "list[TextPart]")`` -> ``"messages.0.content"``."""
+    parts = [
+        str(p)
+        for p in loc[1:]
+        if not (isinstance(p, str) and ("[" in p or p.lower() in _TYPE_NAMES))
+    ]
     return ".".join(parts) or (str(loc[0]) if loc else None)
 
 
