@@ -6,8 +6,8 @@ leading space depends on the token before it. So each step decodes a short windo
 twice, with and without the newest, and hands out only the difference, once it no longer
 ends in an incomplete character (as vLLM and text-generation-inference do).
 
-Stop strings: text that could still grow into a stop string is held back; when one
-appears, the text ends just before it and :attr:`TextStream.stopped` turns true.
+Stop strings: the end of the text that could still grow into a stop string is held back;
+when one appears, the text ends just before it and :attr:`TextStream.stopped` turns true.
 """
 
 from __future__ import annotations
@@ -75,7 +75,15 @@ class TextStream:
             if hits:
                 self._text = self._text[: min(hits)]
                 self.stopped = final = True
-        end = len(self._text) if final else max(self._sent, len(self._text) - self._hold)
+        end = len(self._text) if final else max(self._sent, len(self._text) - self._held())
         out = self._text[self._sent : end]
         self._sent = end
         return out
+
+    def _held(self) -> int:
+        """Characters at the end of the text that could begin a stop string."""
+        tail = self._text[len(self._text) - self._hold :] if self._hold else ""
+        for n in range(len(tail), 0, -1):
+            if any(s.startswith(tail[-n:]) for s in self._stop):
+                return n
+        return 0
