@@ -115,6 +115,12 @@ class Offline:
         self.eos = self.defaults.eos_token_ids
         self._greedy = functools.cache(self._greedy_run)
 
+    def warm(self) -> Offline:
+        """Compiles ``generate`` for the prompt buckets (while a server warms up)."""
+        for length in (1, 9, 17):  # buckets 8, 16, 32
+            self.greedy([1] * length, 1)
+        return self
+
     def _greedy_run(self, prompt: tuple[int, ...]) -> list[int]:
         return self.engine.generate([list(prompt)], REFERENCE_TOKENS).tokens[0]
 

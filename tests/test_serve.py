@@ -47,7 +47,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    return Offline()
+    return Offline().warm()
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    return Offline()
+    return Offline().warm()
 
 
 @pytest.fixture(params=list(STRATEGIES))
