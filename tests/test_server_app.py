@@ -130,3 +130,23 @@ def test_a_failed_step_ends_a_stream_with_an_error_event(failing):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "decode step failed" in json.loads(events[-2])["error"]["message"]
+
+
+def test_503_with_retry_after_until_warmed_up():
+    batcher, gate = FailingBatcher(), threading.Event()
+    app = create_app(Service(batcher, ServedModel(name="m")), warmup=lambda: gate.wait(10))
+    with TestClient(app) as http:
+        health = http.get("/health")
+        assert health.status_code == 503 and "warming up" in health.json()["status"]
+        early = http.post("/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 1})
+        assert early.status_code == 503 and int(early.headers["Retry-After"]) >= 1
+        gate.set()
+        _ready(http)
+
+
+def test_a_body_that_is_not_an_object_is_a_400():
+    app = create_app(Service(FailingBatcher(), ServedModel(name="m")))
+    with TestClient(app) as http:
+        response = http.post("/v1/completions", json=[1, 2])
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
