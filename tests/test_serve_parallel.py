@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 
-from tests._serve_util import MODEL, REFERENCE_TOKENS, Offline, ServerProcess
+from tests._serve_util import MODEL, REFERENCE_TOKENS, ROOT, Offline, ServerProcess
 
 MAX_SEQ_LEN = 32  # buckets 8, 16 and 32: few prefill programs to warm up
 STRATEGIES = {
@@ -120,3 +123,18 @@ def test_64_concurrent_mixed_requests_each_equal_their_offline_run(ready, offlin
     if "--prefill" in ready.command:  # prefill ran on the other devices, then moved over
         assert after["transfers"] > before["transfers"]
         assert after["transfer_bytes"] > before["transfer_bytes"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "4", "--prefill", "sp=8"], "needs 12 devices but 8 are available"),
+        (["--pp", "2"], "unpipelined"),
+    ],
+)
+def test_serve_refuses_a_bad_layout_before_loading(flags, message):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "jaxpar.cli", "--cpu-devices", "8", "serve"]
+    command += ["--hf", "tests/fixtures/llama_chat", *flags]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stdout, run.stdout + run.stderr

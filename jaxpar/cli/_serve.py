@@ -118,6 +118,11 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
     config = model_config(args)
     decode = parallel_config(args)
     prefill = ParallelConfig.parse(args.prefill) if args.prefill else None
+    if decode.pp > 1 or (prefill is not None and prefill.pp > 1):
+        raise ConfigError(
+            "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
+            "schedule): use pp=1, with dp, sp, ep or tp instead"
+        )
     slots = args.slots or _round_up(DEFAULT_SLOTS, batch_multiple(config, decode))
     # Refuses illegal strategies before anything is read or compiled.
     validate(config, decode, n_devices=decode.size, batch=slots, max_seq_len=args.max_seq_len)
