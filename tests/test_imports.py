@@ -1,10 +1,10 @@
 """Packages meet only at their front doors, and import one way.
 
-jaxpar's packages (``spec``, ``models``, ``engine``, ``inspect``, ``cli``) import each other
-only through their ``__init__``: ``from jaxpar.engine._steps import ...`` outside
+jaxpar's packages (``spec``, ``models``, ``engine``, ``inspect``, ``server``, ``cli``) import
+each other only through their ``__init__``: ``from jaxpar.engine._steps import ...`` outside
 ``jaxpar/engine/`` fails this test, as does ``from jaxpar.engine import _steps``. They also
-import one way, spec -> models -> engine -> inspect -> cli (``jaxpar/__init__.py`` and
-``jaxpar/errors.py`` stand outside the order). The rule covers the package code and the
+import one way, spec -> models -> engine -> inspect -> server -> cli (``jaxpar/__init__.py``
+and ``jaxpar/errors.py`` stand outside the order). The rule covers the package code and the
 scripts; tests may import private modules to check one piece on its own.
 """
 
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("spec", "models", "engine", "inspect", "cli")
+ORDER = ("spec", "models", "engine", "inspect", "server", "cli")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -65,7 +65,9 @@ def test_packages_import_one_way():
             inner = parts[0] == "jaxpar" and len(parts) > 1 and parts[1] in ORDER
             if inner and ORDER.index(parts[1]) > ORDER.index(home):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
-    assert not bad, "imports against spec -> models -> engine -> inspect -> cli:\n" + "\n".join(bad)
+    assert not bad, (
+        "imports against spec -> models -> engine -> inspect -> server -> cli:\n" + "\n".join(bad)
+    )
 
 
 def test_the_scan_finds_private_imports(tmp_path):

@@ -1,13 +1,15 @@
-"""Command line: ``jaxpar demo | run | explain``. Thin: parsing and printing only."""
+"""Command line: ``jaxpar demo | run | explain | serve``. Thin: parsing and printing only."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from jaxpar.cli._common import (
     DEFAULT_CPU_DEVICES,
     DEMO_STRATEGIES,
+    DTYPES,
     add_degree_args,
     add_model_args,
     join_option_values,
@@ -140,7 +142,23 @@ def _parser() -> argparse.ArgumentParser:
         help="disaggregated serving: prefill under STRATEGY (e.g. sp=4) on the devices after "
         "decode's; shows both groups and the K/V transfer between them",
     )
+    _add_serve(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    from jaxpar.cli._serve import add_serve_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (continuous batching) for a checkpoint",
+        description="POST /v1/completions, POST /v1/chat/completions (stream: true for "
+        "server-sent events), GET /v1/models, GET /health.",
+    )
+    serve.add_argument("--hf", type=Path, required=True, help="Hugging Face checkpoint directory")
+    serve.add_argument("--dtype", choices=DTYPES, default=None, help="(default: the model's own)")
+    add_degree_args(serve, "1; decode's strategy when --prefill is given")
+    add_serve_args(serve)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +217,10 @@ def _dispatch(args: argparse.Namespace, console) -> int:
         from jaxpar.cli._explain import run_explain
 
         return run_explain(args, console)
+    if args.command == "serve":
+        from jaxpar.cli._serve import run_serve
+
+        return run_serve(args, console)
     return 1
 
 

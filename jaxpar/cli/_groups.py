@@ -65,10 +65,22 @@ def device_groups(decode: ParallelConfig, prefill: str | None) -> dict[Phase, De
     group = DeviceGroup(decode)
     if not prefill:
         return {Phase.PREFILL: group, Phase.DECODE: group}
-    separate = parse_strategy(prefill)
-    if separate.pp > 1 or decode.pp > 1:
-        raise ConfigError("disaggregated prefill and decode run unpipelined strategies (pp=1)")
-    return {Phase.PREFILL: DeviceGroup(separate, decode.size), Phase.DECODE: group}
+    return {Phase.PREFILL: DeviceGroup(parse_strategy(prefill), decode.size), Phase.DECODE: group}
+
+
+def check_devices(groups: dict[Phase, DeviceGroup]) -> None:
+    """Raises unless this job has the devices every group needs."""
+    needed, available = max(g.end for g in groups.values()), jax.device_count()
+    if needed > available:
+        split = " + ".join(
+            f"{phase.value} {g.parallel} ({g.parallel.size})" for phase, g in groups.items()
+        )
+        if groups[Phase.PREFILL] == groups[Phase.DECODE]:
+            split = f"{groups[Phase.DECODE].parallel} ({needed})"
+        raise ConfigError(
+            f"{split} needs {needed} devices but {available} are available; lower the "
+            f"degrees, or on the CPU simulate more with --cpu-devices {needed}"
+        )
 
 
 def describe_groups(groups: dict[Phase, DeviceGroup]) -> str:

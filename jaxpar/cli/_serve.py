@@ -1,0 +1,207 @@
+"""``jaxpar serve``: an OpenAI-compatible HTTP server for a checkpoint directory.
+
+Decode runs on the first devices with the strategy flags; ``--prefill STRATEGY`` moves
+prefill to the devices after them, with its own strategy (disaggregated). SIGTERM or
+Ctrl-C: uvicorn stops accepting connections and lets open ones finish (up to
+``--shutdown-timeout`` seconds), then the batcher drains what is left for as long again
+and cancels the rest; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import threading
+from pathlib import Path
+
+from rich.console import Console
+
+from jaxpar.cli._common import describe_devices, model_config, parallel_config
+from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
+from jaxpar.cli._progress import stage, tensor_count
+from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
+from jaxpar.engine import ContinuousBatcher, InferenceEngine, engine_from_hf
+from jaxpar.errors import ConfigError
+from jaxpar.spec import Phase, batch_multiple, validate
+
+#: Decode slots when ``--slots`` is not given (rounded up to what the strategy divides).
+DEFAULT_SLOTS = 8
+
+
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--prefill",
+        default=None,
+        metavar="STRATEGY",
+        help="disaggregated prefill on the devices after decode's, with this strategy "
+        "(e.g. 'sp=4'); default: prefill on the decode devices, between decode steps",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="(default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
+    serve.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help=f"decode slots: requests decoded together (default {DEFAULT_SLOTS}, rounded up "
+        "to a multiple the strategy divides)",
+    )
+    serve.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=1024,
+        help="KV cache length per request: prompt + max_tokens - 1 (default 1024)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting beyond this get 429 with Retry-After (default 256)",
+    )
+    serve.add_argument(
+        "--prefill-batch",
+        type=int,
+        default=None,
+        help="prompts prefilled together (default: the prefill strategy's smallest batch)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the 'model' clients name (default: the checkpoint directory's name)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM (default 30)",
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> InferenceEngine:
+    config, parallel = model_config(args), group.parallel
+    with stage(console, f"load {args.hf} ({what}: {parallel})", total=tensor_count(config)) as adv:
+        return engine_from_hf(
+            args.hf,
+            parallel,
+            max_batch=batch,
+            max_seq_len=args.max_seq_len,
+            mesh=group.mesh(),
+            dtype=args.dtype,
+            on_tensor=lambda name: adv(),
+        )
+
+
+def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatcher:
+    """The engines (decode, and prefill when disaggregated) and their batcher."""
+    config = model_config(args)
+    groups = device_groups(parallel_config(args), args.prefill)
+    decode = groups[Phase.DECODE].parallel
+    prefill = groups[Phase.PREFILL].parallel if args.prefill else None
+    if decode.pp > 1 or (prefill is not None and prefill.pp > 1):
+        raise ConfigError(
+            "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
+            "schedule): use pp=1, with dp, sp, ep or tp instead"
+        )
+    slots = args.slots or _round_up(DEFAULT_SLOTS, batch_multiple(config, decode))
+    # Refuses illegal strategies before anything is read or compiled.
+    validate(config, decode, n_devices=decode.size, batch=slots, max_seq_len=args.max_seq_len)
+    prefill_batch = None
+    if prefill is not None:
+        prefill_batch = args.prefill_batch or batch_multiple(config, prefill)
+        validate(
+            config,
+            prefill,
+            n_devices=prefill.size,
+            batch=prefill_batch,
+            max_seq_len=args.max_seq_len,
+        )
+    check_devices(groups)
+    engine = _engine(args, groups[Phase.DECODE], slots, console, "decode")
+    if prefill is None:
+        return ContinuousBatcher(engine, prefill_batch=args.prefill_batch, max_queue=args.max_queue)
+    prefill_engine = _engine(args, groups[Phase.PREFILL], prefill_batch, console, "prefill")
+    return ContinuousBatcher(engine, prefill_engine=prefill_engine, max_queue=args.max_queue)
+
+
+def served_model(args: argparse.Namespace):
+    """The :class:`~jaxpar.server.ServedModel` of ``--hf``: name, tokenizer, chat
+    template, EOS and default sampling."""
+    from jaxpar.server import ServedModel  # FastAPI: imported only when serving
+
+    tokenizer = load_tokenizer(args.hf)
+    defaults = generation_defaults(args.hf)
+    try:
+        render = chat_template(args.hf, tokenizer, defaults).render
+    except ConfigError:  # no template: /v1/chat/completions answers 400
+        render = None
+    return ServedModel(
+        name=args.served_model_name or Path(args.hf).resolve().name,
+        tokenizer=tokenizer,
+        render_chat=render,
+        stop_token_ids=defaults.eos_token_ids,
+        sampling=defaults.sampling,
+    )
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a SIGTERM it shut down for is not re-raised
+        afterwards (uvicorn does, so the process would die of it instead of exiting 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run_serve(args: argparse.Namespace, console: Console) -> int:
+    import uvicorn
+
+    from jaxpar.server import Service, create_app
+
+    if args.hf is None:
+        raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")
+    model = served_model(args)
+    console.print(
+        f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} on {describe_devices()}",
+        soft_wrap=True,
+    )
+    batcher = build_batcher(args, console)
+    where = f"prefill {batcher.prefill_engine.parallel_config}, " if batcher.disaggregated else ""
+    console.print(
+        f"{where}decode {batcher.engine.parallel_config} with {batcher.slots} slots, "
+        f"max_seq_len {args.max_seq_len}, queue {args.max_queue}; http://{args.host}:{args.port}"
+        " (GET /health is 200 once warmed up)",
+        soft_wrap=True,
+    )
+    app = create_app(
+        Service(batcher, model), warmup=batcher.warmup, drain_timeout=args.shutdown_timeout
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    _server_class()(config).run()
+    return 0

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health.
+
+``stream: true`` answers with server-sent events in OpenAI's chunk format, ended by
+``data: [DONE]``. A client that goes away (mid-stream or while waiting for a whole
+completion) has its request cancelled, which frees its decode slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxpar.server import _errors
+from jaxpar.server._errors import APIError
+from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
+from jaxpar.server._service import Job, Service
+
+log = logging.getLogger("uvicorn.error")  # uvicorn configures its handlers
+
+#: How often a waiting request checks whether its client is still there (seconds).
+DISCONNECT_POLL_S = 0.2
+
+
+class _Format:
+    """How one endpoint spells its responses and stream chunks."""
+
+    def __init__(self, kind: str, id_prefix: str, chat: bool):
+        self.kind, self.id_prefix, self.chat = kind, id_prefix, chat
+
+    def head(self, job: Job, model: str, obj: str, choices: list) -> dict[str, Any]:
+        return {
+            "id": f"{self.id_prefix}{job.id}",
+            "object": obj,
+            "created": job.created,
+            "model": model,
+            "choices": choices,
+        }
+
+    def whole(self, job: Job, model: str, text: str, body: _Generate) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": job.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if body.return_token_ids:
+            choice |= {"prompt_token_ids": job.prompt, "token_ids": job.tokens}
+        out = self.head(job, model, self.kind, [choice])
+        out["usage"] = job.usage()
+        return out
+
+    def chunk(self, job: Job, model: str, text: str | None, ids: list[int], finish) -> dict:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = {} if text is None else {"content": text}
+        else:
+            choice["text"] = text or ""
+        if ids:
+            choice["token_ids"] = ids
+        return self.head(job, model, self.chunk_kind, [choice])
+
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else self.kind
+
+
+COMPLETIONS = _Format("text_completion", "cmpl-", chat=False)
+CHAT = _Format("chat.completion", "chatcmpl-", chat=True)
+
+
+def _data(payload: dict | str) -> str:
+    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    while not job.stream.done:
+        if await request.is_disconnected():
+            job.stream.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _events(
+    service: Service, job: Job, body: _Generate, fmt: _Format, request: Request
+) -> AsyncIterator[str]:
+    name = service.model.name
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        if fmt.chat:
+            first = fmt.chunk(job, name, "", [], None)
+            first["choices"][0]["delta"]["role"] = "assistant"
+            yield _data(first)
+        try:
+            async for text, ids in service.pieces(job):
+                yield _data(fmt.chunk(job, name, text, ids if body.return_token_ids else [], None))
+            yield _data(fmt.chunk(job, name, None if fmt.chat else "", [], job.finish_reason))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield _data(fmt.head(job, name, fmt.chunk_kind, []) | {"usage": job.usage()})
+        except APIError as e:  # the status line is sent: report it in the stream
+            yield _data(e.body())
+        yield _data("[DONE]")
+    finally:
+        watcher.cancel()
+        if not job.stream.done:
+            job.stream.cancel()
+
+
+async def _answer(
+    service: Service, job: Job, body: _Generate, fmt: _Format, request: Request
+) -> Any:
+    if body.stream:
+        return StreamingResponse(
+            _events(service, job, body, fmt, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        text = "".join([piece async for piece, _ in service.pieces(job)])
+    finally:
+        watcher.cancel()
+    return fmt.whole(job, service.model.name, text, body)
+
+
+def create_app(
+    service: Service, *, warmup: Callable[[], object] | None = None, drain_timeout: float = 30.0
+) -> FastAPI:
+    """The app serving ``service``.
+
+    Args:
+        service: the model and its batcher (started by the app, closed on shutdown).
+        warmup: run in a thread after start-up (compiles); ``/health`` says 200 only after.
+        drain_timeout: on shutdown, seconds queued and running requests get to finish
+            before they are cancelled.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.batcher.start()
+        warming = asyncio.create_task(_warm(service, warmup))
+        yield
+        service.closing = True
+        await asyncio.to_thread(service.batcher.close, drain=True, timeout=drain_timeout)
+        await warming
+
+    app = FastAPI(title="jaxpar", lifespan=lifespan)
+    _errors.install(app)
+    _routes(app, service)
+    return app
+
+
+async def _warm(service: Service, warmup: Callable[[], object] | None) -> None:
+    try:
+        if warmup is not None:
+            started = time.perf_counter()
+            await asyncio.to_thread(warmup)
+            log.info("warmed up in %.1f s", time.perf_counter() - started)
+        service.ready = True
+    except Exception as e:  # noqa: BLE001 - reported by /health, the server stays up
+        service.warmup_error = e
+        log.exception("warmup failed")
+
+
+def _routes(app: FastAPI, service: Service) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            service.check_available()
+        except APIError as e:
+            return JSONResponse({"status": e.message}, status_code=503)
+        batcher = service.batcher
+        status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
+        return JSONResponse(status | {"queued": batcher.queued, "stats": vars(batcher.stats)})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(service)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != service.model.name:
+            raise APIError(404, f"model {model_id!r} is not served here", param="model")
+        return _model_card(service)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        service.check_model(body)
+        job = service.submit(body, service.completion_prompt(body), param="prompt")
+        return await _answer(service, job, body, COMPLETIONS, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        service.check_model(body)
+        job = service.submit(body, service.chat_prompt(body), param="messages")
+        return await _answer(service, job, body, CHAT, request)
+
+
+def _model_card(service: Service) -> dict[str, Any]:
+    return {
+        "id": service.model.name,
+        "object": "model",
+        "created": service.started,
+        "owned_by": "jaxpar",
+        "max_model_len": service.batcher.engine.max_seq_len,
+    }

@@ -1,0 +1,107 @@
+"""The OpenAI request bodies this server accepts (pydantic, strict types).
+
+Fields OpenAI defines that this server cannot honour (``n`` > 1, ``logprobs``, ``echo``,
+penalties, ``logit_bias`` ...) are refused with a 400 naming the field rather than
+ignored. Extensions, as vLLM spells them: ``top_k``, ``ignore_eos`` and
+``return_token_ids`` (the prompt's and the completion's token ids in each choice).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: Fields accepted only at their "off" value: name -> the values that mean off.
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Generate(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 and 0: no top-k (vLLM)
+    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"n={n}: this server returns one choice per request; n must be 1")
+        return n
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do, or None."""
+        extra = self.model_extra or {}
+        for name, off in _UNSUPPORTED.items():
+            if name in extra and not any(
+                extra[name] == o and type(extra[name]) is type(o) for o in off
+            ):
+                return name
+        return None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Generate):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Generate):
+    """``POST /v1/chat/completions``: messages rendered with the checkpoint's template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def rendered_messages(self) -> list[dict[str, Any]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -1,0 +1,251 @@
+"""Between HTTP and the batcher: prompts to token ids, requests to streams, tokens to text.
+
+:class:`Service` checks a request before anything is queued (each refusal a 400 naming
+its field), submits it to the :class:`~jaxpar.engine.ContinuousBatcher`, and turns the
+stream of tokens into text deltas (:class:`~jaxpar.server._detokenize.TextStream`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from jaxpar.engine import ContinuousBatcher, RequestStream, Sampling
+from jaxpar.errors import ConfigError, QueueFullError, ShapeError
+from jaxpar.server._detokenize import TextStream
+from jaxpar.server._errors import APIError, bad_request
+from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
+
+#: Seconds a client is told to wait (``Retry-After``) when the queue is full.
+RETRY_AFTER_S = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServedModel:
+    """What the server needs from a checkpoint besides the engine.
+
+    Args:
+        name: the ``model`` clients must name.
+        tokenizer: a ``tokenizers.Tokenizer`` (``encode(text).ids``, ``decode(ids)``), or
+            None: prompts must then be token ids, and completions carry no text.
+        render_chat: messages -> prompt text (the checkpoint's chat template), or None.
+        stop_token_ids: ids that end a request (the checkpoint's EOS).
+        sampling: the checkpoint's default sampling, for fields a request leaves out.
+    """
+
+    name: str
+    tokenizer: Any = None
+    render_chat: Callable[[list[dict[str, Any]]], str] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    sampling: Sampling = Sampling()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+@dataclasses.dataclass
+class Job:
+    """One submitted request and what has come of it."""
+
+    id: str
+    prompt: list[int]
+    stream: RequestStream
+    text: TextStream
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def usage(self) -> dict[str, int]:
+        n_prompt, n_new = len(self.prompt), len(self.tokens)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_new,
+            "total_tokens": n_prompt + n_new,
+        }
+
+
+class Service:
+    """Checks, submits and follows requests for one served model."""
+
+    def __init__(self, batcher: ContinuousBatcher, model: ServedModel):
+        self.batcher = batcher
+        self.model = model
+        self.started = int(time.time())
+        self.ready = False  # set once warmed up
+        self.warmup_error: BaseException | None = None
+        self.closing = False
+
+    # --- prompts -------------------------------------------------------------------------
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(
+                    f"prompt: {len(prompt)} prompts given; this server takes one per request",
+                    "prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt:
+                raise bad_request("prompt: empty; give text or at least one token id", "prompt")
+            return list(prompt)
+        if not prompt:
+            raise bad_request("prompt: empty; give text or at least one token id", "prompt")
+        return self._encode(prompt, "prompt", special=True)
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        if self.model.render_chat is None:
+            raise bad_request(
+                f"model {self.model.name!r} has no chat template; use /v1/completions",
+                "messages",
+                "no_chat_template",
+            )
+        if not body.messages:
+            raise bad_request("messages: empty; give at least one message", "messages")
+        try:
+            text = self.model.render_chat(body.rendered_messages())
+        except ConfigError as e:
+            raise bad_request(f"messages: {e}", "messages") from e
+        return self._encode(text, "messages", special=False)  # the template has them
+
+    def _encode(self, text: str, param: str, *, special: bool) -> list[int]:
+        if self.model.tokenizer is None:
+            raise bad_request(
+                f"{param}: model {self.model.name!r} has no tokenizer; give token ids", param
+            )
+        return list(self.model.tokenizer.encode(text, add_special_tokens=special).ids)
+
+    # --- submitting ------------------------------------------------------------------------
+
+    def check_model(self, body: _Generate) -> None:
+        if body.model != self.model.name:
+            raise APIError(
+                400,
+                f"model {body.model!r} is not served here; this server serves {self.model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        unsupported = body.unsupported()
+        if unsupported is not None:
+            raise bad_request(
+                f"{unsupported}: not supported by this server; leave it out",
+                unsupported,
+                "unsupported",
+            )
+
+    def submit(self, body: _Generate, prompt: list[int], *, param: str) -> Job:
+        """Queues a checked request.
+
+        Raises:
+            APIError: 400 (a bad field), 429 (queue full), 503 (warming up, shutting
+                down, or the batcher failed).
+        """
+        self.check_available()
+        max_tokens = self._max_tokens(body, prompt, param)
+        stop_ids = () if body.ignore_eos else self.model.stop_token_ids
+        try:
+            stream = self.batcher.submit(
+                prompt,
+                max_tokens=max_tokens,
+                sampling=self.sampling(body),
+                seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+                stop_tokens=stop_ids,
+            )
+        except QueueFullError as e:
+            if self.closing or self.batcher.failure is not None:
+                raise APIError(503, str(e), retry_after=RETRY_AFTER_S) from e
+            raise APIError(429, str(e), code="queue_full", retry_after=RETRY_AFTER_S) from e
+        except ShapeError as e:
+            raise bad_request(f"{param}: {e}", param) from e
+        text = TextStream(self.model.decode, body.stop_strings(), skip=stop_ids)
+        return Job(id=uuid.uuid4().hex[:24], prompt=prompt, stream=stream, text=text)
+
+    def check_available(self) -> None:
+        if self.batcher.failure is not None:
+            raise APIError(503, f"the engine failed: {self.batcher.failure!r}", retry_after=60)
+        if self.warmup_error is not None:
+            raise APIError(503, f"warmup failed: {self.warmup_error!r}", retry_after=60)
+        if self.closing:
+            raise APIError(503, "the server is shutting down", retry_after=RETRY_AFTER_S)
+        if not self.ready:
+            raise APIError(503, "the server is warming up", retry_after=RETRY_AFTER_S)
+
+    def _max_tokens(self, body: _Generate, prompt: list[int], param: str) -> int:
+        limit = self.batcher.max_prompt_len
+        if len(prompt) > limit:
+            raise bad_request(
+                f"{param}: {len(prompt)} tokens, more than this server's max_seq_len={limit}",
+                param,
+                "context_length_exceeded",
+            )
+        fits = self.batcher.engine.max_seq_len + 1 - len(prompt)
+        wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if wanted is None:
+            return fits
+        if wanted > fits:
+            name = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            raise bad_request(
+                f"{name}={wanted}: the prompt ({len(prompt)} tokens) leaves room for at most "
+                f"{fits} new tokens (max_seq_len={self.batcher.engine.max_seq_len})",
+                name,
+                "context_length_exceeded",
+            )
+        return wanted
+
+    def sampling(self, body: _Generate) -> Sampling:
+        """The request's sampling; fields it leaves out take the checkpoint's defaults."""
+        base = self.model.sampling
+        temperature = base.temperature if body.temperature is None else body.temperature
+        if temperature == 0:
+            return Sampling()  # greedy: top_k / top_p have nothing to cut
+        top_k = base.top_k if body.top_k is None else (body.top_k if body.top_k > 0 else None)
+        top_p = base.top_p if body.top_p is None else body.top_p
+        try:
+            return Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        except ConfigError as e:
+            raise bad_request(str(e), "temperature") from e
+
+    # --- following -------------------------------------------------------------------------
+
+    async def pieces(self, job: Job) -> AsyncIterator[tuple[str, list[int]]]:
+        """(text delta, its new token ids) as tokens arrive; sets ``job.finish_reason``.
+
+        Leaving early (the client went away) cancels the request, freeing its slot.
+
+        Raises:
+            APIError: 503 when the server shut down first, 500 when a step failed.
+        """
+        sent = 0
+        try:
+            async for token in job.stream:
+                job.tokens.append(token)
+                delta = job.text.feed(token)
+                if delta:
+                    yield delta, job.tokens[sent:]
+                    sent = len(job.tokens)
+                if job.text.stopped:
+                    job.stream.cancel("stop")
+                    break
+            tail = job.text.finish()
+            if tail or sent < len(job.tokens):
+                yield tail, job.tokens[sent:]
+            job.finish_reason = "stop" if job.text.stopped else _outcome(job.stream)
+        finally:
+            if not job.stream.done:
+                job.stream.cancel()
+
+
+def _outcome(stream: RequestStream) -> str:
+    reason = stream.finish_reason
+    if reason in ("stop", "length"):
+        return reason
+    if reason == "error":
+        raise APIError(500, f"generation failed: {stream.error!r}", code="engine_error")
+    raise APIError(503, f"request ended early ({reason})", retry_after=RETRY_AFTER_S)
