@@ -1,9 +1,9 @@
 """Packages meet only at their front doors, and import one way.
 
-jaxpar's packages (``spec``, ``models``, ``engine``, ``inspect``, ``cli``) import each other
+jaxpar's packages (``spec``, ``models``, ``engine``, ``inspect``, ``plan``, ``cli``) import each other
 only through their ``__init__``: ``from jaxpar.engine._steps import ...`` outside
 ``jaxpar/engine/`` fails this test, as does ``from jaxpar.engine import _steps``. They also
-import one way, spec -> models -> engine -> inspect -> cli (``jaxpar/__init__.py`` and
+import one way, spec -> models -> engine -> inspect -> plan -> cli (``jaxpar/__init__.py`` and
 ``jaxpar/errors.py`` stand outside the order). The rule covers the package code and the
 scripts; tests may import private modules to check one piece on its own.
 """
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("spec", "models", "engine", "inspect", "cli")
+ORDER = ("spec", "models", "engine", "inspect", "plan", "cli")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

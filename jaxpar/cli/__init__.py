@@ -1,4 +1,4 @@
-"""Command line: ``jaxpar demo | run | explain``. Thin: parsing and printing only."""
+"""Command line: ``jaxpar demo | run | explain | plan``. Thin: parsing and printing only."""
 
 from __future__ import annotations
 
@@ -133,6 +133,14 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--no-compile", action="store_true", help="analytic model only (no compiled program)"
     )
+    plan = sub.add_parser(
+        "plan",
+        help="choose the strategy for a model, a cluster and a workload (analytic, no compile)",
+    )
+    add_model_args(plan, default_model="tiny-dense")
+    from jaxpar.cli._plan import add_plan_args
+
+    add_plan_args(plan)
     return parser
 
 
@@ -192,6 +200,10 @@ def _dispatch(args: argparse.Namespace, console) -> int:
         from jaxpar.cli._explain import run_explain
 
         return run_explain(args, console)
+    if args.command == "plan":
+        from jaxpar.cli._plan import run_plan
+
+        return run_plan(args, console)
     return 1
 
 
