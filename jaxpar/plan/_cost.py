@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.inspect import Expected, communication_model
+from jaxpar.inspect import CAUSES, Expected, communication_model
 from jaxpar.models import ModelConfig
 from jaxpar.plan._hardware import Hardware
-from jaxpar.spec import ParallelConfig, Phase
+from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +139,29 @@ def collective_seconds(kind: str, size: int, n: int, link: Any) -> tuple[float, 
     return (n - 1) / n * size / bw + (n - 1) * lat, "ring"
 
 
+def known_excess(
+    model: ModelConfig, config: ParallelConfig, phase: Phase, *, batch: int, prompt_len: int
+) -> list[Expected]:
+    """Collectives the compiled program adds to the minimum, from
+    :data:`jaxpar.inspect.CAUSES` (the pipeline's bubbles are in :func:`executions`).
+
+    ``moe-slot-cumsum-gather``: with prompt tokens split over sp, each MoE layer's slot
+    cumsum all-gathers the int32 ``[G_l, T, E]`` routing counts. It belongs to today's dense
+    MoE dispatch; a dispatch that counts slots per shard drops it (and this item).
+    """
+    if not model.n_experts or phase is not Phase.PREFILL:
+        return []
+    axes = mesh_axes(Module.MOE, phase, config, dims=model)
+    if not axes["seq"]:
+        return []
+    groups = config.microbatches if config.pp > 1 else 1
+    split = math.prod(config.degree(a) for a in axes["batch"])
+    shape = (batch // groups // split, prompt_len, model.n_experts)
+    count = model.n_layers // config.pp * groups
+    why = CAUSES["moe-slot-cumsum-gather"]
+    return [Expected("all-gather", axes["seq"], "moe", "expert-slot cumsum", shape, 4, count, why)]
+
+
 def comm_costs(
     model: ModelConfig,
     config: ParallelConfig,
@@ -150,8 +173,9 @@ def comm_costs(
 ) -> tuple[CommCost, ...]:
     """Every collective of a step of ``phase``, with bytes and time."""
     analytic = communication_model(model, config, phase, batch=batch, prompt_len=prompt_len)
+    extra = known_excess(model, config, phase, batch=batch, prompt_len=prompt_len)
     out = []
-    for item in analytic.items:
+    for item in (*analytic.items, *extra):
         n = math.prod(config.degree(a) for a in item.axes)
         link = hardware.link(item.axes, config)
         runs = executions(item, config, phase)

@@ -35,8 +35,13 @@ class Memory:
     params: int
     kv_cache: int
     prompt_kv: int  # the K/V a prefill step returns before the handoff writes the cache
-    inputs: int  # tokens and lengths of both steps
+    prefill_inputs: int  # token ids [B, T] and lengths [B]
+    decode_inputs: int  # token ids [B]
     activations: int  # estimate of the larger of the two steps' activation peaks
+
+    @property
+    def inputs(self) -> int:
+        return self.prefill_inputs + self.decode_inputs
 
     @property
     def total(self) -> int:
@@ -98,11 +103,13 @@ def _split(axes: Sequence[str], config: ParallelConfig) -> int:
     return math.prod(config.degree(a) for a in axes)
 
 
-def input_bytes(model: ModelConfig, config: ParallelConfig, batch: int, prompt_len: int) -> int:
-    """Token ids and lengths of the prefill ``[B, T]`` and decode ``[B]`` steps, per device."""
-    pre = _split(mesh_axes(Module.ATTENTION, Phase.PREFILL, config, dims=model)["batch"], config)
-    dec = _split(mesh_axes(Module.ATTENTION, Phase.DECODE, config, dims=model)["batch"], config)
-    return INT32 * (batch // pre * (prompt_len + 1) + batch // dec)
+def input_bytes(
+    model: ModelConfig, config: ParallelConfig, phase: Phase, batch: int, t: int
+) -> int:
+    """Per device: token ids and lengths of a prefill step (``[B, T]``, ``[B]``), the token
+    ids ``[B]`` of a decode step (its lengths live in the cache)."""
+    split = _split(mesh_axes(Module.ATTENTION, phase, config, dims=model)["batch"], config)
+    return INT32 * (batch // split) * (t + 1 if phase is Phase.PREFILL else 1)
 
 
 def activation_bytes(
@@ -146,6 +153,7 @@ def memory(
         params=param_bytes(model, config),
         kv_cache=cache_bytes(model, config, batch, max_seq_len),
         prompt_kv=prompt_kv,
-        inputs=input_bytes(run, config, batch, prompt_len),
+        prefill_inputs=input_bytes(run, config, Phase.PREFILL, batch, prompt_len),
+        decode_inputs=input_bytes(run, config, Phase.DECODE, batch, 1),
         activations=acts,
     )

@@ -21,7 +21,7 @@ from jaxpar.models import ModelConfig
 from jaxpar.plan._cost import PhaseCost, phase_cost
 from jaxpar.plan._enumerate import Refused, Workload, legal_strategies
 from jaxpar.plan._hardware import Hardware
-from jaxpar.plan._memory import Memory, memory, param_bytes
+from jaxpar.plan._memory import Memory, memory
 from jaxpar.spec import ParallelConfig, Phase
 
 OBJECTIVES = ("latency", "throughput", "cost")
@@ -235,7 +235,7 @@ def _infeasible(model, hardware, devices, workload, budget, unfit, refused) -> I
     where = (
         f"the smallest device count on which it fits is {need}"
         if need
-        else f"it fits on no device count up to {SEARCH_LIMIT}"
+        else "it fits on no device count (searched up to the most devices a strategy can use)"
     )
     return InfeasiblePlanError(
         f"{model.arch} model ({what}) fits nowhere on {devices} {hardware.name} devices: "
@@ -247,25 +247,35 @@ def _infeasible(model, hardware, devices, workload, budget, unfit, refused) -> I
 def min_devices(
     model: ModelConfig, hardware: Hardware, devices: int, workload: Workload, budget: int
 ) -> int | None:
-    """The smallest device count above ``devices`` with a legal strategy that fits."""
-    total_params = param_bytes(model, ParallelConfig())
-    counts = sorted(
-        {*range(devices + 1, 4 * devices + 1), *(2**k for k in range(17) if 2**k > devices)}
+    """The smallest device count above ``devices`` with a legal strategy that fits.
+
+    Counts are searched up to the most devices any strategy can use (batch x layers x heads
+    x experts) and skipped while even a perfect split of the parameters and the KV cache
+    over them would not fit.
+    """
+    single = memory(
+        model,
+        ParallelConfig(),
+        batch=workload.batch,
+        prompt_len=workload.prompt_len,
+        max_seq_len=workload.max_seq_len,
     )
+    stored = single.params + single.kv_cache
+    most = workload.batch * model.n_layers * model.n_heads * max(1, model.n_experts)
+    limit = min(SEARCH_LIMIT, most)
+    counts = sorted({*range(devices + 1, 4 * devices + 1), *(2**k for k in range(17))})
     for count in counts:
-        if count > SEARCH_LIMIT or total_params / count > budget:
+        if count <= devices or count > limit or stored / count > budget:
             continue
         legal, _ = legal_strategies(model, count, workload)
         for config in legal:
-            if (
-                memory(
-                    model,
-                    config,
-                    batch=workload.batch,
-                    prompt_len=workload.prompt_len,
-                    max_seq_len=workload.max_seq_len,
-                ).total
-                <= budget
-            ):
+            need = memory(
+                model,
+                config,
+                batch=workload.batch,
+                prompt_len=workload.prompt_len,
+                max_seq_len=workload.max_seq_len,
+            )
+            if need.total <= budget:
                 return count
     return None
