@@ -18,6 +18,7 @@ from jaxpar.plan._cost import (
 from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies, strategies
 from jaxpar.plan._hardware import KINDS, Hardware, Link, load_hardware
 from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
+from jaxpar.plan._picture import draw_plan
 from jaxpar.plan._planner import OBJECTIVES, Planning, Prediction, min_devices, plan, predict
 from jaxpar.plan._summary import axis_roles, per_layer, run_flags, why
 
@@ -38,6 +39,7 @@ __all__ = [
     "cache_bytes",
     "check",
     "collective_seconds",
+    "draw_plan",
     "executions",
     "legal_strategies",
     "load_hardware",

@@ -11,6 +11,15 @@ from jaxpar.spec import MESH_AXES, Module, Phase, mesh_axes, modules_of
 LAYER_MODULES = ("attention", "ffn", "moe")
 
 
+def duration(seconds: float) -> str:
+    """``812 us``, ``3.42 ms``, ``1.18 s``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
 def _parts(pred: Prediction) -> dict[str, float]:
     """Request time split into what the objective adds up (seconds per request)."""
     g = pred.workload.gen_len
@@ -37,7 +46,7 @@ def why(planning: Planning) -> str:
     gain = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in keys}
     key = max(gain, key=gain.__getitem__)
     metric = {
-        "latency": f"{best.request_s * 1e3:.3g} ms vs {other.request_s * 1e3:.3g} ms per request",
+        "latency": f"{duration(best.request_s)} vs {duration(other.request_s)} per request",
         "throughput": f"{best.tokens_per_s:.4g} vs {other.tokens_per_s:.4g} tokens/s "
         f"(batch {best.workload.batch} vs {other.workload.batch})",
         "cost": f"{best.device_s_per_token * 1e3:.3g} vs {other.device_s_per_token * 1e3:.3g} "
@@ -45,7 +54,7 @@ def why(planning: Planning) -> str:
     }[planning.objective]
     return (
         f"{head}; it beats {other.config} ({metric}) mostly on {key}: "
-        f"{mine.get(key, 0.0) * 1e3:.3g} ms vs {theirs.get(key, 0.0) * 1e3:.3g} ms per request."
+        f"{duration(mine.get(key, 0.0))} vs {duration(theirs.get(key, 0.0))} per request."
     )
 
 
