@@ -73,7 +73,7 @@ def test_infeasible_request_is_a_clear_error(capsys):
     code = main(["plan", *args, "--hardware", "h100", *WORKLOAD])
     out = capsys.readouterr().out
     assert code == 2
-    assert "fits nowhere on 1 h100 devices" in out.replace("\n", " ")
+    assert "fits nowhere on 1 h100 device:" in out.replace("\n", " ")
     assert "the smallest device count on which it fits is 2" in out.replace("\n", " ")
 
 

@@ -238,7 +238,8 @@ def _infeasible(model, hardware, devices, workload, budget, unfit, refused) -> I
         else "it fits on no device count (searched up to the most devices a strategy can use)"
     )
     return InfeasiblePlanError(
-        f"{model.arch} model ({what}) fits nowhere on {devices} {hardware.name} devices: "
+        f"{model.arch} model ({what}) fits nowhere on {devices} {hardware.name} "
+        f"device{'s' if devices > 1 else ''}: "
         f"{detail}; {where}",
         need,
     )

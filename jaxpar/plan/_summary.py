@@ -14,10 +14,10 @@ LAYER_MODULES = ("attention", "ffn", "moe")
 def duration(seconds: float) -> str:
     """``812 us``, ``3.42 ms``, ``1.18 s``."""
     if seconds < 1e-3:
-        return f"{seconds * 1e6:.3g} us"
+        return f"{seconds * 1e6:.4g} us"
     if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s"
+        return f"{seconds * 1e3:.4g} ms"
+    return f"{seconds:.4g} s"
 
 
 def _parts(pred: Prediction) -> dict[str, float]:
