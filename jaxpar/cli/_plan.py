@@ -22,6 +22,7 @@ from jaxpar.plan import (
     Planning,
     Prediction,
     Workload,
+    duration,
     load_hardware,
     plan,
     run_flags,
@@ -85,8 +86,17 @@ def source_flag(args: argparse.Namespace) -> str:
     return f"--hf {args.hf}" if args.hf is not None else f"--model {args.model or 'tiny-dense'}"
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}"
+def _unit(seconds: float) -> tuple[float, str]:
+    if seconds < 1e-3:
+        return 1e6, "us"
+    return (1e3, "ms") if seconds < 1 else (1.0, "s")
+
+
+def _bytes(n: float) -> str:
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _gib(n: float) -> str:
@@ -104,12 +114,12 @@ def _table(planning: Planning, top: int) -> Table:
         "strategy",
         "dev",
         "batch",
-        "req ms",
+        "request",
         "tok/s",
-        "prefill ms cmp/hbm/comm",
-        "decode ms cmp/hbm/comm",
-        "comm MB/req",
-        "GiB/dev par+kv+act",
+        "prefill: cmp/hbm/comm",
+        "decode: cmp/hbm/comm",
+        "comm/req",
+        "GiB/dev: par+kv+rest",
     ):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for i, p in enumerate(planning.ranked[:top], 1):
@@ -118,24 +128,27 @@ def _table(planning: Planning, top: int) -> Table:
             str(p.config),
             str(p.devices),
             str(p.workload.batch),
-            _ms(p.request_s),
+            duration(p.request_s),
             f"{p.tokens_per_s:.4g}",
             _phase_cell(p.prefill),
             _phase_cell(p.decode),
-            f"{p.comm_bytes / 1e6:.3g}",
-            f"{_gib(p.memory.total)} ({_gib(p.memory.params)}+{_gib(p.memory.kv_cache)}"
-            f"+{_gib(p.memory.activations + p.memory.prompt_kv + p.memory.inputs)})",
+            _bytes(p.comm_bytes),
+            f"{_gib(p.memory.total)}: {_gib(p.memory.params)}+{_gib(p.memory.kv_cache)}"
+            f"+{_gib(p.memory.activations + p.memory.prompt_kv + p.memory.inputs)}",
         )
     return table
 
 
 def _phase_cell(cost) -> str:
-    return f"{_ms(cost.seconds)} ({_ms(cost.compute_s)}/{_ms(cost.memory_s)}/{_ms(cost.comm_s)})"
+    """``304 ms: 151/2.45/154`` (compute / HBM / communication, in the total's unit)."""
+    scale, unit = _unit(cost.seconds)
+    parts = "/".join(f"{x * scale:.3g}" for x in (cost.compute_s, cost.memory_s, cost.comm_s))
+    return f"{cost.seconds * scale:.3g} {unit}: {parts}"
 
 
 def _collectives(pred: Prediction) -> Table:
     table = Table(title=f"collectives per step of {pred.config}", title_justify="left")
-    for col in ("phase", "step", "kind", "axes", "link", "n", "algo", "runs", "MB", "ms"):
+    for col in ("phase", "step", "kind", "axes", "link", "n", "algo", "runs", "bytes", "time"):
         table.add_column(col, justify="left" if col in ("phase", "step", "kind") else "right")
     for cost in (pred.prefill, pred.decode):
         for c in cost.comm:
@@ -148,8 +161,8 @@ def _collectives(pred: Prediction) -> Table:
                 str(c.group),
                 c.algorithm,
                 str(c.executions),
-                f"{c.bytes / 1e6:.3g}",
-                _ms(c.seconds),
+                _bytes(c.bytes),
+                duration(c.seconds),
             )
     return table
 

@@ -20,7 +20,7 @@ from jaxpar.plan._hardware import KINDS, Hardware, Link, load_hardware
 from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
 from jaxpar.plan._picture import draw_plan
 from jaxpar.plan._planner import OBJECTIVES, Planning, Prediction, min_devices, plan, predict
-from jaxpar.plan._summary import axis_roles, per_layer, run_flags, why
+from jaxpar.plan._summary import axis_roles, duration, per_layer, run_flags, why
 
 __all__ = [
     "KINDS",
@@ -40,6 +40,7 @@ __all__ = [
     "check",
     "collective_seconds",
     "draw_plan",
+    "duration",
     "executions",
     "legal_strategies",
     "load_hardware",
