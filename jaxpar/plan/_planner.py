@@ -19,10 +19,10 @@ from typing import Any
 from jaxpar.errors import ConfigError, InfeasiblePlanError
 from jaxpar.models import ModelConfig
 from jaxpar.plan._cost import PhaseCost, phase_cost
-from jaxpar.plan._enumerate import Refused, Workload, legal_strategies
+from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
 from jaxpar.plan._memory import Memory, memory
-from jaxpar.spec import ParallelConfig, Phase
+from jaxpar.spec import MESH_AXES, ParallelConfig, Phase
 
 OBJECTIVES = ("latency", "throughput", "cost")
 MAX_BATCH_GROWTH = 64
@@ -77,7 +77,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": str(self.config),
-            "degrees": {a: self.config.degree(a) for a in ("dp", "pp", "sp", "ep", "tp")},
+            "degrees": {a: self.config.degree(a) for a in MESH_AXES},
             "microbatches": self.config.microbatches,
             "decode_groups": self.config.decode_groups,
             "devices": self.devices,
@@ -146,8 +146,6 @@ def predict(
 
 def _grown(model, config, workload, hardware, budget) -> Prediction | None:
     """The largest batch (workload's x 2^k) that is legal and fits, predicted."""
-    from jaxpar.plan._enumerate import check
-
     best = None
     factor = 1
     while factor <= MAX_BATCH_GROWTH:
