@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 from scipy.stats import spearmanr
@@ -27,7 +28,7 @@ from jaxpar.errors import InfeasiblePlanError
 from jaxpar.inspect import parse_collectives
 from jaxpar.models import preset
 from jaxpar.plan import Workload, legal_strategies, load_hardware, plan, predict
-from jaxpar.spec import ParallelConfig, validate
+from jaxpar.spec import ParallelConfig, make_mesh, validate
 
 MODELS = ("tiny-dense", "tiny-gqa", "tiny-moe")
 WORKLOADS = {
@@ -47,9 +48,13 @@ def planning(name: str, workload: str):
 
 @functools.cache
 def compiled(name: str, config: ParallelConfig, workload: str) -> dict[str, tuple[int, int]]:
-    """Per phase: (collective bytes per step, argument bytes per device) of the compiled step."""
+    """Per phase: (collective bytes per step, argument bytes per device) of the compiled step
+    (on the first ``config.size`` devices: a disaggregated plan's groups compile alone)."""
     w = WORKLOADS[workload]
-    eng = AbstractEngine.build(preset(name), config, max_batch=w.batch, max_seq_len=w.max_seq_len)
+    mesh = make_mesh(config, jax.devices()[: config.size])
+    eng = AbstractEngine.build(
+        preset(name), config, max_batch=w.batch, max_seq_len=w.max_seq_len, mesh=mesh
+    )
     out = {}
     for phase in ("prefill", "decode"):
         program = eng.lower(phase, prompt_len=w.prompt_len).compile(FAST_COMPILE)
@@ -64,19 +69,19 @@ TOP = [(m, w, i) for m in MODELS for w in WORKLOADS for i in range(5)]
 @pytest.mark.parametrize(("name", "workload", "rank"), TOP, ids=lambda x: str(x))
 def test_top_plans_match_the_compiled_programs(name, workload, rank):
     pred = planning(name, workload).ranked[rank]
-    measured = compiled(name, pred.config, workload)
-    for cost in (pred.prefill, pred.decode):
-        got = measured[cost.phase.value][0]
+    # A disaggregated plan's prefill runs its own strategy on its own group.
+    prefill = compiled(name, pred.prefill_config or pred.config, workload)["prefill"]
+    decode = compiled(name, pred.config, workload)["decode"]
+    for cost, got in ((pred.prefill, prefill[0]), (pred.decode, decode[0])):
         assert cost.comm_bytes == pytest.approx(got, rel=0.01, abs=0), (
-            pred.config,
+            pred.label,
             cost.phase,
             [(c.item.step, c.bytes) for c in cost.comm],
         )
     # Arguments: the parameters and token ids in prefill; and the whole KV cache in decode.
-    mem = pred.memory
-    prefill_args, decode_args = measured["prefill"][1], measured["decode"][1]
-    assert mem.params + mem.prefill_inputs == pytest.approx(prefill_args, rel=0.02)
-    assert mem.params + mem.kv_cache + mem.decode_inputs == pytest.approx(decode_args, rel=0.02)
+    pre, mem = pred.prefill_memory or pred.memory, pred.memory
+    assert pre.params + pre.prefill_inputs == pytest.approx(prefill[1], rel=0.02)
+    assert mem.params + mem.kv_cache + mem.decode_inputs == pytest.approx(decode[1], rel=0.02)
 
 
 def test_no_refused_strategy_is_proposed_and_none_is_lost():
@@ -84,14 +89,18 @@ def test_no_refused_strategy_is_proposed_and_none_is_lost():
         for workload, w in WORKLOADS.items():
             p = planning(name, workload)
             for pred in p.ranked:
-                validate(
-                    preset(name),
-                    pred.config,
-                    n_devices=8,
-                    batch=pred.workload.batch,
-                    max_seq_len=w.max_seq_len,
-                )
-            proposed = {str(x.config) for x in p.ranked} | {str(x.config) for x in p.unfit}
+                groups = [pred.config, *([pred.prefill_config] if pred.disaggregated else [])]
+                assert sum(g.size for g in groups) == 8
+                for group in groups:
+                    validate(
+                        preset(name),
+                        group,
+                        n_devices=group.size,
+                        batch=pred.workload.batch,
+                        max_seq_len=w.max_seq_len,
+                    )
+            colocated = [x for x in (*p.ranked, *p.unfit) if not x.disaggregated]
+            proposed = {str(x.config) for x in colocated}
             refused = {str(r.config) for r in p.refused}
             assert proposed and not proposed & refused
             # Every candidate is either proposed or refused with a reason.
@@ -136,6 +145,21 @@ def test_infeasible_everywhere_says_so():
     with pytest.raises(InfeasiblePlanError, match="fits on no device count") as err:
         plan(preset("tiny-dense"), HW, 8, WORKLOADS["b8"], hbm_budget_gib=1e-6)
     assert err.value.min_devices is None
+
+
+def test_disaggregated_groups_overlap_in_throughput():
+    """tiny-moe, 2 sequences: 4 | 4 device splits exist; their throughput counts the busier
+    group only (prefill of one batch runs while another decodes), their latency both."""
+    w = WORKLOADS["b2"]
+    p = plan(preset("tiny-moe"), HW, 8, w)
+    split = [x for x in p.ranked if x.disaggregated]
+    assert split
+    for x in split:
+        assert x.prefill_config.pp == x.config.pp == 1
+        assert x.transfer_bytes == 2 * 4 * 2 * 32 * 8 * 8 * 4 + 2 * 2 * 4  # 2LBTKH f32 + rows
+        busier = max(x.prefill.seconds + x.transfer_s, w.gen_len * x.decode.seconds)
+        assert x.tokens_per_s == pytest.approx(w.batch * w.gen_len / busier)
+        assert x.request_s > busier
 
 
 def test_objectives_differ_where_they_should():

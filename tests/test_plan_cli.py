@@ -38,7 +38,10 @@ def _check(data: dict, source, devices: int) -> None:
         config = ParallelConfig(
             **p["degrees"], microbatches=p["microbatches"], decode_groups=p["decode_groups"]
         )
-        validate(model, config, n_devices=devices, batch=p["batch"], max_seq_len=32)
+        validate(model, config, n_devices=config.size, batch=p["batch"], max_seq_len=32)
+        prefill = ParallelConfig.parse(p["prefill_strategy"])
+        validate(model, prefill, n_devices=prefill.size, batch=p["batch"], max_seq_len=32)
+        assert p["devices"] == devices == config.size + prefill.size * p["disaggregated"]
     times = [p["request_s"] for p in data["plans"]]
     assert times == sorted(times)
     assert data["command"].startswith("jaxpar run ") and "--max-seq-len 32" in data["command"]

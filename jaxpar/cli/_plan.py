@@ -125,7 +125,7 @@ def _table(planning: Planning, top: int) -> Table:
     for i, p in enumerate(planning.ranked[:top], 1):
         table.add_row(
             str(i),
-            str(p.config),
+            p.label,
             str(p.devices),
             str(p.workload.batch),
             duration(p.request_s),
@@ -147,7 +147,7 @@ def _phase_cell(cost) -> str:
 
 
 def _collectives(pred: Prediction) -> Table:
-    table = Table(title=f"collectives per step of {pred.config}", title_justify="left")
+    table = Table(title=f"collectives per step of {pred.label}", title_justify="left")
     for col in ("phase", "step", "kind", "axes", "link", "n", "algo", "runs", "bytes", "time"):
         table.add_column(col, justify="left" if col in ("phase", "step", "kind") else "right")
     for cost in (pred.prefill, pred.decode):
@@ -180,14 +180,23 @@ def to_json(model: Any, planning: Planning, args: argparse.Namespace) -> dict[st
         "why": why(planning),
         "command": run_flags(planning.best, source_flag(args)),
         "plans": [p.to_dict() for p in planning.ranked[: args.top]],
-        "legal": len(planning.ranked) + len(planning.unfit),
-        "fit": len(planning.ranked),
+        "legal": _colocated(planning),
+        "fit": len(planning.ranked) - _disaggregated(planning),
+        "disaggregated": _disaggregated(planning),
         "refused": [
             {"strategy": str(r.config), "rule": r.rule, "reason": r.reason}
             for r in planning.refused
         ],
         "notes": list(planning.notes),
     }
+
+
+def _disaggregated(planning: Planning) -> int:
+    return sum(p.disaggregated for p in planning.ranked)
+
+
+def _colocated(planning: Planning) -> int:
+    return len(planning.ranked) + len(planning.unfit) - _disaggregated(planning)
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
@@ -203,8 +212,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"[bold]{model.arch}[/] on {planning.devices} x {hw.name} ({hw.source}); "
         f"{w.batch} sequences x ({w.prompt_len} prompt + {w.gen_len} new) tokens; "
-        f"{len(planning.ranked) + len(planning.unfit)} legal strategies, "
-        f"{len(planning.unfit)} do not fit in HBM, {len(planning.refused)} refused by the validator",
+        f"{_colocated(planning)} legal strategies ({len(planning.unfit)} do not fit in HBM, "
+        f"{len(planning.refused)} refused by the validator), "
+        f"{_disaggregated(planning)} disaggregated prefill | decode splits",
         highlight=False,
     )
     console.print(_table(planning, args.top))

@@ -44,6 +44,16 @@ class Memory:
         return self.prefill_inputs + self.decode_inputs
 
     @property
+    def prefill_total(self) -> int:
+        """A device that only prefills (disaggregated): weights, prompt K/V, activations."""
+        return self.params + self.prompt_kv + self.prefill_inputs + self.activations
+
+    @property
+    def decode_total(self) -> int:
+        """A device that only decodes (disaggregated): weights, the KV cache, activations."""
+        return self.params + self.kv_cache + self.decode_inputs + self.activations
+
+    @property
     def total(self) -> int:
         return self.params + self.kv_cache + self.prompt_kv + self.inputs + self.activations
 

@@ -9,46 +9,46 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.plan._planner import Planning, Prediction
-from jaxpar.plan._summary import axis_roles, per_layer
-from jaxpar.spec import MESH_AXES, Phase
+from jaxpar.plan._summary import axis_roles, per_layer, phase_config
+from jaxpar.spec import MESH_AXES, ParallelConfig, Phase
 
 _COLORS = {"dp": "#4c72b0", "pp": "#dd8452", "sp": "#55a868", "ep": "#c44e52", "tp": "#8172b3"}
 
 
-def _grid(pred: Prediction) -> tuple[int, int, list[tuple[int, ...]]]:
+def _grid(config: ParallelConfig) -> tuple[int, int, list[tuple[int, ...]]]:
     """Rows x columns of the device grid (outer axes down, inner axes across) and each
     device's coordinates in mesh order."""
-    shape = pred.config.shape
+    shape, n = config.shape, config.size
     coords = [
         tuple(i // math.prod(shape[k + 1 :]) % shape[k] for k in range(len(shape)))
-        for i in range(pred.devices)
+        for i in range(n)
     ]
     cols = 1  # innermost axes across, until the grid is about square
     for degree in reversed(shape):
-        if cols * cols >= pred.devices:
+        if cols * cols >= n:
             break
         cols *= degree
-    return pred.devices // cols, cols, coords
+    return n // cols, cols, coords
 
 
 def _draw_mesh(ax: Any, pred: Prediction, domain: int) -> None:
-    rows, cols, coords = _grid(pred)
+    config = pred.config
+    rows, cols, coords = _grid(config)
     for i, coord in enumerate(coords):
         r, c = divmod(i, cols)
         host = i // domain
         ax.add_patch(
             _rect((c, rows - 1 - r), "#f2f2f2" if host % 2 == 0 else "#dcdcdc", edge="#555555")
         )
-        label = "\n".join(
-            f"{a}{coord[k]}" for k, a in enumerate(MESH_AXES) if pred.config.degree(a) > 1
-        )
+        label = "\n".join(f"{a}{coord[k]}" for k, a in enumerate(MESH_AXES) if config.degree(a) > 1)
         ax.text(c + 0.5, rows - 0.5 - r, f"{i}\n{label}", ha="center", va="center", fontsize=6)
     ax.set_xlim(0, cols)
     ax.set_ylim(0, rows)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title(
-        f"mesh {pred.config} ({pred.devices} devices; shading: fast-link domains of {domain})",
+        f"{'decode ' if pred.prefill_config else ''}mesh {config} ({config.size} devices; "
+        f"shading: fast-link domains of {domain})",
         fontsize=8,
     )
 
@@ -64,9 +64,10 @@ def _draw_roles(ax: Any, model: Any, pred: Prediction) -> None:
     lines = []
     for phase in Phase:
         roles = axis_roles(model, pred, phase)
-        lines.append((f"{phase.value}:", "black"))
+        config = phase_config(pred, phase)
+        lines.append((f"{phase.value} ({config}):", "black"))
         for axis, text in roles.items():
-            lines.append((f"  {axis}={pred.config.degree(axis)}  {text}", _COLORS[axis]))
+            lines.append((f"  {axis}={config.degree(axis)}  {text}", _COLORS[axis]))
         if not roles:
             lines.append(("  one device: nothing split", "black"))
     for i, (text, color) in enumerate(lines):
@@ -125,7 +126,7 @@ def draw_plan(model: Any, planning: Planning, path: str | Path) -> Path:
     fig.suptitle(
         f"jaxpar plan: {model.arch}, {pred.devices} x {planning.hardware.name}, batch "
         f"{w.batch}, prompt {w.prompt_len}, {w.gen_len} new tokens ({planning.objective}): "
-        f"{pred.config}",
+        f"{pred.label}",
         fontsize=10,
     )
     fig.tight_layout()

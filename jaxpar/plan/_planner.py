@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from jaxpar.errors import ConfigError, InfeasiblePlanError
 from jaxpar.models import ModelConfig
 from jaxpar.plan._cost import PhaseCost, phase_cost
@@ -31,31 +33,58 @@ SEARCH_LIMIT = 1 << 16
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """One strategy's predicted cost for a workload."""
+    """One plan's predicted cost for a workload.
+
+    Colocated: both phases run ``config`` on the same devices. Disaggregated
+    (``prefill_config`` set): decode runs ``config`` on the first devices, prefill runs
+    ``prefill_config`` on the devices after them, and each prefilled batch's K/V moves once
+    (``transfer_bytes`` in ``transfer_s``); the two groups work at the same time.
+    """
 
     config: ParallelConfig
     workload: Workload
     prefill: PhaseCost
     decode: PhaseCost
-    memory: Memory
+    memory: Memory  # per device (disaggregated: of the decode group)
     budget: int  # HBM bytes per device it must fit in
+    prefill_config: ParallelConfig | None = None
+    prefill_memory: Memory | None = None
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_config is not None
+
+    @property
+    def label(self) -> str:
+        if self.prefill_config is None:
+            return str(self.config)
+        return f"prefill {self.prefill_config} | decode {self.config}"
 
     @property
     def devices(self) -> int:
-        return self.config.size
+        return self.config.size + (self.prefill_config.size if self.prefill_config else 0)
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.budget
+        if self.prefill_memory is None:
+            return self.memory.total <= self.budget
+        return max(self.memory.decode_total, self.prefill_memory.prefill_total) <= self.budget
 
     @property
     def request_s(self) -> float:
-        """Prefill plus ``gen_len`` decode steps."""
-        return self.prefill.seconds + self.workload.gen_len * self.decode.seconds
+        """Prefill (+ the K/V transfer) plus ``gen_len`` decode steps."""
+        return self.prefill.seconds + self.transfer_s + self.workload.gen_len * self.decode.seconds
 
     @property
     def tokens_per_s(self) -> float:
-        return self.workload.batch * self.workload.gen_len / self.request_s
+        """Steady state: disaggregated groups overlap one batch's prefill with another's decode."""
+        w = self.workload
+        if not self.disaggregated:
+            return w.batch * w.gen_len / self.request_s
+        busiest = max(self.prefill.seconds + self.transfer_s, w.gen_len * self.decode.seconds)
+        return w.batch * w.gen_len / busiest
 
     @property
     def device_s_per_token(self) -> float:
@@ -76,7 +105,11 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "strategy": str(self.config),
+            "strategy": self.label,
+            "disaggregated": self.disaggregated,
+            "prefill_strategy": str(self.prefill_config or self.config),
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_s": self.transfer_s,
             "degrees": {a: self.config.degree(a) for a in MESH_AXES},
             "microbatches": self.config.microbatches,
             "decode_groups": self.config.decode_groups,
@@ -200,19 +233,22 @@ def plan(
             fitting.append(pred)
     if not fitting:
         raise _infeasible(model, hardware, devices, workload, budget, unfit, refused)
-    ranked = sorted(fitting, key=lambda p: (p.score(objective), p.comm_bytes, str(p.config)))
+    for count in _device_counts(devices, objective):
+        grow = objective == "throughput"
+        fitting += disaggregated_plans(model, hardware, count, workload, budget, grow=grow)
+    ranked = sorted(fitting, key=lambda p: (p.score(objective), p.comm_bytes, p.label))
     return Planning(
         objective, workload, hardware, devices, tuple(ranked), tuple(unfit), tuple(refused), NOTES
     )
 
 
 NOTES = (
-    "One mesh serves both phases: each strategy's axes take their per-phase roles from the "
+    "Colocated plans run both phases on one mesh: each axis takes its per-phase role from the "
     "tables (sp splits prompt tokens in prefill and carries batch in decode; ep carries batch "
-    "outside MoE layers), and the prefill microbatches and decode groups are chosen per phase. "
-    "Pairs with different degrees per phase would need the weights laid out twice or "
-    "disaggregated prefill/decode device groups, which the engine does not run yet; they are "
-    "not proposed.",
+    "outside MoE layers) and the prefill microbatches and decode groups are chosen per phase. "
+    "Disaggregated plans ('prefill X | decode Y') put decode on the first devices and prefill "
+    "on the rest, each with the fastest legal unpipelined strategy that fits its group, and "
+    "move each batch's K/V once (ContinuousBatcher(prefill_engine=...), explain --prefill).",
 )
 
 
@@ -278,3 +314,76 @@ def min_devices(
             if need.total <= budget:
                 return count
     return None
+
+
+def kv_transfer_bytes(model: ModelConfig, workload: Workload) -> int:
+    """What one prefilled batch sends to the decode group: K and V of every layer
+    ``[B, T, K, H]``, and each row's prompt length and first token (int32)."""
+    b, t = workload.batch, workload.prompt_len
+    kv = 2 * model.n_layers * b * t * model.n_kv_heads * model.head_dim
+    return kv * np.dtype(model.dtype).itemsize + 2 * b * 4
+
+
+def _best_group(model, hardware, count, workload, budget, phase) -> Prediction | None:
+    """The unpipelined legal strategy on ``count`` devices with the fastest ``phase`` step
+    that fits what that group holds (prefill: weights and prompt K/V; decode: weights and
+    the KV cache)."""
+    best = None
+    for config in legal_strategies(model, count, workload)[0]:
+        if config.pp > 1:  # disaggregated groups run unpipelined strategies
+            continue
+        pred = predict(model, config, workload, hardware, budget=budget)
+        mem = pred.memory.prefill_total if phase is Phase.PREFILL else pred.memory.decode_total
+        cost = pred.prefill if phase is Phase.PREFILL else pred.decode
+        if mem <= budget and (best is None or cost.seconds < best[0]):
+            best = (cost.seconds, pred)
+    return best and best[1]
+
+
+def disaggregated_plans(
+    model: ModelConfig,
+    hardware: Hardware,
+    devices: int,
+    workload: Workload,
+    budget: int,
+    *,
+    grow: bool = False,
+) -> list[Prediction]:
+    """For each split of ``devices`` into a decode group (first) and a prefill group (after
+    it), the best strategy of each group and the K/V transfer between them; with ``grow``
+    (throughput), at the largest batch (x 2^k, up to x64) both groups still fit.
+
+    The transfer runs over the fast link when both groups sit in one fast-link domain, else
+    over the slow one, spread over the smaller group's devices.
+    """
+    out = []
+    for decode_devices in range(1, devices):
+        best = None
+        factor = 1
+        while factor <= (MAX_BATCH_GROWTH if grow else 1):
+            pair = _pair(model, hardware, decode_devices, devices, workload.scaled(factor), budget)
+            if pair is None:
+                break
+            best, factor = pair, factor * 2
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def _pair(model, hardware, decode_devices, devices, workload, budget) -> Prediction | None:
+    prefill_devices = devices - decode_devices
+    dec = _best_group(model, hardware, decode_devices, workload, budget, Phase.DECODE)
+    pre = _best_group(model, hardware, prefill_devices, workload, budget, Phase.PREFILL)
+    if dec is None or pre is None:
+        return None
+    link = hardware.fast_link if devices <= hardware.domain(devices) else hardware.slow_link
+    size = kv_transfer_bytes(model, workload)
+    seconds = size / (min(decode_devices, prefill_devices) * link.bytes_per_s)
+    return dataclasses.replace(
+        dec,
+        prefill=pre.prefill,
+        prefill_config=pre.config,
+        prefill_memory=pre.memory,
+        transfer_bytes=size,
+        transfer_s=seconds + link.latency_s,
+    )

@@ -6,7 +6,7 @@ from typing import Any
 
 from jaxpar.plan._cost import PhaseCost
 from jaxpar.plan._planner import Planning, Prediction
-from jaxpar.spec import MESH_AXES, Module, Phase, mesh_axes, modules_of
+from jaxpar.spec import MESH_AXES, Module, ParallelConfig, Phase, mesh_axes, modules_of
 
 LAYER_MODULES = ("attention", "ffn", "moe")
 
@@ -28,6 +28,7 @@ def _parts(pred: Prediction) -> dict[str, float]:
         busy = max(cost.compute_s, cost.memory_s) * times
         out[f"{name} {'compute' if cost.compute_s >= cost.memory_s else 'HBM reads'}"] = busy
         out[f"{name} communication"] = cost.comm_s * times
+    out["K/V transfer"] = pred.transfer_s
     return out
 
 
@@ -35,7 +36,7 @@ def why(planning: Planning) -> str:
     """One line: what makes the best plan beat the runner-up."""
     best = planning.best
     head = (
-        f"{best.config} is {best.prefill.bound}-bound in prefill and "
+        f"{best.label} is {best.prefill.bound}-bound in prefill and "
         f"{best.decode.bound}-bound in decode"
     )
     if len(planning.ranked) == 1:
@@ -53,32 +54,46 @@ def why(planning: Planning) -> str:
         f"device-ms per token ({best.devices} vs {other.devices} devices)",
     }[planning.objective]
     return (
-        f"{head}; it beats {other.config} ({metric}) mostly on {key}: "
+        f"{head}; it beats {other.label} ({metric}) mostly on {key}: "
         f"{duration(mine.get(key, 0.0))} vs {duration(theirs.get(key, 0.0))} per request."
     )
 
 
 def run_flags(pred: Prediction, source: str) -> str:
-    """The ``jaxpar run`` command line of a plan (``jaxpar serve`` takes the same strategy)."""
+    """The command line of a plan: ``jaxpar run`` (``serve`` takes the same strategy flags);
+    a disaggregated plan names its prefill strategy with ``--prefill`` (as ``jaxpar explain
+    --prefill`` does), for ``jaxpar serve``."""
     c, w = pred.config, pred.workload
     flags = [f"--{a} {c.degree(a)}" for a in MESH_AXES if c.degree(a) > 1]
     if c.microbatches > 1:
         flags.append(f"--microbatches {c.microbatches}")
     if c.decode_groups > 1:
         flags.append(f"--decode-groups {c.decode_groups}")
+    if pred.prefill_config is not None:
+        flags.append(f"--prefill {pred.prefill_config}")
     flags += [
         f"--batch {w.batch}",
         f"--max-seq-len {w.max_seq_len}",
         f"--max-new-tokens {w.gen_len}",
     ]
+    if pred.prefill_config is not None:
+        return f"jaxpar serve {source} {' '.join(flags)}"
     return f"jaxpar run {source} {' '.join(flags)} --prompt ..."
+
+
+def phase_config(pred: Prediction, phase: Phase) -> ParallelConfig:
+    """The strategy ``phase`` runs under (a disaggregated plan's prefill has its own)."""
+    if phase is Phase.PREFILL and pred.prefill_config is not None:
+        return pred.prefill_config
+    return pred.config
 
 
 def axis_roles(model: Any, pred: Prediction, phase: Phase) -> dict[str, str]:
     """Mesh axis -> what it splits in ``phase``, module by module (axes of degree > 1)."""
-    roles: dict[str, list[str]] = {a: [] for a in pred.config.active()}
+    config = phase_config(pred, phase)
+    roles: dict[str, list[str]] = {a: [] for a in config.active()}
     for module in modules_of(model):
-        axes = mesh_axes(module, phase, pred.config, dims=model)
+        axes = mesh_axes(module, phase, config, dims=model)
         for axis in roles:
             dims = [d for d, on in axes.items() if axis in on and d != "expert_batch"]
             if dims:
