@@ -15,11 +15,13 @@ from jaxpar.plan._cost import (
     phase_cost,
     step_flops,
 )
+from jaxpar.plan._disaggregated import disaggregated_plans, kv_transfer_bytes
 from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies, strategies
 from jaxpar.plan._hardware import KINDS, Hardware, Link, load_hardware
 from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
 from jaxpar.plan._picture import draw_plan
-from jaxpar.plan._planner import OBJECTIVES, Planning, Prediction, min_devices, plan, predict
+from jaxpar.plan._planner import OBJECTIVES, Planning, min_devices, plan
+from jaxpar.plan._prediction import Prediction, predict
 from jaxpar.plan._summary import axis_roles, duration, per_layer, run_flags, why
 
 __all__ = [
@@ -39,9 +41,11 @@ __all__ = [
     "cache_bytes",
     "check",
     "collective_seconds",
+    "disaggregated_plans",
     "draw_plan",
     "duration",
     "executions",
+    "kv_transfer_bytes",
     "legal_strategies",
     "load_hardware",
     "memory",

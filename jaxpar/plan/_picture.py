@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.plan._planner import Planning, Prediction
+from jaxpar.plan._planner import Planning
+from jaxpar.plan._prediction import Prediction
 from jaxpar.plan._summary import axis_roles, per_layer, phase_config
 from jaxpar.spec import MESH_AXES, ParallelConfig, Phase
 

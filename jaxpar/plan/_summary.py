@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.plan._cost import PhaseCost
-from jaxpar.plan._planner import Planning, Prediction
+from jaxpar.plan._planner import Planning
+from jaxpar.plan._prediction import Prediction
 from jaxpar.spec import MESH_AXES, Module, ParallelConfig, Phase, mesh_axes, modules_of
 
 LAYER_MODULES = ("attention", "ffn", "moe")
