@@ -62,3 +62,15 @@ class DistributedError(JaxparError):
 
 class PeerLostError(DistributedError):
     """Another process of the job died or became unreachable while this one needed it."""
+
+
+class InfeasiblePlanError(JaxparError):
+    """No legal strategy fits the request on the devices given (``jaxpar plan``).
+
+    ``min_devices`` is the smallest device count on which one would fit (None when none up to
+    the search limit does).
+    """
+
+    def __init__(self, message: str, min_devices: int | None = None) -> None:
+        super().__init__(message)
+        self.min_devices = min_devices

@@ -1,11 +1,12 @@
 """Packages meet only at their front doors, and import one way.
 
-jaxpar's packages (``spec``, ``models``, ``engine``, ``inspect``, ``server``, ``cli``) import
-each other only through their ``__init__``: ``from jaxpar.engine._steps import ...`` outside
-``jaxpar/engine/`` fails this test, as does ``from jaxpar.engine import _steps``. They also
-import one way, spec -> models -> engine -> inspect -> server -> cli (``jaxpar/__init__.py``
-and ``jaxpar/errors.py`` stand outside the order). The rule covers the package code and the
-scripts; tests may import private modules to check one piece on its own.
+jaxpar's packages (``spec``, ``models``, ``engine``, ``inspect``, ``plan``, ``server``,
+``cli``) import each other only through their ``__init__``: ``from jaxpar.engine._steps
+import ...`` outside ``jaxpar/engine/`` fails this test, as does ``from jaxpar.engine import
+_steps``. They also import one way, spec -> models -> engine -> inspect -> plan -> server ->
+cli (``jaxpar/__init__.py`` and ``jaxpar/errors.py`` stand outside the order). The rule
+covers the package code and the scripts; tests may import private modules to check one
+piece on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("spec", "models", "engine", "inspect", "server", "cli")
+ORDER = ("spec", "models", "engine", "inspect", "plan", "server", "cli")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

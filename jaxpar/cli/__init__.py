@@ -1,4 +1,4 @@
-"""Command line: ``jaxpar demo | run | explain | serve``. Thin: parsing and printing only."""
+"""Command line: ``jaxpar demo | run | explain | serve | plan``. Thin: parsing and printing only."""
 
 from __future__ import annotations
 
@@ -143,6 +143,14 @@ def _parser() -> argparse.ArgumentParser:
         "decode's; shows both groups and the K/V transfer between them",
     )
     _add_serve(sub)
+    plan = sub.add_parser(
+        "plan",
+        help="choose the strategy for a model, a cluster and a workload (analytic, no compile)",
+    )
+    add_model_args(plan, default_model="tiny-dense")
+    from jaxpar.cli._plan import add_plan_args
+
+    add_plan_args(plan)
     return parser
 
 
@@ -221,6 +229,10 @@ def _dispatch(args: argparse.Namespace, console) -> int:
         from jaxpar.cli._serve import run_serve
 
         return run_serve(args, console)
+    if args.command == "plan":
+        from jaxpar.cli._plan import run_plan
+
+        return run_plan(args, console)
     return 1
 
 

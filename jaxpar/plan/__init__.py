@@ -1,0 +1,62 @@
+"""The planner: legal strategies for a model, a cluster and a workload, predicted and ranked.
+
+``jaxpar plan`` in code: :func:`plan` enumerates every strategy the validator accepts for
+the device count, predicts each phase's step time on a :class:`Hardware` (compute, HBM
+reads, collectives from :func:`jaxpar.inspect.communication_model` on the links their mesh
+axes cross) and its memory per device, and ranks those that fit by an objective.
+"""
+
+from jaxpar.plan._cost import (
+    CommCost,
+    PhaseCost,
+    bubble,
+    collective_seconds,
+    executions,
+    phase_cost,
+    step_flops,
+)
+from jaxpar.plan._disaggregated import disaggregated_plans, kv_transfer_bytes
+from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies, strategies
+from jaxpar.plan._hardware import KINDS, Hardware, Link, load_hardware
+from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
+from jaxpar.plan._picture import draw_plan
+from jaxpar.plan._planner import OBJECTIVES, Planning, min_devices, plan
+from jaxpar.plan._prediction import Prediction, predict
+from jaxpar.plan._summary import axis_roles, duration, per_layer, run_flags, why
+
+__all__ = [
+    "KINDS",
+    "OBJECTIVES",
+    "CommCost",
+    "Hardware",
+    "Link",
+    "Memory",
+    "PhaseCost",
+    "Planning",
+    "Prediction",
+    "Refused",
+    "Workload",
+    "axis_roles",
+    "bubble",
+    "cache_bytes",
+    "check",
+    "collective_seconds",
+    "disaggregated_plans",
+    "draw_plan",
+    "duration",
+    "executions",
+    "kv_transfer_bytes",
+    "legal_strategies",
+    "load_hardware",
+    "memory",
+    "min_devices",
+    "param_bytes",
+    "per_layer",
+    "phase_cost",
+    "plan",
+    "predict",
+    "run_flags",
+    "step_flops",
+    "strategies",
+    "why",
+]

@@ -1,0 +1,92 @@
+"""Disaggregated plans: decode on the first devices, prefill on the rest, K/V moved once.
+
+The serving work runs them (``ContinuousBatcher(prefill_engine=...)``; ``jaxpar explain
+--prefill STRATEGY``): both groups run unpipelined strategies, prefill overlaps decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar.models import ModelConfig
+from jaxpar.plan._enumerate import Workload, legal_strategies
+from jaxpar.plan._hardware import Hardware
+from jaxpar.plan._prediction import Prediction, predict
+from jaxpar.spec import Phase
+
+MAX_BATCH_GROWTH = 64
+
+
+def kv_transfer_bytes(model: ModelConfig, workload: Workload) -> int:
+    """What one prefilled batch sends to the decode group: K and V of every layer
+    ``[B, T, K, H]``, and each row's prompt length and first token (int32)."""
+    b, t = workload.batch, workload.prompt_len
+    kv = 2 * model.n_layers * b * t * model.n_kv_heads * model.head_dim
+    return kv * np.dtype(model.dtype).itemsize + 2 * b * 4
+
+
+def _best_group(model, hardware, count, workload, budget, phase) -> Prediction | None:
+    """The unpipelined legal strategy on ``count`` devices with the fastest ``phase`` step
+    that fits what that group holds (prefill: weights and prompt K/V; decode: weights and
+    the KV cache)."""
+    best = None
+    for config in legal_strategies(model, count, workload)[0]:
+        if config.pp > 1:  # disaggregated groups run unpipelined strategies
+            continue
+        pred = predict(model, config, workload, hardware, budget=budget)
+        mem = pred.memory.prefill_total if phase is Phase.PREFILL else pred.memory.decode_total
+        cost = pred.prefill if phase is Phase.PREFILL else pred.decode
+        if mem <= budget and (best is None or cost.seconds < best[0]):
+            best = (cost.seconds, pred)
+    return best and best[1]
+
+
+def disaggregated_plans(
+    model: ModelConfig,
+    hardware: Hardware,
+    devices: int,
+    workload: Workload,
+    budget: int,
+    *,
+    grow: bool = False,
+) -> list[Prediction]:
+    """For each split of ``devices`` into a decode group (first) and a prefill group (after
+    it), the best strategy of each group and the K/V transfer between them; with ``grow``
+    (throughput), at the largest batch (x 2^k, up to x64) both groups still fit.
+
+    The transfer runs over the fast link when both groups sit in one fast-link domain, else
+    over the slow one, spread over the smaller group's devices.
+    """
+    out = []
+    for decode_devices in range(1, devices):
+        best = None
+        factor = 1
+        while factor <= (MAX_BATCH_GROWTH if grow else 1):
+            pair = _pair(model, hardware, decode_devices, devices, workload.scaled(factor), budget)
+            if pair is None:
+                break
+            best, factor = pair, factor * 2
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def _pair(model, hardware, decode_devices, devices, workload, budget) -> Prediction | None:
+    prefill_devices = devices - decode_devices
+    dec = _best_group(model, hardware, decode_devices, workload, budget, Phase.DECODE)
+    pre = _best_group(model, hardware, prefill_devices, workload, budget, Phase.PREFILL)
+    if dec is None or pre is None:
+        return None
+    link = hardware.fast_link if devices <= hardware.domain(devices) else hardware.slow_link
+    size = kv_transfer_bytes(model, workload)
+    seconds = size / (min(decode_devices, prefill_devices) * link.bytes_per_s)
+    return dataclasses.replace(
+        dec,
+        prefill=pre.prefill,
+        prefill_config=pre.config,
+        prefill_memory=pre.memory,
+        transfer_bytes=size,
+        transfer_s=seconds + link.latency_s,
+    )

@@ -1,0 +1,117 @@
+"""Every legal strategy for a device count and a workload, and why the others are refused.
+
+A strategy is one set of mesh degrees (dp, pp, sp, ep, tp) with its per-phase settings:
+the axes take their per-phase roles from the tables (``sp`` splits prompt tokens in prefill
+and carries batch in decode, ...), the prefill pipeline runs ``microbatches`` and the decode
+pipeline ``decode_groups``. The validator (:func:`jaxpar.spec.validate`) decides legality;
+nothing it refuses is ever proposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from jaxpar.errors import IllegalStrategyError
+from jaxpar.spec import MESH_AXES, ModelDims, ParallelConfig, validate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What is served: ``batch`` sequences, ``prompt_len`` prompt and ``gen_len`` new tokens."""
+
+    batch: int
+    prompt_len: int
+    gen_len: int
+
+    def __post_init__(self) -> None:
+        from jaxpar.errors import ConfigError
+
+        for name in ("batch", "prompt_len", "gen_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+
+    @property
+    def max_seq_len(self) -> int:
+        """KV cache length: the prompt and every generated token."""
+        return self.prompt_len + self.gen_len
+
+    def scaled(self, factor: int) -> Workload:
+        return dataclasses.replace(self, batch=self.batch * factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A strategy the validator (or the workload's shapes) refuses, with the first reason."""
+
+    config: ParallelConfig
+    rule: str
+    reason: str
+
+
+def factorizations(n: int, k: int = len(MESH_AXES)) -> Iterator[tuple[int, ...]]:
+    """Every ordered ``k``-tuple of positive integers whose product is ``n``."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorizations(n // d, k - 1):
+                yield (d, *rest)
+
+
+def _schedules(pp: int, batch: int) -> Iterator[tuple[int, int]]:
+    """(microbatches, decode_groups) tried for ``pp`` stages: 1 or multiples of pp."""
+    if pp == 1:
+        yield 1, 1
+        return
+    prefill = [1, *(pp * 2**i for i in range(3) if pp * 2**i <= batch)]
+    decode = [1, *(pp * 2**i for i in range(2) if pp * 2**i <= batch)]
+    for m in prefill:
+        for g in decode:
+            yield m, g
+
+
+def strategies(n_devices: int, batch: int) -> Iterator[ParallelConfig]:
+    """Every candidate strategy on ``n_devices`` (legal or not)."""
+    for degrees in factorizations(n_devices):
+        dims = dict(zip(MESH_AXES, degrees, strict=True))
+        for m, g in _schedules(dims["pp"], batch):
+            yield ParallelConfig(**dims, microbatches=m, decode_groups=g)
+
+
+def check(model: ModelDims, config: ParallelConfig, workload: Workload) -> Refused | None:
+    """None when ``config`` is legal for the model and workload, else why not."""
+    try:
+        validate(
+            model,
+            config,
+            n_devices=config.size,
+            batch=workload.batch,
+            max_seq_len=workload.max_seq_len,
+        )
+    except IllegalStrategyError as e:
+        first = e.violations[0] if e.violations else None
+        rule = first.rule if first else "illegal"
+        return Refused(config, rule, first.message if first else str(e))
+    if workload.prompt_len % config.sp:
+        return Refused(
+            config,
+            "sp-prefill-tokens",
+            f"prompt_len {workload.prompt_len} does not divide into sp={config.sp} token shards",
+        )
+    return None
+
+
+def legal_strategies(
+    model: ModelDims, n_devices: int, workload: Workload
+) -> tuple[list[ParallelConfig], list[Refused]]:
+    """(legal, refused) strategies on exactly ``n_devices`` devices."""
+    legal, refused = [], []
+    for config in strategies(n_devices, workload.batch):
+        why = check(model, config, workload)
+        if why is None:
+            legal.append(config)
+        else:
+            refused.append(why)
+    return legal, refused

@@ -1,0 +1,176 @@
+"""Hardware as data: one TOML per device kind (``jaxpar/plan/hardware/*.toml``), overridable.
+
+A :class:`Hardware` holds what the cost model needs of one device: peak FLOP/s per dtype,
+HBM capacity and bandwidth, and two links: the fast one inside a domain of
+``domain_size`` devices (NVLink inside a GPU host, ICI inside a TPU slice) and the slow one
+between domains (the cluster network, or DCN between TPU slices). :meth:`Hardware.link`
+places a collective over mesh axes on the links it crosses, by the mesh order
+``dp, pp, sp, ep, tp`` (tp innermost, on consecutive devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxpar.errors import ConfigError
+from jaxpar.spec import MESH_AXES, ParallelConfig
+
+KINDS = ("tpu-v5e", "tpu-v5p", "tpu-v6e", "h100", "h200", "a100", "cpu")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """A link as one collective sees it: bandwidth per device (GB/s) and latency per hop."""
+
+    name: str
+    gbps: float
+    latency_us: float
+
+    def __post_init__(self) -> None:
+        if self.gbps <= 0 or self.latency_us < 0:
+            raise ConfigError(f"link {self.name}: gbps must be > 0 and latency_us >= 0")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbps * 1e9
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One device kind (figures per device) and the links between devices."""
+
+    name: str
+    source: str
+    peak_tflops: Mapping[str, float]
+    hbm_gib: float
+    hbm_gbps: float
+    domain_size: int
+    fast_link: Link
+    slow_link: Link
+    per_host: int | None = None  # devices per fast-link domain in use (--hosts); None: full
+
+    def __post_init__(self) -> None:
+        if self.hbm_gib <= 0 or self.hbm_gbps <= 0 or self.domain_size < 1:
+            raise ConfigError(f"hardware {self.name}: hbm_gib, hbm_gbps, domain_size must be > 0")
+        if any(v <= 0 for v in self.peak_tflops.values()):
+            raise ConfigError(f"hardware {self.name}: every peak_tflops must be > 0")
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (float32, bfloat16, float16)."""
+        if dtype not in self.peak_tflops:
+            raise ConfigError(
+                f"hardware {self.name} has no peak_tflops for {dtype}; "
+                f"give one with --hw peak_tflops.{dtype}=..."
+            )
+        return self.peak_tflops[dtype] * 1e12
+
+    @property
+    def hbm_bytes(self) -> int:
+        return int(self.hbm_gib * 2**30)
+
+    def domain(self, n_devices: int) -> int:
+        """Devices per fast-link domain for an ``n_devices`` mesh."""
+        return min(self.per_host or self.domain_size, n_devices)
+
+    def with_hosts(self, devices: int, hosts: int | None) -> Hardware:
+        """``devices`` spread evenly over ``hosts`` fast-link domains (``--hosts``)."""
+        if hosts is None:
+            return self
+        if hosts < 1 or devices % hosts:
+            raise ConfigError(f"{devices} devices do not split evenly over {hosts} hosts")
+        per_host = devices // hosts
+        if per_host > self.domain_size:
+            raise ConfigError(
+                f"{per_host} devices per host exceed {self.name}'s fast-link domain of "
+                f"{self.domain_size} ({self.fast_link.name}); use more hosts"
+            )
+        return dataclasses.replace(self, per_host=per_host)
+
+    def link(self, axes: Sequence[str], config: ParallelConfig) -> Link:
+        """The slowest link a collective over ``axes`` crosses.
+
+        Devices are numbered in mesh order (tp fastest); a group over ``axes`` spans from
+        its innermost axis's stride to its outermost axis's stride x degree. Inside one
+        domain it runs on the fast link, else on the slow one.
+        """
+        domain = self.domain(config.size)
+        strides = {}
+        stride = 1
+        for axis in reversed(MESH_AXES):
+            strides[axis] = stride
+            stride *= config.degree(axis)
+        outer = max(axes, key=MESH_AXES.index)
+        span = strides[outer] * config.degree(outer)
+        return self.fast_link if span <= domain else self.slow_link
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def hardware_file(kind: str) -> Path:
+    """The packaged TOML of ``kind``, or ``kind`` itself when it is a path to a TOML file."""
+    path = Path(kind)
+    if path.suffix == ".toml" and path.is_file():
+        return path
+    if kind not in KINDS:
+        raise ConfigError(f"unknown hardware {kind!r}; kinds: {', '.join(KINDS)} (or a .toml file)")
+    return Path(str(importlib.resources.files("jaxpar.plan") / "hardware" / f"{kind}.toml"))
+
+
+def load_hardware(kind: str, overrides: Sequence[str] = ()) -> Hardware:
+    """Reads a device kind's TOML, then applies ``KEY=VALUE`` overrides (``--hw``).
+
+    Keys are the TOML's, dotted into tables: ``hbm_gib=24``, ``peak_tflops.bfloat16=900``,
+    ``fast_link.gbps=400``, ``slow_link.latency_us=8``.
+    """
+    path = hardware_file(kind)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read hardware description: {e}") from e
+    for text in overrides:
+        _override(data, text)
+    try:
+        return Hardware(
+            name=data["name"],
+            source=data["source"],
+            peak_tflops=dict(data["peak_tflops"]),
+            hbm_gib=float(data["hbm_gib"]),
+            hbm_gbps=float(data["hbm_gbps"]),
+            domain_size=int(data["domain_size"]),
+            fast_link=Link(**data["fast_link"]),
+            slow_link=Link(**data["slow_link"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: bad hardware description ({e})") from e
+
+
+def _override(data: dict[str, Any], text: str) -> None:
+    key, sep, value = text.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"--hw {text!r}: expected KEY=VALUE, e.g. hbm_gib=24")
+    node = data
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            raise ConfigError(f"--hw {text!r}: {part!r} is not a table of the hardware file")
+        node = node[part]
+    if parts[-1] not in node:
+        raise ConfigError(f"--hw {text!r}: unknown key; known here: {', '.join(node)}")
+    old = node[parts[-1]]
+    try:
+        node[parts[-1]] = value.strip() if isinstance(old, str) else type(old)(value)
+    except ValueError:
+        raise ConfigError(f"--hw {text!r}: {value!r} is not a {type(old).__name__}") from None
+    if isinstance(old, float | int) and not math.isfinite(float(node[parts[-1]])):
+        raise ConfigError(f"--hw {text!r}: not a finite number")

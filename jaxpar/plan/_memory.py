@@ -1,0 +1,169 @@
+"""Memory per device: parameters, KV cache, step inputs, and an activation estimate.
+
+Parameters and the cache are counted exactly, from the shapes the engine builds (its run form:
+stacked layers when pipelined, the vocabulary padded for ``tp``) and the shardings the spec
+layer gives them (:func:`jaxpar.spec.param_partition_spec` for weights, the decode layout for
+the cache). They are what ``compiled.memory_analysis()`` calls argument bytes. Activations
+are an estimate (XLA's buffer assignment decides the real peak): the residual stream, the
+prompt K/V a prefill returns, and the largest intermediate of a layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxpar.engine import run_form
+from jaxpar.models import KVCache, ModelConfig, abstract_model
+from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, param_partition_spec
+from jaxpar.spec import partition_spec as logical_spec
+
+INT32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device (the busiest device: every shard here is the largest one)."""
+
+    params: int
+    kv_cache: int
+    prompt_kv: int  # the K/V a prefill step returns before the handoff writes the cache
+    prefill_inputs: int  # token ids [B, T] and lengths [B]
+    decode_inputs: int  # token ids [B]
+    activations: int  # estimate of the larger of the two steps' activation peaks
+
+    @property
+    def inputs(self) -> int:
+        return self.prefill_inputs + self.decode_inputs
+
+    @property
+    def prefill_total(self) -> int:
+        """A device that only prefills (disaggregated): weights, prompt K/V, activations."""
+        return self.params + self.prompt_kv + self.prefill_inputs + self.activations
+
+    @property
+    def decode_total(self) -> int:
+        """A device that only decodes (disaggregated): weights, the KV cache, activations."""
+        return self.params + self.kv_cache + self.decode_inputs + self.activations
+
+    @property
+    def total(self) -> int:
+        return self.params + self.kv_cache + self.prompt_kv + self.inputs + self.activations
+
+    def to_dict(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+def _local(shape: Sequence[int], spec: Any, config: ParallelConfig) -> int:
+    out = 1
+    for i, size in enumerate(shape):
+        entry = spec[i] if i < len(spec) else None
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        out *= -(-size // math.prod(config.degree(a) for a in axes))
+    return out
+
+
+@functools.cache
+def _param_leaves(config: ModelConfig) -> tuple[tuple[tuple[int, ...], int, tuple], ...]:
+    """(shape, itemsize, logical names) of every parameter of ``config`` (cached per form)."""
+    state = nnx.state(abstract_model(config))
+    specs = jax.tree.leaves(
+        nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    values = jax.tree.leaves(state)
+    return tuple(
+        (tuple(v.shape), np.dtype(v.dtype).itemsize, tuple(s))
+        for v, s in zip(values, specs, strict=True)
+    )
+
+
+def param_bytes(model: ModelConfig, config: ParallelConfig) -> int:
+    """Parameter bytes on one device under ``config`` (placed once, the same in both phases)."""
+    run = run_form(model, config)
+    return sum(
+        _local(shape, param_partition_spec(names, config, dims=run), config) * size
+        for shape, size, names in _param_leaves(run)
+    )
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def cache_bytes(model: ModelConfig, config: ParallelConfig, batch: int, max_seq_len: int) -> int:
+    """Decode KV cache bytes (K, V and lengths) on one device, in the decode layout."""
+    run = run_form(model, config)
+    shapes = jax.tree.leaves(KVCache.abstract(run, batch, max_seq_len))
+    names = jax.tree.leaves(KVCache.logical_axes(run), is_leaf=_is_names)
+    return sum(
+        _local(s.shape, logical_spec(n, Module.ATTENTION, Phase.DECODE, config, dims=run), config)
+        * np.dtype(s.dtype).itemsize
+        for s, n in zip(shapes, names, strict=True)
+    )
+
+
+def _split(axes: Sequence[str], config: ParallelConfig) -> int:
+    return math.prod(config.degree(a) for a in axes)
+
+
+def input_bytes(
+    model: ModelConfig, config: ParallelConfig, phase: Phase, batch: int, t: int
+) -> int:
+    """Per device: token ids and lengths of a prefill step (``[B, T]``, ``[B]``), the token
+    ids ``[B]`` of a decode step (its lengths live in the cache)."""
+    split = _split(mesh_axes(Module.ATTENTION, phase, config, dims=model)["batch"], config)
+    return INT32 * (batch // split) * (t + 1 if phase is Phase.PREFILL else 1)
+
+
+def activation_bytes(
+    model: ModelConfig, config: ParallelConfig, phase: Phase, batch: int, tokens: int, context: int
+) -> int:
+    """Estimate of one step's activation peak on one device.
+
+    Two copies of the residual stream ``[B_l, T_l, D]`` plus the largest intermediate of a
+    layer: the gated FFN hidden ``[B_l, T_l, F_l]`` (x2), the attention scores
+    ``[B_l, N_l, T_l, S]`` in f32, or the MoE dispatch tensors ``[G_l, E, C, D]``.
+    """
+    itemsize = np.dtype(model.dtype).itemsize
+    att = mesh_axes(Module.ATTENTION, phase, config, dims=model)
+    b_l = -(-batch // _split(att["batch"], config))
+    t_l = -(-tokens // _split(att["seq"], config))
+    n_l = -(-model.n_heads // _split(att["heads"], config))
+    stream = 2 * b_l * t_l * model.d_model * itemsize
+    scores = b_l * n_l * t_l * context * 4
+    if model.n_experts:
+        moe = mesh_axes(Module.MOE, phase, config, dims=model)
+        cap = model.expert_capacity(tokens)
+        g_l = -(-batch // _split(moe["batch"], config))
+        hidden = 3 * g_l * model.n_experts * cap * model.d_model * itemsize
+    else:
+        f_l = -(-model.d_ff // _split(mesh_axes(Module.FFN, phase, config)["mlp"], config))
+        hidden = 2 * b_l * t_l * f_l * itemsize
+    return stream + max(scores, hidden)
+
+
+def memory(
+    model: ModelConfig, config: ParallelConfig, *, batch: int, prompt_len: int, max_seq_len: int
+) -> Memory:
+    """Per-device memory of a strategy serving ``batch`` sequences."""
+    run = run_form(model, config)
+    prompt_kv = cache_bytes(model, config, batch, prompt_len) if prompt_len else 0
+    acts = max(
+        activation_bytes(run, config, Phase.PREFILL, batch, prompt_len, prompt_len),
+        activation_bytes(run, config, Phase.DECODE, batch, 1, max_seq_len),
+    )
+    return Memory(
+        params=param_bytes(model, config),
+        kv_cache=cache_bytes(model, config, batch, max_seq_len),
+        prompt_kv=prompt_kv,
+        prefill_inputs=input_bytes(run, config, Phase.PREFILL, batch, prompt_len),
+        decode_inputs=input_bytes(run, config, Phase.DECODE, batch, 1),
+        activations=acts,
+    )

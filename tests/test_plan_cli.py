@@ -1,0 +1,100 @@
+"""``jaxpar plan`` on the command line: every preset and every HF fixture, JSON, pictures,
+hardware files and overrides, and a clear error when nothing fits. Analytic: nothing
+compiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.errors import ConfigError
+from jaxpar.models import PRESETS, preset
+from jaxpar.plan import KINDS, load_hardware
+from jaxpar.spec import ParallelConfig, validate
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HF_DIRS = sorted(p.parent for p in FIXTURES.rglob("config.json"))
+WORKLOAD = ["--batch", "8", "--prompt-len", "16", "--gen-len", "16"]
+
+
+def _plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check(data: dict, source, devices: int) -> None:
+    from jaxpar.models import config_from_hf
+
+    model = (
+        preset(source)
+        if isinstance(source, str)
+        else config_from_hf(json.loads((source / "config.json").read_text()), source=str(source))
+    )
+    assert data["plans"] and data["legal"] >= data["fit"] >= len(data["plans"])
+    for p in data["plans"]:  # every proposed plan is legal; ranked best first
+        config = ParallelConfig(
+            **p["degrees"], microbatches=p["microbatches"], decode_groups=p["decode_groups"]
+        )
+        validate(model, config, n_devices=config.size, batch=p["batch"], max_seq_len=32)
+        prefill = ParallelConfig.parse(p["prefill_strategy"])
+        validate(model, prefill, n_devices=prefill.size, batch=p["batch"], max_seq_len=32)
+        assert p["devices"] == devices == config.size + prefill.size * p["disaggregated"]
+    times = [p["request_s"] for p in data["plans"]]
+    assert times == sorted(times)
+    assert data["command"].startswith("jaxpar run ") and "--max-seq-len 32" in data["command"]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset(capsys, name):
+    hardware = "h100" if name == "llama-1b" else "cpu"
+    data = _plan_json(capsys, "--model", name, "--devices", "8", "--hardware", hardware, *WORKLOAD)
+    _check(data, name, 8)
+
+
+@pytest.mark.parametrize("path", HF_DIRS, ids=lambda p: p.name)
+def test_every_hf_fixture(capsys, path):
+    data = _plan_json(capsys, "--hf", str(path), "--devices", "4", "--hardware", "a100", *WORKLOAD)
+    _check(data, path, 4)
+
+
+def test_tables_why_and_picture(capsys, tmp_path):
+    picture = tmp_path / "plan.svg"
+    args = ["plan", "--model", "tiny-moe", "--devices", "8", "--hardware", "tpu-v5e"]
+    assert main([*args, *WORKLOAD, "--picture", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert "why" in out and "jaxpar run --model tiny-moe" in out
+    text = picture.read_text()
+    assert text.startswith("<?xml") and "collectives per layer" in text
+
+
+def test_infeasible_request_is_a_clear_error(capsys):
+    # Mixtral-8x7B: 46.7e9 bf16 parameters (93 GB) do not fit one 80 GB H100; they fit two.
+    args = ["--hf", str(FIXTURES / "configs" / "mixtral-8x7b"), "--devices", "1"]
+    code = main(["plan", *args, "--hardware", "h100", *WORKLOAD])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "fits nowhere on 1 h100 device:" in out.replace("\n", " ")
+    assert "the smallest device count on which it fits is 2" in out.replace("\n", " ")
+
+
+def test_hardware_files_name_their_source_and_can_be_overridden():
+    for kind in KINDS:
+        hw = load_hardware(kind)
+        assert hw.name == kind and hw.source and hw.hbm_gib > 0
+    hw = load_hardware("h100", ["hbm_gib=40", "peak_tflops.bfloat16=500", "fast_link.gbps=100"])
+    assert (hw.hbm_gib, hw.peak_tflops["bfloat16"], hw.fast_link.gbps) == (40, 500, 100)
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_hardware("h100", ["hbm=1"])
+    with pytest.raises(ConfigError, match="unknown hardware"):
+        load_hardware("tpu-v9")
+
+
+def test_links_follow_the_mesh_order():
+    hw = load_hardware("h100").with_hosts(16, 2)
+    config = ParallelConfig(dp=2, tp=8)
+    assert hw.link(("tp",), config).name == "NVLink"
+    assert hw.link(("dp",), config).name == "InfiniBand"
+    assert hw.link(("tp",), ParallelConfig(tp=16)).name == "InfiniBand"
