@@ -16,9 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from scipy.stats import spearmanr
 
 from jaxpar.inspect import CAUSES, TOLERANCE, classify, parse_collectives
 from jaxpar.models import preset as preset_config
+from jaxpar.plan import Workload, load_hardware, predict
 from jaxpar.spec import ParallelConfig
 
 _spec = importlib.util.spec_from_file_location(
@@ -82,3 +84,24 @@ def test_compiled_bytes_meet_the_minimum_or_the_documented_exceptions(preset, st
             assert row.compiled_bytes >= row.minimum_bytes / TOLERANCE, row
         if "pp-bubble" in row.causes:
             assert row.compiled_bytes * runs == row.minimum_bytes * (runs + parallel.pp - 1), row
+
+
+def test_planner_ranks_the_matrix_as_its_compiled_programs():
+    """``jaxpar plan``'s predicted communication per request (prefill + every decode step
+    of the bench's cache) ranks the matrix's strategies as their compiled bytes do."""
+    workload = Workload(
+        batch=bench.BATCH, prompt_len=bench.PROMPT_LEN, gen_len=bench.MAX_SEQ_LEN - bench.PROMPT_LEN
+    )
+    hardware = load_hardware("cpu")
+    predicted, compiled = [], []
+    for preset, strategy in bench.MATRIX:
+        parallel = ParallelConfig.parse(strategy)
+        pred = predict(preset_config(preset), parallel, workload, hardware)
+        reports = case(preset, strategy).reports
+        predicted.append(pred.prefill.comm_bytes + workload.gen_len * pred.decode.comm_bytes)
+        compiled.append(
+            reports["prefill"].compiled_bytes + workload.gen_len * reports["decode"].compiled_bytes
+        )
+    rho = spearmanr(predicted, compiled).statistic
+    assert len(set(compiled)) > len(compiled) // 2  # a ranking with something to rank
+    assert rho >= 0.95, list(zip(bench.MATRIX, predicted, compiled, strict=True))

@@ -3,9 +3,9 @@
 For the top 5 plans of each preset under two workloads, the planner's collective bytes per
 step must equal what ``jaxpar.inspect`` reads from the compiled prefill and decode programs
 (within 1%), and its parameter + KV cache + input bytes per device what
-``memory_analysis()`` reports as the steps' arguments (within 2%). Over every legal strategy
-of the small-batch workload, ranking by predicted communication must agree with ranking by
-compiled bytes (Spearman >= 0.95). Every program is compiled once (module-level cache).
+``memory_analysis()`` reports as the steps' arguments (within 2%). Every program is
+compiled once (module-level cache). The ranking over every strategy of the bench matrix
+is checked where those programs are compiled anyway (``tests/test_bench_collectives.py``).
 
 MoE assumptions: the predicted MoE collectives come from
 ``jaxpar.inspect.communication_model`` (dense GShard dispatch today); the planner adds the
@@ -21,7 +21,6 @@ import functools
 import jax
 import numpy as np
 import pytest
-from scipy.stats import spearmanr
 
 from jaxpar.engine import AbstractEngine
 from jaxpar.errors import InfeasiblePlanError
@@ -106,23 +105,6 @@ def test_no_refused_strategy_is_proposed_and_none_is_lost():
             # Every candidate is either proposed or refused with a reason.
             legal, bad = legal_strategies(preset(name), 8, w)
             assert len(proposed) + len(refused) == len(legal) + len(bad)
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_ranking_by_predicted_communication_agrees_with_compiled_bytes(name):
-    """Every legal strategy of the small-batch workload: predicted vs compiled bytes moved
-    per request (prefill + gen_len decode steps)."""
-    w = WORKLOADS["b2"]
-    legal, _ = legal_strategies(preset(name), 8, w)
-    predicted, measured = [], []
-    for config in legal:
-        pred = predict(preset(name), config, w, HW)
-        got = compiled(name, config, "b2")
-        predicted.append(pred.comm_bytes)
-        measured.append(got["prefill"][0] + w.gen_len * got["decode"][0])
-    rho = spearmanr(predicted, measured).statistic
-    assert len(legal) >= 10 and len(set(measured)) > 3
-    assert rho >= 0.95, list(zip(map(str, legal), predicted, measured, strict=True))
 
 
 def test_infeasible_request_names_the_smallest_device_count():
