@@ -208,6 +208,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print(json.dumps(to_json(model, planning, args), indent=1))
         return 0
+    if not console.is_terminal:  # piped or captured: wide enough for the tables
+        console = Console(width=180)
     hw, w = planning.hardware, planning.workload
     console.print(
         f"[bold]{model.arch}[/] on {planning.devices} x {hw.name} ({hw.source}); "
