@@ -359,6 +359,18 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
     return table
 
 
+def _print_report(console: Console, report: Any) -> None:
+    """The compiled-vs-minimum table, the MoE exchange compiled, the causes of excess."""
+    console.print(report.to_rich_table())
+    if report.moe_exchange:
+        how = report.moe_exchange
+        console.print(f"[cyan]MoE exchange compiled[/]: {how}: {MOE_EXCHANGES[how]}")
+    for cause, nbytes in report.exceptions.items():
+        console.print(
+            f"[yellow]above the minimum[/]: {cause} ({nbytes:,} B): {escape(CAUSES[cause])}"
+        )
+
+
 def run_explain(args: argparse.Namespace, console: Console) -> int:
     """Entry point of the ``explain`` subcommand."""
     what = (
@@ -399,14 +411,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
         )
         console.print(_modules_table(phase, d["modules"]))
         if d["_report"] is not None:
-            console.print(d["_report"].to_rich_table())
-            if d["_report"].moe_exchange:
-                how = d["_report"].moe_exchange
-                console.print(f"[cyan]MoE exchange compiled[/]: {how}: {MOE_EXCHANGES[how]}")
-            for cause, nbytes in d["_report"].exceptions.items():
-                console.print(
-                    f"[yellow]above the minimum[/]: {cause} ({nbytes:,} B): {escape(CAUSES[cause])}"
-                )
+            _print_report(console, d["_report"])
         else:
             console.print(
                 _table(
