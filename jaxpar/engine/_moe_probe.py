@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxpar.errors import ConfigError
 from jaxpar.models import ModelConfig
 
 
@@ -50,9 +51,20 @@ def ragged_all_to_all_compiles(platform: str) -> bool:
 
 
 def resolve_moe_dispatch(config: ModelConfig, mesh: Mesh) -> ModelConfig:
-    """``config`` with ``moe_dispatch="auto"`` replaced by the path this mesh runs."""
-    if not config.is_moe or config.moe_dispatch != "auto":
+    """``config`` with ``moe_dispatch="auto"`` replaced by the path this mesh runs.
+
+    Raises:
+        ConfigError: ``moe_dispatch="ragged"`` on a backend that cannot compile it.
+    """
+    if not config.is_moe or config.moe_dispatch == "padded":
         return config
     platform = mesh.devices.flat[0].platform
+    if config.moe_dispatch == "ragged":
+        if not ragged_all_to_all_compiles(platform):
+            raise ConfigError(
+                f"moe_dispatch='ragged': XLA:{platform} does not compile ragged-all-to-all; "
+                "use moe_dispatch='padded' or 'auto'"
+            )
+        return config
     ragged = config.moe_capacity_factor is None and ragged_all_to_all_compiles(platform)
     return dataclasses.replace(config, moe_dispatch="ragged" if ragged else "padded")
