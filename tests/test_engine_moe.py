@@ -6,13 +6,22 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxpar.engine import InferenceEngine
 from jaxpar.errors import ConfigError
-from jaxpar.models import init_params, preset
+from jaxpar.models import (
+    abstract_model,
+    count_dropped,
+    init_model,
+    init_params,
+    preset,
+    total_dropped,
+    with_layer_loop,
+)
 from jaxpar.spec import ParallelConfig, make_mesh
 from tests._prompts import PROMPTS
 
@@ -65,3 +74,26 @@ def test_paths_resolved_at_build() -> None:
         _engine(None, ParallelConfig(ep=2), moe_dispatch="ragged")
     with pytest.raises(ConfigError, match="drop counts"):
         _engine(1.25, ParallelConfig(pp=2, ep=2))
+
+
+def test_scanned_layers_count_the_same_drops() -> None:
+    """``layer_loop="scan"``: each layer's drops leave the scan as outputs, same total."""
+    config = dataclasses.replace(preset("tiny-moe"), n_layers=L, moe_capacity_factor=0.5)
+    unrolled = init_model(config, seed=1)
+    scan_config, scan_params = with_layer_loop(config, nnx.state(unrolled), "scan")
+    scanned = nnx.merge(nnx.split(abstract_model(scan_config))[0], scan_params)
+    tokens = jnp.asarray(np.arange(2 * 8).reshape(2, 8) % config.vocab_size, jnp.int32)
+    lengths = jnp.array([8, 5], jnp.int32)
+
+    def dropped(model):
+        def f(m):
+            with count_dropped() as drops:
+                logits = m.prefill(tokens, lengths)[0]
+            return logits, total_dropped(drops)
+
+        return jax.jit(f)(model)
+
+    (logits_u, drops_u), (logits_s, drops_s) = dropped(unrolled), dropped(scanned)
+    # One group of 16 tokens per layer, C = ceil(0.5 x 16 x 2) = 16 of 32 kept.
+    assert int(drops_u) == int(drops_s) == L * (32 - 16)
+    np.testing.assert_allclose(np.asarray(logits_u), np.asarray(logits_s), atol=1e-5)
