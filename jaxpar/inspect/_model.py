@@ -358,7 +358,22 @@ def _moe(step: _Step) -> None:
         step.count,
         "row-parallel second linear inside each expert, on the routed rows only",
     )
-    if getattr(model, "moe_capacity_factor", None) is not None:
+    factor = getattr(model, "moe_capacity_factor", None)
+    peers = _split(ax["experts"], step.config)
+    if hasattr(model, "expert_capacity"):
+        cap = model.expert_capacity(b_l * t_l, peers)
+        step.notes.append(
+            f"MoE: a device's {b_l * t_l} tokens are one dispatch group; "
+            + (
+                f"capacity factor {factor}: at most C={cap} rows to each of {peers} expert "
+                "peer(s), assignments past it dropped and counted per step "
+                "(Generation.moe_dropped)"
+                if factor is not None
+                else f"dropless: padded blocks hold C={cap} rows per expert peer, the ragged "
+                "path (GPU/TPU) sends only the routed rows"
+            )
+        )
+    if factor is not None:
         step.add(
             "all-reduce",
             (*ax["batch"], *ax["seq"]),
