@@ -48,5 +48,7 @@ def total_dropped(collected: list[jax.Array]) -> jax.Array:
         return jnp.zeros((), jnp.int32)
     first = collected[0]
     if all(c.shape == first.shape for c in collected):
-        return jnp.sum(sum(collected[1:], first), dtype=jnp.int32)
+        # Flattened first: summing a [batch shards, seq shards] array dimension by
+        # dimension makes XLA all-reduce twice (once per mesh axis).
+        return jnp.sum(sum(collected[1:], first).reshape(-1), dtype=jnp.int32)
     return sum((jnp.sum(c, dtype=jnp.int32) for c in collected), jnp.zeros((), jnp.int32))
