@@ -66,9 +66,18 @@ DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {
         "pp-bubble": 40960
     },
     ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "decode"): {"pp-bubble": 2560},
-    ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-slot-cumsum-gather": 4096},
-    ("tiny-moe", "pp=2,ep=4", "prefill"): {"pp-bubble": 270336},
-    ("tiny-moe", "pp=2,ep=4", "decode"): {"pp-bubble": 16896},
+    ("tiny-moe", "ep=8", "prefill"): {"moe-dispatch-buffer": 196864},
+    ("tiny-moe", "ep=8", "decode"): {"moe-dispatch-buffer": 12544},
+    ("tiny-moe", "ep=2,tp=4", "prefill"): {"moe-dispatch-buffer": 393376},
+    ("tiny-moe", "ep=2,tp=4", "decode"): {"moe-dispatch-buffer": 24736},
+    ("tiny-moe", "dp=2,ep=2,tp=2", "prefill"): {"moe-dispatch-buffer": 196768},
+    ("tiny-moe", "dp=2,ep=2,tp=2", "decode"): {"moe-dispatch-buffer": 12448},
+    ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-dispatch-buffer": 196800},
+    ("tiny-moe", "sp=2,ep=4", "decode"): {"moe-dispatch-buffer": 12480},
+    ("tiny-moe", "pp=2,ep=4", "prefill"): {"moe-dispatch-buffer": 458944, "pp-bubble": 8192},
+    ("tiny-moe", "pp=2,ep=4", "decode"): {"moe-dispatch-buffer": 28864, "pp-bubble": 512},
+    ("tiny-moe:cf=1.25", "ep=4,tp=2", "prefill"): {"moe-dispatch-buffer": 49344},
+    ("tiny-moe:cf=1.25", "ep=4,tp=2", "decode"): {"moe-dispatch-buffer": 12480},
 }
 
 # Peak HBM bandwidth (B/s) and dense bf16 FLOP/s, by a substring of jax's device_kind.
