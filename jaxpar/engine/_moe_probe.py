@@ -26,7 +26,7 @@ def ragged_all_to_all_compiles(platform: str) -> bool:
     Compiles (nothing runs) a two-row exchange over one device of that platform, so the
     answer comes from the compiler itself rather than from a list of backends.
     """
-    device = jax.devices(platform)[0]
+    device = jax.local_devices(backend=platform)[0]  # addressable in multi-process runs too
     mesh = Mesh(np.array([device]), ("probe",))
     sharding = NamedSharding(mesh, PartitionSpec("probe"))
 
