@@ -23,13 +23,15 @@ width D, and the batch rows b and tokens t one device holds:
   (ep - 1) / ep leave the device. The parser counts an all-to-all's whole local buffer, so
   the minimum is written on that footing: 2 x L x top_k x n x D (the leaving fraction is
   the same for compiled and minimum, so the ratio is too).
-* EP + TP: the experts' down-projection is row-parallel over tp: one all-reduce per layer on
-  the routed rows only, L x top_k x n x D.
+* EP + TP: the experts' down-projection is row-parallel over tp, so their outputs are partial
+  sums; the weighted combine of a token's experts is linear, so one all-reduce per layer of
+  the combined n x D output suffices, as for a dense FFN (reducing the top_k x n routed rows
+  would cost top_k times that).
 * Capacity mode: one more all-reduce, of the step's int32 drop count, over the token shards.
 
 Without a ragged all-to-all (XLA:CPU), jaxpar's dropless MoE sends each of its ep expert
 peers a block of n x min(top_k, E / ep) rows (what one peer can receive at most): the
-MoE all-to-alls and all-reduce move ep x min(top_k, E / ep) / top_k times the routed rows,
+MoE all-to-alls move ep x min(top_k, E / ep) / top_k times the routed rows,
 plus the E int32 row counts per layer; asserted exactly. With a capacity factor of 1.25 the
 blocks hold ceil(1.25 x n x top_k / ep) rows, asserted within 1.3x of the routed minimum.
 """
@@ -103,7 +105,7 @@ def minimum(
     if E and ep > 1:
         out["all-to-all"] += 2 * L * routed * D * F32
     if E and tp > 1:
-        out["all-reduce"] += L * routed * D * F32
+        out["all-reduce"] += L * b * t_local * D * F32
     if E and capacity and dp * sp * ep > 1:
         out["all-reduce"] += 4  # the step's drop count (int32), summed over token shards
     return dict(out)
@@ -112,8 +114,7 @@ def minimum(
 def padded_dropless_excess(name: str, strategy: str, phase: str) -> dict[str, int]:
     """What the dropless padded dispatch moves beyond the routed minimum (module doc)."""
     c = preset(name)
-    deg = degrees(strategy)
-    ep, tp, L, D = deg["ep"], deg["tp"], c.n_layers, c.d_model
+    ep, L, D = degrees(strategy)["ep"], c.n_layers, c.d_model
     b, t_local = _local(strategy, phase, B)
     n = b * t_local
     rows = ep * n * min(c.top_k, c.n_experts // ep)  # sent and received per device
@@ -121,8 +122,6 @@ def padded_dropless_excess(name: str, strategy: str, phase: str) -> dict[str, in
     out: collections.Counter[str] = collections.Counter()
     if ep > 1:
         out["all-to-all"] += 2 * L * excess + L * ep * (c.n_experts // ep + 1) * 4  # + counts
-    if tp > 1:
-        out["all-reduce"] += L * excess
     return dict(out)
 
 

@@ -75,8 +75,13 @@ def test_moe_minimum_is_the_routed_rows():
     # Tokens per device: B / (dp * ep) sequences of T; each goes to top_k=2 experts.
     routed = 2 * (B // 4) * T
     assert (a2a.kind, a2a.axes, a2a.shape, a2a.count) == ("all-to-all", ("ep",), (routed, D), 2 * L)
-    down = got["expert down-proj"]  # the expert TP reduction, on the routed rows only
-    assert (down.kind, down.axes, down.shape, down.count) == ("all-reduce", ("tp",), (routed, D), L)
+    down = got["expert down-proj"]  # the expert TP reduction, once per token after combining
+    assert (down.kind, down.axes, down.shape, down.count) == (
+        "all-reduce",
+        ("tp",),
+        (routed // 2, D),
+        L,
+    )
     assert "FFN down-proj" not in got and "MoE drop count" not in got  # dropless
 
 

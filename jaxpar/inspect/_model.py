@@ -21,7 +21,9 @@ and ``T_l`` the batch rows and tokens one device holds:
   and comes back, so dispatch and combine each move ``top_k x n_l`` rows of ``D``
   (``(ep - 1) / ep`` of them leave the device; the parser counts an all-to-all's whole
   local buffer, so compiled and minimum are compared on that same footing). TP inside the
-  experts all-reduces the down projection on those ``top_k x n_l`` routed rows only. A
+  experts leaves partial sums of the down projection; the weighted combine is linear, so
+  they need one all-reduce of the ``[n_l, D]`` combined output, as a dense FFN (the
+  ``top_k x n_l`` routed rows would be top_k times more). A
   capacity factor adds one all-reduce of the step's drop count (an int32). What a padded
   dispatch moves beyond that is the named cause ``moe-dispatch-buffer``.
 * PP: one collective-permute of ``[B_mb_l, T_l, D]`` per stage boundary per microbatch
@@ -354,9 +356,10 @@ def _moe(step: _Step) -> None:
         ax["mlp"],
         "moe",
         "expert down-proj",
-        (rows, d),
+        (b_l * t_l, d),
         step.count,
-        "row-parallel second linear inside each expert, on the routed rows only",
+        "row-parallel second linear inside each expert: its partial sums, combined per "
+        "token (a linear map), are reduced once per token, as a dense FFN's",
     )
     factor = getattr(model, "moe_capacity_factor", None)
     peers = _split(ax["experts"], step.config)

@@ -32,8 +32,8 @@ CAUSES: dict[str, str] = {
     "moe-dispatch-buffer": (
         "padded MoE dispatch: a device sends each of its ep expert peers a block of C rows, "
         "C = ceil(cf x n x top_k / ep) with a capacity factor cf, or n x min(top_k, E/ep) "
-        "dropless (what one peer can receive at most), for n tokens; the all-to-alls and the "
-        "expert TP all-reduce then move ep x C rows where top_k x n are routed: "
+        "dropless (what one peer can receive at most), for n tokens; the all-to-alls then "
+        "move ep x C rows where top_k x n are routed: "
         "ep x C / (top_k x n) times the minimum (cf, rounded up; dropless ep x min(top_k, "
         "E/ep) / top_k), plus the E int32 row counts per layer. The ragged path (GPU, TPU) "
         "sends only the routed rows"

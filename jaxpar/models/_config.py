@@ -101,7 +101,7 @@ class ModelConfig:
     #: assignments past that are dropped (earlier tokens first) and counted.
     moe_capacity_factor: float | None = None
     #: How MoE rows travel between expert peers: "padded" (all-to-all of capacity-sized
-    #: blocks, every backend), "ragged" (ragged all-to-all of the routed rows only, GPU/TPU,
+    #: blocks, every backend), "ragged" (ragged all-to-all of the routed rows alone, GPU/TPU,
     #: dropless), "auto" (the engine probes the backend once and picks).
     moe_dispatch: str = "auto"
     dtype: Any = "float32"

@@ -6,8 +6,9 @@ group is the device's B_local tokens, a prefill's its sequences' tokens of one s
 Each device routes its tokens, sorts the (token, expert) assignments by expert
 (:mod:`._moe_route`), sends each expert peer its rows (:mod:`._moe_exchange`: padded
 all-to-all everywhere, ragged all-to-all of only the routed rows on GPU/TPU), runs its
-local experts as one grouped matmul (``ragged_dot``) on the rows it received, sums the
-expert TP partial outputs on those rows only, and sends them back to be combined.
+local experts as one grouped matmul (``ragged_dot``) on the rows it received, sends the
+(tensor-parallel partial) outputs back, combines each token's experts, and only then sums
+the partials over tp: n token rows, as a dense FFN's down projection.
 """
 
 from __future__ import annotations
@@ -122,14 +123,17 @@ class _Local:
             else:
                 back, index_A = xchg.padded_combine(y_RD, peers, self.expert_axes), plan.slot_A
         out_nD = route.combine(back, index_A, weights_nk, plan)
+        if self.mlp_axes:
+            # The down projection is row-parallel over tp, so rows carry partial sums. The
+            # combine is linear: summing after it reduces n token rows, not the P x C
+            # received rows (nor even the top_k x n routed ones).
+            out_nD = jax.lax.psum(out_nD, self.mlp_axes)
         return out_nD.reshape(b, t, d), plan.dropped.reshape(1, 1)
 
     def _experts(self, rows_RD, counts_PE, cap, weights):
-        """The local experts on the received rows, grouped by expert; TP partials summed."""
+        """The local experts on the received rows, grouped by expert (tp partial sums)."""
         recv = route.receive_plan(counts_PE, cap)
         y_RD = route.grouped_swiglu(rows_RD[recv.order_R], recv.group_sizes_E, *weights)
-        if self.mlp_axes:  # row-parallel down projection: sum on the received rows only
-            y_RD = jax.lax.psum(y_RD, self.mlp_axes)
         return jnp.zeros_like(y_RD).at[recv.order_R].set(y_RD)
 
 
