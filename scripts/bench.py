@@ -68,16 +68,16 @@ DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {
     ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "decode"): {"pp-bubble": 2560},
     ("tiny-moe", "ep=8", "prefill"): {"moe-dispatch-buffer": 196864},
     ("tiny-moe", "ep=8", "decode"): {"moe-dispatch-buffer": 12544},
-    ("tiny-moe", "ep=2,tp=4", "prefill"): {"moe-dispatch-buffer": 393376},
-    ("tiny-moe", "ep=2,tp=4", "decode"): {"moe-dispatch-buffer": 24736},
-    ("tiny-moe", "dp=2,ep=2,tp=2", "prefill"): {"moe-dispatch-buffer": 196768},
-    ("tiny-moe", "dp=2,ep=2,tp=2", "decode"): {"moe-dispatch-buffer": 12448},
+    ("tiny-moe", "ep=2,tp=4", "prefill"): {"moe-dispatch-buffer": 262304},
+    ("tiny-moe", "ep=2,tp=4", "decode"): {"moe-dispatch-buffer": 16544},
+    ("tiny-moe", "dp=2,ep=2,tp=2", "prefill"): {"moe-dispatch-buffer": 131232},
+    ("tiny-moe", "dp=2,ep=2,tp=2", "decode"): {"moe-dispatch-buffer": 8352},
     ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-dispatch-buffer": 196800},
     ("tiny-moe", "sp=2,ep=4", "decode"): {"moe-dispatch-buffer": 12480},
     ("tiny-moe", "pp=2,ep=4", "prefill"): {"moe-dispatch-buffer": 458944, "pp-bubble": 8192},
     ("tiny-moe", "pp=2,ep=4", "decode"): {"moe-dispatch-buffer": 28864, "pp-bubble": 512},
-    ("tiny-moe:cf=1.25", "ep=4,tp=2", "prefill"): {"moe-dispatch-buffer": 49344},
-    ("tiny-moe:cf=1.25", "ep=4,tp=2", "decode"): {"moe-dispatch-buffer": 12480},
+    ("tiny-moe:cf=1.25", "ep=4,tp=2", "prefill"): {"moe-dispatch-buffer": 32960},
+    ("tiny-moe:cf=1.25", "ep=4,tp=2", "decode"): {"moe-dispatch-buffer": 8384},
 }
 
 # Peak HBM bandwidth (B/s) and dense bf16 FLOP/s, by a substring of jax's device_kind.
