@@ -6,7 +6,8 @@ group is the device's B_local tokens, a prefill's its sequences' tokens of one s
 Each device routes its tokens, sorts the (token, expert) assignments by expert
 (:mod:`._moe_route`), sends each expert peer its rows (:mod:`._moe_exchange`: padded
 all-to-all everywhere, ragged all-to-all of only the routed rows on GPU/TPU), runs its
-local experts as one grouped matmul (``ragged_dot``) on the rows it received, sends the
+local experts as one grouped matmul (``ragged_dot``; masked batched matmuls on XLA:CPU,
+whose ``ragged_dot`` lowering copies the kernels) on the rows it received, sends the
 (tensor-parallel partial) outputs back, combines each token's experts, and only then sums
 the partials over tp: n token rows, as a dense FFN's down projection.
 """
