@@ -43,6 +43,9 @@ MATRIX: list[tuple[str, str]] = [
     ("tiny-moe", "dp=2,ep=2,tp=2"),
     ("tiny-moe", "sp=2,ep=4"),
     ("tiny-moe", "pp=2,ep=4"),
+    # Capacity mode (moe_capacity_factor=1.25): within 1.3x of the routed minimum where
+    # a device's tokens x top_k / ep is large enough for ceil() to round up little.
+    ("tiny-moe:cf=1.25", "ep=4,tp=2"),
 ]
 QUICK = [
     ("tiny-dense", "tp=8"),
@@ -63,9 +66,18 @@ DOCUMENTED: dict[tuple[str, str, str], dict[str, int]] = {
         "pp-bubble": 40960
     },
     ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2", "decode"): {"pp-bubble": 2560},
-    ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-slot-cumsum-gather": 4096},
-    ("tiny-moe", "pp=2,ep=4", "prefill"): {"pp-bubble": 270336},
-    ("tiny-moe", "pp=2,ep=4", "decode"): {"pp-bubble": 16896},
+    ("tiny-moe", "ep=8", "prefill"): {"moe-dispatch-buffer": 196864},
+    ("tiny-moe", "ep=8", "decode"): {"moe-dispatch-buffer": 12544},
+    ("tiny-moe", "ep=2,tp=4", "prefill"): {"moe-dispatch-buffer": 262304},
+    ("tiny-moe", "ep=2,tp=4", "decode"): {"moe-dispatch-buffer": 16544},
+    ("tiny-moe", "dp=2,ep=2,tp=2", "prefill"): {"moe-dispatch-buffer": 131232},
+    ("tiny-moe", "dp=2,ep=2,tp=2", "decode"): {"moe-dispatch-buffer": 8352},
+    ("tiny-moe", "sp=2,ep=4", "prefill"): {"moe-dispatch-buffer": 196800},
+    ("tiny-moe", "sp=2,ep=4", "decode"): {"moe-dispatch-buffer": 12480},
+    ("tiny-moe", "pp=2,ep=4", "prefill"): {"moe-dispatch-buffer": 458944, "pp-bubble": 8192},
+    ("tiny-moe", "pp=2,ep=4", "decode"): {"moe-dispatch-buffer": 28864, "pp-bubble": 512},
+    ("tiny-moe:cf=1.25", "ep=4,tp=2", "prefill"): {"moe-dispatch-buffer": 32960},
+    ("tiny-moe:cf=1.25", "ep=4,tp=2", "decode"): {"moe-dispatch-buffer": 8384},
 }
 
 # Peak HBM bandwidth (B/s) and dense bf16 FLOP/s, by a substring of jax's device_kind.
@@ -99,6 +111,15 @@ class Case:
     compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def model_of(name: str, get_preset: Any) -> Any:
+    """A preset, or ``"<preset>:cf=<factor>"``: the preset with that MoE capacity factor."""
+    base, _, option = name.partition(":cf=")
+    config = get_preset(base)
+    if option:
+        config = dataclasses.replace(config, moe_capacity_factor=float(option))
+    return config
+
+
 def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> Case:
     """Builds the engine of a matrix entry and compiles both phases against the model."""
     import jax
@@ -109,7 +130,7 @@ def build_case(preset: str, strategy: str, params_cache: dict | None = None) -> 
     from jaxpar.models import preset as get_preset
     from jaxpar.spec import ParallelConfig, make_mesh
 
-    config, parallel = get_preset(preset), ParallelConfig.parse(strategy)
+    config, parallel = model_of(preset, get_preset), ParallelConfig.parse(strategy)
     params_cache = {} if params_cache is None else params_cache
     if preset not in params_cache:
         params_cache[preset] = init_params(config)

@@ -69,7 +69,7 @@ def test_compiled_bytes_meet_the_minimum_or_the_documented_exceptions(preset, st
     collectives = parse_collectives(c.compiled[phase])
     assert sum(x.bytes * x.trip_count for x in collectives) == report.compiled_bytes
     # A named cause is backed by collectives that really are of that cause ...
-    cache_dims = (bench.MAX_SEQ_LEN, preset_config(preset).head_dim)
+    cache_dims = (bench.MAX_SEQ_LEN, bench.model_of(preset, preset_config).head_dim)
     classified = collections.Counter()
     for x in collectives:
         classified[classify(x, phase, cache_dims=cache_dims)] += x.bytes * x.trip_count

@@ -18,26 +18,38 @@ width D, and the batch rows b and tokens t one device holds:
   token, held by other shards: all-gather of K and of V, b x T x K_local x H_d per layer; the
   last prompt position lives on one shard: one all-reduce of b x D selects it.
   In decode sp carries batch rows and needs nothing.
-* EP: every token is routed to top_k experts and back: the routed minimum is
-  2 x L x top_k x b x t x D. jaxpar's dispatch is dense (GShard): a [G, E, C, D] buffer with
-  dropless capacity C = t per group (a sequence) goes to the experts' devices and back, so
-  the all-to-alls move 2 x L x b x E x t x D = E / top_k times the routed minimum. That is
-  what the implementation must move, asserted exactly.
-* EP + TP: the experts' down-projection is row-parallel over tp: one all-reduce per layer of
-  the experts' slots on a device, (E / ep) x (B / dp) x t x D (after the all-to-all a device
-  holds its experts' slots of every group of its dp shard).
+* EP (the routed-token minimum): each of the n = b x t tokens a device holds goes to top_k
+  experts and back: dispatch and combine each move top_k x n rows of D, of which
+  (ep - 1) / ep leave the device. The parser counts an all-to-all's whole local buffer, so
+  the minimum is written on that footing: 2 x L x top_k x n x D (the leaving fraction is
+  the same for compiled and minimum, so the ratio is too).
+* EP + TP: the experts' down-projection is row-parallel over tp, so their outputs are partial
+  sums; the weighted combine of a token's experts is linear, so one all-reduce per layer of
+  the combined n x D output suffices, as for a dense FFN (reducing the top_k x n routed rows
+  would cost top_k times that).
+* Capacity mode: one more all-reduce, of the step's int32 drop count, over the token shards.
+
+Without a ragged all-to-all (XLA:CPU), jaxpar's dropless MoE sends each of its ep expert
+peers a block of n x min(top_k, E / ep) rows (what one peer can receive at most): the
+MoE all-to-alls move ep x min(top_k, E / ep) / top_k times the routed rows,
+plus the E int32 row counts per layer; asserted exactly. With a capacity factor of 1.25 the
+blocks hold ceil(1.25 x n x top_k / ep) rows, asserted within 1.3x of the routed minimum.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import math
 
+import jax
 import pytest
 
+from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import communication_model, compile_step, parse_collectives
 from jaxpar.models import preset
-from jaxpar.spec import ParallelConfig
+from jaxpar.spec import ParallelConfig, make_mesh
 from tests._engine_util import engine
 
 F32 = 4
@@ -60,33 +72,56 @@ def degrees(strategy: str) -> dict[str, int]:
     return out
 
 
-def minimum(name: str, strategy: str, phase: str) -> dict[str, int]:
+def _local(strategy: str, phase: str, batch: int) -> tuple[int, int]:
+    """(batch rows, tokens per row) one device holds outside the experts.
+
+    Batch over dp always, over ep too (dense modules have no experts to split), over sp in
+    decode (one token per sequence leaves nothing to split); tokens over sp in prefill.
+    """
+    deg = degrees(strategy)
+    prefill = phase == "prefill"
+    b = batch // (deg["dp"] * deg["ep"] * (1 if prefill else deg["sp"]))
+    return b, (T // deg["sp"] if prefill else 1)
+
+
+def minimum(
+    name: str, strategy: str, phase: str, batch: int = B, capacity: bool = False
+) -> dict[str, int]:
     """Bytes per collective kind that one step must move, per device (see the module doc)."""
     c = preset(name)
     deg = degrees(strategy)
     dp, sp, ep, tp = deg["dp"], deg["sp"], deg["ep"], deg["tp"]
-    prefill = phase == "prefill"
     L, D, E = c.n_layers, c.d_model, c.n_experts
-    t = T if prefill else 1
-    # Batch rows per device outside the experts: dp always; ep too (dense modules have no
-    # experts to split); sp in decode (one token per sequence leaves nothing to split).
-    b = B // (dp * ep * (1 if prefill else sp))
-    t_local = t // sp if prefill else t
+    b, t_local = _local(strategy, phase, batch)
     out: collections.Counter[str] = collections.Counter()
     if tp > 1:
         row_parallel = 1 if E else 2  # attention out-proj (+ dense FFN down-proj)
         out["all-reduce"] += (row_parallel * L + 1) * b * t_local * D * F32
-    if prefill and sp > 1:
+    if phase == "prefill" and sp > 1:
         k_local = c.n_kv_heads // tp if c.n_kv_heads % tp == 0 else c.n_kv_heads
         out["all-gather"] += 2 * L * b * T * k_local * c.head_dim * F32
         out["all-reduce"] += b * D * F32
+    routed = c.top_k * b * t_local  # rows one device sends to the experts
     if E and ep > 1:
-        routed = 2 * L * c.top_k * b * t * D * F32
-        dense_dispatch = 2 * L * b * E * t * D * F32
-        assert dense_dispatch == routed * E // c.top_k
-        out["all-to-all"] += dense_dispatch
+        out["all-to-all"] += 2 * L * routed * D * F32
     if E and tp > 1:
-        out["all-reduce"] += L * (E // ep) * (B // dp) * t * D * F32
+        out["all-reduce"] += L * b * t_local * D * F32
+    if E and capacity and dp * sp * ep > 1:
+        out["all-reduce"] += 4  # the step's drop count (int32), summed over token shards
+    return dict(out)
+
+
+def padded_dropless_excess(name: str, strategy: str, phase: str) -> dict[str, int]:
+    """What the dropless padded dispatch moves beyond the routed minimum (module doc)."""
+    c = preset(name)
+    ep, L, D = degrees(strategy)["ep"], c.n_layers, c.d_model
+    b, t_local = _local(strategy, phase, B)
+    n = b * t_local
+    rows = ep * n * min(c.top_k, c.n_experts // ep)  # sent and received per device
+    excess = (rows - c.top_k * n) * D * F32
+    out: collections.Counter[str] = collections.Counter()
+    if ep > 1:
+        out["all-to-all"] += 2 * L * excess + L * ep * (c.n_experts // ep + 1) * 4  # + counts
     return dict(out)
 
 
@@ -110,7 +145,49 @@ def _engine(name: str, strategy: str):
 def test_compiled_collectives_equal_the_first_principles_minimum(name, strategy, phase):
     want = minimum(name, strategy, phase)
     assert want and all(v > 0 for v in want.values())
+    if preset(name).n_experts:  # the dropless padded dispatch: its named excess, exactly
+        extra = padded_dropless_excess(name, strategy, phase)
+        want = {k: v + extra.get(k, 0) for k, v in want.items()}
     assert compiled_bytes(name, strategy, phase) == want
+
+
+# Capacity mode, batch 64: in decode a device then holds 8 or 16 tokens, so its
+# ceil(1.25 x n x top_k / ep) rows per peer round up by little (at batch 8, 2 tokens per
+# device on ep=4 round 1.25 rows up to 2: 2x; see the README).
+CAPACITY_BATCH = 64
+CAPACITY_CASES = ["ep=4,tp=2", "dp=2,ep=2,tp=2", "sp=2,ep=4"]
+
+
+@functools.cache
+def capacity_bytes(strategy: str, phase: str) -> dict[str, int]:
+    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=1.25)
+    parallel = ParallelConfig.parse(strategy)
+    mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
+    eng = AbstractEngine.build(
+        config, parallel, max_batch=CAPACITY_BATCH, max_seq_len=64, mesh=mesh
+    )
+    out: collections.Counter[str] = collections.Counter()
+    for x in parse_collectives(compile_step(eng, phase, prompt_len=T)):
+        out[x.kind] += x.bytes * x.trip_count
+    return dict(out)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("strategy", CAPACITY_CASES)
+def test_capacity_mode_is_within_1_3x_of_the_routed_minimum(strategy, phase):
+    want = minimum("tiny-moe", strategy, phase, batch=CAPACITY_BATCH, capacity=True)
+    got = capacity_bytes(strategy, phase)
+    assert set(got) == set(want), (got, want)
+    for kind, need in want.items():  # every kind, so no kind hides behind another
+        assert need <= got[kind] <= 1.3 * need, (kind, got[kind], need)
+    ratio = sum(got.values()) / sum(want.values())
+    assert 1.0 < ratio <= 1.3
+    # The routed rows alone: 2 all-to-alls of top_k x n rows per layer.
+    b, t_local = _local(strategy, phase, CAPACITY_BATCH)
+    n = b * t_local
+    peers_rows = 4 * math.ceil(1.25 * n * 2 / 4)  # ep=4 peers (ep=2: same total rows)
+    if degrees(strategy)["ep"] == 4:
+        assert got["all-to-all"] == 2 * 4 * peers_rows * 64 * F32 + 4 * 4 * 3 * 4
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
@@ -120,3 +197,13 @@ def test_inspect_model_agrees_with_the_first_principles_minimum(name, strategy, 
         preset(name), ParallelConfig.parse(strategy), phase, batch=B, prompt_len=T
     )
     assert model.total_bytes == sum(minimum(name, strategy, phase).values())
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("strategy", CAPACITY_CASES)
+def test_inspect_model_agrees_in_capacity_mode(strategy, phase):
+    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=1.25)
+    parallel = ParallelConfig.parse(strategy)
+    model = communication_model(config, parallel, phase, batch=CAPACITY_BATCH, prompt_len=T)
+    want = minimum("tiny-moe", strategy, phase, batch=CAPACITY_BATCH, capacity=True)
+    assert model.total_bytes == sum(want.values())

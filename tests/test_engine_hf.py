@@ -20,6 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
     [
         ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: K/V heads replicated
         ("mixtral_fused", ParallelConfig(ep=4, tp=2)),
+        ("mixtral_legacy", ParallelConfig(sp=2, ep=2, tp=2)),  # MoE groups per sp shard
         ("gpt2", ParallelConfig(sp=2, tp=4)),
     ],
     ids=str,
@@ -37,8 +38,9 @@ def test_sharded_hf_checkpoint_matches_transformers(name, parallel):
     logits = np.asarray(eng.prefill_logits(tokens, lengths))
     for i, prompt in enumerate(prompts):
         np.testing.assert_allclose(logits[i, : len(prompt)], ref[f"logits_{i}"], atol=1e-4, rtol=0)
-    got = eng.generate(prompts, 16).tokens
-    assert got == [ref[f"greedy_{i}"].tolist() for i in range(n)]
+    gen = eng.generate(prompts, 16)
+    assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(n)]
+    assert gen.moe_dropped is None  # dropless (MoE or not): nothing to count
 
 
 def test_illegal_strategy_refused_before_reading_tensors():

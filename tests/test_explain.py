@@ -45,14 +45,23 @@ def test_json_holds_per_tensor_specs_and_compiled_collectives(capsys, argv, name
         assert cache["spec"].startswith("P(None, ") and cache["bytes_per_device"] > 0
         if phase == "decode":  # the decode cache is never split along its sequence
             assert cache["spec"].split(", ")[2] == "None"
-        assert all(t["spec"].startswith("P(") for t in d["tensors"])
+        moe = "n_experts" in data["model"] and data["model"]["n_experts"] > 0
+        local = [t for t in d["tensors"] if t["spec"] == "local (shard_map)"]
+        assert len(local) == (2 if moe else 0)  # the MoE's per-device row buffers
+        assert all(t["spec"].startswith("P(") for t in d["tensors"] if t not in local)
         assert d["modules"] and all(m["row"] and m["source"] for m in d["modules"])
         report = d["collectives"]
         assert report["rows"] and report["minimum_bytes"] > 0
-        # These f32 strategies need no traffic above the minimum, save the documented
-        # tiny-moe one (the MoE slot cumsum gathers when sp splits tokens: not here).
-        assert report["exceptions"] == {}, report["exceptions"]
-        assert report["compiled_bytes"] <= 1.05 * report["minimum_bytes"]
+        # These f32 strategies need no traffic above the minimum, save the MoE's padded
+        # dispatch (dropless here), which is named, against the routed-token minimum.
+        if moe:
+            assert set(report["exceptions"]) == {"moe-dispatch-buffer"}, report["exceptions"]
+            assert report["moe_exchange"] == "padded"  # XLA:CPU has no ragged all-to-all
+            assert report["ratio"] > 1.05
+        else:
+            assert report["exceptions"] == {}, report["exceptions"]
+            assert report["moe_exchange"] is None
+        assert report["ratio_explained"] <= 1.05
         assert report["compiled_bytes"] == sum(r["compiled_bytes"] for r in report["rows"])
         for row in report["rows"]:  # every needed collective is really there
             assert row["compiled_bytes"] >= row["minimum_bytes"] / 1.05, row
@@ -88,11 +97,24 @@ def test_text_tables_and_dot_file(capsys, tmp_path):
         "compiled vs minimum",
         "prefill: execution",
         "all-to-all",
-        "moe-slot-cumsum-gather",
+        "moe-dispatch-buffer",
+        "MoE exchange compiled",
+        "local (shard_map)",
     ):
         assert text in out, text
     graph = dot.read_text()
     assert graph.startswith("digraph") and "cluster_prefill" in graph and "next layer" in graph
+
+
+def test_capacity_factor_reaches_the_routed_minimum(capsys):
+    """--moe-capacity-factor 1.25: the report is against the routed-token minimum."""
+    argv = ["--model", "tiny-moe", "--ep", "4", "--tp", "2", "--moe-capacity-factor", "1.25"]
+    data = run_json(capsys, [*argv, "--phase", "prefill"])
+    report = data["phases"]["prefill"]["collectives"]
+    # 32 tokens per device, top-2, ep=4: C = ceil(1.25 x 32 x 2 / 4) = 20 rows per peer.
+    assert "C=20" in " ".join(t["tensor"] for t in data["phases"]["prefill"]["tensors"])
+    assert 1.0 < report["ratio"] <= 1.3
+    assert any(i["step"] == "MoE drop count" for i in report["model"]["items"])
 
 
 def test_pipeline_permutes_between_stages(capsys):

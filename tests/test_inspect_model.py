@@ -69,26 +69,33 @@ def test_replicated_kv_heads_are_gathered_whole():
     assert got["K/V gather"].shape == (B, T, 2, 8)
 
 
-def test_moe_dispatch_all_to_all_and_expert_all_reduce():
+def test_moe_minimum_is_the_routed_rows():
     got, _ = items(MOE, "dp=2,ep=2,tp=2", "prefill")
     a2a = got["dispatch + combine"]
-    # [G_l, E, C, D]: groups over dp and ep, dropless capacity = T.
-    assert (a2a.kind, a2a.axes, a2a.shape, a2a.count) == (
-        "all-to-all",
-        ("ep",),
-        (2, 8, T, D),
-        2 * L,
+    # Tokens per device: B / (dp * ep) sequences of T; each goes to top_k=2 experts.
+    routed = 2 * (B // 4) * T
+    assert (a2a.kind, a2a.axes, a2a.shape, a2a.count) == ("all-to-all", ("ep",), (routed, D), 2 * L)
+    down = got["expert down-proj"]  # the expert TP reduction, once per token after combining
+    assert (down.kind, down.axes, down.shape, down.count) == (
+        "all-reduce",
+        ("tp",),
+        (routed // 2, D),
+        L,
     )
-    # [E_l, G over dp, C, D]
-    assert got["expert down-proj"].shape == (4, 4, T, D)
-    assert "FFN down-proj" not in got
+    assert "FFN down-proj" not in got and "MoE drop count" not in got  # dropless
 
 
-def test_moe_capacity_factor_and_sp_dispatch_sum():
-    capped = dataclasses.replace(MOE, moe_capacity_factor=1.0)  # ceil(1 * 16 * 2 / 8) = 4 slots
+def test_moe_capacity_mode_sums_the_drop_count_and_sp_splits_groups():
+    capped = dataclasses.replace(MOE, moe_capacity_factor=1.25)
     got, _ = items(capped, "sp=2,ep=4", "prefill")
-    assert got["dispatch + combine"].shape == (2, 8, 4, D)
-    assert got["dispatch sum over sp"].axes == ("sp",)
+    # Groups per (sequence shard, sp shard): B / ep sequences x T / sp tokens per device.
+    assert got["dispatch + combine"].shape == (2 * (B // 4) * (T // 2), D)
+    assert "dispatch sum over sp" not in got
+    drop = got["MoE drop count"]
+    assert (drop.kind, drop.axes, drop.shape, drop.itemsize) == ("all-reduce", ("sp", "ep"), (), 4)
+    got, _ = items(capped, "sp=2,ep=4", "decode")  # sp carries batch in decode
+    assert got["dispatch + combine"].shape == (2 * B // 8, D)
+    assert got["MoE drop count"].axes == ("sp", "ep")
 
 
 def test_pipeline_permutes_once_per_boundary_per_microbatch():
@@ -161,16 +168,16 @@ def test_report_matches_groups_and_names_the_excess():
         ),
         coll("all-reduce", (4, D), ((0, 2), (1, 3), (4, 6), (5, 7)), "jit(f)/gather"),
         # Not needed, and inside a scope jaxpar names a cause by:
-        coll("all-reduce", (4, D), DP_GROUPS, "jit(f)/while/body/moe/expert_slots/cumsum"),
+        coll("all-reduce", (4, D), DP_GROUPS, "jit(f)/while/body/moe/expert_rows/psum"),
     ]
     report = collective_report(found, Mesh(), model)
-    assert report.exceptions == {"moe-slot-cumsum-gather": 4 * D * F32}
+    assert report.exceptions == {"moe-dispatch-buffer": 4 * D * F32}
     assert report.ratio_explained == pytest.approx(1.0)
     assert report.ratio == pytest.approx(1 + 4 * D * F32 / model.total_bytes)
     row = next(r for r in report.rows if r.axes == ("dp",))
-    assert (row.minimum_bytes, row.cause, row.ratio) == (0, "moe-slot-cumsum-gather", math.inf)
+    assert (row.minimum_bytes, row.cause, row.ratio) == (0, "moe-dispatch-buffer", math.inf)
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["exceptions"] == {"moe-slot-cumsum-gather": 1024} and data["rows"]
+    assert data["exceptions"] == {"moe-dispatch-buffer": 1024} and data["rows"]
     from rich.console import Console
 
     Console(file=io.StringIO(), width=160).print(report.to_rich_table())
@@ -193,13 +200,13 @@ def test_excess_on_a_needed_group_goes_to_its_cause():
 
 
 def test_classify_rules():
-    slots = "jit(f)/while/body/moe/expert_slots/jit(cumsum)/reduce_window_sum"
-    cumsum = coll("all-gather", (2, 16, 8), DP_GROUPS, slots)
-    # Causes are keyed on jaxpar's own named scopes, not on XLA's op text: a cumsum outside
-    # the expert-slot scope (sampling's top-p) is no MoE slot count.
-    other = coll("all-gather", (2, 16, 8), DP_GROUPS, "jit(f)/lm_head/jit(cumsum)/reduce")
+    rows = "jit(f)/while/body/moe/expert_rows/all_to_all"
+    a2a = coll("all-to-all", (2, 16, 8), DP_GROUPS, rows)
+    # Causes are keyed on jaxpar's own named scopes, not on XLA's op text: an all-to-all
+    # outside the MoE's expert-rows scope is not the MoE dispatch.
+    other = coll("all-to-all", (2, 16, 8), DP_GROUPS, "jit(f)/lm_head/all_to_all")
     cache = coll("all-gather", (1, 8, 64, 2, 8), None, "jit(f)/while/body/squeeze")
-    assert classify(cumsum, "prefill") == "moe-slot-cumsum-gather"
+    assert classify(a2a, "prefill") == "moe-dispatch-buffer"
     assert classify(other, "prefill") == "unclassified"
     assert classify(cache, "decode", cache_dims=(64, 8)) == "kv-cache-gather"
     assert classify(cache, "decode") == "unclassified"

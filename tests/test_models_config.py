@@ -122,9 +122,16 @@ def test_moe_invariants() -> None:
         dataclasses.replace(moe, top_k=9)
     with pytest.raises(ConfigError, match="moe_capacity_factor"):
         dataclasses.replace(moe, moe_capacity_factor=0.0)
-    assert dataclasses.replace(moe, moe_capacity_factor=1.0).expert_capacity(16) == 4
-    assert moe.expert_capacity(16) == 16
-    assert dataclasses.replace(moe, moe_capacity_factor=100.0).expert_capacity(16) == 16
+    # Rows per expert peer: ceil(cf * tokens * top_k / peers), capped at the dropless bound
+    # tokens * min(top_k, experts per peer).
+    cf1 = dataclasses.replace(moe, moe_capacity_factor=1.0)
+    assert cf1.expert_capacity(16, peers=4) == 16 * 2 // 4
+    assert moe.expert_capacity(16, peers=4) == 16 * min(2, 8 // 4)
+    assert moe.expert_capacity(16, peers=8) == 16 * min(2, 8 // 8)
+    big = dataclasses.replace(moe, moe_capacity_factor=100.0)
+    assert big.expert_capacity(16, peers=4) == moe.expert_capacity(16, peers=4)
+    with pytest.raises(ConfigError, match="dropless"):
+        dataclasses.replace(moe, moe_capacity_factor=1.25, moe_dispatch="ragged")
 
 
 def test_check_max_seq_len() -> None:

@@ -73,13 +73,10 @@ def test_attention_and_cache_axes(recorded: Counter, layer_loop: str) -> None:
     assert want <= set(recorded), want - set(recorded)
 
 
-def test_moe_dispatch_axes(recorded: Counter) -> None:
+def test_moe_token_axes(recorded: Counter) -> None:
+    """The MoE constrains only its token activations; the dispatch runs per device inside
+    a shard_map (its buffers are local, ``tests/test_models_moe.py``)."""
     _trace("tiny-moe")
-    want = {
-        ("moe", ("batch", "seq", "embed")),
-        ("moe", ("batch", None, None, "embed")),
-        ("moe", ("experts", "expert_batch", None, "embed")),
-        ("moe", ("experts", "expert_batch", None, "mlp")),
-    }
-    assert want <= set(recorded), want - set(recorded)
+    moe = {axes for module, axes in recorded if module == "moe"}
+    assert moe == {("batch", "seq", "embed")}
     assert not any(module == "ffn" for module, _ in recorded)

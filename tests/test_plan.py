@@ -9,9 +9,8 @@ is checked where those programs are compiled anyway (``tests/test_bench_collecti
 
 MoE assumptions: the predicted MoE collectives come from
 ``jaxpar.inspect.communication_model`` (dense GShard dispatch today); the planner adds the
-pipeline's bubbles and one known excess of today's dispatch (``moe-slot-cumsum-gather``:
-the slot cumsum all-gathers the routing counts over sp in prefill). After a dispatch rework
-the first follows the analytic model; the second must go with the cumsum.
+pipeline's bubbles and the padded exchange's blocks beyond the routed rows
+(``moe-dispatch-buffer``: ``P x C`` rows per all-to-all, and the row counts).
 """
 
 from __future__ import annotations

@@ -108,6 +108,13 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
         default=None,
         help="compute and parameter dtype (default: the model's own)",
     )
+    parser.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        default=None,
+        help="MoE: rows per expert peer = ceil(factor x tokens x top_k / ep); assignments "
+        "past it are dropped and counted (default: dropless, as transformers)",
+    )
     parser.set_defaults(default_model=default_model)
 
 
@@ -146,7 +153,7 @@ def model_config(args: argparse.Namespace):
         config = preset(args.model or args.default_model)
         if args.dtype is not None:
             config = dataclasses.replace(config, dtype=args.dtype, param_dtype=args.dtype)
-        return config
+        return _with_capacity(config, args)
     path = Path(args.hf) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing (--hf needs a Hugging Face checkpoint directory)")
@@ -154,7 +161,12 @@ def model_config(args: argparse.Namespace):
         hf = json.loads(path.read_text())
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON: {e}") from e
-    return config_from_hf(hf, dtype=args.dtype, source=str(path))
+    return _with_capacity(config_from_hf(hf, dtype=args.dtype, source=str(path)), args)
+
+
+def _with_capacity(config, args: argparse.Namespace):
+    factor = getattr(args, "moe_capacity_factor", None)
+    return config if factor is None else dataclasses.replace(config, moe_capacity_factor=factor)
 
 
 def load_model(args: argparse.Namespace, console, *, seed: int = 0):

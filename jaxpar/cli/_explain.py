@@ -27,11 +27,14 @@ from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._groups import DeviceGroup, describe_groups, device_groups, handoff
 from jaxpar.cli._progress import stage
 from jaxpar.engine import AbstractEngine, run_form
-from jaxpar.inspect import CAUSES, communication_model, execution_steps, phase_report
+from jaxpar.inspect import (
+    CAUSES,
+    MOE_EXCHANGES,
+    communication_model,
+    execution_steps,
+    phase_report,
+)
 from jaxpar.models import (
-    EXPERT_AXES,
-    EXPERT_HIDDEN_AXES,
-    GROUPED_AXES,
     KV_SCORE_AXES,
     Q_AXES,
     KVCache,
@@ -43,6 +46,7 @@ from jaxpar.spec import (
     ParallelConfig,
     Phase,
     Plan,
+    mesh_axes,
     param_partition_spec,
     partition_spec,
     validate,
@@ -120,7 +124,6 @@ def tensor_rows(
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
     cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
     size = c.dtype.itemsize
-    cap = c.expert_capacity(t) if c.is_moe else 0
     table = [
         (
             "KV cache (K and V each)",
@@ -143,31 +146,7 @@ def tensor_rows(
                 size,
             )
         )
-    if c.is_moe:
-        table += [
-            (
-                "dispatched [G,E,C,D]",
-                Module.MOE,
-                GROUPED_AXES,
-                (batch, c.n_experts, cap, c.d_model),
-                size,
-            ),
-            (
-                "expert input [E,G,C,D]",
-                Module.MOE,
-                EXPERT_AXES,
-                (c.n_experts, batch, cap, c.d_model),
-                size,
-            ),
-            (
-                "expert hidden",
-                Module.MOE,
-                EXPERT_HIDDEN_AXES,
-                (c.n_experts, batch, cap, c.d_ff),
-                size,
-            ),
-        ]
-    else:
+    if not c.is_moe:
         table.append(("FFN hidden", Module.FFN, ("batch", "seq", "mlp"), (batch, t, c.d_ff), size))
     table.append(
         (
@@ -191,7 +170,43 @@ def tensor_rows(
                 "bytes_per_device": _per_device(shape, spec, parallel, itemsize),
             }
         )
-    return rows
+    return rows + (moe_rows(config, parallel, phase, batch=batch, tokens=t) if c.is_moe else [])
+
+
+def moe_rows(
+    config: ModelConfig, parallel: ParallelConfig, phase: Phase, *, batch: int, tokens: int
+) -> list[dict[str, Any]]:
+    """The MoE's per-device buffers (inside its ``shard_map``: local shapes, no spec).
+
+    A device's n tokens are one dispatch group; it sends each of its P expert peers a block
+    of C rows (:meth:`ModelConfig.expert_capacity`) and receives as many.
+    """
+    axes = mesh_axes(Module.MOE, phase, parallel, dims=config)
+    split = math.prod(parallel.degree(a) for a in (*axes["batch"], *axes["seq"]))
+    n = batch * tokens // split
+    peers = math.prod(parallel.degree(a) for a in axes["experts"])
+    cap = config.expert_capacity(n, peers)
+    f_l = config.d_ff // math.prod(parallel.degree(a) for a in axes["mlp"])
+    size = config.dtype.itemsize
+    local = "local (shard_map)"
+    return [
+        {
+            "tensor": f"MoE rows sent / received (n={n}, P={peers}, C={cap})",
+            "module": Module.MOE.value,
+            "shape": [peers * cap, config.d_model],
+            "logical_axes": ["-", "embed"],
+            "spec": local,
+            "bytes_per_device": peers * cap * config.d_model * size,
+        },
+        {
+            "tensor": f"MoE expert hidden (routed rows: top_k x n = {config.top_k * n})",
+            "module": Module.MOE.value,
+            "shape": [peers * cap, f_l],
+            "logical_axes": ["-", "mlp"],
+            "spec": local,
+            "bytes_per_device": peers * cap * f_l * size,
+        },
+    ]
 
 
 def module_rows(plan: Plan, phase: Phase) -> list[dict[str, Any]]:
@@ -349,6 +364,18 @@ def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
     return table
 
 
+def _print_report(console: Console, report: Any) -> None:
+    """The compiled-vs-minimum table, the MoE exchange compiled, the causes of excess."""
+    console.print(report.to_rich_table())
+    if report.moe_exchange:
+        how = report.moe_exchange
+        console.print(f"[cyan]MoE exchange compiled[/]: {how}: {MOE_EXCHANGES[how]}")
+    for cause, nbytes in report.exceptions.items():
+        console.print(
+            f"[yellow]above the minimum[/]: {cause} ({nbytes:,} B): {escape(CAUSES[cause])}"
+        )
+
+
 def run_explain(args: argparse.Namespace, console: Console) -> int:
     """Entry point of the ``explain`` subcommand."""
     what = (
@@ -389,11 +416,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
         )
         console.print(_modules_table(phase, d["modules"]))
         if d["_report"] is not None:
-            console.print(d["_report"].to_rich_table())
-            for cause, nbytes in d["_report"].exceptions.items():
-                console.print(
-                    f"[yellow]above the minimum[/]: {cause} ({nbytes:,} B): {escape(CAUSES[cause])}"
-                )
+            _print_report(console, d["_report"])
         else:
             console.print(
                 _table(

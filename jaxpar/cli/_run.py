@@ -243,10 +243,17 @@ def report(compiled: dict[str, float], result: Generation) -> str:
     """Compile time, then steady-state throughput (which excludes it), on separate lines."""
     parts = ", ".join(f"{name.replace('_', ' ')} {s:.2f} s" for name, s in compiled.items())
     total = sum(compiled.values())
-    return (
+    text = (
         f"compile: {parts or 'nothing new'} ({total:.2f} s in all; before the timed run)\n"
         f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds:.3f} s "
         f"({result.prefill_tokens_per_second:.1f} tokens/s)\n"
         f"decode:  {result.new_tokens} tokens in {result.decode_seconds:.3f} s "
         f"({result.decode_tokens_per_second:.1f} tokens/s, steady state, one dispatch per token)"
     )
+    if result.moe_dropped is not None:  # capacity mode: drops are reported, never silent
+        per_step = ", ".join(map(str, result.moe_dropped))
+        text += (
+            f"\nMoE dropped (token, expert) assignments: {result.moe_dropped_total} "
+            f"(per step, prefill first: {per_step})"
+        )
+    return text

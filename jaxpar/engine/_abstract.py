@@ -19,9 +19,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar.engine._layouts import Layouts
+from jaxpar.engine._moe_probe import resolve_moe_dispatch
 from jaxpar.engine._placement import param_shardings
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_config
+from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, ModelConfig, abstract_model
 from jaxpar.spec import ParallelConfig, Phase, Plan, make_mesh, validate
 
@@ -98,6 +100,13 @@ class AbstractEngine:
             config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
         mesh = mesh if mesh is not None else make_mesh(parallel)
+        if parallel.pp > 1 and config.moe_capacity_factor is not None:
+            raise ConfigError(
+                f"moe_capacity_factor={config.moe_capacity_factor} with pp={parallel.pp}: the "
+                "pipeline schedule does not carry the MoE drop counts out, and drops are never "
+                "left uncounted; use dropless (moe_capacity_factor=None) or pp=1"
+            )
+        config = resolve_moe_dispatch(config, mesh)
         graphdef, state = nnx.split(abstract_model(config))
         shardings = param_shardings(state, mesh, parallel, config)
         params = jax.tree.map(

@@ -31,6 +31,15 @@ class Generation:
     decode_seconds: float
     prompt_tokens: int
     new_tokens: int
+    #: Capacity-limited MoE only (None when dropless: nothing can drop): the (token, expert)
+    #: assignments dropped for capacity, summed over layers and devices, per step:
+    #: ``[prefill, decode step 1, ...]``. Padding rows route too and count.
+    moe_dropped: tuple[int, ...] | None = None
+
+    @property
+    def moe_dropped_total(self) -> int | None:
+        """All dropped assignments of this generation (None when dropless)."""
+        return None if self.moe_dropped is None else sum(self.moe_dropped)
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -278,19 +287,32 @@ class InferenceEngine:
         for row in out[:n]:
             kept = row[row >= 0] if (row < 0).any() else row
             tokens.append([int(t) for t in kept])
+        steps_run = max(len(t) for t in tokens)  # the loop stops once every row is done
+        dropped = self._dropped(steps_run) if callback is None else self._stream_dropped
         return Generation(
             tokens=tokens,
             prefill_seconds=prefill_seconds,
             decode_seconds=decode_seconds,
             prompt_tokens=int(lengths_B[:n].sum()),
             new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
+            moe_dropped=dropped,
         )
+
+    def _dropped(self, steps: int) -> tuple[int, ...] | None:
+        """Drops per step of the last prefill and decode loop (None when dropless)."""
+        last = self.steps.last_dropped
+        if not self.steps.counts_drops:
+            return None
+        per_step = np.asarray(jax.device_get(last["decode_loop"]))[1:steps]
+        return (int(last["prefill"]), *(int(x) for x in per_step))
 
     def _stream(self, cache, first_B, done, key, stop_tokens, n_new, sampling, callback):
         out = np.full((self.max_batch, n_new), -1, np.int32)
         tokens_B = first_B
         host = self.steps.host_batch(first_B)  # batch may be split over processes
         stop = np.asarray(list(stop_tokens), np.int32)
+        counting = self.steps.counts_drops
+        dropped = [int(self.steps.last_dropped["prefill"])] if counting else None
         for step in range(n_new):
             if step:
                 step_arr = put_global(np.asarray(step, np.int32), self.layouts.replicated)
@@ -298,11 +320,14 @@ class InferenceEngine:
                     self.params, cache, tokens_B, key, step_arr, sampling
                 )
                 host = self.steps.host_batch(tokens_B)
+                if counting:
+                    dropped.append(int(self.steps.last_dropped["decode_step"]))
             out[:, step] = np.where(done, -1, host)
             callback(step, out[:, step].copy())
             done = done | np.isin(host, stop)
             if done.all():
                 break
+        self._stream_dropped = tuple(dropped) if counting else None
         return out
 
 

@@ -31,7 +31,7 @@ from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
-from jaxpar.models import KVCache
+from jaxpar.models import KVCache, count_dropped, total_dropped
 from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
@@ -70,6 +70,12 @@ class Steps:
         self.schedule = schedule_for(mesh, config, dims)
         self.compile_seconds: dict[str, float] = {}
         self._compiled: dict[tuple, Any] = {}
+        #: Capacity-limited MoE: every step returns its dropped assignments as one more
+        #: output, which the entry points below strip off and keep in ``last_dropped``
+        #: (``prefill``/``decode``/``decode_step``: an int32 scalar; ``decode_loop``: one
+        #: per step, ``[max_seq_len]``). Dropless programs have no such output.
+        self.counts_drops = getattr(dims, "moe_capacity_factor", None) is not None
+        self.last_dropped: dict[str, jax.Array] = {}
 
     # --- traced bodies -------------------------------------------------------------------
 
@@ -82,9 +88,22 @@ class Steps:
     def _pick(self, key: jax.Array, sampling: Sampling) -> Pick:
         return Pick(key, sampling, self.vocab_size)
 
+    def _counted(self, out: tuple, drops: list) -> tuple:
+        return (*out, total_dropped(drops)) if self.counts_drops else out
+
+    def _strip(self, name: str, out: tuple) -> tuple:
+        if self.counts_drops:
+            self.last_dropped[name] = out[-1]
+            return out[:-1]
+        return out
+
+    def _with_drops(self, shardings: tuple) -> tuple:
+        return (*shardings, self.layouts.replicated) if self.counts_drops else shardings
+
     def _prefill(self, params, tokens_BT, lengths_B, all_logits=False):
-        with self._context(PREFILL):
-            return self.schedule.prefill(self._model(params), tokens_BT, lengths_B, all_logits)
+        with self._context(PREFILL), count_dropped() as drops:
+            out = self.schedule.prefill(self._model(params), tokens_BT, lengths_B, all_logits)
+            return self._counted(out, drops)
 
     def _handoff(self, k, v, lengths_B, logits, key, sampling):
         with self._context(DECODE):
@@ -93,13 +112,14 @@ class Steps:
             return cache, self.schedule.first_tokens(logits, pick)
 
     def _decode(self, params, cache, tokens_B):
-        with self._context(DECODE):
-            return self.schedule.decode(self._model(params), cache, tokens_B)
+        with self._context(DECODE), count_dropped() as drops:
+            return self._counted(self.schedule.decode(self._model(params), cache, tokens_B), drops)
 
     def _decode_select(self, params, cache, tokens, key, step, sampling):
-        with self._context(DECODE):
+        with self._context(DECODE), count_dropped() as drops:
             pick = self._pick(jax.random.fold_in(key, step), sampling)
-            return self.schedule.decode_tokens(self._model(params), cache, tokens, pick)
+            out = self.schedule.decode_tokens(self._model(params), cache, tokens, pick)
+            return self._counted(out, drops)
 
     def _decode_loop(self, params, cache, first, done_B, key, stop_S, n_new, sampling):
         # n_new is a traced scalar: the output has room for the most tokens any prompt can
@@ -107,21 +127,24 @@ class Steps:
         # [B] (or stage-major [P, B]), and so are the carried tokens and done flags.
         out = jnp.full((*first.shape, self.max_seq_len), -1, jnp.int32).at[..., 0].set(first)
         done = done_B | jnp.isin(first, stop_S)
+        dropped_N = jnp.zeros((self.max_seq_len,), jnp.int32)  # per step (step 0: prefill's)
 
         def cond(carry):
-            i, _, _, done, _ = carry
+            i, _, _, done, _, _ = carry
             return (i < n_new) & ~self.schedule.all_done(done)
 
         def body(carry):
-            i, tokens, cache, done, out = carry
-            tokens, cache = self._decode_select(params, cache, tokens, key, i, sampling)
+            i, tokens, cache, done, out, dropped_N = carry
+            tokens, cache, *dropped = self._decode_select(params, cache, tokens, key, i, sampling)
+            if dropped:
+                dropped_N = dropped_N.at[i].set(dropped[0])
             out = out.at[..., i].set(jnp.where(done, -1, tokens))
             done = done | jnp.isin(tokens, stop_S)
-            return i + 1, tokens, cache, done, out
+            return i + 1, tokens, cache, done, out, dropped_N
 
-        init = (jnp.int32(1), first, cache, done, out)
-        _, _, cache, _, out = jax.lax.while_loop(cond, body, init)
-        return out, cache
+        init = (jnp.int32(1), first, cache, done, out, dropped_N)
+        _, _, cache, _, out, dropped_N = jax.lax.while_loop(cond, body, init)
+        return (out, cache, dropped_N) if self.counts_drops else (out, cache)
 
     # --- compiled entry points -----------------------------------------------------------
 
@@ -148,7 +171,7 @@ class Steps:
         return jax.jit(
             lambda p, t, n: self._prefill(p, t, n, all_logits),
             in_shardings=(lay.params, lay.tokens_BT, lay.lengths_prefill_B),
-            out_shardings=(logits, lay.kv_prefill, lay.kv_prefill),
+            out_shardings=self._with_drops((logits, lay.kv_prefill, lay.kv_prefill)),
         )
 
     def compile_prefill(self, params, rows: int, length: int) -> Any:
@@ -165,7 +188,8 @@ class Steps:
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         args = (params, tokens_BT, lengths_B)
         jitted = self._jit_prefill(all_logits)
-        return self._aot("prefill", (tokens_BT.shape, all_logits), jitted, args)(*args)
+        out = self._aot("prefill", (tokens_BT.shape, all_logits), jitted, args)(*args)
+        return self._strip("prefill", out)
 
     def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts
@@ -190,7 +214,7 @@ class Steps:
         return jax.jit(
             self._decode,
             in_shardings=(lay.params, lay.cache, lay.tokens_B),
-            out_shardings=(lay.logits, lay.cache),
+            out_shardings=self._with_drops((lay.logits, lay.cache)),
             donate_argnums=(1,),
         )
 
@@ -200,7 +224,7 @@ class Steps:
 
     def decode(self, params, cache, tokens_B):
         args = (params, cache, tokens_B)
-        return self._aot("decode", (), self.jit_decode(), args)(*args)
+        return self._strip("decode", self._aot("decode", (), self.jit_decode(), args)(*args))
 
     def decode_select(self, params, cache, tokens, key, step, sampling: Sampling):
         """A decode step that picks the next tokens from the previous step's ``tokens``."""
@@ -210,11 +234,11 @@ class Steps:
             (sampling,),
             lambda p, c, t, k, s: self._decode_select(p, c, t, k, s, sampling),
             (lay.params, lay.cache, lay.next_tokens, lay.replicated, lay.replicated),
-            (lay.next_tokens, lay.cache),
+            self._with_drops((lay.next_tokens, lay.cache)),
             (params, cache, tokens, key, step),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, tokens, key, step)
+        return self._strip("decode_step", compiled(params, cache, tokens, key, step))
 
     def decode_loop(self, params, cache, first, done_B, key, stop_S, n_new, sampling):
         """Up to ``n_new`` tokens per row (``[B, max_seq_len]``, -1 past the end).
@@ -229,11 +253,12 @@ class Steps:
             (sampling, stop_S.shape),
             lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
             (lay.params, lay.cache, lay.next_tokens, lay.tokens_B, r, r, r),
-            (lay.out_tokens, lay.cache),
+            self._with_drops((lay.out_tokens, lay.cache)),
             (params, cache, first, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )
-        return compiled(params, cache, first, done_B, key, stop_S, n_new)
+        out = compiled(params, cache, first, done_B, key, stop_S, n_new)
+        return self._strip("decode_loop", out)
 
     # --- results as callers see them -----------------------------------------------------
 

@@ -9,15 +9,23 @@ from jaxpar.inspect._mesh_axes import (
     groups_for_axes,
     module_of,
 )
-from jaxpar.inspect._model import CommModel, Expected, communication_model, execution_steps
+from jaxpar.inspect._model import (
+    CommModel,
+    Expected,
+    communication_model,
+    execution_steps,
+    moe_routed_rows,
+)
 from jaxpar.inspect._report import (
     CAUSES,
+    MOE_EXCHANGES,
     TOLERANCE,
     CollectiveReport,
     ReportRow,
     classify,
     collective_report,
     compile_step,
+    moe_exchange,
     phase_report,
 )
 from jaxpar.inspect._summary import (
@@ -32,6 +40,7 @@ __all__ = [
     "CAUSES",
     "KINDS",
     "MODULE_SCOPES",
+    "MOE_EXCHANGES",
     "UNMAPPED",
     "Collective",
     "CollectiveReport",
@@ -53,6 +62,8 @@ __all__ = [
     "expand_mesh_axes",
     "groups_for_axes",
     "module_of",
+    "moe_exchange",
+    "moe_routed_rows",
     "parse_collectives",
     "parse_replica_groups",
     "phase_report",

@@ -45,7 +45,15 @@ from jaxpar.inspect._hlo_text import (
     parse_module,
 )
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "send")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",  # bytes: its receive buffer, an upper bound (sizes are runtime data)
+    "collective-permute",
+    "send",
+)
 _ASYNC_STARTS = {f"{k}-start": k for k in ("all-reduce", "all-gather", "collective-permute")}
 _OP_NAME_PREFIX = 'op_name="'
 

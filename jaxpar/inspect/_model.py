@@ -16,11 +16,16 @@ and ``T_l`` the batch rows and tokens one device holds:
   all-gather/reduce-scatter pair around the blocks: the TP all-reduces simply run on the
   ``T/sp`` local tokens. Prefill then sums each sequence's last hidden state over ``sp``
   (``[B_l, D]``) for the logits.
-* EP: the dense GShard dispatch tensor ``[G_l, E, C, D]`` (G = sequences, C = capacity,
-  dropless C = tokens per group) moves group-sharded -> expert-sharded and back: two
-  all-to-alls. TP inside experts all-reduces the expert output ``[E_l, G_e, C, D]``.
-  With tokens split over ``sp`` (prefill) a group's slots span all its tokens, so the
-  dispatch einsum's partial sums are all-reduced over ``sp``.
+* EP (MoE): the routed-token minimum, written from what routing needs, not from how
+  jaxpar dispatches: each of the ``n_l`` tokens a device holds goes to ``top_k`` experts
+  and comes back, so dispatch and combine each move ``top_k x n_l`` rows of ``D``
+  (``(ep - 1) / ep`` of them leave the device; the parser counts an all-to-all's whole
+  local buffer, so compiled and minimum are compared on that same footing). TP inside the
+  experts leaves partial sums of the down projection; the weighted combine is linear, so
+  they need one all-reduce of the ``[n_l, D]`` combined output, as a dense FFN (the
+  ``top_k x n_l`` routed rows would be top_k times more). A
+  capacity factor adds one all-reduce of the step's drop count (an int32). What a padded
+  dispatch moves beyond that is the named cause ``moe-dispatch-buffer``.
 * PP: one collective-permute of ``[B_mb_l, T_l, D]`` per stage boundary per microbatch
   (per device: each stage forwards each microbatch once); layers per device are ``L / pp``.
 * DP: nothing. Decode: nothing whose size scales with the parameters.
@@ -325,42 +330,63 @@ def _pipeline(step: _Step) -> None:
     )
 
 
+def moe_routed_rows(model: ModelDims, tokens: int) -> int:
+    """Rows one device must send to the experts (and get back): ``top_k x tokens``."""
+    return model.top_k * tokens
+
+
 def _moe(step: _Step) -> None:
-    """MoE layer: sp dispatch sum, ep all-to-alls, expert TP all-reduce."""
-    model, config, ax = step.model, step.config, step.axes(Module.MOE)
-    e, d, tokens = model.n_experts, model.d_model, step.tokens
-    capacity = model.expert_capacity(tokens) if hasattr(model, "expert_capacity") else tokens
-    g_l = _local(step.batch, ax["batch"], config, "batch")
-    step.add(
-        "all-reduce",
-        ax["seq"],
-        "moe",
-        "dispatch sum over sp",
-        (g_l, e, capacity, d),
-        step.count,
-        "groups are whole sequences: a group's expert slots span tokens on every sp shard, "
-        "so the one-hot dispatch einsum's partial sums are added over sp",
-    )
+    """MoE layer at the routed-token minimum: ep all-to-alls, expert TP all-reduce."""
+    model, ax = step.model, step.axes(Module.MOE)
+    b_l, t_l = step.rows(ax)
+    rows = moe_routed_rows(model, b_l * t_l)
+    d = model.d_model
     step.add(
         "all-to-all",
         ax["experts"],
         "moe",
         "dispatch + combine",
-        (g_l, e, capacity, d),
+        (rows, d),
         2 * step.count,
-        "[G,E,C,D] resharded group-sharded -> expert-sharded (dispatch) and back (combine)",
+        f"each of the {b_l * t_l} tokens on a device goes to top_k={model.top_k} experts and "
+        "back: top_k x tokens rows each way, (ep-1)/ep of them to other expert peers",
     )
-    e_l = _local(e, ax["experts"], config, "n_experts")
-    g_e = _local(step.batch, ax["expert_batch"], config, "batch")
     step.add(
         "all-reduce",
         ax["mlp"],
         "moe",
         "expert down-proj",
-        (e_l, g_e, capacity, d),
+        (b_l * t_l, d),
         step.count,
-        "row-parallel second linear inside each expert: partial sums over the mlp shards",
+        "row-parallel second linear inside each expert: its partial sums, combined per "
+        "token (a linear map), are reduced once per token, as a dense FFN's",
     )
+    factor = getattr(model, "moe_capacity_factor", None)
+    peers = _split(ax["experts"], step.config)
+    if hasattr(model, "expert_capacity"):
+        cap = model.expert_capacity(b_l * t_l, peers)
+        step.notes.append(
+            f"MoE: a device's {b_l * t_l} tokens are one dispatch group; "
+            + (
+                f"capacity factor {factor}: at most C={cap} rows to each of {peers} expert "
+                "peer(s), assignments past it dropped and counted per step "
+                "(Generation.moe_dropped)"
+                if factor is not None
+                else f"dropless: padded blocks hold C={cap} rows per expert peer, the ragged "
+                "path (GPU/TPU) sends only the routed rows"
+            )
+        )
+    if factor is not None:
+        step.add(
+            "all-reduce",
+            (*ax["batch"], *ax["seq"]),
+            None,
+            "MoE drop count",
+            (),
+            step.groups,
+            "capacity mode: the step's dropped assignments, summed over the token shards",
+            itemsize=4,
+        )
 
 
 def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
@@ -415,17 +441,16 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     if config.is_moe:
         step(
             layer,
-            f"router top-{config.top_k}; one-hot dispatch einsum",
-            "dispatch sum over sp",
+            f"router top-{config.top_k}; sort this device's assignments by expert",
             "dispatch:dispatch + combine",
         )
         step(
             layer,
-            "experts: gate/up (column-parallel), SwiGLU, down (row-parallel)",
+            "local experts: grouped gate/up (column-parallel), SwiGLU, down (row-parallel)",
             "expert down-proj",
             "combine:dispatch + combine",
         )
-        step(layer, "combine einsum; residual add")
+        step(layer, "weighted sum of each token's expert outputs; residual add")
     else:
         step(
             layer,

@@ -29,10 +29,19 @@ TOLERANCE = 1.05
 
 #: Causes of compiled traffic above the analytic minimum, as measured on XLA:CPU.
 CAUSES: dict[str, str] = {
-    "moe-slot-cumsum-gather": (
-        "expert slots are a cumsum over a group's tokens; with tokens split over sp XLA's "
-        "reduce-window cumsum all-gathers the whole s32[G, T, E] instead of scanning per-shard "
-        "counts (groups of one sp shard's tokens would need nothing)"
+    "moe-dispatch-buffer": (
+        "padded MoE dispatch: a device sends each of its ep expert peers a block of C rows, "
+        "C = ceil(cf x n x top_k / ep) with a capacity factor cf, or n x min(top_k, E/ep) "
+        "dropless (what one peer can receive at most), for n tokens; the all-to-alls then "
+        "move ep x C rows where top_k x n are routed: "
+        "ep x C / (top_k x n) times the minimum (cf, rounded up; dropless ep x min(top_k, "
+        "E/ep) / top_k), plus the E int32 row counts per layer. The ragged path (GPU, TPU) "
+        "sends only the routed rows"
+    ),
+    "moe-ragged-receive-buffer": (
+        "ragged MoE dispatch: the parser counts a ragged-all-to-all's whole receive buffer "
+        "(ep x n x min(top_k, E/ep) rows); the rows that move are the routed ones, decided "
+        "at run time"
     ),
     "kv-cache-gather": (
         "decode with K/V heads replicated over tp (n_kv_heads < tp): the partitioner splits "
@@ -64,12 +73,14 @@ def classify(
         itemsize: bytes per activation element of the model.
         cache_dims: ``(max_seq_len, head_dim)`` of the KV cache, to recognise cache traffic.
     """
-    from jaxpar.models import EXPERT_SLOTS_SCOPE
+    from jaxpar.models import EXPERT_ROWS_SCOPE
 
     phase = Phase.coerce(phase)
     scopes = (c.op_name or "").split("/")  # jaxpar's own named scopes, outermost first
-    if EXPERT_SLOTS_SCOPE in scopes:
-        return "moe-slot-cumsum-gather"
+    if c.kind == "ragged-all-to-all":
+        return "moe-ragged-receive-buffer"
+    if EXPERT_ROWS_SCOPE in scopes:
+        return "moe-dispatch-buffer"
     if phase is Phase.DECODE and cache_dims is not None:
         positions, head_dim = cache_dims
         if any(len(s) >= 3 and s[-1] == head_dim and positions in s[:-1] for s in c.shapes):
@@ -147,6 +158,9 @@ class CollectiveReport:
     rows: tuple[ReportRow, ...]
     model: CommModel
     trip_counts_known: bool = True
+    #: MoE models: how this program moves expert rows, read from the compiled program
+    #: (:func:`moe_exchange`); None for dense models.
+    moe_exchange: str | None = None
 
     @property
     def compiled_bytes(self) -> int:
@@ -187,6 +201,7 @@ class CollectiveReport:
             "exceptions": self.exceptions,
             "causes": {k: CAUSES[k] for k in self.exceptions},
             "trip_counts_known": self.trip_counts_known,
+            "moe_exchange": self.moe_exchange,
             "rows": [r.to_dict() for r in self.rows],
             "model": self.model.to_dict(),
         }
@@ -299,7 +314,10 @@ def _group(collectives, mesh, expected) -> dict[Key, list[Collective]]:
     """
     groups: dict[Key, list[Collective]] = {}
     for c in collectives:
-        key = (c.kind, collective_axes(c, mesh), module_of(c.op_name))
+        axes = collective_axes(c, mesh)
+        if c.kind == "all-reduce" and axes:  # a sum does not depend on the order of ids
+            axes = tuple(a for a in mesh.axis_names if a in axes)
+        key = (c.kind, axes, module_of(c.op_name))
         if key not in expected and key[2] is None:
             for want, items in expected.items():
                 have = sum(x.bytes * (x.trip_count or 1) for x in groups.get(want, []))
@@ -336,6 +354,27 @@ def _row(key, members: list[Collective], items, phase, itemsize, cache_dims, bub
     )
 
 
+#: What :func:`moe_exchange` reports, by what the compiled program contains.
+MOE_EXCHANGES: dict[str, str] = {
+    "ragged": "ragged-all-to-all of the routed rows (GPU/TPU), grouped expert matmul",
+    "padded": "all-to-all of capacity-sized blocks per expert peer, grouped expert matmul",
+    "local": "every expert on every device holding tokens (no expert peers), grouped matmul",
+}
+
+
+def moe_exchange(collectives: list[Collective]) -> str:
+    """``"ragged"``, ``"padded"`` or ``"local"``: how a compiled MoE program moves rows."""
+    from jaxpar.models import EXPERT_ROWS_SCOPE
+
+    if any(c.kind == "ragged-all-to-all" for c in collectives):
+        return "ragged"
+    in_rows = (EXPERT_ROWS_SCOPE in (c.op_name or "").split("/") for c in collectives)
+    kinds = (c.kind for c in collectives)
+    if any(inside and kind == "all-to-all" for inside, kind in zip(in_rows, kinds, strict=True)):
+        return "padded"
+    return "local"
+
+
 def compile_step(engine: Any, phase: Phase | str, *, prompt_len: int) -> Any:
     """Compiles the engine's prefill or decode step for abstract inputs (nothing runs).
 
@@ -362,7 +401,14 @@ def phase_report(
     model = communication_model(
         config, engine.parallel_config, phase, batch=engine.max_batch, prompt_len=prompt_len
     )
+    collectives = parse_collectives(compiled)
     report = collective_report(
-        compiled, engine.mesh, model, label=label, cache_dims=(engine.max_seq_len, config.head_dim)
+        collectives,
+        engine.mesh,
+        model,
+        label=label,
+        cache_dims=(engine.max_seq_len, config.head_dim),
     )
+    if config.is_moe:
+        report = dataclasses.replace(report, moe_exchange=moe_exchange(collectives))
     return report, compiled

@@ -28,22 +28,24 @@ from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf
 from jaxpar.models._layers import FFN, Embedding, LayerNorm, LMHead, RMSNorm
 from jaxpar.models._moe import (
-    EXPERT_AXES,
-    EXPERT_HIDDEN_AXES,
-    EXPERT_SLOTS_SCOPE,
-    GROUPED_AXES,
+    DOWN_AXES,
+    EXPERT_ROWS_SCOPE,
+    GATE_UP_AXES,
+    MOE_PATHS,
     Experts,
     MoE,
     Router,
-    dispatch_masks,
+    route_tokens,
 )
+from jaxpar.models._moe_route import capacity_rows, dropless_capacity
+from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 
 __all__ = [
-    "EXPERT_AXES",
-    "EXPERT_HIDDEN_AXES",
-    "EXPERT_SLOTS_SCOPE",
-    "GROUPED_AXES",
+    "DOWN_AXES",
+    "EXPERT_ROWS_SCOPE",
+    "GATE_UP_AXES",
+    "MOE_PATHS",
     "KV_SCORE_AXES",
     "PREFILL_KV_AXES",
     "Q_AXES",
@@ -71,7 +73,12 @@ __all__ = [
     "apply_rope",
     "check_room",
     "decode",
-    "dispatch_masks",
+    "capacity_rows",
+    "count_dropped",
+    "dropless_capacity",
+    "record_dropped",
+    "route_tokens",
+    "total_dropped",
     "init_model",
     "init_params",
     "load_hf_checkpoint",

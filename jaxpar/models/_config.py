@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import ConfigError
+from jaxpar.models._moe_route import capacity_rows
 
 ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "gpt2")
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -21,6 +21,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     # The attention cores of jaxpar.models._attention_ops (PREFILL_IMPLS, DECODE_IMPLS).
     "prefill_attention": ("auto", "xla", "cudnn", "pallas_tpu"),
     "decode_attention": ("auto", "xla", "pallas_gpu"),
+    # The MoE exchange of jaxpar.models._moe_exchange: "auto" is resolved by the engine
+    # (ragged where the backend compiles ragged-all-to-all and the MoE is dropless).
+    "moe_dispatch": ("auto", "padded", "ragged"),
 }
 
 
@@ -93,7 +96,14 @@ class ModelConfig:
     sliding_window: int | None = None
     n_experts: int = 0
     top_k: int = 0
+    #: None: dropless (every routed token is computed, as in transformers). A factor cf:
+    #: each device sends at most ceil(cf * tokens * top_k / ep) rows to each expert peer;
+    #: assignments past that are dropped (earlier tokens first) and counted.
     moe_capacity_factor: float | None = None
+    #: How MoE rows travel between expert peers: "padded" (all-to-all of capacity-sized
+    #: blocks, every backend), "ragged" (ragged all-to-all of the routed rows alone, GPU/TPU,
+    #: dropless), "auto" (the engine probes the backend once and picks).
+    moe_dispatch: str = "auto"
     dtype: Any = "float32"
     param_dtype: Any = "float32"
     #: How the layers are stored and run. "unrolled": one parameter array per layer and
@@ -157,8 +167,8 @@ class ModelConfig:
                 "'mixtral' is a mixture of experts, and it needs n_experts > 0"
             )
         if not self.is_moe:
-            if self.top_k or self.moe_capacity_factor is not None:
-                raise ConfigError("top_k and moe_capacity_factor need n_experts > 0")
+            if self.top_k or self.moe_capacity_factor is not None or self.moe_dispatch != "auto":
+                raise ConfigError("top_k, moe_capacity_factor, moe_dispatch need n_experts > 0")
             return
         if not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
@@ -169,6 +179,11 @@ class ModelConfig:
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(
                 f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor}"
+            )
+        if self.moe_dispatch == "ragged" and self.moe_capacity_factor is not None:
+            raise ConfigError(
+                "moe_dispatch='ragged' is dropless; with moe_capacity_factor="
+                f"{self.moe_capacity_factor} use moe_dispatch='padded' (or 'auto')"
             )
 
     @property
@@ -197,17 +212,14 @@ class ModelConfig:
                 "positions of this model; lower max_seq_len"
             )
 
-    def expert_capacity(self, group_size: int) -> int:
-        """Slots per expert per group of ``group_size`` tokens.
+    def expert_capacity(self, tokens: int, peers: int = 1) -> int:
+        """Rows a device sends to each of ``peers`` expert peers, for ``tokens`` tokens.
 
-        Dropless (``moe_capacity_factor=None``) gives ``group_size``: top-k experts are
-        distinct, so an expert sees each token of a group at most once. A factor ``cf``
-        gives ``min(T, ceil(cf * T * top_k / E))``.
+        Dropless (``moe_capacity_factor=None``): ``tokens * min(top_k, E / peers)``, what
+        one peer can receive at most (a token's top-k experts are distinct). A factor
+        ``cf``: ``ceil(cf * tokens * top_k / peers)``, capped at the dropless bound.
         """
-        if self.moe_capacity_factor is None:
-            return group_size
-        cap = math.ceil(self.moe_capacity_factor * group_size * self.top_k / self.n_experts)
-        return max(1, min(group_size, cap))
+        return capacity_rows(tokens, self.top_k, self.n_experts, peers, self.moe_capacity_factor)
 
 
 def _float_dtype(name: str, value: Any) -> np.dtype:

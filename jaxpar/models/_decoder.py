@@ -16,6 +16,7 @@ from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
 from jaxpar.models._moe import MoE
+from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
 
 
 class DecoderLayer(nnx.Module):
@@ -144,13 +145,22 @@ class Decoder(nnx.Module):
         graphdef, layers_state = nnx.split(self.layers)
 
         def body(x_BTD: jax.Array, layer_state: nnx.State):
-            x_BTD, k_BTKH, v_BTKH = nnx.merge(graphdef, layer_state).prefill(
-                x_BTD, pos_BT, lengths_B
-            )
-            return x_BTD, (k_BTKH, v_BTKH)
+            with count_dropped() as drops:  # a layer's MoE drops leave the scan as outputs
+                x_BTD, k_BTKH, v_BTKH = nnx.merge(graphdef, layer_state).prefill(
+                    x_BTD, pos_BT, lengths_B
+                )
+            return x_BTD, (k_BTKH, v_BTKH, self._layer_drops(drops))
 
-        x_BTD, (k_LBTKH, v_LBTKH) = jax.lax.scan(body, x_BTD, layers_state)
+        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(body, x_BTD, layers_state)
+        self._record(dropped_L)
         return x_BTD, k_LBTKH, v_LBTKH
+
+    def _layer_drops(self, drops: list[jax.Array]) -> jax.Array | None:
+        return total_dropped(drops) if self.config.moe_capacity_factor is not None else None
+
+    def _record(self, dropped_L: jax.Array | None) -> None:
+        if dropped_L is not None:
+            record_dropped(dropped_L)
 
     def decode(self, tokens_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Appends one token per row at position ``cache.lengths_B`` and predicts the next.
@@ -178,10 +188,13 @@ class Decoder(nnx.Module):
         def body(carry: tuple[jax.Array, KVCache], xs: tuple[nnx.State, jax.Array]):
             x_B1D, cache = carry
             layer_state, i = xs
-            return nnx.merge(graphdef, layer_state).decode(x_B1D, pos_B, i, cache), None
+            with count_dropped() as drops:
+                out = nnx.merge(graphdef, layer_state).decode(x_B1D, pos_B, i, cache)
+            return out, self._layer_drops(drops)
 
         layer_ids = jnp.arange(self.config.n_layers, dtype=jnp.int32)
-        (x_B1D, cache), _ = jax.lax.scan(body, (x_B1D, cache), (layers_state, layer_ids))
+        (x_B1D, cache), dropped_L = jax.lax.scan(body, (x_B1D, cache), (layers_state, layer_ids))
+        self._record(dropped_L)
         return x_B1D, cache
 
 

@@ -1,65 +1,78 @@
-"""Mixture of experts: router, stacked SwiGLU experts, dense GShard dispatch/combine.
+"""Mixture of experts: router, stacked SwiGLU experts, per-device dispatch to expert peers.
 
-The dispatch is a pair of one-hot einsums, so it runs on every backend (no ragged
-all-to-all). Tokens are grouped per sequence (G = B groups of T tokens). Under expert
-parallelism the reshard of the dispatched tensor from token-sharded [G,E,C,D] to
-expert-sharded [E,G,C,D] is what XLA turns into an all-to-all.
+The layer runs once per device (a ``shard_map`` over the MoE's logical axes), on all the
+tokens that device holds: one dispatch group per device, in both phases (a decode step's
+group is the device's B_local tokens, a prefill's its sequences' tokens of one sp shard).
+Each device routes its tokens, sorts the (token, expert) assignments by expert
+(:mod:`._moe_route`), sends each expert peer its rows (:mod:`._moe_exchange`: padded
+all-to-all everywhere, ragged all-to-all of only the routed rows on GPU/TPU), runs its
+local experts as one grouped matmul (``ragged_dot``; masked batched matmuls on XLA:CPU,
+whose ``ragged_dot`` lowering copies the kernels) on the rows it received, sends the
+(tensor-parallel partial) outputs back, combines each token's experts, and only then sums
+the partials over tp: n token rows, as a dense FFN's down projection.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.models import _moe_exchange as xchg
+from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, fan_in_normal, param
-from jaxpar.spec import Module, constrain
+from jaxpar.models._moe_stats import record_dropped
+from jaxpar.spec import Module, active_mesh_axes, constrain, logical_shard_map
 
-# The named scope around the expert-slot count (a cumsum over a group's tokens).
-EXPERT_SLOTS_SCOPE = "expert_slots"
-GROUPED_AXES = ("batch", None, None, "embed")  # [G, E, C, D], token-sharded
-EXPERT_AXES = ("experts", "expert_batch", None, "embed")  # [E, G, C, D], expert-sharded
-EXPERT_HIDDEN_AXES = ("experts", "expert_batch", None, "mlp")  # [E, G, C, F]
+#: Named scope around the exchange and the expert computation on received rows; the
+#: collectives inside it are the MoE's token traffic (jaxpar.inspect classifies by it).
+EXPERT_ROWS_SCOPE = "expert_rows"
+#: The exchanges ``moe_dispatch`` may name once resolved.
+MOE_PATHS = ("padded", "ragged")
+ROUTER_AXES = ("embed", None)
+GATE_UP_AXES = ("experts", "embed", "mlp")  # [E, D, F]
+DOWN_AXES = ("experts", "mlp", "embed")  # [E, F, D]
+DROPPED_AXES = ("batch", "seq")  # per-device drop counts, [1, 1] on each device
+
+
+def route_tokens(x_nD: jax.Array, kernel_DE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Mixtral's gate: softmax over experts in float32, top-k, renormalised.
+
+    Returns (weights [n, k] float32 summing to 1, expert ids [n, k] int32).
+    """
+    logits_nE = jnp.einsum(
+        "nD,DE->nE", x_nD, kernel_DE.astype(x_nD.dtype), preferred_element_type=jnp.float32
+    )
+    probs_nE = jax.nn.softmax(logits_nE, axis=-1)
+    weights_nk, experts_nk = _top_k(probs_nE, top_k)
+    return weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True), experts_nk
 
 
 class Router(nnx.Module):
-    """Top-k gate: softmax over experts in float32, top-k, renormalised (as Mixtral)."""
+    """Top-k gate (:func:`route_tokens`); its ``[D, E]`` kernel stays replicated: every
+    device routes its own tokens."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e = config.d_model, config.n_experts
         self.dtype, self.top_k = config.dtype, config.top_k
-        # Router weights stay replicated: every device routes its own tokens.
-        self.kernel = param(rngs, fan_in_normal(d), (d, e), ("embed", None), config.param_dtype)
+        self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, config.param_dtype)
 
-    def __call__(self, x_GTD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Returns (weights [G, T, k] float32 summing to 1, expert ids [G, T, k] int32)."""
-        logits_GTE = jnp.einsum(
-            "GTD,DE->GTE",
-            x_GTD,
-            self.kernel[...].astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        )
-        probs_GTE = jax.nn.softmax(logits_GTE, axis=-1)
-        weights_GTk, experts_GTk = _top_k(probs_GTE, self.top_k)
-        weights_GTk = weights_GTk / jnp.sum(weights_GTk, axis=-1, keepdims=True)
-        return weights_GTk, experts_GTk
+    def __call__(self, x_nD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return route_tokens(x_nD.astype(self.dtype), self.kernel[...], self.top_k)
 
 
-def _top_k(probs_GTE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k`` as k rounds of argmax (ties to the lower index, like ``lax.top_k``).
-
-    XLA's SPMD partitioner does not split the TopK custom call along the batch: it gathers
-    the router probabilities over every batch axis and routes all tokens on every device.
-    Argmax rounds partition like any reduction, with no collective.
-    """
+def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` as k rounds of argmax (ties to the lower index, like ``lax.top_k``)."""
     weights, experts = [], []
     for _ in range(k):
-        idx_GT = jnp.argmax(probs_GTE, axis=-1).astype(jnp.int32)
-        weights.append(jnp.take_along_axis(probs_GTE, idx_GT[..., None], axis=-1)[..., 0])
-        experts.append(idx_GT)
-        taken_GTE = jax.nn.one_hot(idx_GT, probs_GTE.shape[-1], dtype=jnp.bool_)
-        probs_GTE = jnp.where(taken_GTE, -jnp.inf, probs_GTE)
+        idx_n = jnp.argmax(probs_nE, axis=-1).astype(jnp.int32)
+        weights.append(jnp.take_along_axis(probs_nE, idx_n[..., None], axis=-1)[..., 0])
+        experts.append(idx_n)
+        taken_nE = jax.nn.one_hot(idx_n, probs_nE.shape[-1], dtype=jnp.bool_)
+        probs_nE = jnp.where(taken_nE, -jnp.inf, probs_nE)
     return jnp.stack(weights, axis=-1), jnp.stack(experts, axis=-1)
 
 
@@ -68,44 +81,68 @@ class Experts(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         e, d, f, pd = config.n_experts, config.d_model, config.d_ff, config.param_dtype
-        self.dtype = config.dtype
-        self.gate_kernel = param(rngs, fan_in_normal(d), (e, d, f), ("experts", "embed", "mlp"), pd)
-        self.up_kernel = param(rngs, fan_in_normal(d), (e, d, f), ("experts", "embed", "mlp"), pd)
-        self.down_kernel = param(rngs, fan_in_normal(f), (e, f, d), ("experts", "mlp", "embed"), pd)
-
-    def __call__(self, x_EGCD: jax.Array) -> jax.Array:
-        """Runs each expert on its own slots: [E, G, C, D] -> [E, G, C, D]."""
-        gate_EGCF = jnp.einsum("EGCD,EDF->EGCF", x_EGCD, self.gate_kernel[...].astype(self.dtype))
-        up_EGCF = jnp.einsum("EGCD,EDF->EGCF", x_EGCD, self.up_kernel[...].astype(self.dtype))
-        h_EGCF = constrain(jax.nn.silu(gate_EGCF) * up_EGCF, EXPERT_HIDDEN_AXES, Module.MOE)
-        y_EGCD = jnp.einsum("EGCF,EFD->EGCD", h_EGCF, self.down_kernel[...].astype(self.dtype))
-        return constrain(y_EGCD, EXPERT_AXES, Module.MOE)
+        self.gate_kernel = param(rngs, fan_in_normal(d), (e, d, f), GATE_UP_AXES, pd)
+        self.up_kernel = param(rngs, fan_in_normal(d), (e, d, f), GATE_UP_AXES, pd)
+        self.down_kernel = param(rngs, fan_in_normal(f), (e, f, d), DOWN_AXES, pd)
 
 
-def dispatch_masks(
-    weights_GTk: jax.Array, experts_GTk: jax.Array, n_experts: int, capacity: int
-) -> tuple[jax.Array, jax.Array]:
-    """One-hot dispatch and weighted combine tensors, both [G, T, E, C].
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """The per-device MoE: static settings of one traced layer."""
 
-    Within a group, an expert's slots are filled in token order (a token's top-k experts
-    are distinct, so each takes at most one slot per expert). A token whose slot would be
-    >= ``capacity`` is dropped for that expert only: its other experts still count and its
-    weights are not renormalised.
-    """
-    onehot_GTkE = jax.nn.one_hot(experts_GTk, n_experts, dtype=jnp.int32)
-    chosen_GTE = jnp.sum(onehot_GTkE, axis=2)
-    with jax.named_scope(EXPERT_SLOTS_SCOPE):  # jaxpar.inspect names its traffic by this
-        slot_GTE = jnp.cumsum(chosen_GTE, axis=1) - 1
-    kept_GTE = (chosen_GTE > 0) & (slot_GTE < capacity)
-    # one_hot of an out-of-range slot is all zeros, and kept masks the rest.
-    dispatch_GTEC = jax.nn.one_hot(jnp.where(kept_GTE, slot_GTE, capacity), capacity)
-    weight_GTE = jnp.einsum("GTkE,GTk->GTE", onehot_GTkE.astype(jnp.float32), weights_GTk)
-    combine_GTEC = dispatch_GTEC * weight_GTE[..., None]
-    return dispatch_GTEC, combine_GTEC
+    n_experts: int
+    top_k: int
+    capacity_factor: float | None
+    path: str
+    dtype: jnp.dtype
+    expert_axes: tuple[str, ...]
+    mlp_axes: tuple[str, ...]
+    cpu: bool = False
+
+    def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD):
+        b, t, d = x_btD.shape
+        x_nD = x_btD.reshape(b * t, d).astype(self.dtype)
+        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k)
+        peers = self.n_experts // gate_EDF.shape[0]
+        cap = route.capacity_rows(b * t, self.top_k, self.n_experts, peers, self.capacity_factor)
+        plan = route.send_plan(experts_nk, self.n_experts, peers, cap)
+        weights = tuple(w.astype(self.dtype) for w in (gate_EDF, up_EDF, down_EFD))
+        with jax.named_scope(EXPERT_ROWS_SCOPE):
+            counts_PE, offsets_P = xchg.exchange_counts(plan, self.expert_axes)
+            if self.path == "ragged":
+                sent = route.sorted_rows(x_nD, plan)
+                rows = xchg.ragged_dispatch(sent, plan, counts_PE, cap, self.expert_axes)
+            else:
+                rows = xchg.padded_dispatch(
+                    route.pack_rows(x_nD, plan, peers * cap), peers, self.expert_axes
+                )
+            y_RD = self._experts(rows, counts_PE, cap, weights)
+            if self.path == "ragged":
+                back = xchg.ragged_combine(
+                    y_RD, plan, counts_PE, offsets_P, sent.shape[0], self.expert_axes
+                )
+                index_A = plan.rank_A
+            else:
+                back, index_A = xchg.padded_combine(y_RD, peers, self.expert_axes), plan.slot_A
+        out_nD = route.combine(back, index_A, weights_nk, plan)
+        if self.mlp_axes:
+            # The down projection is row-parallel over tp, so rows carry partial sums. The
+            # combine is linear: summing after it reduces n token rows, not the P x C
+            # received rows (nor even the top_k x n routed ones).
+            out_nD = jax.lax.psum(out_nD, self.mlp_axes)
+        return out_nD.reshape(b, t, d), plan.dropped.reshape(1, 1)
+
+    def _experts(self, rows_RD, counts_PE, cap, weights):
+        """The local experts on the received rows, grouped by expert (tp partial sums)."""
+        recv = route.receive_plan(counts_PE, cap)
+        # XLA:CPU lowers ragged_dot to a masked dense dot that copies the expert kernels.
+        swiglu = route.masked_swiglu if self.cpu else route.grouped_swiglu
+        y_RD = swiglu(rows_RD[recv.order_R], recv.group_sizes_E, *weights)
+        return jnp.zeros_like(y_RD).at[recv.order_R].set(y_RD)
 
 
 class MoE(nnx.Module):
-    """Sparse feed-forward block: route, dispatch to expert slots, run experts, combine."""
+    """Sparse feed-forward block: route, dispatch to expert peers, run experts, combine."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -113,19 +150,39 @@ class MoE(nnx.Module):
         self.experts = Experts(config, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        """x [B, T, D] -> [B, T, D]; each batch row is one dispatch group."""
+        """x [B, T, D] -> [B, T, D]; each device's tokens are one dispatch group.
+
+        With a capacity factor, the per-device drop counts are recorded for the engine
+        (:func:`~jaxpar.models._moe_stats.count_dropped`).
+        """
+        c = self.config
         with jax.named_scope(Module.MOE.value):
-            dtype = self.config.dtype
-            x_GTD = constrain(x_BTD, BTD, Module.MOE)
-            weights_GTk, experts_GTk = self.router(x_GTD)
-            capacity = self.config.expert_capacity(x_GTD.shape[1])
-            dispatch, combine = dispatch_masks(
-                weights_GTk, experts_GTk, self.config.n_experts, capacity
+            x_BTD = constrain(x_BTD, BTD, Module.MOE)
+            local = _Local(
+                n_experts=c.n_experts,
+                top_k=c.top_k,
+                capacity_factor=c.moe_capacity_factor,
+                path="ragged" if c.moe_dispatch == "ragged" else "padded",
+                dtype=c.dtype,
+                expert_axes=active_mesh_axes("experts", Module.MOE),
+                mlp_axes=active_mesh_axes("mlp", Module.MOE),
+                cpu=jax.default_backend() == "cpu",
             )
-            x_GECD = jnp.einsum("GTD,GTEC->GECD", x_GTD, dispatch.astype(dtype))
-            x_GECD = constrain(x_GECD, GROUPED_AXES, Module.MOE)
-            x_EGCD = constrain(x_GECD.transpose(1, 0, 2, 3), EXPERT_AXES, Module.MOE)
-            y_EGCD = self.experts(x_EGCD)
-            y_GECD = constrain(y_EGCD.transpose(1, 0, 2, 3), GROUPED_AXES, Module.MOE)
-            y_GTD = jnp.einsum("GECD,GTEC->GTD", y_GECD, combine.astype(dtype))
-            return constrain(y_GTD, BTD, Module.MOE)
+            run = logical_shard_map(
+                local,
+                (BTD, ROUTER_AXES, GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES),
+                (BTD, DROPPED_AXES),
+                Module.MOE,
+                multiple_outputs=True,
+            )
+            e = self.experts
+            y_BTD, dropped = run(
+                x_BTD,
+                self.router.kernel[...],
+                e.gate_kernel[...],
+                e.up_kernel[...],
+                e.down_kernel[...],
+            )
+            if c.moe_capacity_factor is not None:
+                record_dropped(dropped)
+            return constrain(y_BTD.astype(x_BTD.dtype), BTD, Module.MOE)

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.inspect import CAUSES, Expected, communication_model
+from jaxpar.inspect import CAUSES, CommModel, Expected, communication_model
 from jaxpar.models import ModelConfig
 from jaxpar.plan._hardware import Hardware
-from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes
+from jaxpar.spec import ParallelConfig, Phase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,27 +139,35 @@ def collective_seconds(kind: str, size: int, n: int, link: Any) -> tuple[float, 
     return (n - 1) / n * size / bw + (n - 1) * lat, "ring"
 
 
-def known_excess(
-    model: ModelConfig, config: ParallelConfig, phase: Phase, *, batch: int, prompt_len: int
-) -> list[Expected]:
+def known_excess(model: ModelConfig, analytic: CommModel) -> list[Expected]:
     """Collectives the compiled program adds to the minimum, from
     :data:`jaxpar.inspect.CAUSES` (the pipeline's bubbles are in :func:`executions`).
 
-    ``moe-slot-cumsum-gather``: with prompt tokens split over sp, each MoE layer's slot
-    cumsum all-gathers the int32 ``[G_l, T, E]`` routing counts. It belongs to today's dense
-    MoE dispatch; a dispatch that counts slots per shard drops it (and this item).
+    ``moe-dispatch-buffer``: the exchange is padded. A device sends each of its P expert
+    peers a block of C rows (:meth:`ModelConfig.expert_capacity`), so each all-to-all
+    moves ``P x C`` rows where the minimum's ``top_k x n`` are routed, and each layer also
+    exchanges its int32 row counts (``[P, E / P + 1]``). The ragged path's receive buffer
+    (GPU, TPU) has the dropless size, so the same count holds there.
     """
-    if not model.n_experts or phase is not Phase.PREFILL:
-        return []
-    axes = mesh_axes(Module.MOE, phase, config, dims=model)
-    if not axes["seq"]:
-        return []
-    groups = config.microbatches if config.pp > 1 else 1
-    split = math.prod(config.degree(a) for a in axes["batch"])
-    shape = (batch // groups // split, prompt_len, model.n_experts)
-    count = model.n_layers // config.pp * groups
-    why = CAUSES["moe-slot-cumsum-gather"]
-    return [Expected("all-gather", axes["seq"], "moe", "expert-slot cumsum", shape, 4, count, why)]
+    out = []
+    for item in analytic.items:
+        if item.module != "moe" or item.kind != "all-to-all":
+            continue
+        rows, d = item.shape
+        peers = math.prod(analytic.config.degree(a) for a in item.axes)
+        cap = model.expert_capacity(rows // model.top_k, peers)
+        why = CAUSES["moe-dispatch-buffer"]
+        out.append(
+            Expected(
+                "all-to-all", item.axes, "moe", "padded dispatch blocks",
+                (peers * cap - rows, d), item.itemsize, item.count, why,
+            )
+        )  # fmt: skip
+        counts = (peers, model.n_experts // peers + 1)
+        out.append(
+            Expected("all-to-all", item.axes, "moe", "dispatch row counts", counts, 4, item.count // 2, why)
+        )  # fmt: skip
+    return out
 
 
 def comm_costs(
@@ -173,7 +181,7 @@ def comm_costs(
 ) -> tuple[CommCost, ...]:
     """Every collective of a step of ``phase``, with bytes and time."""
     analytic = communication_model(model, config, phase, batch=batch, prompt_len=prompt_len)
-    extra = known_excess(model, config, phase, batch=batch, prompt_len=prompt_len)
+    extra = known_excess(model, analytic)
     out = []
     for item in (*analytic.items, *extra):
         n = math.prod(config.degree(a) for a in item.axes)
@@ -195,11 +203,9 @@ def step_flops(model: ModelConfig, phase: Phase, *, batch: int, prompt_len: int,
     scores = 2 * 2 * model.n_heads * h * ctx
     ffn = 2 * d * model.d_ff * (3 if model.gated_ffn else 2)
     if model.n_experts:
-        e, cap = model.n_experts, model.expert_capacity(t)
-        # per group (sequence) of t tokens: router, dense experts on E x C slots, dispatch
-        # and combine einsums over [t, E, C, D]
-        per_group = 2 * t * d * e + e * cap * ffn + 2 * (2 * t * e * cap * d)
-        mix = per_group * batch
+        # Router, then each token's top_k experts: the grouped matmul of the ragged path
+        # (GPU, TPU) runs the routed rows only (XLA:CPU's padded blocks run more).
+        mix = (2 * d * model.n_experts + model.top_k * ffn) * tokens
     else:
         mix = ffn * tokens
     layers = model.n_layers * ((qkvo + scores) * tokens + mix)

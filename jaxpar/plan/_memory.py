@@ -129,7 +129,9 @@ def activation_bytes(
 
     Two copies of the residual stream ``[B_l, T_l, D]`` plus the largest intermediate of a
     layer: the gated FFN hidden ``[B_l, T_l, F_l]`` (x2), the attention scores
-    ``[B_l, N_l, T_l, S]`` in f32, or the MoE dispatch tensors ``[G_l, E, C, D]``.
+    ``[B_l, N_l, T_l, S]`` in f32, or the MoE exchange blocks: ``P x C`` rows sent and as
+    many received, and their expert hidden ``[P x C, F_l]`` (x2), for a device's ``n``
+    tokens and its ``P`` expert peers.
     """
     itemsize = np.dtype(model.dtype).itemsize
     att = mesh_axes(Module.ATTENTION, phase, config, dims=model)
@@ -140,9 +142,11 @@ def activation_bytes(
     scores = b_l * n_l * t_l * context * 4
     if model.n_experts:
         moe = mesh_axes(Module.MOE, phase, config, dims=model)
-        cap = model.expert_capacity(tokens)
-        g_l = -(-batch // _split(moe["batch"], config))
-        hidden = 3 * g_l * model.n_experts * cap * model.d_model * itemsize
+        n = -(-batch // _split(moe["batch"], config)) * -(-tokens // _split(moe["seq"], config))
+        peers = _split(moe["experts"], config)
+        rows = peers * model.expert_capacity(n, peers)
+        f_l = -(-model.d_ff // _split(moe["mlp"], config))
+        hidden = rows * (2 * model.d_model + 2 * f_l) * itemsize
     else:
         f_l = -(-model.d_ff // _split(mesh_axes(Module.FFN, phase, config)["mlp"], config))
         hidden = 2 * b_l * t_l * f_l * itemsize

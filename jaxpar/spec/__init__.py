@@ -5,6 +5,7 @@ Importable on its own (it needs JAX, not Flax) by people who bring their own mod
 
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._constrain import (
+    active_mesh_axes,
     active_phase,
     constrain,
     logical_shard_map,
@@ -46,6 +47,7 @@ __all__ = [
     "SpecTable",
     "Status",
     "Violation",
+    "active_mesh_axes",
     "active_phase",
     "batch_multiple",
     "constrain",

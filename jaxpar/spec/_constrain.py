@@ -100,11 +100,29 @@ def constrain(
     return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
 
 
+def active_mesh_axes(logical_name: str, module: Module | str) -> tuple[str, ...]:
+    """The mesh axes that split ``logical_name`` in ``module`` in the active context.
+
+    For collectives inside a :func:`logical_shard_map` body (e.g. an all-to-all over the
+    axes that hold ``"experts"``): model code passes the result through as ``axis_name``
+    without naming a mesh axis itself. Empty outside a :func:`sharding_context`, and for
+    a name no axis of degree > 1 splits.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return ()
+    spec = partition_spec((logical_name,), module, active.phase, active.config, dims=active.dims)
+    entry = spec[0] if len(spec) else None
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def logical_shard_map(
     fn: Callable,
     in_axes: Sequence[Sequence[str | None] | None],
-    out_axes: Sequence[str | None] | None,
+    out_axes: Sequence[str | None] | None | tuple[Sequence[str | None] | None, ...],
     module: Module | str,
+    *,
+    multiple_outputs: bool = False,
 ) -> Callable:
     """``fn`` run once per shard, with in/out specs named by logical axes.
 
@@ -121,8 +139,10 @@ def logical_shard_map(
         fn: The per-shard function, positional array arguments only, one array out.
         in_axes: Per argument, its logical axis names (``None`` entries replicate that
             dimension); ``None`` for the whole argument means replicated.
-        out_axes: Logical axis names of the output (``None``: replicated).
+        out_axes: Logical axis names of the output (``None``: replicated); with
+            ``multiple_outputs``, a tuple of those, one per output of ``fn``.
         module: The module whose sharding rules apply, e.g. ``"attention"``.
+        multiple_outputs: ``fn`` returns a tuple of arrays.
 
     Returns:
         A function with ``fn``'s signature.
@@ -137,9 +157,9 @@ def logical_shard_map(
         return partition_spec(axes, module, active.phase, active.config, dims=active.dims)
 
     in_specs = tuple(spec(axes) for axes in in_axes)
-    out_spec = spec(out_axes)
+    out_spec = tuple(spec(a) for a in out_axes) if multiple_outputs else spec(out_axes)
     manual: set[str] = set()
-    for s in (*in_specs, out_spec):
+    for s in (*in_specs, *(out_spec if multiple_outputs else (out_spec,))):
         for entry in s:
             manual.update((entry,) if isinstance(entry, str) else (entry or ()))
     if not manual:
