@@ -8,7 +8,7 @@ compiled once (module-level cache). The ranking over every strategy of the bench
 is checked where those programs are compiled anyway (``tests/test_bench_collectives.py``).
 
 MoE assumptions: the predicted MoE collectives come from
-``jaxpar.inspect.communication_model`` (dense GShard dispatch today); the planner adds the
+``jaxpar.inspect.communication_model`` (the routed-token minimum); the planner adds the
 pipeline's bubbles and the padded exchange's blocks beyond the routed rows
 (``moe-dispatch-buffer``: ``P x C`` rows per all-to-all, and the row counts).
 """
