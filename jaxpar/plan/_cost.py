@@ -188,8 +188,19 @@ def comm_costs(
         link = hardware.link(item.axes, config)
         runs = executions(item, config, phase)
         each, algorithm = collective_seconds(item.kind, item.bytes_each, n, link)
+        if item.step == "padded dispatch blocks" and ragged_moe(model, hardware):
+            # The program's receive buffer has the padded size (what the bytes count), but
+            # a ragged all-to-all moves only the routed rows: no time beyond the minimum.
+            each, algorithm = 0.0, "ragged"
         out.append(CommCost(item, runs, n, link.name, algorithm, each * runs))
     return tuple(out)
+
+
+def ragged_moe(model: ModelConfig, hardware: Hardware) -> bool:
+    """Whether the MoE exchange runs ragged there: dropless, on a GPU or TPU (the engine
+    probes ``ragged_all_to_all`` on its backend; XLA:CPU has none)."""
+    dispatch = getattr(model, "moe_dispatch", "auto")
+    return model.moe_capacity_factor is None and dispatch != "padded" and hardware.name != "cpu"
 
 
 def step_flops(model: ModelConfig, phase: Phase, *, batch: int, prompt_len: int, context: int):
