@@ -232,3 +232,22 @@ def test_insert_writes_only_the_new_rows():
     whole_cache = 2 * CONFIG.n_layers * layer_cache * dp
     assert moved <= new_rows * dp, (moved, new_rows)
     assert moved < whole_cache / 2
+
+
+def test_capacity_limited_moe_serves_as_offline_and_counts_its_drops():
+    """tiny-moe with capacity factor 0.5 drops expert assignments: served tokens still equal
+    the offline ones, and the drops are counted (never silent): at least the offline runs'
+    (the step drawn after a request's last token drops its own)."""
+    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=0.5)
+    mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
+    engine = InferenceEngine(
+        config, init_params(config), mesh=mesh, max_batch=1, max_seq_len=MAX_SEQ_LEN
+    )
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4]]
+    offline = [engine.generate([p], 6) for p in prompts]
+    assert all(g.moe_dropped_total > 0 for g in offline)
+    with ContinuousBatcher(engine, prefill_batch=1) as batcher:
+        batcher.warmup([5])
+        streams = [batcher.submit(p, max_tokens=6) for p in prompts]
+        assert [s.result(timeout=60) for s in streams] == [g.tokens[0] for g in offline]
+        assert batcher.stats.moe_dropped >= sum(g.moe_dropped_total for g in offline)

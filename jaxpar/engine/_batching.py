@@ -49,6 +49,7 @@ class BatcherStats:
     decode_seconds: float = 0.0  # wall time from one step's tokens on the host to the next's
     prefill_seconds: float = 0.0  # wall time in prefill, first tokens, transfer
     insert_seconds: float = 0.0  # wall time dispatching inserts
+    moe_dropped: int = 0  # expert assignments dropped (capacity-limited MoE), prefill + decode
 
 
 @dataclasses.dataclass
@@ -345,6 +346,10 @@ class ContinuousBatcher:
         tokens = put_global(tokens_PT, lay.tokens_BT)
         lengths = put_global(lengths_P, lay.lengths_prefill_B)
         logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
+        if eng.steps.counts_drops:
+            dropped = int(eng.steps.last_dropped["prefill"])
+            with self._cond:
+                self.stats.moe_dropped += dropped
         requests = [s.request for s in streams]
         requests += [requests[0]] * (rows - len(streams))
         sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
@@ -451,9 +456,9 @@ class ContinuousBatcher:
                 slots = self._insert(slots, batch, free, owners, release_B)
             dispatched = None
             if any(owners):
-                slots, next_B = self.slot_steps.step(self.engine.params, slots, release_B)
+                slots, *step = self.slot_steps.step(self.engine.params, slots, release_B)
                 release_B[:] = False
-                dispatched = (next_B, list(owners))
+                dispatched = (*step, list(owners))
             if pending is not None:
                 self._deliver(*pending, owners, release_B)
             pending = dispatched
@@ -461,9 +466,12 @@ class ContinuousBatcher:
             stream.finish("shutdown")
         self._end_all("shutdown")
 
-    def _deliver(self, next_B, holders, owners, release_B) -> None:
+    def _deliver(self, next_B, dropped, holders, owners, release_B) -> None:
         """Streams one step's tokens to the requests that held the slots when it ran."""
         tokens_B = np.asarray(jax.device_get(next_B))
+        if dropped is not None:
+            with self._cond:
+                self.stats.moe_dropped += int(dropped)
         now = time.perf_counter()
         self.stats.decode_steps += 1
         self.stats.decode_seconds += now - max(self._last_read, self._loop_started)

@@ -31,7 +31,7 @@ from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import mask_padded
 from jaxpar.errors import ConfigError
-from jaxpar.models import KVCache, ModelConfig
+from jaxpar.models import KVCache, ModelConfig, count_dropped, total_dropped
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE
@@ -138,8 +138,9 @@ class SlotSteps:
             return slots
 
     def _step(self, params, slots: Slots, release_B):
-        """One decode step over every slot; returns the tokens (``-1`` for inactive slots)."""
-        with self.steps._context(DECODE):
+        """One decode step over every slot; returns the tokens (``-1`` for inactive slots)
+        and, for a capacity-limited MoE, the step's dropped expert assignments."""
+        with self.steps._context(DECODE), count_dropped() as drops:
             active_B = slots.active_B & ~release_B
             cache = slots.cache
             # A free slot appends at position 0 (never read: an insert rewrites the row); so
@@ -157,7 +158,8 @@ class SlotSteps:
                 step_B=slots.step_B + active_B.astype(jnp.int32),
                 sampling=slots.sampling,
             )
-            return slots, jnp.where(active_B, next_B, -1)
+            out = (slots, jnp.where(active_B, next_B, -1))
+            return (*out, total_dropped(drops)) if self.steps.counts_drops else out
 
     # --- compiled entry points -----------------------------------------------------------
 
@@ -209,20 +211,24 @@ class SlotSteps:
             (),
             self._step,
             (self.steps.layouts.params, self.layout, self.layout.active_B),
-            (self.layout, self.steps.layouts.replicated),
+            self.steps._with_drops((self.layout, self.steps.layouts.replicated)),
             (params, slots, release),
             donate_argnums=(1,),
         )
 
     def step(self, params, slots: Slots, release_B: np.ndarray):
-        """Donates ``slots``; ``release_B`` frees slots before the step (finished requests)."""
+        """Donates ``slots``; ``release_B`` frees slots before the step (finished requests).
+
+        Returns the new slots, the tokens ``[B]`` and the step's dropped MoE assignments
+        (an int32 scalar; None unless the model has a capacity factor)."""
         if release_B.any():
             release = put_global(np.asarray(release_B, bool), self.layout.active_B)
         else:  # most steps free nothing: no host-to-device copy for them
             if self._keep_all is None:
                 self._keep_all = put_global(np.zeros(self.n_slots, bool), self.layout.active_B)
             release = self._keep_all
-        return self._step_program(params, slots, release)(params, slots, release)
+        out = self._step_program(params, slots, release)(params, slots, release)
+        return out if self.steps.counts_drops else (*out, None)
 
     def compile_step(self, params) -> None:
         """Compiles ``step`` ahead of its first call."""

@@ -181,9 +181,10 @@ class Steps:
         tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=lay.tokens_BT)
         lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=lay.lengths_prefill_B)
         args = (params, tokens, lengths)
-        return self._aot(
+        info = self._aot(
             "prefill", ((rows, length), False), self._jit_prefill(False), args
         ).out_info
+        return info[:-1] if self.counts_drops else info  # as :meth:`prefill` returns them
 
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         args = (params, tokens_BT, lengths_B)
