@@ -96,7 +96,7 @@ def test_planner_ranks_the_matrix_as_its_compiled_programs():
     predicted, compiled = [], []
     for preset, strategy in bench.MATRIX:
         parallel = ParallelConfig.parse(strategy)
-        pred = predict(preset_config(preset), parallel, workload, hardware)
+        pred = predict(bench.model_of(preset, preset_config), parallel, workload, hardware)
         reports = case(preset, strategy).reports
         predicted.append(pred.prefill.comm_bytes + workload.gen_len * pred.decode.comm_bytes)
         compiled.append(

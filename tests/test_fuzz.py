@@ -87,7 +87,7 @@ def _engine(name: str, parallel: ParallelConfig, max_batch: int) -> InferenceEng
 # Every ordered (dp, sp, ep, tp) using all 8 devices; about half are legal for these models
 # (gpt2's vocabulary 97 is padded for every tp > 1).
 DEGREES = factorizations(jax.device_count(), 4)
-EXAMPLES = int(os.environ.get("JAXPAR_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("JAXPAR_FUZZ_EXAMPLES", "100"))
 MIN_MATCHED = 0.4  # of all draws: legal, built and equal to one device
 
 
