@@ -62,7 +62,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "--prefill-batch",
         type=int,
         default=None,
-        help="prompts prefilled together (default: the prefill strategy's smallest batch)",
+        help="most prompts prefilled together (default: 4 per dp shard; with --prefill, the "
+        "prefill strategy's smallest batch)",
     )
     serve.add_argument(
         "--served-model-name",
