@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -285,5 +284,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    threading.excepthook = lambda a: print(a, file=sys.stderr)
     sys.exit(main())
