@@ -171,7 +171,7 @@ def serving_section(quick: bool = False, strategy: str = "", devices: list | Non
             engine.generate([[1] * length], 2)
         # Heavy: arrivals at ~3x what the engine serves with every slot busy.
         step_s = alone["step_ms"] / 1e3
-        capacity = slots / (step_s * np.mean([40.0]))  # requests/s at ~40 tokens each
+        capacity = slots / (step_s * 40.0)  # requests/s at ~40 tokens each
         results: dict[str, Any] = {"alone": alone, "loads": {}}
         for load, rate in (("heavy", 3 * capacity), ("moderate", 0.5 * capacity)):
             work = Workload.poisson(n, rate, config.vocab_size, max_prompt, max_out, seed=1)

@@ -50,22 +50,15 @@ class DeviceGroup:
         )
 
 
-def parse_strategy(text: str) -> ParallelConfig:
-    """``"sp=4"`` or ``"dp=2,tp=2"`` as a :class:`ParallelConfig` (clear error otherwise)."""
-    try:
-        return ParallelConfig.parse(text)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(
-            f"--prefill {text!r}: expected degrees like 'sp=4' or 'dp=2,tp=2' ({e})"
-        ) from e
-
-
 def device_groups(decode: ParallelConfig, prefill: str | None) -> dict[Phase, DeviceGroup]:
     """Where each phase runs: ``decode`` on the first devices, prefill after them if given."""
     group = DeviceGroup(decode)
     if not prefill:
         return {Phase.PREFILL: group, Phase.DECODE: group}
-    return {Phase.PREFILL: DeviceGroup(parse_strategy(prefill), decode.size), Phase.DECODE: group}
+    return {
+        Phase.PREFILL: DeviceGroup(ParallelConfig.parse(prefill), decode.size),
+        Phase.DECODE: group,
+    }
 
 
 def check_devices(groups: dict[Phase, DeviceGroup]) -> None:
