@@ -5,6 +5,7 @@
 # and servers within one process.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
+source "$(dirname "$0")/_accelerators.sh"
 # Lint first: format drift or a lint finding fails the run before any test.
 .venv/bin/ruff format --check .
 .venv/bin/ruff check .

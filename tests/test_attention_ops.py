@@ -148,6 +148,7 @@ def _compare_prefill(config, window, n_kv_heads=K):
 
     (out, ref), jaxpr = _run(config, "prefill", both, q, k, v, n_kv_heads=n_kv_heads)
     _check_kernel_ran(jaxpr, config)
+    assert out.dtype == ref.dtype == q.dtype, (out.dtype, ref.dtype)
     valid = _valid(q_pos_BT, lengths_B)
     diff = float(np.max(np.abs(np.where(valid, out - ref, 0))))
     assert diff < 1e-5, diff
@@ -221,6 +222,8 @@ def _compare_decode(config, window, n_kv_heads=K, dtype=jnp.float32, atol=1e-5):
 
     (out, ref), jaxpr = _run(config, "decode", both, q, k, v, n_kv_heads=n_kv_heads)
     _check_kernel_ran(jaxpr, config)
+    # The kernel's result keeps q's dtype (an f32 result turned the residual stream f32).
+    assert out.dtype == ref.dtype == jnp.dtype(dtype), (out.dtype, ref.dtype)
     diff = float(np.max(np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))))
     assert diff < atol, diff
 

@@ -83,6 +83,7 @@ class AbstractEngine:
         max_batch: int,
         max_seq_len: int,
         mesh: Mesh | None = None,
+        platform: str | None = None,
     ) -> AbstractEngine:
         """Validates the strategy (nothing is built for an illegal one), then lays it out.
 
@@ -92,6 +93,10 @@ class AbstractEngine:
             max_batch: sequences per step.
             max_seq_len: KV cache length per sequence.
             mesh: default ``make_mesh(parallel_config)`` over every device.
+            platform: lower for this platform (``"cuda"``, ``"tpu"``) instead of the mesh
+                devices' own: kernels are chosen for it, and :meth:`lower` emits its
+                StableHLO (which only that platform's compiler can compile). For TPU, a
+                mesh over a compile-only topology compiles with no such option.
         """
         parallel = parallel_config or ParallelConfig()
         config = run_form(model_config, parallel)
@@ -106,7 +111,7 @@ class AbstractEngine:
                 "pipeline schedule does not carry the MoE drop counts out, and drops are never "
                 "left uncounted; use dropless (moe_capacity_factor=None) or pp=1"
             )
-        config = resolve_moe_dispatch(config, mesh)
+        config = resolve_moe_dispatch(config, mesh, platform)
         graphdef, state = nnx.split(abstract_model(config))
         shardings = param_shardings(state, mesh, parallel, config)
         params = jax.tree.map(
@@ -121,6 +126,7 @@ class AbstractEngine:
             config,
             max_seq_len,
             vocab_size=model_config.vocab_size,
+            platform=platform,
         )
         return cls(
             config,

@@ -8,7 +8,6 @@ all-to-all; a capacity factor needs fixed-size blocks anyway).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +18,27 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import ModelConfig
 
 
-@functools.cache
-def ragged_all_to_all_compiles(platform: str) -> bool:
-    """Whether XLA on ``platform`` compiles a ``ragged_all_to_all`` (cached per platform).
+def ragged_all_to_all_compiles(device: jax.Device | str) -> bool:
+    """Whether XLA for ``device``'s platform (or a platform's name) compiles a
+    ``ragged_all_to_all``.
 
-    Compiles (nothing runs) a two-row exchange over one device of that platform, so the
-    answer comes from the compiler itself rather than from a list of backends.
+    Compiles (nothing runs) a two-row exchange over that one device, so the answer comes
+    from the compiler itself rather than from a list of backends. Compile-only devices
+    (a TPU topology on a CPU host) work as well as attached ones. Cached per platform and
+    device kind.
     """
-    device = jax.local_devices(backend=platform)[0]  # addressable in multi-process runs too
+    if isinstance(device, str):
+        device = jax.local_devices(backend=device)[0]
+    key = (device.platform, device.device_kind)
+    if key not in _PROBED:
+        _PROBED[key] = _compiles_on(device)
+    return _PROBED[key]
+
+
+_PROBED: dict[tuple[str, str], bool] = {}
+
+
+def _compiles_on(device: jax.Device) -> bool:
     mesh = Mesh(np.array([device]), ("probe",))
     sharding = NamedSharding(mesh, PartitionSpec("probe"))
 
@@ -50,21 +62,38 @@ def ragged_all_to_all_compiles(platform: str) -> bool:
     return True
 
 
-def resolve_moe_dispatch(config: ModelConfig, mesh: Mesh) -> ModelConfig:
+def _probe_device(mesh: Mesh) -> jax.Device:
+    """The mesh's first device this process can compile for (in multi-process runs the
+    first device of the mesh may belong to another process)."""
+    here = jax.process_index()
+    return next((d for d in mesh.devices.flat if d.process_index == here), mesh.devices.flat[0])
+
+
+def resolve_moe_dispatch(
+    config: ModelConfig, mesh: Mesh, platform: str | None = None
+) -> ModelConfig:
     """``config`` with ``moe_dispatch="auto"`` replaced by the path this mesh runs.
+
+    ``platform``: lowering for another platform than the mesh's (see
+    ``AbstractEngine.build``), whose compiler cannot be probed here: GPU and TPU are taken
+    to compile ragged-all-to-all (XLA implements it on both), anything else not.
 
     Raises:
         ConfigError: ``moe_dispatch="ragged"`` on a backend that cannot compile it.
     """
     if not config.is_moe or config.moe_dispatch == "padded":
         return config
-    platform = mesh.devices.flat[0].platform
+    device = _probe_device(mesh)
+    if platform is None or platform == device.platform:
+        platform, compiles = device.platform, ragged_all_to_all_compiles(device)
+    else:
+        compiles = platform in ("gpu", "cuda", "rocm", "tpu")
     if config.moe_dispatch == "ragged":
-        if not ragged_all_to_all_compiles(platform):
+        if not compiles:
             raise ConfigError(
                 f"moe_dispatch='ragged': XLA:{platform} does not compile ragged-all-to-all; "
                 "use moe_dispatch='padded' or 'auto'"
             )
         return config
-    ragged = config.moe_capacity_factor is None and ragged_all_to_all_compiles(platform)
+    ragged = config.moe_capacity_factor is None and compiles
     return dataclasses.replace(config, moe_dispatch="ragged" if ragged else "padded")

@@ -27,6 +27,7 @@ from jaxpar.spec import (
     ParallelConfig,
     Phase,
     active_phase,
+    active_platform,
     sharding_context,
 )
 
@@ -76,13 +77,14 @@ class Stages:
         stage communicate across stages (with ``vmap(spmd_axis_name="pp")`` it gathered
         MoE router top-k inputs over ``pp``: XLA partitions ``TopK`` only replicated).
         """
-        phase = active_phase()
+        phase, platform = active_phase(), active_platform()
 
         def body(*args):
             local = jax.tree.map(lambda x: x[0], args)
-            # Constraints inside must name the mesh as shard_map sees it (pp manual).
+            # Constraints inside must name the mesh as shard_map sees it (pp manual); the
+            # abstract mesh has no devices, so the platform comes from the outer context.
             inner = jax.sharding.get_abstract_mesh()
-            with sharding_context(inner, phase, self.config, self.dims):
+            with sharding_context(inner, phase, self.config, self.dims, platform=platform):
                 out = fn(jax.lax.axis_index("pp"), *local)
             return jax.tree.map(lambda x: x[None], out)
 

@@ -57,9 +57,12 @@ class Steps:
         max_seq_len: int,
         *,
         vocab_size: int | None = None,
+        platform: str | None = None,
     ):
         """``dims`` may have a padded vocabulary; ``vocab_size`` is the true one (default:
-        ``dims.vocab_size``): ids from it up are never chosen."""
+        ``dims.vocab_size``): ids from it up are never chosen. ``platform`` (default: the
+        mesh's) is what the steps are traced and lowered for; naming another platform than
+        the mesh's makes them lowerable only (:meth:`lower_prefill`, :meth:`lower_decode`)."""
         self.graphdef = graphdef
         self.vocab_size = dims.vocab_size if vocab_size is None else vocab_size
         self.layouts = layouts
@@ -67,6 +70,7 @@ class Steps:
         self.config = config
         self.dims = dims
         self.max_seq_len = max_seq_len
+        self.platform = platform
         self.schedule = schedule_for(mesh, config, dims)
         self.compile_seconds: dict[str, float] = {}
         self._compiled: dict[tuple, Any] = {}
@@ -83,7 +87,14 @@ class Steps:
         return nnx.merge(self.graphdef, params)
 
     def _context(self, phase: Phase):
-        return sharding_context(self.mesh, phase, self.config, self.dims)
+        return sharding_context(self.mesh, phase, self.config, self.dims, platform=self.platform)
+
+    def _lower(self, jitted, *args):
+        """``jitted`` lowered for :attr:`platform` (the mesh's own when not named)."""
+        if self.platform is None:
+            return jitted.lower(*args)
+        target = "cuda" if self.platform == "gpu" else self.platform
+        return jitted.trace(*args).lower(lowering_platforms=(target,))
 
     def _pick(self, key: jax.Array, sampling: Sampling) -> Pick:
         return Pick(key, sampling, self.vocab_size)
@@ -163,7 +174,7 @@ class Steps:
 
     def lower_prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         """The ``jax.stages.Lowered`` prefill for these shapes (for inspection)."""
-        return self._jit_prefill(all_logits).lower(params, tokens_BT, lengths_B)
+        return self._lower(self._jit_prefill(all_logits), params, tokens_BT, lengths_B)
 
     def _jit_prefill(self, all_logits: bool):
         lay = self.layouts
@@ -221,7 +232,7 @@ class Steps:
 
     def lower_decode(self, params, cache, tokens_B):
         """The ``jax.stages.Lowered`` decode step for these shapes (for inspection)."""
-        return self.jit_decode().lower(params, cache, tokens_B)
+        return self._lower(self.jit_decode(), params, cache, tokens_B)
 
     def decode(self, params, cache, tokens_B):
         args = (params, cache, tokens_B)

@@ -35,9 +35,11 @@ from jaxpar.inspect._summary import (
     collective_axes,
     summarize,
 )
+from jaxpar.inspect._targets import KERNELS, kernel_calls, tpu_devices
 
 __all__ = [
     "CAUSES",
+    "KERNELS",
     "KINDS",
     "MODULE_SCOPES",
     "MOE_EXCHANGES",
@@ -58,6 +60,7 @@ __all__ = [
     "communication_model",
     "compile_step",
     "execution_steps",
+    "kernel_calls",
     "expand_iota",
     "expand_mesh_axes",
     "groups_for_axes",
@@ -68,4 +71,5 @@ __all__ = [
     "parse_replica_groups",
     "phase_report",
     "summarize",
+    "tpu_devices",
 ]

@@ -5,6 +5,7 @@ metadata on every parameter); the engine maps them to mesh axes.
 """
 
 from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES, Attention
+from jaxpar.models._attention_ops import interpret_kernels
 from jaxpar.models._cache import (
     PREFILL_KV_AXES,
     STACKED_KV_AXES,
@@ -80,6 +81,7 @@ __all__ = [
     "route_tokens",
     "total_dropped",
     "init_model",
+    "interpret_kernels",
     "init_params",
     "load_hf_checkpoint",
     "param_logical_axes",

@@ -290,8 +290,10 @@ def decode_pallas_gpu(
         out_BKGH = jax.vmap(jax.vmap(inner_no_start))(q_BKGH, k_BKSH, v_BKSH, len_BK)
     else:
         out_BKGH = jax.vmap(jax.vmap(inner))(q_BKGH, k_BKSH, v_BKSH, start_BK, len_BK)
+    # The kernel returns float32 whatever its inputs (it normalises by an f32 sum): cast
+    # back, or the residual stream turns f32 from this layer on.
     if one_hot_K is None:
-        return out_BKGH.reshape(b, n, h)
+        return out_BKGH.reshape(b, n, h).astype(q_BNH.dtype)
     return jnp.sum(jnp.where(one_hot_K[None, :, None, None], out_BKGH, 0), axis=1).astype(
         q_BNH.dtype
     )

@@ -9,7 +9,8 @@ Implementations (``impl``):
 - ``"pallas_tpu"`` (prefill, TPU): the Pallas splash-attention kernel.
 - ``"pallas_gpu"`` (decode, GPU): the Pallas decode kernel, which reads only each row's
   valid keys.
-- ``"auto"``: :func:`attention_impls` for ``jax.default_backend()`` and the query dtype.
+- ``"auto"``: :func:`attention_impls` for the platform the program is compiled for (the
+  sharding context's mesh, else ``jax.default_backend()``) and the query dtype.
 
 A named kernel is used for any dtype it takes (the Pallas kernels also run f32, which the
 interpret-mode tests use for tight comparisons); ``"cudnn"`` with f32 runs XLA.
@@ -27,7 +28,10 @@ prefill with K/V gathered. A path falls back to XLA where its kernel cannot take
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +40,14 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask
 from jaxpar.models._cache import LAYER_KV_AXES
-from jaxpar.spec import Module, logical_shard_map
+from jaxpar.spec import Module, active_platform, logical_shard_map
 
 __all__ = [
     "DECODE_IMPLS",
     "PREFILL_IMPLS",
     "attention_impls",
     "decode_attention",
+    "interpret_kernels",
     "key_mask",
     "prefill_attention",
 ]
@@ -78,11 +83,34 @@ def attention_impls(backend: str, dtype: jnp.dtype) -> tuple[str, str]:
     return "xla", "xla"
 
 
+_INTERPRET = contextvars.ContextVar("jaxpar_interpret_kernels", default=False)
+
+
+@contextlib.contextmanager
+def interpret_kernels() -> Iterator[None]:
+    """Runs every Pallas kernel traced inside in interpret mode (``interpret=True``).
+
+    For checking the kernel paths of a whole model or engine on a CPU, under the real
+    shardings: name the kernels in the model config (``prefill_attention="pallas_tpu"``,
+    ``decode_attention="pallas_gpu"``), then build and run the engine inside this context,
+    which is where its steps are traced. cuDNN has no interpreter; it is not affected.
+    """
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def _interpret(interpret: bool | None) -> bool:
+    return _INTERPRET.get() if interpret is None else interpret
+
+
 def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype) -> str:
     if impl not in legal:
         raise ConfigError(f"unknown attention impl {impl!r}; legal: {', '.join(legal)}")
     if impl == "auto":
-        return attention_impls(jax.default_backend(), dtype)[which]
+        return attention_impls(active_platform(), dtype)[which]
     if impl == "cudnn" and jnp.dtype(dtype) not in _HALF:
         return "xla"  # cuDNN flash attention takes bf16/fp16 only
     return impl
@@ -141,7 +169,7 @@ def prefill_attention(
     lengths_B: jax.Array,
     window: int | None,
     impl: str = "auto",
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Causal self-attention of a right-padded prompt, grouped-query heads.
 
@@ -159,7 +187,8 @@ def prefill_attention(
         lengths_B: Real tokens per row; keys at positions >= length are padding.
         window: Sliding-window size, or None.
         impl: One of :data:`PREFILL_IMPLS` (see the module docstring).
-        interpret: Run Pallas kernels in interpret mode (tests on CPU).
+        interpret: Run Pallas kernels in interpret mode (tests on CPU); default: whether
+            an :func:`interpret_kernels` context is active.
 
     Returns:
         out_BTNH in q's dtype.
@@ -179,7 +208,11 @@ def prefill_attention(
         body = functools.partial(kern.prefill_cudnn, group=group, window=window)
     else:
         body = functools.partial(
-            _splash_checked, t_global=t, group=group, window=window, interpret=interpret
+            _splash_checked,
+            t_global=t,
+            group=group,
+            window=window,
+            interpret=_interpret(interpret),
         )
     k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
     sharded = logical_shard_map(
@@ -210,7 +243,7 @@ def decode_attention(
     lengths_B: jax.Array,
     window: int | None,
     impl: str = "auto",
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> jax.Array:
     """One new query per row over its layer's [B, K, S, H] cache, which already holds it.
 
@@ -225,7 +258,8 @@ def decode_attention(
         lengths_B: Valid keys per row, the new token included.
         window: Sliding-window size, or None.
         impl: One of :data:`DECODE_IMPLS` (see the module docstring).
-        interpret: Run the Pallas kernel in interpret mode (tests on CPU).
+        interpret: Run the Pallas kernel in interpret mode (tests on CPU); default: whether
+            an :func:`interpret_kernels` context is active.
 
     Returns:
         out_BNH in q's dtype.
@@ -245,7 +279,7 @@ def decode_attention(
         s_global=s,
         group=n // k_BKSH.shape[1],
         window=window,
-        interpret=interpret,
+        interpret=_interpret(interpret),
     )
     sharded = logical_shard_map(
         body,

@@ -25,7 +25,7 @@ from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, fan_in_normal, param
 from jaxpar.models._moe_stats import record_dropped
-from jaxpar.spec import Module, active_mesh_axes, constrain, logical_shard_map
+from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
 
 #: Named scope around the exchange and the expert computation on received rows; the
 #: collectives inside it are the MoE's token traffic (jaxpar.inspect classifies by it).
@@ -166,7 +166,7 @@ class MoE(nnx.Module):
                 dtype=c.dtype,
                 expert_axes=active_mesh_axes("experts", Module.MOE),
                 mlp_axes=active_mesh_axes("mlp", Module.MOE),
-                cpu=jax.default_backend() == "cpu",
+                cpu=active_platform() == "cpu",
             )
             run = logical_shard_map(
                 local,

@@ -7,6 +7,7 @@ from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._constrain import (
     active_mesh_axes,
     active_phase,
+    active_platform,
     constrain,
     logical_shard_map,
     sharding_context,
@@ -49,6 +50,7 @@ __all__ = [
     "Violation",
     "active_mesh_axes",
     "active_phase",
+    "active_platform",
     "batch_multiple",
     "constrain",
     "load_spec_table",

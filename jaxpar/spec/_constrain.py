@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.errors import ConfigError
 from jaxpar.spec._config import ParallelConfig
@@ -28,10 +28,11 @@ from jaxpar.spec._rules import partition_spec
 
 @dataclasses.dataclass(frozen=True)
 class _Active:
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     phase: Phase
     config: ParallelConfig
     dims: ModelDims | None
+    platform: str
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
@@ -41,26 +42,53 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def sharding_context(
-    mesh: Mesh,
+    mesh: Mesh | AbstractMesh,
     phase: Phase | str,
     config: ParallelConfig,
     dims: ModelDims | None = None,
+    *,
+    platform: str | None = None,
 ) -> Iterator[None]:
     """Makes :func:`constrain` resolve logical names for ``phase`` on ``mesh``.
 
     Used around the body of a function while ``jax.jit`` traces it.
+
+    Args:
+        mesh: The mesh the traced program runs on (inside a ``shard_map``, the abstract
+            mesh it sees).
+        phase, config, dims: The phase, the degrees and the model sizes the rules read.
+        platform: What the program is compiled for (``"cpu"``, ``"gpu"``/``"cuda"``,
+            ``"tpu"``); kernels are chosen for it. Default: the mesh's devices' platform,
+            which a compile-only TPU topology reports as ``"tpu"``. Name it to lower for a
+            platform whose devices this process does not have.
     """
-    token = _ACTIVE.set(_Active(mesh, Phase.coerce(phase), config, dims))
+    platform = platform or mesh_platform(mesh)
+    token = _ACTIVE.set(_Active(mesh, Phase.coerce(phase), config, dims, platform))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
 
 
+def mesh_platform(mesh: Mesh | AbstractMesh) -> str:
+    """The platform of a concrete mesh's devices; an abstract mesh has none, so the
+    default backend's (a pipeline stage's context names its outer mesh's platform)."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
 def active_phase() -> Phase | None:
     """The phase of the enclosing :func:`sharding_context`, or None outside one."""
     active = _ACTIVE.get()
     return None if active is None else active.phase
+
+
+def active_platform() -> str:
+    """The platform the enclosing :func:`sharding_context` compiles for; outside one, the
+    default backend (a single-device program runs there)."""
+    active = _ACTIVE.get()
+    return jax.default_backend() if active is None else active.platform
 
 
 def constrain(
@@ -129,11 +157,14 @@ def logical_shard_map(
     For ops XLA cannot partition (Pallas kernels, cuDNN custom calls): inside a
     :func:`sharding_context` each input is split as its logical axes are split in ``module``
     this phase, ``fn`` sees the local shards, and its output is assembled from
-    ``out_axes``. Only the mesh axes the specs mention become manual (``axis_names``);
-    every other axis stays automatic, so this nests inside the pipeline's ``pp``-manual
-    ``shard_map`` (whose context mesh is ``jax.sharding.get_abstract_mesh()``). Outside a
-    context, or when no mentioned axis has degree > 1, ``fn`` is called on the whole arrays,
-    so ``fn`` must work on any consistent slice of its inputs.
+    ``out_axes``. Every mesh axis that is not manual already becomes manual: a Mosaic
+    (TPU) kernel refuses to run under any automatic axis ("cannot be automatically
+    partitioned") and cuDNN's custom partitioning asserts on partly manual shardings. An
+    axis no spec mentions is replicated: ``fn`` runs on the whole of that dimension on
+    every device of it. Inside the pipeline's ``pp``-manual ``shard_map`` the context mesh
+    is the abstract one it sees, and ``pp`` stays as it is. Outside a context, or on a
+    one-device mesh, ``fn`` is called on the whole arrays, so ``fn`` must work on any
+    consistent slice of its inputs.
 
     Args:
         fn: The per-shard function, positional array arguments only, one array out.
@@ -158,20 +189,18 @@ def logical_shard_map(
 
     in_specs = tuple(spec(axes) for axes in in_axes)
     out_spec = tuple(spec(a) for a in out_axes) if multiple_outputs else spec(out_axes)
-    manual: set[str] = set()
-    for s in (*in_specs, *(out_spec if multiple_outputs else (out_spec,))):
-        for entry in s:
-            manual.update((entry,) if isinstance(entry, str) else (entry or ()))
-    if not manual:
-        return fn
+    mesh = active.mesh
+    manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    if not manual or mesh.size == 1:
+        return fn  # nothing to partition
     # check_vma=False: Pallas and cuDNN calls carry no replication rules; the specs above
     # say exactly how each output varies.
     return jax.shard_map(
         fn,
-        mesh=active.mesh,
+        mesh=mesh,
         in_specs=in_specs,
         out_specs=out_spec,
-        axis_names=frozenset(manual),
+        axis_names=manual,
         check_vma=False,
     )
 
