@@ -5,7 +5,9 @@ dispatch and combine with the primitive replaced by an emulation written here fr
 documented semantics (``jax.lax.ragged_all_to_all``'s docstring), and checks both against a
 reference exchange written with ``jax.lax.all_to_all`` on per-pair padded buffers: the same
 token rows must arrive at the same places and come back to the same assignments. Where the
-backend compiles the real primitive the same check runs on it.
+backend compiles the real primitive the same check runs on it. The emulation is itself
+checked against a numpy transcription of the docstring's pseudocode (random sizes and
+offsets) and honours every size argument: receive sizes that disagree with the senders' fail.
 """
 
 from __future__ import annotations
