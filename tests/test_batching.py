@@ -4,7 +4,8 @@ The batcher serves requests over a few decode slots, refilling them as requests 
 each request's tokens must equal ``engine.generate([prompt], ...)`` with the same
 sampling, seed and stop tokens, token for token, whatever else shares the slots. Also:
 nothing compiles per request, a cancelled request frees its slot, the queue is bounded,
-bad requests fail before they queue, and the insert moves only the new rows.
+bad requests fail before they queue, the insert moves only the new rows, and a step's
+release mask frees those slots' device state and no other slot's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import pytest
 
 from jaxpar import ConfigError, InferenceEngine, ParallelConfig, QueueFullError, ShapeError
 from jaxpar.engine import ContinuousBatcher, RowSampling, Sampling
+from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import select, select_rows
+from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import CacheOverflowError
 from jaxpar.inspect import parse_collectives
 from jaxpar.inspect._movement import data_movement
@@ -251,3 +254,76 @@ def test_capacity_limited_moe_serves_as_offline_and_counts_its_drops():
         streams = [batcher.submit(p, max_tokens=6) for p in prompts]
         assert [s.result(timeout=60) for s in streams] == [g.tokens[0] for g in offline]
         assert batcher.stats.moe_dropped >= sum(g.moe_dropped_total for g in offline)
+
+
+def _insert(engine: InferenceEngine, slot_steps: SlotSteps, prompts, slot_P, slots=None):
+    """``slots`` (default: all free) with ``prompts`` prefilled (greedy) and inserted at
+    ``slot_P``, as the batcher does it (the prefill's padding rows are dropped)."""
+    tokens_PT, lengths_P = engine.pad_prompts(prompts)
+    rows = tokens_PT.shape[0]
+    lay = engine.layouts
+    lengths = put_global(lengths_P, lay.lengths_prefill_B)
+    logits_PV, k, v = engine.steps.prefill(
+        engine.params, put_global(tokens_PT, lay.tokens_BT), lengths
+    )
+    sampling_P = RowSampling.rows([Sampling()] * rows, [0] * rows)
+    first_P = FirstTokens(engine.steps)(logits_PV, sampling_P)
+    new = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
+    slots = slot_steps.empty() if slots is None else slots
+    rows_P = np.full(rows, slot_steps.n_slots)
+    rows_P[: len(slot_P)] = slot_P
+    return slot_steps.insert(slots, new, rows_P, sampling_P)
+
+
+def _host_state(slots) -> dict[str, np.ndarray]:
+    """Every per-slot field of ``slots`` on the host, each with the slots on axis 0."""
+    return dict(
+        active=np.asarray(slots.active_B),
+        lengths=np.asarray(slots.cache.lengths_B),
+        tokens=np.asarray(slots.tokens_B),
+        step=np.asarray(slots.step_B),
+        k=np.stack([np.asarray(x) for x in slots.cache.k], axis=1),  # [B, L, K, S, H]
+        v=np.stack([np.asarray(x) for x in slots.cache.v], axis=1),
+    )
+
+
+def test_step_frees_released_slots_by_state_and_leaves_the_others():
+    """A step with a release mask frees those slots on the device (inactive, length 0, no
+    token drawn, step not advanced) and computes the other slots exactly as a step without
+    it; a released slot then takes a new request as a free one does."""
+    engine = _engine(ParallelConfig(dp=2))  # slots 0-1 on one device, 2-3 on the other
+    slot_steps = SlotSteps(engine.steps, engine.program.model_config, SLOTS)
+    prompts, all_slots = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8], [3, 3, 3, 3]], np.arange(SLOTS)
+    keep_B, release_B = np.zeros(SLOTS, bool), np.array([True, False, False, True])
+
+    def step(slots, release):
+        slots, tokens_B, _ = slot_steps.step(engine.params, slots, release)
+        return slots, np.asarray(tokens_B)
+
+    before = _host_state(_insert(engine, slot_steps, prompts, all_slots))
+    kept, kept_tokens = step(_insert(engine, slot_steps, prompts, all_slots), keep_B)
+    freed, freed_tokens = step(_insert(engine, slot_steps, prompts, all_slots), release_B)
+    kept_state, freed_state = _host_state(kept), _host_state(freed)
+    assert before["active"].all() and kept_state["active"].all()  # the release frees them
+    np.testing.assert_array_equal(kept_state["lengths"], before["lengths"] + 1)
+    # Released: inactive, length 0, token 0, step not advanced, no token drawn.
+    np.testing.assert_array_equal(freed_state["active"], ~release_B)
+    np.testing.assert_array_equal(freed_state["lengths"][release_B], 0)
+    np.testing.assert_array_equal(freed_state["tokens"][release_B], 0)
+    np.testing.assert_array_equal(freed_state["step"][release_B], before["step"][release_B])
+    np.testing.assert_array_equal(freed_tokens[release_B], -1)
+    # The others: exactly as without the release, cache rows included.
+    for field, got in freed_state.items():
+        np.testing.assert_array_equal(got[~release_B], kept_state[field][~release_B], field)
+    np.testing.assert_array_equal(freed_tokens[~release_B], kept_tokens[~release_B])
+
+    # Reuse: a request written into released slot 0 steps as it does in a free slot 0,
+    # and released slot 3 stays free.
+    new = [[4, 2, 7, 1]]
+    fresh, fresh_tokens = step(_insert(engine, slot_steps, new, [0]), keep_B)
+    reused, reused_tokens = step(_insert(engine, slot_steps, new, [0], freed), keep_B)
+    fresh, reused = _host_state(fresh), _host_state(reused)
+    for field, got in reused.items():
+        np.testing.assert_array_equal(got[0], fresh[field][0], field)
+    assert reused_tokens[0] == fresh_tokens[0] != -1
+    assert not reused["active"][3] and reused["lengths"][3] == 0 and reused_tokens[3] == -1

@@ -4,9 +4,10 @@ On a GPU a ``lax.scan`` over stacked weights copied every layer's weights out of
 before each matmul (38% of a decode step), and a cache stored against the attention's read
 order was transposed twice per step. Both show in the compiled HLO on any backend: these
 tests compile prefill and decode on CPU and count the bytes of pure data movement (copy,
-transpose, slice, dynamic-slice, and fusions made only of them) whose size is that of a
-weight shard or of one layer's decode cache shard (K or V, ``[B, K, S, H]`` per device),
-against the parameter + cache bytes per device.
+transpose, slice, dynamic-slice, and fusions made only of them, casts allowed) whose size,
+or whose whole operand's, is that of a weight shard or of one layer's decode cache shard
+(K or V, ``[B, K, S, H]`` per device), against the parameter + cache bytes per device. A
+few strategies also run in bfloat16, where a copy can carry a cast (bf16 in, f32 out).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxpar import InferenceEngine, ParallelConfig
@@ -32,8 +34,10 @@ CONFIG = preset("tiny-gqa")
 
 
 @functools.cache
-def _engine(layer_loop: str, parallel: ParallelConfig, batch: int) -> InferenceEngine:
-    config = dataclasses.replace(CONFIG, layer_loop=layer_loop)
+def _engine(
+    layer_loop: str, parallel: ParallelConfig, batch: int, dtype: str = "float32"
+) -> InferenceEngine:
+    config = dataclasses.replace(CONFIG, layer_loop=layer_loop, dtype=dtype, param_dtype=dtype)
     mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
     return InferenceEngine(
         config,
@@ -50,9 +54,13 @@ def _shard_bytes(x: jax.Array) -> int:
 
 
 def _moved_fraction(
-    layer_loop: str, parallel: ParallelConfig, phase: str, batch: int = MAX_BATCH
+    layer_loop: str,
+    parallel: ParallelConfig,
+    phase: str,
+    batch: int = MAX_BATCH,
+    dtype: str = "float32",
 ) -> float:
-    eng = _engine(layer_loop, parallel, batch)
+    eng = _engine(layer_loop, parallel, batch, dtype)
     compiled = compile_step(eng, phase, prompt_len=PROMPT_LEN)
     params = jax.tree.leaves(eng.params)
     weight_sizes = {_shard_bytes(p) for p in params if p.ndim >= 2}
@@ -82,8 +90,89 @@ def test_unrolled_steps_copy_no_weight_or_layer_cache(parallel, batch, phase):
     assert fraction <= BUDGET, f"{fraction:.1%} of parameter + cache bytes moved per step"
 
 
+# bf16 weights and cache: a cast fused into a copy (a bf16 cache transposed into f32)
+# writes other bytes than the buffer's and must still count. A few strategies only.
+BF16_CASES = [
+    (ParallelConfig(), "decode"),
+    (ParallelConfig(), "prefill"),
+    pytest.param(
+        ParallelConfig(tp=2),
+        "decode",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="bf16 decode with one kv head per device: XLA:CPU copies each layer's "
+            "cache around the write's optimization barrier (layout change, 55% measured; "
+            "f32 does not). Remove this mark once fixed.",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("parallel", "phase"), BF16_CASES, ids=lambda x: str(x))
+def test_bf16_unrolled_steps_copy_no_weight_or_layer_cache(parallel, phase):
+    fraction = _moved_fraction("unrolled", parallel, phase, MAX_BATCH, "bfloat16")
+    assert fraction <= BUDGET, f"{fraction:.1%} of parameter + cache bytes moved per step"
+
+
 def test_the_check_sees_the_scan_copies():
     """The stacked scan form (kept for compile time) slices each layer's weights and cache
     out of the stack every step: the same measurement must see it over the budget."""
     fraction = _moved_fraction("scan", ParallelConfig(tp=2), "decode")
     assert fraction > 2 * BUDGET, fraction  # 21% on this model (tp=2), measured
+
+
+# One of each kind of op the checker must tell apart, on a bf16 cache [2, 4, 8, 16] and a
+# bf16 weight [64, 16] (2048 bytes each).
+_HLO = """HloModule movement_kinds, entry_computation_layout={(bf16[2,4,8,16]{3,2,1,0})->()}
+
+%cast_transpose_body (p.0: bf16[2,4,8,16]) -> f32[2,8,4,16] {
+  %p.0 = bf16[2,4,8,16]{3,2,1,0} parameter(0)
+  %t.0 = bf16[2,8,4,16]{3,2,1,0} transpose(%p.0), dimensions={0,2,1,3}
+  ROOT %c.0 = f32[2,8,4,16]{3,2,1,0} convert(%t.0)
+}
+
+%cast_body (p.1: bf16[64,16]) -> f32[64,16] {
+  %p.1 = bf16[64,16]{1,0} parameter(0)
+  ROOT %c.1 = f32[64,16]{1,0} convert(%p.1)
+}
+
+%scaled_body (p.2: bf16[2,4,8,16]) -> f32[2,8,4,16] {
+  %p.2 = bf16[2,4,8,16]{3,2,1,0} parameter(0)
+  %t.2 = bf16[2,8,4,16]{3,2,1,0} transpose(%p.2), dimensions={0,2,1,3}
+  %c.2 = f32[2,8,4,16]{3,2,1,0} convert(%t.2)
+  %two = f32[] constant(2)
+  %b.2 = f32[2,8,4,16]{3,2,1,0} broadcast(%two), dimensions={}
+  ROOT %m.2 = f32[2,8,4,16]{3,2,1,0} multiply(%c.2, %b.2)
+}
+
+ENTRY %main (cache: bf16[2,4,8,16], weight: bf16[64,16], i: s32[]) -> () {
+  %cache = bf16[2,4,8,16]{3,2,1,0} parameter(0)
+  %weight = bf16[64,16]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %cast_transpose = f32[2,8,4,16]{3,2,1,0} fusion(%cache), kind=kLoop, calls=%cast_transpose_body
+  %transpose = bf16[2,8,4,16]{3,2,1,0} transpose(%cache), dimensions={0,2,1,3}
+  %cast = f32[64,16]{1,0} fusion(%weight), kind=kLoop, calls=%cast_body
+  %scaled = f32[2,8,4,16]{3,2,1,0} fusion(%cache), kind=kLoop, calls=%scaled_body
+  %row = bf16[1,16]{1,0} dynamic-slice(%weight, %i, %i), dynamic_slice_sizes={1,16}
+  ROOT %out = () tuple()
+}
+"""
+
+
+def test_a_cast_fused_into_a_move_counts_at_its_operands_size():
+    """A bf16 buffer transposed into f32 counts (its output is 4096 bytes, not the 2048 of
+    the buffer); a plain transpose still counts; a cast alone (XLA:CPU widening a matmul
+    operand), a move fused with arithmetic and a row sliced from a weight do not."""
+    found = {m.name: m for m in data_movement(_HLO, [2048])}
+    assert sorted(found) == ["cast_transpose", "transpose"]
+    assert (found["cast_transpose"].nbytes, found["transpose"].nbytes) == (4096, 2048)
+    # At 4096 bytes: the f32 output counts, the cast alone (f32[64, 16]) still does not.
+    assert [m.name for m in data_movement(_HLO, [4096])] == ["cast_transpose"]
+
+
+def test_a_compiled_cast_transpose_of_a_bf16_cache_is_counted():
+    cache = jax.ShapeDtypeStruct((4, 2, 64, 8), jnp.bfloat16)  # [B, K, S, H]
+    compiled = jax.jit(lambda x: x.astype(jnp.float32).transpose(0, 2, 1, 3)).lower(cache).compile()
+    bf16_bytes = cache.size * 2
+    moved = data_movement(compiled, [bf16_bytes])
+    assert [m.nbytes for m in moved] == [2 * bf16_bytes], compiled.as_text()

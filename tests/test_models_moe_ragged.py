@@ -5,7 +5,9 @@ dispatch and combine with the primitive replaced by an emulation written here fr
 documented semantics (``jax.lax.ragged_all_to_all``'s docstring), and checks both against a
 reference exchange written with ``jax.lax.all_to_all`` on per-pair padded buffers: the same
 token rows must arrive at the same places and come back to the same assignments. Where the
-backend compiles the real primitive the same check runs on it.
+backend compiles the real primitive the same check runs on it. The emulation is itself
+checked against a numpy transcription of the docstring's pseudocode (random sizes and
+offsets) and honours every size argument: receive sizes that disagree with the senders' fail.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.engine._moe_probe import ragged_all_to_all_compiles
@@ -105,22 +109,140 @@ def test_grouped_matmul_equals_a_loop_over_experts() -> None:
 def emulated_ragged_all_to_all(
     operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
 ):
-    """``ragged_all_to_all`` from its docstring: sender s writes operand[in[i]:in[i]+size[i]]
-    into peer i's output from out[i] (one slice per peer). Built on all_gather."""
-    del recv_sizes  # implied by the senders' sizes
-    me = jax.lax.axis_index(axis_name)
-    ops, ins, sizes, outs = (
-        jax.lax.all_gather(a, axis_name)
-        for a in (operand, input_offsets, send_sizes, output_offsets)
-    )
-    r = jnp.arange(output.shape[0])
+    """``ragged_all_to_all`` from its docstring, on ``all_to_all`` and ``all_gather``.
+
+    With ``m`` slices per peer, this device's slot ``i`` receives from peer ``i // m``
+    that peer's slice ``me * m + i % m``: ``recv_sizes[i]`` rows (this device's size)
+    from the sender's ``operand`` at its ``input_offsets``, written at the sender's
+    ``output_offsets``; every other row keeps ``output``'s value. The primitive requires
+    ``recv_sizes[i]`` to equal the sender's ``send_sizes``; where they differ, the rows this
+    device expects are poisoned (NaN), so a caller passing inconsistent sizes fails."""
+    n = input_offsets.shape[0]
+
+    def received(a):  # slot i: the sender's entry for this device
+        return jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
+
+    in_offsets, sent_sizes, out_offsets = map(received, (input_offsets, send_sizes, output_offsets))
+    ops = jax.lax.all_gather(operand, axis_name)  # [peers, rows, ...]
+    per_peer = n // ops.shape[0]
+    r = jnp.arange(output.shape[0]).reshape(-1, *[1] * (output.ndim - 1))
+    poison = jnp.full_like(output, _poison(output.dtype))
     result = output
-    for s in range(ops.shape[0]):
-        start, size, src = outs[s, me], sizes[s, me], ins[s, me]
-        inside = (r >= start) & (r < start + size)
-        rows = ops[s][jnp.clip(src + r - start, 0, ops.shape[1] - 1)]
-        result = jnp.where(inside[:, None], rows, result)
+    for i in range(n):
+        start, size = out_offsets[i], recv_sizes[i]
+        rows = ops[i // per_peer][jnp.clip(in_offsets[i] + r[:, 0] - start, 0, ops.shape[1] - 1)]
+        rows = jnp.where(sent_sizes[i] == size, rows.astype(output.dtype), poison)
+        result = jnp.where((r >= start) & (r < start + size), rows, result)
     return result
+
+
+def _poison(dtype) -> float | int:
+    return np.nan if jnp.issubdtype(dtype, jnp.inexact) else np.iinfo(dtype).min
+
+
+def _reference_ragged(operand, output, in_offsets, send_sizes, out_offsets, recv_sizes):
+    """The docstring's pseudocode in numpy, every device at once (arrays ``[peers, ...]``):
+    receiver r's slot ``s * m + k`` is sender s's slice ``r * m + k``."""
+    peers, n = in_offsets.shape
+    m = n // peers
+    result = output.copy()
+    for r in range(peers):
+        for i in range(n):
+            s, j = i // m, r * m + i % m
+            assert recv_sizes[r, i] == send_sizes[s, j]  # the primitive's requirement
+            start, size = out_offsets[s, j], recv_sizes[r, i]
+            src = in_offsets[s, j]
+            result[r, start : start + size] = operand[s, src : src + size]
+    return result
+
+
+def _ragged_args(seed: int, per_peer: int, rows: int = 8, out_rows: int = 32):
+    """Random consistent arguments for 4 peers (``[peers, ...]`` each): slice sizes 0-3 at
+    random input offsets, each receiver's slices at random disjoint places in shuffled
+    order with random gaps."""
+    rng = np.random.default_rng(seed)
+    n = P * per_peer
+    send = rng.integers(0, 4, (P, n))
+    in_off = rng.integers(0, rows - send + 1)
+    out_off, recv = np.zeros((P, n), int), np.zeros((P, n), int)
+    for r in range(P):
+        slots = [(s, r * per_peer + k) for s in range(P) for k in range(per_peer)]
+        gaps = rng.multinomial(
+            out_rows - sum(send[s, j] for s, j in slots), [1 / (n + 1)] * (n + 1)
+        )
+        at = 0
+        for (s, j), gap in zip([slots[i] for i in rng.permutation(n)], gaps, strict=False):
+            out_off[s, j] = at + gap
+            at += gap + send[s, j]
+        for i, (s, j) in enumerate(slots):
+            recv[r, i] = send[s, j]
+    operand = rng.normal(size=(P, rows, 3)).astype(np.float32)
+    output = rng.normal(size=(P, out_rows, 3)).astype(np.float32)
+    return operand, output, *(a.astype(np.int32) for a in (in_off, send, out_off, recv))
+
+
+@functools.cache
+def _emulation_program():
+    mesh = jax.make_mesh((P,), ("x",), devices=jax.devices()[:P])
+    spec = PartitionSpec("x")
+
+    def body(*args):
+        return emulated_ragged_all_to_all(*(a[0] for a in args), axis_name="x")[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec))
+    return fn, NamedSharding(mesh, spec)
+
+
+def _emulated(*args) -> np.ndarray:
+    """The emulation on 4 devices, device d given ``a[d]`` of each argument."""
+    fn, sharding = _emulation_program()
+    return np.asarray(fn(*(jax.device_put(jnp.asarray(a), sharding) for a in args)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), per_peer=st.sampled_from([1, 2]))
+def test_emulated_ragged_all_to_all_follows_the_documented_semantics(seed, per_peer) -> None:
+    args = _ragged_args(seed, per_peer)
+    np.testing.assert_array_equal(_emulated(*args), _reference_ragged(*args))
+
+
+def test_emulated_ragged_all_to_all_matches_the_docstring_example() -> None:
+    """The docstring's two-device example (axis index 0 and 1), on 4 devices: peers 2 and 3
+    send and receive nothing."""
+    operand = np.array([[1, 2, 2], [3, 4, 0], [0, 0, 0], [0, 0, 0]], np.float32)[..., None]
+    ints = functools.partial(np.array, dtype=np.int32)
+    pad = [[0] * 4] * 2
+    args = (
+        operand,
+        np.zeros((P, 4, 1), np.float32),
+        ints([[0, 1, 0, 0], [0, 1, 0, 0], *pad]),  # input_offsets
+        ints([[1, 2, 0, 0], [1, 1, 0, 0], *pad]),  # send_sizes
+        ints([[0, 0, 0, 0], [1, 2, 0, 0], *pad]),  # output_offsets
+        ints([[1, 1, 0, 0], [2, 1, 0, 0], *pad]),  # recv_sizes
+    )
+    got = _emulated(*args)[..., 0]
+    np.testing.assert_array_equal(got[:2], [[1, 3, 0, 0], [2, 2, 4, 0]])
+    np.testing.assert_array_equal(got[2:], 0)
+
+
+@pytest.mark.parametrize("change", ["zero", "one less", "one more"])
+def test_emulation_fails_receive_sizes_that_disagree_with_the_senders(change) -> None:
+    """Receive sizes are honoured, not implied by the senders': zero receives nothing, a
+    size that disagrees with the sender's poisons the rows expected."""
+    operand, output, in_off, send, out_off, recv = _ragged_args(5, 1)
+    want = _reference_ragged(operand, output, in_off, send, out_off, recv)
+    r, i = np.argwhere(recv == recv.max())[0]  # a slice with rows (recv.max() > 0)
+    bad = recv.copy()
+    if change == "zero":
+        bad[:] = 0
+    else:
+        bad[r, i] += -1 if change == "one less" else 1
+    got = _emulated(operand, output, in_off, send, out_off, bad)
+    if change == "zero":
+        np.testing.assert_array_equal(got, output)  # nothing written
+    else:
+        assert np.isnan(got[r]).any()
+    assert not np.array_equal(got, want)
 
 
 def _exchange(path: str, x_PnD, experts_Pnk):

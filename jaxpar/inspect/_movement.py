@@ -4,17 +4,25 @@ On an accelerator a decode step is bound by the bytes it reads, so every copy of
 or of a layer's KV cache costs as much as the matmul or attention that reads it. These ops
 are visible in the compiled HLO on any backend (CPU included), which makes them testable
 without an accelerator: :func:`data_movement` lists them with how often they run per step.
+
+A move may carry a dtype cast fused into it (a bf16 cache transposed into f32): it still
+copies the whole buffer, though its output bytes are not the buffer's, so a move also
+counts when an operand of the same element count has one of the sizes. A cast alone is
+not counted: XLA:CPU widens bf16 matmul operands to f32 that way, where an accelerator
+fuses the cast into the matmul.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from math import prod
 from typing import Protocol
 
 from jaxpar.inspect._hlo_text import (
     HloModuleText,
     Instruction,
+    Shape,
     callees,
     flatten_shape,
     loop_contexts,
@@ -23,6 +31,8 @@ from jaxpar.inspect._hlo_text import (
 
 #: Opcodes that only move data.
 MOVES = frozenset({"copy", "transpose", "slice", "dynamic-slice"})
+#: What a fusion of moves may also do to each element: change its type.
+CASTS = frozenset({"convert"})
 # What else a fusion made only of moves may contain: structure, no arithmetic.
 _STRUCTURAL = frozenset(
     {"parameter", "bitcast", "reshape", "constant", "tuple", "get-tuple-element"}
@@ -49,18 +59,45 @@ class Movement:
 
 
 def _pure_move_fusion(module: HloModuleText, instr: Instruction) -> bool:
+    """A fusion of moves, possibly with casts, and nothing else (no arithmetic)."""
     bodies = [module.computations.get(c, {}) for c in callees(instr)]
     ops = {i.opcode for body in bodies for i in body.values()}
-    return bool(bodies) and bool(ops & MOVES) and ops <= MOVES | _STRUCTURAL
+    return bool(bodies) and bool(ops & MOVES) and ops <= MOVES | CASTS | _STRUCTURAL
+
+
+def _is_move(module: HloModuleText, instr: Instruction) -> bool:
+    """A move opcode, or a fusion of moves (and casts)."""
+    return instr.opcode in MOVES or (instr.opcode == "fusion" and _pure_move_fusion(module, instr))
+
+
+def _elements(shape: Shape) -> int:
+    return sum(prod(a.dims) for a in flatten_shape(shape))
+
+
+def _matches(module: HloModuleText, instr: Instruction, nbytes: int, wanted: set[int]) -> bool:
+    """The output has one of the sizes, or it is a whole (maybe cast) copy of an operand
+    that has: same element count, bytes in ``wanted``."""
+    if nbytes in wanted:
+        return True
+    elements = _elements(instr.shape)
+    operands = (module.shape_of(instr.computation, name) for name in instr.operands)
+    return any(
+        shape is not None
+        and _elements(shape) == elements
+        and sum(a.nbytes for a in flatten_shape(shape)) in wanted
+        for shape in operands
+    )
 
 
 def data_movement(program: str | _HasText, sizes: Iterable[int]) -> list[Movement]:
-    """Copies, transposes, slices and fusions made only of them, of one of ``sizes`` bytes.
+    """Copies, transposes, slices and fusions made only of them (casts allowed), of one of
+    ``sizes`` bytes, or whole copies of an operand of one of ``sizes`` bytes.
 
     Args:
         program: a compiled program (``jax.stages.Compiled``) or its HLO text.
-        sizes: output sizes in bytes that count (e.g. each weight's and each layer's cache
-            bytes per device); other moves (activations) are left out.
+        sizes: buffer sizes in bytes that count (e.g. each weight's and each layer's cache
+            bytes per device), of a move's output or of the operand it copies whole (its
+            element count, maybe cast); other moves (activations) are left out.
 
     Returns:
         The matching ops of every computation reachable from the entry, with ``runs`` =
@@ -82,11 +119,10 @@ def data_movement(program: str | _HasText, sizes: Iterable[int]) -> list[Movemen
         if comp in fused:
             continue
         for instr in module.computations[comp].values():
-            pure = instr.opcode in MOVES or (
-                instr.opcode == "fusion" and _pure_move_fusion(module, instr)
-            )
+            if not _is_move(module, instr):
+                continue
             nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
-            if pure and nbytes in wanted:
+            if _matches(module, instr, nbytes, wanted):
                 runs = context.trip_count or 1
                 found.append(Movement(instr.name, instr.opcode, nbytes, runs))
     return found
