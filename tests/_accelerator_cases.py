@@ -21,7 +21,9 @@ TPU_CASES: list[tuple[str, str, dict]] = [
     ("tiny-gqa", "tp=4", {}),
     ("tiny-gqa", "tp=2", {"sliding_window": 64}),
 ]
-CUDA_CASES = TPU_CASES
+# "auto" takes cuDNN in both phases on GPU; the Pallas (Triton) decode kernel, which JAX
+# deprecates, stays selectable by name and is lowered too, in the pipeline (its scan carry).
+CUDA_CASES = [*TPU_CASES, ("tiny-gqa", "pp=2,tp=2", {"decode_attention": "pallas_gpu"})]
 # Ragged MoE dispatch: expert parallel alone, and with data and tensor parallelism.
 MOE_CASES = ["ep=2", "dp=2,ep=2,tp=2"]
 

@@ -149,10 +149,12 @@ def test_bf16_steps_lower_and_partition_for_cuda(cuda_results, preset_name, stra
     result = cuda_results[f"{preset_name}|{strategy}|{json.dumps(overrides, sort_keys=True)}"]
     per_layer = result["layers"] if result["layer_loop"] == "unrolled" else 1
     prefill, decode = result["prefill"], result["decode"]
-    # cuDNN in every layer's prefill, the Pallas GPU kernel in every layer's decode: a
-    # kernel that returned f32 made "auto" drop to XLA from layer 1 on.
+    # A kernel in every layer of both steps: one that returned f32 made "auto" drop to XLA
+    # from layer 1 on (and an explicit kernel cast every later layer's cache).
+    decode_kernel = "triton" if overrides.get("decode_attention") == "pallas_gpu" else "cudnn"
     assert prefill["calls"]["cudnn"] == per_layer, prefill
-    assert decode["calls"]["triton"] == per_layer, decode
+    assert decode["calls"][decode_kernel] == per_layer, decode
+    assert decode["calls"]["cudnn" if decode_kernel == "triton" else "triton"] == 0, decode
     for step in (prefill, decode):
         # Partitioning went through; XLA:CPU then stopped at the GPU custom call.
         assert step["compile_error"] is not None, step

@@ -1,7 +1,8 @@
 """Attention ops: the XLA path against a per-head reference, and the Pallas kernels (interpret
 mode on CPU) against the XLA path, single device and sharded.
 
-cuDNN cannot run on CPU: only its selection is tested here, never its output.
+cuDNN cannot run on CPU: its selection is tested here, and the arguments the cuDNN paths pass,
+through XLA stand-ins of the same APIs; never cuDNN's own output.
 """
 
 from __future__ import annotations
@@ -242,6 +243,63 @@ def test_gpu_decode_kernel_bf16():
     _compare_decode(ParallelConfig(), window=None, dtype=jnp.bfloat16, atol=2e-2)
 
 
+def _cudnn_wrapper_as_xla(calls: list):
+    """JAX's cuDNN wrapper (head-major "BNTH" inputs, padding by sequence lengths, a
+    boolean mask) re-expressed through ``jax.nn.dot_product_attention``'s XLA path."""
+
+    def wrapper(query, key, value, bias=None, mask=None, q_seqlen=None, kv_seqlen=None, **kw):
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType
+
+        calls.append((kw["qkv_layout"], kw["mask_type"]))
+        assert kw["qkv_layout"] == "BNTH" and kw["mask_type"] == MaskType.PADDING and bias is None
+        out_BTNH = jax.nn.dot_product_attention(
+            query.transpose(0, 2, 1, 3),
+            key.transpose(0, 2, 1, 3),
+            value.transpose(0, 2, 1, 3),
+            mask=mask,
+            scale=kw["scale"],
+            query_seq_lengths=q_seqlen,
+            key_value_seq_lengths=kv_seqlen,
+            implementation="xla",
+        )
+        return out_BTNH.transpose(0, 2, 1, 3)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    ("name", "window", "n_kv_heads"),
+    [("single", None, K), ("tp2", 6, K), ("dp2-tp2", None, K), ("tp4", 6, 2)],
+)
+def test_cudnn_decode_call_arguments_through_jax_xla_implementation(
+    name, window, n_kv_heads, monkeypatch
+):
+    """The cuDNN decode path's wiring (head-major cache read in place, lengths, window
+    mask, kv heads replicated over tp) through an XLA stand-in for JAX's cuDNN wrapper.
+    cuDNN itself cannot run on CPU."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    calls: list = []
+    monkeypatch.setattr(
+        fused_attention_stablehlo, "dot_product_attention", _cudnn_wrapper_as_xla(calls)
+    )
+    config = {"tp4": ParallelConfig(tp=4)}.get(name) or STRATEGIES[name]
+    q, k, v, lengths_B = _decode_case(n_kv_heads, jnp.bfloat16)
+
+    def both(q, k, v):
+        kw = dict(lengths_B=lengths_B, window=window)
+        return decode_attention(q, k, v, impl="cudnn", **kw), decode_attention(
+            q, k, v, impl="xla", **kw
+        )
+
+    (out, ref), jaxpr = _run(config, "decode", both, q, k, v, n_kv_heads=n_kv_heads)
+    assert len(calls) == 1, calls
+    assert ("shard_map" in jaxpr) == (config.size > 1)
+    assert out.dtype == ref.dtype == jnp.bfloat16
+    diff = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
+    assert float(np.max(diff)) < 2e-2
+
+
 def _in_pp_stages(config, phase, op, args):
     """``op(*args)`` as the pipeline engine runs a stage: inside a ``shard_map`` with ``pp``
     manual, the sharding context's mesh being the abstract mesh. Stage 1 gets ``-args``.
@@ -308,8 +366,8 @@ def test_logical_shard_map_outside_context_is_the_function():
 
 
 def test_auto_selection_by_backend_and_dtype():
-    assert attention_impls("gpu", jnp.bfloat16) == ("cudnn", "pallas_gpu")
-    assert attention_impls("gpu", jnp.float16) == ("cudnn", "pallas_gpu")
+    assert attention_impls("gpu", jnp.bfloat16) == ("cudnn", "cudnn")
+    assert attention_impls("gpu", jnp.float16) == ("cudnn", "cudnn")
     assert attention_impls("gpu", jnp.float32) == ("xla", "xla")
     assert attention_impls("tpu", jnp.bfloat16) == ("pallas_tpu", "xla")
     assert attention_impls("tpu", jnp.float32) == ("xla", "xla")
@@ -360,9 +418,9 @@ def test_unknown_impl_names_the_legal_ones(phase):
     else:
         q, k, v, lengths_B = _decode_case()
         call = lambda: decode_attention(  # noqa: E731
-            q, k, v, lengths_B=lengths_B, window=None, impl="cudnn"
+            q, k, v, lengths_B=lengths_B, window=None, impl="pallas_tpu"
         )
-        legal = "auto, xla, pallas_gpu"
+        legal = "auto, xla, cudnn, pallas_gpu"
     with pytest.raises(ConfigError, match=legal):
         call()
 
@@ -374,5 +432,5 @@ def test_model_config_accepts_exactly_the_ops_impls():
 
     assert _CHOICES["prefill_attention"] == ops.PREFILL_IMPLS
     assert _CHOICES["decode_attention"] == ops.DECODE_IMPLS
-    with pytest.raises(ConfigError, match="decode_attention='cudnn'; legal: auto, xla"):
-        dataclasses.replace(preset("tiny-gqa"), decode_attention="cudnn")
+    with pytest.raises(ConfigError, match="decode_attention='pallas_tpu'; legal: auto, xla"):
+        dataclasses.replace(preset("tiny-gqa"), decode_attention="pallas_tpu")

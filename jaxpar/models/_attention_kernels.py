@@ -1,4 +1,5 @@
-"""Per-shard bodies of the fused attention paths (cuDNN, Pallas GPU decode, Pallas TPU splash).
+"""Per-shard bodies of the fused attention paths (cuDNN prefill and decode, Pallas TPU splash,
+Pallas GPU decode).
 
 Each body runs inside :func:`jaxpar.spec.logical_shard_map` (or on whole arrays outside a
 sharding context) and sees only local shards. What a shard cannot read off its own shapes
@@ -129,6 +130,58 @@ def prefill_cudnn(
             q_BTNH, k_BSKH, v_BSKH, mask=mask_BTS[:, None], implementation="cudnn"
         )
     return zero_padded_rows(out_BTNH, q_pos_BT, lengths_B)
+
+
+# --- cuDNN decode (GPU) ---------------------------------------------------------------------
+
+
+def decode_cudnn(
+    q_BNH, k_BKSH, v_BKSH, lengths_B, head_ids_N, *, group: int, window: int | None
+) -> jax.Array:
+    """Local shard of decode through cuDNN's fused attention, on the [B,K,S,H] cache as is.
+
+    cuDNN takes q, k and v head-major ("BNTH"): the cache's own layout, so nothing is
+    transposed. The public ``jax.nn.dot_product_attention`` accepts token-major inputs
+    only (a whole-cache transpose per step), hence JAX's own cuDNN wrapper, which it
+    calls. One query per row (``q_seqlen`` 1); the padding mask stops each row at its
+    length; a sliding window is a ``[B, 1, 1, S]`` mask (cuDNN's own window is aligned to
+    the first query, not to the row's length).
+
+    When kv heads are replicated over tp (see :func:`kv_replicated`) this shard's query
+    heads all read one kv head: they are placed in that head's group and the others get
+    zero queries, so the cache is read where it lies (every local kv head is read; slicing
+    the one out would copy it each step).
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    b, n, h = q_BNH.shape
+    k_local, s = k_BKSH.shape[1], k_BKSH.shape[2]
+    lengths_B = lengths_B.astype(jnp.int32)
+    one_hot_K = None
+    if kv_replicated(n, k_local, group):
+        one_hot_K = jnp.arange(k_local) == head_ids_N[0] // group
+        q_BKGH = jnp.where(one_hot_K[None, :, None, None], q_BNH[:, None], 0).astype(q_BNH.dtype)
+        q_BNH = q_BKGH.reshape(b, k_local * n, h)
+    mask = None
+    if window is not None:
+        k_pos_S = jnp.arange(s, dtype=jnp.int32)
+        mask = (k_pos_S[None] > (lengths_B - 1 - window)[:, None])[:, None, None, :]
+    out_BN1H = cudnn.dot_product_attention(
+        q_BNH[:, :, None, :],
+        k_BKSH,
+        v_BKSH,
+        mask=mask,
+        q_seqlen=jnp.ones((b,), jnp.int32),
+        kv_seqlen=jnp.maximum(lengths_B, 1),
+        scale=h**-0.5,
+        mask_type=cudnn.MaskType.PADDING,
+        qkv_layout="BNTH",
+    )
+    out_BNH = out_BN1H[:, :, 0, :]
+    if one_hot_K is not None:
+        out_BKGH = out_BNH.reshape(b, k_local, n, h)
+        out_BNH = jnp.sum(jnp.where(one_hot_K[None, :, None, None], out_BKGH, 0), axis=1)
+    return out_BNH.astype(q_BNH.dtype)
 
 
 # --- Pallas TPU splash prefill --------------------------------------------------------------

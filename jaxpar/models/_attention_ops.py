@@ -4,11 +4,13 @@ Implementations (``impl``):
 
 - ``"xla"``: grouped einsums, f32 scores and softmax. Exact; the reference every other path
   and the Hugging Face comparisons are checked against. XLA partitions it itself.
-- ``"cudnn"`` (prefill, GPU): ``jax.nn.dot_product_attention(implementation="cudnn")``,
-  bf16/fp16 only.
+- ``"cudnn"`` (GPU, bf16/fp16 only): prefill through
+  ``jax.nn.dot_product_attention(implementation="cudnn")``; decode through JAX's cuDNN
+  wrapper in head-major layout, which reads the ``[B, K, S, H]`` cache where it lies.
 - ``"pallas_tpu"`` (prefill, TPU): the Pallas splash-attention kernel.
-- ``"pallas_gpu"`` (decode, GPU): the Pallas decode kernel, which reads only each row's
-  valid keys.
+- ``"pallas_gpu"`` (decode, GPU): the Pallas Triton decode kernel, which reads only each
+  row's valid keys. JAX deprecates it (0.12: the Pallas Triton ops and backend are on
+  their way out), so "auto" picks cuDNN; it stays selectable by name.
 - ``"auto"``: :func:`attention_impls` for the platform the program is compiled for (the
   sharding context's mesh, else ``jax.default_backend()``) and the query dtype.
 
@@ -53,7 +55,7 @@ __all__ = [
 ]
 
 PREFILL_IMPLS = ("auto", "xla", "cudnn", "pallas_tpu")
-DECODE_IMPLS = ("auto", "xla", "pallas_gpu")
+DECODE_IMPLS = ("auto", "xla", "cudnn", "pallas_gpu")
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 Q_AXES = ("batch", "seq", "heads", "head_dim")  # also the model's query constraint
@@ -77,7 +79,7 @@ def attention_impls(backend: str, dtype: jnp.dtype) -> tuple[str, str]:
     """
     half = jnp.dtype(dtype) in _HALF
     if backend in ("gpu", "cuda") and half:
-        return "cudnn", "pallas_gpu"
+        return "cudnn", "cudnn"
     if backend == "tpu" and half:
         return "pallas_tpu", "xla"
     return "xla", "xla"
@@ -274,12 +276,12 @@ def decode_attention(
         return decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window)
     n, s = q_BNH.shape[1], k_BKSH.shape[2]
     k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)
+    if impl == "cudnn":
+        kernel = kern.decode_cudnn
+    else:
+        kernel = functools.partial(kern.decode_pallas_gpu, interpret=_interpret(interpret))
     body = functools.partial(
-        _decode_checked,
-        s_global=s,
-        group=n // k_BKSH.shape[1],
-        window=window,
-        interpret=_interpret(interpret),
+        _decode_checked, kernel=kernel, s_global=s, group=n // k_BKSH.shape[1], window=window
     )
     sharded = logical_shard_map(
         body,
@@ -290,11 +292,11 @@ def decode_attention(
     return sharded(q_BNH, k_BKSH, v_BKSH, lengths_B, jnp.arange(n, dtype=jnp.int32))
 
 
-def _decode_checked(q_BNH, k_BKSH, *args, s_global: int, **kwargs):
+def _decode_checked(q_BNH, k_BKSH, *args, kernel, s_global: int, **kwargs):
     # Decode never splits the cache's sequence (sp carries batch in decode); if a strategy
     # did, each shard would see a slice of keys and the softmax would be wrong.
     if k_BKSH.shape[2] != s_global:
         raise ConfigError(
             f"decode attention: cache_seq split ({k_BKSH.shape[2]} of {s_global} per shard)"
         )
-    return kern.decode_pallas_gpu(q_BNH, k_BKSH, *args, **kwargs)
+    return kernel(q_BNH, k_BKSH, *args, **kwargs)

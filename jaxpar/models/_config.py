@@ -20,7 +20,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "layer_loop": ("unrolled", "scan"),
     # The attention cores of jaxpar.models._attention_ops (PREFILL_IMPLS, DECODE_IMPLS).
     "prefill_attention": ("auto", "xla", "cudnn", "pallas_tpu"),
-    "decode_attention": ("auto", "xla", "pallas_gpu"),
+    "decode_attention": ("auto", "xla", "cudnn", "pallas_gpu"),
     # The MoE exchange of jaxpar.models._moe_exchange: "auto" is resolved by the engine
     # (ragged where the backend compiles ragged-all-to-all and the MoE is dropless).
     "moe_dispatch": ("auto", "padded", "ragged"),
@@ -112,8 +112,8 @@ class ModelConfig:
     #: ``lax.scan``; compile time flat in depth, but XLA copies each layer's weights out of
     #: the stack every step. Pipeline parallelism runs the stacked form (see the engine).
     layer_loop: str = "unrolled"
-    #: Attention cores: "auto" takes the backend's fused kernel where one fits (cuDNN or
-    #: splash in prefill, the Pallas GPU kernel in decode; XLA on CPU and in float32).
+    #: Attention cores: "auto" takes the platform's fused kernel where one fits (GPU: cuDNN
+    #: in both phases; TPU: splash in prefill, XLA in decode; XLA on CPU and in float32).
     prefill_attention: str = "auto"
     decode_attention: str = "auto"
 
