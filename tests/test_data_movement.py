@@ -95,16 +95,7 @@ def test_unrolled_steps_copy_no_weight_or_layer_cache(parallel, batch, phase):
 BF16_CASES = [
     (ParallelConfig(), "decode"),
     (ParallelConfig(), "prefill"),
-    pytest.param(
-        ParallelConfig(tp=2),
-        "decode",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="bf16 decode with one kv head per device: XLA:CPU copies each layer's "
-            "cache around the write's optimization barrier (layout change, 55% measured; "
-            "f32 does not). Remove this mark once fixed.",
-        ),
-    ),
+    (ParallelConfig(tp=2), "decode"),  # one kv head per device
 ]
 
 

@@ -47,12 +47,12 @@ _LAYER_ROW_SCATTER = jax.lax.ScatterDimensionNumbers(
     operand_batching_dims=(1,),
     scatter_indices_batching_dims=(0,),
 )
-# Operand [1, B, K, S, H], indices [B, 2] = (0, position), updates [B, K, H].
+# Operand [B, K, S, H], indices [B, 1] = (position,), updates [B, K, H].
 _ROW_SCATTER = jax.lax.ScatterDimensionNumbers(
     update_window_dims=(1, 2),
-    inserted_window_dims=(0, 3),
-    scatter_dims_to_operand_dims=(0, 3),
-    operand_batching_dims=(1,),
+    inserted_window_dims=(2,),
+    scatter_dims_to_operand_dims=(2,),
+    operand_batching_dims=(0,),
     scatter_indices_batching_dims=(0,),
 )
 
@@ -219,17 +219,15 @@ def write_row_token(cache_BKSH: jax.Array, pos_B: jax.Array, new_BKH: jax.Array)
     A scatter with the batch as a batching dimension, like :func:`write_token`: local to
     the batch shards, in place, no transpose.
     """
-    index_B2 = jnp.stack([jnp.zeros_like(pos_B), pos_B], axis=-1)
-    cache_1BKSH = jax.lax.scatter(
-        cache_BKSH[None],
-        index_B2,
+    return jax.lax.scatter(
+        cache_BKSH,
+        pos_B[:, None],
         new_BKH.astype(cache_BKSH.dtype),
         _ROW_SCATTER,
         indices_are_sorted=True,
         unique_indices=True,
         mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
-    return cache_1BKSH[0]
 
 
 def write_token(
