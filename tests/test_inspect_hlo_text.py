@@ -262,3 +262,27 @@ ENTRY %main (a: (s32[], f32[2], f32[2], f32[2], f32[2], f32[2], f32[2])) -> f32[
 """
     (found,) = parse_collectives(text)
     assert found.kind == "all-reduce" and found.in_loop and found.trip_count == 4
+
+
+def test_tpu_custom_call_printed_over_several_lines():
+    """Compiled TPU HLO (libtpu, jax 0.10.2) prints a Pallas call's ``kernel_metadata``
+    with newlines inside, one continuation line starting with ``}}``: the computation goes
+    on after it, and the collectives below it count (a reader line by line lost them)."""
+    text = """HloModule m, num_partitions=2
+
+ENTRY %main (a: bf16[8,256], q: bf16[8,256]) -> bf16[8,256] {
+  %a = bf16[8,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %q = bf16[8,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %ar = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} all-reduce(%a), channel_id=2, replica_groups=mesh['axis_0'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %splash_mha_fwd.4 = bf16[8,256]{1,0:T(8,128)(2,1)} custom-call(%q, %ar), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 256, \\"q_layout\\": 1}"
+}}, metadata={op_name="jit(f)/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"x"}}
+  ROOT %ar.1 = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} all-reduce(%splash_mha_fwd.4), channel_id=3, replica_groups=mesh['axis_0'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/ffn/dot_general"}
+}
+"""
+    found = parse_collectives(text)
+    assert [(c.name, c.bytes, c.replica_groups) for c in found] == [
+        ("ar", 4096, ((0, 1),)),
+        ("ar.1", 4096, ((0, 1),)),
+    ]
+    assert found[1].op_name == "jit(f)/ffn/dot_general"

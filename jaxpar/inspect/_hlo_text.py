@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
 
@@ -186,12 +187,45 @@ def parse_instruction(line: str, computation: str) -> Instruction | None:
     )
 
 
+def _open_brackets(line: str) -> int:
+    """Brackets ``({[`` left open at the end of ``line``, outside double-quoted strings."""
+    opened = sum(line.count(c) for c in "({[") - sum(line.count(c) for c in ")}]")
+    if opened == 0:
+        return 0
+    depth, quoted, escaped = 0, False, False
+    for char in line:
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            quoted = True
+        elif char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+    return depth
+
+
+def _logical_lines(text: str) -> Iterator[str]:
+    """The text's lines, an instruction printed over several lines joined into one.
+
+    TPU custom calls print ``frontend_attributes={kernel_metadata={...}}`` with newlines
+    inside: the continuation lines start at column 0 (one with ``}}``), where a reader
+    line by line would take them for the end of the computation.
+    """
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith(" ") and _INSTR_RE.match(line):
+            while _open_brackets(line) > 0 and (more := next(lines, None)) is not None:
+                line = f"{line} {more}"
+        yield line
+
+
 def parse_module(text: str) -> HloModuleText:
     """Read every computation and instruction of an HLO module text."""
     name, entry, num_partitions = "", "", None
     computations: dict[str, dict[str, Instruction]] = {}
     current: str | None = None
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         if line.startswith("HloModule"):
             name = line.split()[1].rstrip(",")
             found = re.search(r"num_partitions=(\d+)", line)
