@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """jaxpar benchmarks: collective bytes vs the analytic minimum, memory, compile time, speed.
 
-CPU sections run on 8 simulated CPU devices (set up here, before JAX starts)::
+CPU sections run on 8 simulated CPU devices (set up here, before JAX starts); the TPU
+section compiles for a compile-only TPU v5e topology (libtpu, no TPU) beside them::
 
     python scripts/bench.py [--quick] [--out bench_out/bench.json] [--gpu]
     python scripts/bench.py --gpu-only        # on a machine with a GPU and jax[cuda]
@@ -55,6 +56,30 @@ QUICK = [
     ("tiny-moe", "dp=2,ep=2,tp=2"),
 ]
 BATCH, PROMPT_LEN, MAX_SEQ_LEN = 8, 16, 64
+
+# TPU section: (preset, strategy, model overrides), each compiled for TPU v5e (compile-only
+# v5e:2x4 topology) and, the same config, for the simulated CPU devices. The config is
+# bfloat16 at kernel-friendly sizes (head_dim 128, 256-token prompts: whole splash blocks),
+# as tests/test_accelerator_compile.py compiles it; tiny-gqa's 2 kv heads replicate at tp=4.
+TPU_MATRIX: list[tuple[str, str, dict]] = [
+    ("tiny-gqa", "", {}),
+    ("tiny-gqa", "tp=2", {}),
+    ("tiny-gqa", "dp=2,tp=2", {}),
+    ("tiny-gqa", "sp=2,tp=2", {}),
+    ("tiny-gqa", "pp=2,tp=2", {}),
+    ("tiny-gqa", "tp=4", {}),
+    ("tiny-gqa", "tp=2", {"sliding_window": 64}),
+    ("tiny-moe", "ep=2", {}),
+    ("tiny-moe", "dp=2,ep=2,tp=2", {}),
+]
+TPU_QUICK = [
+    ("tiny-gqa", "", {}),
+    ("tiny-gqa", "tp=2", {}),
+    ("tiny-gqa", "pp=2,tp=2", {}),
+    ("tiny-moe", "dp=2,ep=2,tp=2", {}),
+]
+TPU_TOPOLOGY, TPU_BATCH, TPU_SEQ = "v5e:2x4", 8, 256
+ROOT = Path(__file__).resolve().parent.parent
 
 # Compiled bytes above the minimum, per (preset, strategy, phase): {cause: bytes}. Causes
 # are jaxpar.inspect.CAUSES; measured on XLA:CPU (jax 0.10.2). tests/test_bench_collectives.py
@@ -587,6 +612,136 @@ def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list
     return rows
 
 
+# --- TPU: compiled for a compile-only v5e topology, next to the same config on CPU --------
+
+
+def tpu_config(preset_name: str, **overrides: Any) -> Any:
+    """``preset_name`` in bfloat16 at the TPU section's sizes (d_model 256, head_dim 128)."""
+    from jaxpar.models import preset
+
+    return dataclasses.replace(
+        preset(preset_name),
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+        d_model=256,
+        head_dim=128,
+        max_position_embeddings=512,
+        **overrides,
+    )
+
+
+def libtpu() -> tuple[str | None, str | None]:
+    """(path, version) of the libtpu to load: the repo's ``.venv/accel/tpu`` (installed by
+    scripts/_accelerators.sh), else None for ``tpu_devices``' own search
+    (``$TPU_LIBRARY_PATH``, then the ``libtpu`` package)."""
+    import importlib.metadata as md
+
+    accel = ROOT / ".venv" / "accel" / "tpu"
+    so = accel / "libtpu" / "libtpu.so"
+    if so.is_file():
+        dist = next(iter(md.distributions(name="libtpu", path=[str(accel)])), None)
+        return str(so), dist.version if dist else None
+    try:
+        return None, md.version("libtpu")
+    except md.PackageNotFoundError:
+        return None, None
+
+
+def _label(preset_name: str, overrides: dict) -> str:
+    short = {"sliding_window": "window"}
+    return " ".join([preset_name, *(f"{short.get(k, k)}={v}" for k, v in overrides.items())])
+
+
+def _compiled_row(engine: Any, phase: str) -> dict:
+    """Memory, collectives vs minimum, kernel calls and compile seconds of one step."""
+    from jaxpar.inspect import kernel_calls, phase_report
+
+    start = time.perf_counter()
+    report, compiled = phase_report(engine, phase, prompt_len=TPU_SEQ)
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    rep = report.to_dict()
+    c = engine.model_config
+    # One splash call per layer in the text (one loop body when layers are stacked), and
+    # one per query offset under sp; decode runs XLA on TPU.
+    layers = c.n_layers if c.layer_loop == "unrolled" else 1
+    return {
+        "compile_s": round(seconds, 2),
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        **{k: rep[k] for k in ("compiled_bytes", "minimum_bytes", "ratio", "exceptions")},
+        "trip_counts_known": rep["trip_counts_known"],
+        "moe_exchange": rep["moe_exchange"],
+        "kernel_calls": kernel_calls(compiled),
+        "splash_expected": layers * engine.parallel_config.sp if phase == "prefill" else 0,
+    }
+
+
+def tpu_section(matrix: list[tuple[str, str, dict]], library_path: str | None = None) -> dict:
+    """Each entry compiled for TPU v5e (compile-only topology) and for CPU, same config.
+
+    Nothing runs: ``AbstractEngine`` steps are compiled for abstract parameters. Returns
+    ``{"skipped": why}`` when libtpu cannot be loaded.
+    """
+    import jax
+
+    from jaxpar.engine import AbstractEngine
+    from jaxpar.errors import ConfigError
+    from jaxpar.inspect import tpu_devices
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    path, version = libtpu() if library_path is None else (library_path, None)
+    try:
+        tpus = tpu_devices(TPU_TOPOLOGY, library_path=path)
+    except (ConfigError, RuntimeError, OSError, ImportError) as e:
+        why = (
+            f'no libtpu: install it (scripts/_accelerators.sh, or pip install "jax[tpu]=='
+            f'{jax.__version__}"): {str(e).splitlines()[0][:200]}'
+        )
+        return {"skipped": why}
+    out: dict[str, Any] = {
+        "topology": TPU_TOPOLOGY,
+        "device_kind": tpus[0].device_kind,
+        "libtpu": version,
+        "libtpu_path": path,
+        "jax": jax.__version__,
+        "batch": TPU_BATCH,
+        "prompt_len": TPU_SEQ,
+        "max_seq_len": TPU_SEQ,
+        "rows": [],
+    }
+    for preset_name, strategy, overrides in matrix:
+        start = time.perf_counter()
+        config, parallel = tpu_config(preset_name, **overrides), ParallelConfig.parse(strategy)
+        for platform, devices in (("tpu", tpus), ("cpu", jax.devices())):
+            engine = AbstractEngine.build(
+                config,
+                parallel,
+                max_batch=TPU_BATCH,
+                max_seq_len=TPU_SEQ,
+                mesh=make_mesh(parallel, devices=devices[: parallel.size]),
+            )
+            for phase in ("prefill", "decode"):
+                out["rows"].append(
+                    {
+                        "model": _label(preset_name, overrides),
+                        "preset": preset_name,
+                        "overrides": overrides,
+                        "strategy": strategy,
+                        "kind": strategy_kind(strategy) or "-",
+                        "platform": platform,
+                        "phase": phase,
+                        "n_layers": config.n_layers,
+                        **_compiled_row(engine, phase),
+                    }
+                )
+        label = f"{_label(preset_name, overrides)} {strategy or '1 device'}"
+        print(f"  tpu {label}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return out
+
+
 # --- output -------------------------------------------------------------------------------
 
 
@@ -678,9 +833,58 @@ def markdown(results: dict) -> str:
             f"| reference | {1e3 * d['reference_step_s']:.3f} | {d['reference_tokens_per_s']:,.0f} |",
             f"| ratio (jaxpar / reference) | {d['ratio']:.2f} | |",
         ]
+    if "tpu" in results:
+        out += ["", "### TPU v5e: compiled on a CPU host, next to the same config on CPU", ""]
+        out += tpu_markdown(results["tpu"])
     if "gpu" in results:
         out += ["", "### GPU", "", *gpu_markdown(results["gpu"])]
     return "\n".join(out)
+
+
+def _mib(row: dict) -> str:
+    return " / ".join(
+        f"{row[k] / 2**20:.2f}" for k in ("argument_bytes", "output_bytes", "temp_bytes")
+    )
+
+
+def _exceptions(row: dict) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in row["exceptions"].items()) or "-"
+
+
+def tpu_markdown(t: dict) -> list[str]:
+    """The TPU section's table: each step compiled for TPU and for CPU, same config."""
+    if "skipped" in t:
+        return [f"skipped: {t['skipped']}"]
+    out = [
+        f"Compiled for {t['device_kind']} ({t['topology']} compile-only topology, libtpu "
+        f"{t['libtpu'] or 'unknown'}, jax {t['jax']}) on a CPU host: nothing ran on a TPU. "
+        "The same model and step compiled for the 8 simulated CPU devices beside it. Model: "
+        f"the preset in bfloat16, d_model 256, head_dim 128; batch {t['batch']}, prompt "
+        f"{t['prompt_len']} (prefill), cache {t['max_seq_len']}. Memory per device from "
+        "`memory_analysis()` (MiB: arguments / outputs / temporaries); collectives in bytes "
+        "per device per step, compiled / analytic minimum; splash: fused-attention kernel "
+        "calls / one per layer (per query offset under sp; one loop body under pp); a2a: "
+        "ragged all-to-alls.",
+        "",
+        "| model | strategy | phase | TPU memory | CPU memory | TPU collectives | TPU ratio "
+        "| CPU ratio | above the minimum: TPU; CPU | splash | a2a | compile s TPU / CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by = {(r["model"], r["strategy"], r["phase"], r["platform"]): r for r in t["rows"]}
+    for model, strategy, phase in dict.fromkeys(
+        (r["model"], r["strategy"], r["phase"]) for r in t["rows"]
+    ):
+        tpu, cpu = by[model, strategy, phase, "tpu"], by[model, strategy, phase, "cpu"]
+        trips = "" if tpu["trip_counts_known"] else " (loop trips unknown)"
+        calls = tpu["kernel_calls"]
+        out.append(
+            f"| {model} | {strategy or '1 device'} | {phase} | {_mib(tpu)} | {_mib(cpu)} | "
+            f"{tpu['compiled_bytes']:,} / {tpu['minimum_bytes']:,}{trips} | "
+            f"{_ratio(tpu['ratio'])} | {_ratio(cpu['ratio'])} | {_exceptions(tpu)}; "
+            f"{_exceptions(cpu)} | {calls['splash']} / {tpu['splash_expected']} | "
+            f"{calls['ragged_all_to_all']} | {tpu['compile_s']:.1f} / {cpu['compile_s']:.1f} |"
+        )
+    return out
 
 
 def gpu_markdown(g: dict) -> list[str]:
@@ -766,8 +970,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
     parser.add_argument(
         "--sections",
-        default="collectives,compile,decode,pipeline,serving",
-        help="comma-separated CPU sections: collectives, compile, decode, pipeline, serving",
+        default="collectives,compile,decode,pipeline,serving,tpu",
+        help="comma-separated sections: collectives, compile, decode, pipeline, serving, tpu "
+        "(compiled for TPU v5e on this CPU host, with libtpu)",
     )
     parser.add_argument(
         "--gpu", action="store_true", help="also run the GPU section if a GPU exists"
@@ -814,6 +1019,8 @@ def main(argv: list[str] | None = None) -> int:
             from bench_serving import serving_section
 
             results["serving"] = serving_section(args.quick)
+        if "tpu" in sections:
+            results["tpu"] = _tpu_noted(args.quick)
         if args.gpu:
             results["gpu"] = _gpu_subprocess(args)
     args.out.write_text(json.dumps(results, indent=1, default=str))
@@ -821,6 +1028,14 @@ def main(argv: list[str] | None = None) -> int:
     _print_subprocess_sections(results)
     print(f"\nJSON: {args.out}", file=sys.stderr)
     return 0
+
+
+def _tpu_noted(quick: bool) -> dict:
+    """The TPU section; a one-line note when libtpu is missing (the JSON says so too)."""
+    result = tpu_section(TPU_QUICK if quick else TPU_MATRIX)
+    if "skipped" in result:
+        print(f"TPU section skipped: {result['skipped']}", file=sys.stderr)
+    return result
 
 
 def _print_subprocess_sections(results: dict) -> None:

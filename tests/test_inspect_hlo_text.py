@@ -262,3 +262,62 @@ ENTRY %main (a: (s32[], f32[2], f32[2], f32[2], f32[2], f32[2], f32[2])) -> f32[
 """
     (found,) = parse_collectives(text)
     assert found.kind == "all-reduce" and found.in_loop and found.trip_count == 4
+
+
+def test_tpu_custom_call_printed_over_several_lines():
+    """Compiled TPU HLO (libtpu, jax 0.10.2) prints a Pallas call's ``kernel_metadata``
+    with newlines inside, one continuation line starting with ``}}``: the computation goes
+    on after it, and the collectives below it count (a reader line by line lost them)."""
+    text = """HloModule m, num_partitions=2
+
+ENTRY %main (a: bf16[8,256], q: bf16[8,256]) -> bf16[8,256] {
+  %a = bf16[8,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %q = bf16[8,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %ar = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} all-reduce(%a), channel_id=2, replica_groups=mesh['axis_0'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %splash_mha_fwd.4 = bf16[8,256]{1,0:T(8,128)(2,1)} custom-call(%q, %ar), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 256, \\"q_layout\\": 1}"
+}}, metadata={op_name="jit(f)/attention/pallas_call"}, backend_config={"custom_call_config":{"body":"x"}}
+  ROOT %ar.1 = bf16[8,256]{1,0:T(8,128)(2,1)S(1)} all-reduce(%splash_mha_fwd.4), channel_id=3, replica_groups=mesh['axis_0'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(f)/ffn/dot_general"}
+}
+"""
+    found = parse_collectives(text)
+    assert [(c.name, c.bytes, c.replica_groups) for c in found] == [
+        ("ar", 4096, ((0, 1),)),
+        ("ar.1", 4096, ((0, 1),)),
+    ]
+    assert found[1].op_name == "jit(f)/ffn/dot_general"
+
+
+def test_while_without_known_trip_count_reads_its_counter():
+    """Compiled TPU HLO prints no ``known_trip_count``: the trips come from ``i < N`` in
+    the condition and the counter's constant start in the initial tuple (real form:
+    jax 0.10.2 libtpu, a pipeline's layer loop)."""
+    text = """HloModule m, num_partitions=2
+
+%cond (p: (s32[], f32[2])) -> pred[] {
+  %c.2 = s32[]{:T(128)} constant(3)
+  %p = (s32[]{:T(128)}, f32[2]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c.2), direction=LT
+}
+
+%body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %p = (s32[]{:T(128)}, f32[2]{0}) parameter(0)
+  %g = f32[2]{0} get-tuple-element(%p), index=1
+  %ar = f32[2]{0} all-reduce(%g), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[]{:T(128)}, f32[2]{0}) tuple(%p, %ar)
+}
+
+ENTRY %main (a: f32[2]) -> f32[2] {
+  %a = f32[2]{0} parameter(0)
+  %zero = s32[]{:T(128)} constant(0)
+  %start = s32[]{:T(128)} copy(%zero)
+  %init = (s32[]{:T(128)}, f32[2]{0}) tuple(%start, %a)
+  %w = (s32[]{:T(128)}, f32[2]{0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[2]{0} get-tuple-element(%w), index=1
+}
+"""
+    (found,) = parse_collectives(text)
+    assert found.in_loop and found.trip_count == 3
+    unknown = text.replace("constant(0)", "parameter(1)")  # a start not known: unknown trips
+    assert parse_collectives(unknown)[0].trip_count is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
 
@@ -186,12 +187,45 @@ def parse_instruction(line: str, computation: str) -> Instruction | None:
     )
 
 
+def _open_brackets(line: str) -> int:
+    """Brackets ``({[`` left open at the end of ``line``, outside double-quoted strings."""
+    opened = sum(line.count(c) for c in "({[") - sum(line.count(c) for c in ")}]")
+    if opened == 0:
+        return 0
+    depth, quoted, escaped = 0, False, False
+    for char in line:
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            quoted = True
+        elif char in "({[":
+            depth += 1
+        elif char in ")}]":
+            depth -= 1
+    return depth
+
+
+def _logical_lines(text: str) -> Iterator[str]:
+    """The text's lines, an instruction printed over several lines joined into one.
+
+    TPU custom calls print ``frontend_attributes={kernel_metadata={...}}`` with newlines
+    inside: the continuation lines start at column 0 (one with ``}}``), where a reader
+    line by line would take them for the end of the computation.
+    """
+    lines = iter(text.splitlines())
+    for line in lines:
+        if line.startswith(" ") and _INSTR_RE.match(line):
+            while _open_brackets(line) > 0 and (more := next(lines, None)) is not None:
+                line = f"{line} {more}"
+        yield line
+
+
 def parse_module(text: str) -> HloModuleText:
     """Read every computation and instruction of an HLO module text."""
     name, entry, num_partitions = "", "", None
     computations: dict[str, dict[str, Instruction]] = {}
     current: str | None = None
-    for line in text.splitlines():
+    for line in _logical_lines(text):
         if line.startswith("HloModule"):
             name = line.split()[1].rstrip(",")
             found = re.search(r"num_partitions=(\d+)", line)
@@ -238,6 +272,48 @@ def known_trip_count(instr: Instruction) -> int | None:
     return int(count) if count is not None else None
 
 
+def _constant(module: HloModuleText, computation: str, name: str) -> int | None:
+    """The integer ``name`` holds, if it is a scalar constant (through copies, bitcasts)."""
+    instr = module.computations.get(computation, {}).get(name)
+    while instr is not None and instr.opcode in ("copy", "bitcast", "convert") and instr.operands:
+        instr = module.computations[computation].get(instr.operands[0])
+    if instr is None or instr.opcode != "constant" or len(instr.operands) != 1:
+        return None
+    try:
+        return int(instr.operands[0])
+    except ValueError:
+        return None
+
+
+def counted_trip_count(module: HloModuleText, computation: str, instr: Instruction) -> int | None:
+    """Trips of a counted while loop whose backend_config names none (compiled TPU HLO).
+
+    Reads ``i < N`` in the condition (``compare(get-tuple-element(p), index=k),
+    constant(N)), direction=LT``) and the start of element ``k`` in the loop's initial
+    tuple, a constant ``S``: ``N - S`` trips, the counter stepping by one as jax's loops
+    (``fori_loop``, ``scan``) do. None for any other form.
+    """
+    found = re.search(r"condition=%?([\w.\-]+)", instr.attrs)
+    cond = found.group(1) if found else ""
+    body = module.computations.get(cond, {})
+    init = module.computations.get(computation, {}).get(instr.operands[0] if instr.operands else "")
+    if init is None or init.opcode != "tuple":
+        return None
+    for compare in body.values():
+        if compare.opcode != "compare" or "direction=LT" not in compare.attrs:
+            continue
+        counter = body.get(compare.operands[0])
+        limit = _constant(module, cond, compare.operands[1])
+        index = re.search(r"index=(\d+)", counter.attrs) if counter is not None else None
+        if counter is None or counter.opcode != "get-tuple-element" or limit is None or not index:
+            continue
+        k = int(index.group(1))
+        start = _constant(module, computation, init.operands[k]) if k < len(init.operands) else None
+        if start is not None and limit >= start:
+            return limit - start
+    return None
+
+
 @dataclass(frozen=True)
 class LoopContext:
     """How often a computation runs per execution of the module.
@@ -267,6 +343,8 @@ def loop_contexts(module: HloModuleText) -> dict[str, LoopContext]:
             inner = outer
             if instr.opcode == "while":
                 trip = known_trip_count(instr)
+                if trip is None:
+                    trip = counted_trip_count(module, comp, instr)
                 count = (
                     None if trip is None or outer.trip_count is None else outer.trip_count * trip
                 )
