@@ -136,6 +136,45 @@ CPU_LINES = {
 }
 
 
+# XLA:TPU's async collective fusions (abridged from a compiled v5e sp=2 x tp=2 prefill): one
+# all-gather printed three times, in its start, continuation and done fusions, with the same
+# channel and chain ids; another all-gather of its own beside them.
+TPU_ASYNC_FUSION_HLO = """\
+HloModule jit_prefill, is_scheduled=true, num_partitions=4
+
+%fused_start (p0: bf16[8,128,1,128]) -> bf16[8,256,1,128] {
+  %p0 = bf16[8,128,1,128]{1,3,0,2:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.45 = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} all-gather(%p0), channel_id=6, replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2,'axis_3'=1] {'axis_1'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={chain_id="0"}, metadata={op_name="jit(prefill)/attention/sharding_constraint"}
+}
+
+%async_collective_fusion.221 (p1: bf16[8,128,1,128]) -> bf16[8,256,1,128] {
+  %p1 = bf16[8,128,1,128]{1,3,0,2:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.47 = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} all-gather(%p1), channel_id=6, replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2,'axis_3'=1] {'axis_1'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={chain_id="0"}, metadata={op_name="jit(prefill)/attention/sharding_constraint"}
+}
+
+%fused_done (p2: bf16[8,128,1,128]) -> bf16[8,256,1,128] {
+  %p2 = bf16[8,128,1,128]{1,3,0,2:T(8,128)(2,1)} parameter(0)
+  ROOT %all-gather.49 = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} all-gather(%p2), channel_id=6, replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2,'axis_3'=1] {'axis_1'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={chain_id="0"}, metadata={op_name="jit(prefill)/attention/sharding_constraint"}
+}
+
+ENTRY %main.22_spmd (k: bf16[8,128,1,128], v: bf16[8,128,1,1,128]) -> bf16[8,256,1,128] {
+  %k = bf16[8,128,1,128]{1,3,0,2:T(8,128)(2,1)} parameter(0)
+  %v = bf16[8,128,1,1,128]{1,4,2,0,3:T(8,128)(2,1)} parameter(1)
+  %start = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} fusion(%k), kind=kCustom, calls=%fused_start
+  %cont = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} fusion(%k), kind=kCustom, calls=%async_collective_fusion.221
+  %done = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} fusion(%k), kind=kCustom, calls=%fused_done
+  %all-gather.68 = bf16[8,256,1,1,128]{1,4,2,0,3:T(8,128)(2,1)} all-gather(%v), channel_id=24, replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2,'axis_3'=1] {'axis_1'}, dimensions={1}, use_global_device_ids=true, frontend_attributes={async_collective_name="all-gather-start.4"}, metadata={op_name="jit(prefill)/attention/sharding_constraint"}
+  ROOT %out = bf16[8,256,1,128]{1,3,0,2:T(8,128)(2,1)} add(%done, %cont)
+}
+"""
+
+
+def test_tpu_async_collective_fusions_count_once():
+    found = parse_collectives(TPU_ASYNC_FUSION_HLO)
+    assert [c.name for c in found] == ["all-gather.45", "all-gather.68"], found
+    assert all(c.bytes == 8 * 256 * 128 * 2 for c in found)
+
+
 def test_replica_group_forms_printed_by_cpu():
     for line, expected in CPU_LINES.items():
         groups, form = parse_replica_groups(", " + line)

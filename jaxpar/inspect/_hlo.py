@@ -56,6 +56,7 @@ KINDS = (
 )
 _ASYNC_STARTS = {f"{k}-start": k for k in ("all-reduce", "all-gather", "collective-permute")}
 _OP_NAME_PREFIX = 'op_name="'
+_CHAIN_ID = re.compile(r'chain_id="([^"]*)"')
 
 
 class _HasText(Protocol):
@@ -206,12 +207,23 @@ def parse_collectives(hlo: str | _HasText) -> list[Collective]:
     module = parse_module(text)
     contexts = loop_contexts(module) if module.entry else {}
     found: list[Collective] = []
+    chained: set[tuple[str, int | None, str]] = set()
     for comp, instructions in module.computations.items():
         context = contexts.get(comp, None if module.entry else LoopContext(False, 1))
         if context is None:
             continue
         for instr in instructions.values():
             kind = _collective_kind(instr)
-            if kind is not None:
-                found.append(_record(module, instr, kind[0], kind[1], context))
+            if kind is None:
+                continue
+            # XLA:TPU splits an async collective into fusions (a start, continuations, a
+            # done), each holding the same op with the same channel and chain ids: one
+            # collective, counted once.
+            chain = _CHAIN_ID.search(instr.attrs)
+            if chain is not None:
+                key = (kind[0], _int_attr(instr.attrs, "channel_id"), chain.group(1))
+                if key in chained:
+                    continue
+                chained.add(key)
+            found.append(_record(module, instr, kind[0], kind[1], context))
     return found
