@@ -73,15 +73,19 @@ def test_engine_with_interpreted_kernels_equals_xla(strategy, dtype, layer_dtype
     kernels = _config(dtype, prefill_attention="pallas_tpu", decode_attention="pallas_gpu")
     xla = _config(dtype, prefill_attention="xla", decode_attention="xla")
     params = init_params(xla, seed=0)
+    n_layers = kernels.n_layers if ParallelConfig.parse(strategy).pp == 1 else 1
+
+    def assert_layers_keep_dtype():
+        for phase, dtypes in layer_dtypes.items():
+            assert len(dtypes) >= n_layers, (phase, dtypes)
+            assert set(dtypes) == {jnp.dtype(dtype)}, (phase, dtypes)
+            dtypes.clear()
+
     reference = _run(xla, params, strategy)
-    for phase in layer_dtypes:
-        layer_dtypes[phase].clear()
+    assert_layers_keep_dtype()  # the XLA path, as CPU and TPU decode run it
     with interpret_kernels():
         got = _run(kernels, params, strategy)
-    n_layers = kernels.n_layers if ParallelConfig.parse(strategy).pp == 1 else 1
-    for phase, dtypes in layer_dtypes.items():
-        assert len(dtypes) >= n_layers, (phase, dtypes)
-        assert set(dtypes) == {jnp.dtype(dtype)}, (phase, dtypes)
+    assert_layers_keep_dtype()
     if dtype == "float32":
         np.testing.assert_allclose(got, reference, atol=1e-4, rtol=0)
     else:
