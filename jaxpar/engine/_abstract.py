@@ -25,8 +25,7 @@ from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_config
 from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, ModelConfig, abstract_model
-from jaxpar.spec import ParallelConfig, Phase, Plan, make_mesh, validate
-from jaxpar.spec._mesh import canonical_mesh
+from jaxpar.spec import ParallelConfig, Phase, Plan, canonical_mesh, make_mesh, validate
 
 
 def layer_loop_for(model_config: ModelConfig, parallel: ParallelConfig) -> str:

@@ -13,8 +13,13 @@ from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._vocab import padded_config, unsplit_vocab
 from jaxpar.errors import CheckpointError
 from jaxpar.models import config_from_hf, load_hf_checkpoint
-from jaxpar.spec import ParallelConfig, make_mesh, param_partition_spec, validate
-from jaxpar.spec._mesh import canonical_mesh
+from jaxpar.spec import (
+    ParallelConfig,
+    canonical_mesh,
+    make_mesh,
+    param_partition_spec,
+    validate,
+)
 
 
 def engine_from_hf(

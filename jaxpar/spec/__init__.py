@@ -13,7 +13,7 @@ from jaxpar.spec._constrain import (
 )
 from jaxpar.spec._dims import Dims, ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
-from jaxpar.spec._mesh import make_mesh
+from jaxpar.spec._mesh import MESH_NAME_ORDER, canonical_mesh, make_mesh
 from jaxpar.spec._rules import (
     logical_axis_rules,
     mesh_axes,
@@ -33,6 +33,7 @@ from jaxpar.spec._validate import (
 __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
+    "MESH_NAME_ORDER",
     "Assignment",
     "Dims",
     "Entry",
@@ -50,6 +51,7 @@ __all__ = [
     "active_mesh_axes",
     "active_phase",
     "batch_multiple",
+    "canonical_mesh",
     "constrain",
     "load_spec_table",
     "logical_shard_map",
