@@ -29,6 +29,9 @@ from jaxpar.inspect import (
     summarize,
 )
 
+# Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases).
+pytestmark = pytest.mark.jax_compat
+
 AXES = ("dp", "pp", "sp", "ep", "tp")
 F32 = 4
 

@@ -134,6 +134,7 @@ def test_unknown_logical_axis_and_double_use():
         partition_spec(("batch", "experts"), "moe", "prefill", ParallelConfig(ep=2))
 
 
+@pytest.mark.jax_compat
 def test_make_mesh():
     mesh = make_mesh(ParallelConfig(dp=2, sp=2, tp=2))
     # pp named first (a shard_map nested in the pipeline's adds only later axes) ...
