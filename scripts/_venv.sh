@@ -1,15 +1,37 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: create or reuse .venv and install jaxpar
-# (editable, with its test extra) into it. Re-installs only when pyproject.toml changed.
+# Sourced by scripts/test.sh and scripts/demo.sh: changes to the repository root and defines
+#   jaxpar_venv DIR PYTHON   create or reuse the virtual environment DIR with the interpreter
+#                            PYTHON and install jaxpar (editable, with its test extra) into
+#                            it; re-installs only when pyproject.toml changed. pip resolves
+#                            JAX for that Python (3.11: jax 0.10.2; 3.12: the newest release
+#                            inside pyproject.toml's range).
+#   find_python X.Y          print a working interpreter of Python X.Y (PATH first, then
+#                            pyenv's installs), or nothing.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-python="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$python" -m venv .venv
-fi
-stamp=".venv/.jaxpar-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[test]"
-  touch "$stamp"
-fi
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+jaxpar_venv() {
+  local venv="$1" python="$2"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+  fi
+  local stamp="$venv/.jaxpar-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -e ".[test]"
+    touch "$stamp"
+  fi
+}
+
+find_python() {
+  local want="$1" candidate
+  # A pyenv shim for a version that is installed but not selected exists and fails to run:
+  # every candidate is run once to check its version.
+  for candidate in "$(command -v "python$want" 2>/dev/null || true)" \
+    "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want".*/bin/python; do
+    if [ -x "$candidate" ] && "$candidate" -c \
+      "import sys; sys.exit('%d.%d' % sys.version_info[:2] != '$want')" 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+}

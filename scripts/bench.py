@@ -631,12 +631,12 @@ def tpu_config(preset_name: str, **overrides: Any) -> Any:
 
 
 def libtpu() -> tuple[str | None, str | None]:
-    """(path, version) of the libtpu to load: the repo's ``.venv/accel/tpu`` (installed by
+    """(path, version) of the libtpu to load: the running venv's ``accel/tpu`` (installed by
     scripts/_accelerators.sh), else None for ``tpu_devices``' own search
     (``$TPU_LIBRARY_PATH``, then the ``libtpu`` package)."""
     import importlib.metadata as md
 
-    accel = ROOT / ".venv" / "accel" / "tpu"
+    accel = Path(sys.prefix) / "accel" / "tpu"  # the running venv's
     so = accel / "libtpu" / "libtpu.so"
     if so.is_file():
         dist = next(iter(md.distributions(name="libtpu", path=[str(accel)])), None)

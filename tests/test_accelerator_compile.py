@@ -9,7 +9,8 @@
   custom call. A partitioning failure is a different error, and fails here.
 
 ``scripts/test.sh`` installs libtpu and the CUDA plugin outside the venv's packages
-(``.venv/accel``, see ``scripts/_accelerators.sh``); without them these tests fail and say so.
+(``<venv>/accel``, see ``scripts/_accelerators.sh``); without them these tests fail and say
+so.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from jaxpar.spec import ParallelConfig, make_mesh
 from tests._accelerator_cases import CUDA_CASES, MOE_CASES, TPU_CASES, model_config
 
 ROOT = Path(__file__).resolve().parent.parent
-ACCEL = ROOT / ".venv" / "accel"
+ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.sh)
+# Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases): each
+# release brings its own libtpu and CUDA plugin.
+pytestmark = pytest.mark.jax_compat
 BATCH, SEQ = 8, 256
 
 

@@ -3,7 +3,7 @@
 Two entries (one device, tp=2) are compiled for the compile-only ``v5e:2x4`` topology and
 for the CPU devices, same bfloat16 config; the figures must be real: tp=2 halves the
 arguments, collectives meet the minimum on TPU (XLA:CPU all-reduces bf16 in f32: twice),
-splash runs in every prefill layer. libtpu comes from ``.venv/accel`` (scripts/test.sh).
+splash runs in every prefill layer. libtpu comes from the venv's ``accel`` folder (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _spec.loader.exec_module(bench)
 def section() -> dict:
     path, _ = bench.libtpu()
     if path is None:
-        pytest.fail("no libtpu under .venv/accel/tpu: run scripts/test.sh, which installs it")
+        pytest.fail("no libtpu under <venv>/accel/tpu: run scripts/test.sh, which installs it")
     return bench.tpu_section([("tiny-gqa", "", {}), ("tiny-gqa", "tp=2", {})])
 
 

@@ -59,10 +59,11 @@ CASES = [
     ("tiny-dense", "tp=8"),
     ("tiny-dense", "sp=2,tp=4"),
     ("tiny-dense", "dp=4,tp=2"),
+    # Version-sensitive (scripts/test.sh runs them on both JAX releases).
     ("tiny-dense", "dp=2,sp=2,tp=2"),
     ("tiny-moe", "ep=8"),
     ("tiny-moe", "ep=2,tp=4"),
-    ("tiny-moe", "dp=2,ep=2,tp=2"),
+    pytest.param("tiny-moe", "dp=2,ep=2,tp=2", marks=pytest.mark.jax_compat),
 ]
 
 

@@ -26,6 +26,9 @@ from jaxpar.engine._moe_probe import ragged_all_to_all_compiles
 from jaxpar.models import _moe_exchange as xchg
 from jaxpar.models import _moe_route as route
 
+# Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases).
+pytestmark = pytest.mark.jax_compat
+
 E, K, P, N, D = 8, 2, 4, 12, 16  # experts, top_k, expert peers, tokens per device, width
 
 

@@ -33,6 +33,9 @@ CONFIGS = [
     ("tiny-dense", PC(pp=4, tp=2, microbatches=2)),
     ("tiny-moe", PC(pp=2, ep=2, tp=2, decode_groups=2)),
     ("tiny-moe", PC(pp=4, ep=2, microbatches=2, decode_groups=4)),
+    # The MoE shard_map (manual over dp) nested in the pp-manual one: jax >= 0.11.2 aborts
+    # unless the mesh names pp before dp (jaxpar.spec.MESH_NAME_ORDER).
+    ("tiny-moe", PC(pp=2, dp=2, tp=2, microbatches=2, decode_groups=2)),
 ]
 # The compiled-program checks run on the mixed strategies.
 COMPILED = [CONFIGS[i] for i in (3, 4, 5, 6, 7)]
@@ -40,6 +43,12 @@ COMPILED = [CONFIGS[i] for i in (3, 4, 5, 6, 7)]
 
 def _id(case) -> str:
     return f"{case[0]}-{case[1]}" if isinstance(case, tuple) else str(case)
+
+
+def _compat(case):
+    """``case`` marked ``jax_compat`` (version-sensitive: scripts/test.sh runs it on both JAX
+    releases)."""
+    return pytest.param(case, marks=pytest.mark.jax_compat, id=_id(case))
 
 
 @functools.cache
@@ -61,7 +70,7 @@ def _decode_step(name: str, parallel: ParallelConfig):
     return eng.steps.jit_decode().lower(eng.params, cache, tokens).compile()
 
 
-@pytest.mark.parametrize("case", CONFIGS, ids=_id)
+@pytest.mark.parametrize("case", [*CONFIGS[:-1], _compat(CONFIGS[-1])], ids=_id)
 def test_matches_single_device(case):
     name, parallel = case
     ref_logits, ref_tokens = reference(name)
@@ -112,7 +121,7 @@ def _crossing(compiled, mesh) -> list:
     return out
 
 
-@pytest.mark.parametrize("case", COMPILED, ids=_id)
+@pytest.mark.parametrize("case", [*COMPILED[:-1], _compat(COMPILED[-1])], ids=_id)
 def test_only_activation_permutes_cross_stages(case):
     name, parallel = case
     eng = _engine(name, parallel)

@@ -62,6 +62,9 @@ def compiled(name: str, config: ParallelConfig, workload: str) -> dict[str, tupl
 
 
 TOP = [(m, w, i) for m in MODELS for w in WORKLOADS for i in range(5)]
+# Version-sensitive (scripts/test.sh runs them on both JAX releases): MoE with dp and pp.
+COMPAT = {("tiny-moe", "b2", 0), ("tiny-moe", "b2", 3)}
+TOP = [pytest.param(*t, marks=pytest.mark.jax_compat) if t in COMPAT else t for t in TOP]
 
 
 @pytest.mark.parametrize(("name", "workload", "rank"), TOP, ids=lambda x: str(x))

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.errors import IllegalStrategyError, JaxparError
 from jaxpar.spec import (
+    MESH_AXES,
     Dims,
     ParallelConfig,
+    canonical_mesh,
     logical_axis_rules,
     make_mesh,
     mesh_axes,
@@ -130,10 +134,17 @@ def test_unknown_logical_axis_and_double_use():
         partition_spec(("batch", "experts"), "moe", "prefill", ParallelConfig(ep=2))
 
 
+@pytest.mark.jax_compat
 def test_make_mesh():
     mesh = make_mesh(ParallelConfig(dp=2, sp=2, tp=2))
-    assert mesh.axis_names == ("dp", "pp", "sp", "ep", "tp")
+    # pp named first (a shard_map nested in the pipeline's adds only later axes) ...
+    assert mesh.axis_names == ("pp", "dp", "sp", "ep", "tp")
     assert dict(mesh.shape) == {"dp": 2, "pp": 1, "sp": 2, "ep": 1, "tp": 2}
+    # ... while the devices keep the dp, pp, sp, ep, tp layout (tp innermost).
+    mesh = make_mesh(ParallelConfig(dp=2, pp=2, tp=2))
+    laid_out = np.array(jax.devices()).reshape(2, 2, 1, 1, 2)
+    assert (mesh.devices.transpose(1, 0, 2, 3, 4) == laid_out).all()
+    assert canonical_mesh(Mesh(laid_out, MESH_AXES)).devices.tolist() == mesh.devices.tolist()
     sub = make_mesh(ParallelConfig(tp=2), devices=jax.devices()[:2])
     assert sub.devices.size == 2
     with pytest.raises(jaxpar.MeshError, match="needs 4 devices"):

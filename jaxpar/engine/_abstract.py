@@ -25,7 +25,7 @@ from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_config
 from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, ModelConfig, abstract_model
-from jaxpar.spec import ParallelConfig, Phase, Plan, make_mesh, validate
+from jaxpar.spec import ParallelConfig, Phase, Plan, canonical_mesh, make_mesh, validate
 
 
 def layer_loop_for(model_config: ModelConfig, parallel: ParallelConfig) -> str:
@@ -104,7 +104,7 @@ class AbstractEngine:
         plan = validate(
             config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
-        mesh = mesh if mesh is not None else make_mesh(parallel)
+        mesh = canonical_mesh(mesh) if mesh is not None else make_mesh(parallel)
         if parallel.pp > 1 and config.moe_capacity_factor is not None:
             raise ConfigError(
                 f"moe_capacity_factor={config.moe_capacity_factor} with pp={parallel.pp}: the "

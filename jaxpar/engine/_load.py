@@ -13,7 +13,13 @@ from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._vocab import padded_config, unsplit_vocab
 from jaxpar.errors import CheckpointError
 from jaxpar.models import config_from_hf, load_hf_checkpoint
-from jaxpar.spec import ParallelConfig, make_mesh, param_partition_spec, validate
+from jaxpar.spec import (
+    ParallelConfig,
+    canonical_mesh,
+    make_mesh,
+    param_partition_spec,
+    validate,
+)
 
 
 def engine_from_hf(
@@ -48,7 +54,7 @@ def engine_from_hf(
     devices = mesh.devices.size if mesh is not None else parallel.size
     padded = padded_config(config, parallel.tp)
     validate(padded, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
-    mesh = mesh if mesh is not None else make_mesh(parallel)
+    mesh = canonical_mesh(mesh) if mesh is not None else make_mesh(parallel)
 
     def sharding(path_: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
         if on_tensor is not None:

@@ -14,7 +14,7 @@ from jaxpar.spec._constrain import (
 )
 from jaxpar.spec._dims import Dims, ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
-from jaxpar.spec._mesh import make_mesh
+from jaxpar.spec._mesh import MESH_NAME_ORDER, canonical_mesh, make_mesh
 from jaxpar.spec._rules import (
     logical_axis_rules,
     mesh_axes,
@@ -34,6 +34,7 @@ from jaxpar.spec._validate import (
 __all__ = [
     "LOGICAL_AXES",
     "MESH_AXES",
+    "MESH_NAME_ORDER",
     "Assignment",
     "Dims",
     "Entry",
@@ -52,6 +53,7 @@ __all__ = [
     "active_phase",
     "active_platform",
     "batch_multiple",
+    "canonical_mesh",
     "constrain",
     "load_spec_table",
     "logical_shard_map",

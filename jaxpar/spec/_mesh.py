@@ -11,15 +11,26 @@ from jaxpar.errors import MeshError
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._enums import MESH_AXES
 
+#: The order of the mesh's axis *names*: ``pp`` first, then the others as in ``MESH_AXES``.
+#: Devices keep the ``MESH_AXES`` layout (dp outermost, tp innermost): only the names are
+#: permuted, with the device array transposed to match, so every axis still spans the same
+#: devices. The pipeline runs its stages inside a ``shard_map`` manual over ``pp``; a
+#: ``shard_map`` nested in it (the MoE layer's, manual over ``dp`` and ``ep``) then only
+#: adds axes that come after ``pp``, and jax >= 0.11.2 requires a sharding's manual axes
+#: sorted by mesh index (with ``dp`` before ``pp`` it aborts the process in an XLA CHECK:
+#: "Manual axes must be sorted by mesh axis index").
+MESH_NAME_ORDER: tuple[str, ...] = ("pp", *(a for a in MESH_AXES if a != "pp"))
+
 
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ``(dp, pp, sp, ep, tp)`` mesh for ``config``.
+    """Builds the mesh for ``config``: devices laid out ``(dp, pp, sp, ep, tp)``.
 
     With ``devices=None`` it spans ``jax.devices()`` — every device of every process after
     ``jax.distributed.initialize`` — and lets JAX order them for the physical topology (on
     TPU the innermost axes land on the closest chips). Works unchanged on simulated CPU
     devices and GPUs. Axes are ``Auto``: jaxpar states shardings, XLA's SPMD partitioner
-    inserts the collectives.
+    inserts the collectives. The mesh names its axes in :data:`MESH_NAME_ORDER`
+    (``pp`` first; see there), which changes no axis's devices.
 
     Raises:
         MeshError: the degrees do not multiply to the number of devices.
@@ -32,7 +43,7 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
             f"available; choose degrees whose product is {len(available)}"
         )
     try:
-        return jax.make_mesh(
+        mesh = jax.make_mesh(
             config.shape,
             MESH_AXES,
             axis_types=(AxisType.Auto,) * len(MESH_AXES),
@@ -40,3 +51,21 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
         )
     except (ValueError, NotImplementedError) as e:
         raise MeshError(f"cannot lay out {config} over {len(available)} devices: {e}") from e
+    return canonical_mesh(mesh)
+
+
+def canonical_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with its axes named in :data:`MESH_NAME_ORDER`, each over the same devices.
+
+    For meshes a caller built with the five jaxpar axes in another order; any other mesh
+    comes back as it is.
+    """
+    names = tuple(mesh.axis_names)
+    if names == MESH_NAME_ORDER or sorted(names) != sorted(MESH_NAME_ORDER):
+        return mesh
+    perm = [names.index(a) for a in MESH_NAME_ORDER]
+    return Mesh(
+        mesh.devices.transpose(perm),
+        MESH_NAME_ORDER,
+        axis_types=tuple(mesh.axis_types[i] for i in perm),
+    )
