@@ -24,13 +24,17 @@ _GPU_CALL_ERRORS = ("No registered implementation for", "No FFI handler register
 
 
 def _step(engine: AbstractEngine, phase: str) -> dict:
-    lowered = engine.lower(phase, prompt_len=256)
+    try:
+        lowered = engine.lower(phase, prompt_len=256)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return {"lower_error": f"{type(e).__name__}: {e}"[:2000]}
     error = None
     try:
         lowered.compile()
     except Exception as e:  # noqa: BLE001 - the error is the result
         error = f"{type(e).__name__}: {e}"
     return {
+        "lower_error": None,
         "calls": kernel_calls(lowered),
         "compile_error": error and error[:2000],
         "stopped_at_gpu_call": bool(error) and any(m in error for m in _GPU_CALL_ERRORS),

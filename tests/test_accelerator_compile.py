@@ -41,6 +41,7 @@ ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.
 # release brings its own libtpu and CUDA plugin.
 pytestmark = pytest.mark.jax_compat
 BATCH, SEQ = 8, 256
+TRITON_NEEDS_A_GPU = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
 def _libtpu() -> str:
@@ -182,13 +183,23 @@ def test_bf16_steps_lower_and_partition_for_cuda(cuda_results, preset_name, stra
     result = cuda_results[f"{preset_name}|{strategy}|{json.dumps(overrides, sort_keys=True)}"]
     per_layer = result["layers"] if result["layer_loop"] == "unrolled" else 1
     prefill, decode = result["prefill"], result["decode"]
+    triton = overrides.get("decode_attention") == "pallas_gpu"
+    if triton and TRITON_NEEDS_A_GPU:
+        # JAX 0.12 asks the GPU for its kind while lowering a Pallas Triton kernel: with none
+        # attached, the deprecated kernel cannot be lowered here (it can on 0.10).
+        assert "No supported GPU devices found" in decode["lower_error"], decode
+        decode = None
     # A kernel in every layer of both steps: one that returned f32 made "auto" drop to XLA
     # from layer 1 on (and an explicit kernel cast every later layer's cache).
-    decode_kernel = "triton" if overrides.get("decode_attention") == "pallas_gpu" else "cudnn"
+    assert prefill["lower_error"] is None, prefill["lower_error"]
     assert prefill["calls"]["cudnn"] == per_layer, prefill
-    assert decode["calls"][decode_kernel] == per_layer, decode
-    assert decode["calls"]["cudnn" if decode_kernel == "triton" else "triton"] == 0, decode
+    if decode is not None:
+        assert decode["lower_error"] is None, decode["lower_error"]
+        assert decode["calls"]["triton" if triton else "cudnn"] == per_layer, decode
+        assert decode["calls"]["cudnn" if triton else "triton"] == 0, decode
     for step in (prefill, decode):
+        if step is None:
+            continue
         # Partitioning went through; XLA:CPU then stopped at the GPU custom call.
         assert step["compile_error"] is not None, step
         assert "custom_partitioner" not in step["compile_error"], step["compile_error"]

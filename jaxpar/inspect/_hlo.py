@@ -6,7 +6,8 @@
 * ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``,
   ``collective-permute`` -- synchronous forms, as XLA:CPU prints them;
 * the asynchronous GPU/TPU pairs ``all-reduce-start``/``-done``,
-  ``all-gather-start``/``-done``, ``collective-permute-start``/``-done``: each pair is
+  ``all-gather-start``/``-done``, ``collective-permute-start``/``-done``,
+  ``ragged-all-to-all-start``/``-done`` (libtpu 0.0.50 on): each pair is
   one collective of the base kind, read from the ``-start`` op (``is_async=True``);
   the ``-done`` op is ignored. Collectives that GPU wraps in ``async-start`` (e.g.
   reduce-scatter, all-to-all) are found inside the wrapped computation, once;
@@ -54,7 +55,9 @@ KINDS = (
     "collective-permute",
     "send",
 )
-_ASYNC_STARTS = {f"{k}-start": k for k in ("all-reduce", "all-gather", "collective-permute")}
+_ASYNC_STARTS = {
+    f"{k}-start": k for k in ("all-reduce", "all-gather", "collective-permute", "ragged-all-to-all")
+}
 _OP_NAME_PREFIX = 'op_name="'
 _CHAIN_ID = re.compile(r'chain_id="([^"]*)"')
 
@@ -131,7 +134,7 @@ def _output_arrays(instr: Instruction, kind: str, is_async: bool) -> list[ArrayS
     if kind == "send":
         # send returns (payload, u32[] context, token[]): the payload is element 0.
         return flatten_shape(shape[0]) if isinstance(shape, tuple) else []
-    if is_async and kind in ("all-gather", "collective-permute") and isinstance(shape, tuple):
+    if is_async and kind != "all-reduce" and isinstance(shape, tuple):
         # (operand(s), output(s)[, u32[] contexts]): the output is element 1.
         return flatten_shape(shape[1])
     return flatten_shape(shape)

@@ -27,7 +27,8 @@ KERNELS: dict[str, re.Pattern[str]] = {
     "splash": re.compile(r"%splash_mha_fwd\S* = .*custom_call_target=\"tpu_custom_call\""),
     "cudnn": re.compile(r"__cudnn\$fmha"),
     "triton": re.compile(r"__gpu\$xla\.gpu\.triton"),
-    "ragged_all_to_all": re.compile(r" ragged-all-to-all\(| @ragged_all_to_all\("),
+    # Synchronous, or the start of an asynchronous pair (newer libtpu), or StableHLO's call.
+    "ragged_all_to_all": re.compile(r" ragged-all-to-all(?:-start)?\(| @ragged_all_to_all\("),
 }
 
 
