@@ -55,3 +55,39 @@ def test_jaxpars_own_models_stay_silent_on_one_device():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model.prefill(jnp.ones((1, 8), jnp.int32), jnp.array([8], jnp.int32))
+
+
+@pytest.mark.jax_compat
+def test_a_shard_map_nested_against_the_mesh_order_is_refused_where_xla_aborts():
+    """jax >= 0.11.2 aborts the process (an XLA CHECK) on a shard_map manual over ``dp``
+    nested in one manual over ``pp`` when the mesh names ``dp`` first; jaxpar refuses it
+    with an error before tracing instead. Older releases run it."""
+    from jax.sharding import PartitionSpec
+
+    from jaxpar.spec import MESH_AXES, logical_shard_map
+    from jaxpar.spec._constrain import _SORTED_MANUAL_AXES, _jax_version
+
+    cfg = jaxpar.ParallelConfig(dp=2, pp=2, tp=2)
+    assert MESH_AXES.index("dp") < MESH_AXES.index("pp")
+    mesh = jax.make_mesh(cfg.shape, MESH_AXES, devices=jax.devices()[: cfg.size])
+
+    def stage(x):
+        with sharding_context(jax.sharding.get_abstract_mesh(), "prefill", cfg):
+            double = logical_shard_map(lambda y: 2 * y, [AXES], AXES, "attention")
+            return double(x[0])[None]
+
+    def traced(on):
+        staged = PartitionSpec("pp")
+        run = jax.jit(
+            jax.shard_map(stage, mesh=on, in_specs=staged, out_specs=staged, axis_names={"pp"})
+        )
+        sharding = jax.sharding.NamedSharding(on, staged)
+        return run.trace(jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.float32, sharding=sharding))
+
+    if _jax_version() >= _SORTED_MANUAL_AXES:
+        with pytest.raises(ConfigError, match=r"\['dp'\] would become manual inside"):
+            traced(mesh)
+    else:
+        traced(mesh)
+    # The mesh jaxpar builds names pp first: the same nesting traces on every release.
+    traced(jaxpar.make_mesh(cfg, devices=jax.devices()[: cfg.size]))

@@ -193,6 +193,7 @@ def logical_shard_map(
     manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     if not manual or mesh.size == 1:
         return fn  # nothing to partition
+    _check_nesting_order(mesh, manual)
     # check_vma=False: Pallas and cuDNN calls carry no replication rules; the specs above
     # say exactly how each output varies.
     return jax.shard_map(
@@ -203,6 +204,33 @@ def logical_shard_map(
         axis_names=manual,
         check_vma=False,
     )
+
+
+# From this release on, XLA requires a sharding's manual axes sorted by mesh index and
+# aborts the process otherwise (a CHECK, no Python exception).
+_SORTED_MANUAL_AXES = (0, 11, 2)
+
+
+def _check_nesting_order(mesh: Mesh | AbstractMesh, new_manual: frozenset[str]) -> None:
+    """Refuses, before tracing, a ``shard_map`` that would make an axis manual inside one
+    manual over a later mesh axis (e.g. ``dp`` inside ``pp`` on a mesh naming ``dp``
+    first): under jax >= 0.11.2 XLA aborts the whole process on it."""
+    if _jax_version() < _SORTED_MANUAL_AXES or not mesh.manual_axes:
+        return
+    names = list(mesh.axis_names)
+    last_manual = max(names.index(a) for a in mesh.manual_axes)
+    early = [a for a in names[:last_manual] if a in new_manual and mesh.shape[a] > 1]
+    if early:
+        raise ConfigError(
+            f"logical_shard_map: mesh axes {early} would become manual inside a shard_map "
+            f"manual over {list(mesh.manual_axes)}, which the mesh {names} orders after them; "
+            f"jax {jax.__version__} aborts on that nesting. Name the axes with the outer "
+            "manual ones first (jaxpar.spec.make_mesh and canonical_mesh put pp first)"
+        )
+
+
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 
 def _caller_is_jaxpar() -> bool:
