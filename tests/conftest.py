@@ -14,17 +14,36 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
 # Identical programs (same model, strategy and shapes) recur across test files; a cache
 # private to this run compiles each once. It starts empty, so every program is still
 # compiled and checked at least once per run.
-# One per process (each xdist worker imports this file), removed when that process exits.
-_cache_dir = tempfile.mkdtemp(prefix="jaxpar-test-xla-")
-atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _cache_dir)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# One per run: the process that starts the run (the xdist controller, or pytest alone)
+# makes it and removes it when it exits; xdist workers are handed its path (see
+# pytest_configure_node) and share it, so a program compiled in one worker is loaded in
+# another. Entries are keyed on the program, its devices and the compile options. (JAX
+# writes an entry unlocked: a worker that reads one half-written warns and compiles.)
+_CACHE_DIR = "jaxpar_test_xla_cache_dir"
+
+
+def pytest_configure(config) -> None:
+    path = getattr(config, "workerinput", {}).get(_CACHE_DIR)
+    if path is None:  # the run's own process: a fresh, empty directory
+        path = tempfile.mkdtemp(prefix="jaxpar-test-xla-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """In the xdist controller, before each worker starts: hand it the run's cache."""
+    node.workerinput[_CACHE_DIR] = jax.config.jax_compilation_cache_dir
+
 
 assert jax.device_count() == 8, f"tests need 8 simulated CPU devices, got {jax.device_count()}"
 

@@ -50,7 +50,6 @@ from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import communication_model, compile_step, parse_collectives
 from jaxpar.models import preset
 from jaxpar.spec import ParallelConfig, make_mesh
-from tests._engine_util import engine
 
 F32 = 4
 B, T = 8, 16
@@ -137,8 +136,11 @@ def compiled_bytes(name: str, strategy: str, phase: str) -> dict[str, int]:
 
 
 @functools.cache
-def _engine(name: str, strategy: str):
-    return engine(name, ParallelConfig.parse(strategy), max_batch=B, max_seq_len=64)
+def _engine(name: str, strategy: str) -> AbstractEngine:
+    """Compiled only: the engine's steps over abstract parameters (nothing placed)."""
+    parallel = ParallelConfig.parse(strategy)
+    mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
+    return AbstractEngine.build(preset(name), parallel, max_batch=B, max_seq_len=64, mesh=mesh)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])

@@ -1,4 +1,4 @@
-"""The suite's private XLA cache directories do not outlive the run."""
+"""The suite's XLA cache: one per run, shared by its xdist workers, gone after the run."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_xla_cache_directories_are_removed(tmp_path):
-    """A pytest run with the suite's conftest (the controller and two xdist workers each
-    make a directory) leaves no ``jaxpar-test-xla-*`` directory in its temp directory."""
+def test_one_xla_cache_directory_per_run_shared_and_removed(tmp_path):
+    """A pytest run with the suite's conftest over two xdist workers: the controller makes
+    one ``jaxpar-test-xla-*`` directory in its temp directory, both workers compile into
+    it, and none is left after the run."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     seen = tmp_path / "seen.txt"
     probe = tmp_path / "test_probe.py"
     probe.write_text(
+        "import os\n\n"
         "import jax\n\n"
         "def test_probe():\n"
+        "    jax.jit(lambda x: x * 3 + 1)(2.0).block_until_ready()\n"
+        "    path = jax.config.jax_compilation_cache_dir\n"
         f"    with open({str(seen)!r}, 'a') as f:\n"
-        "        f.write(jax.config.jax_compilation_cache_dir + '\\n')\n"
+        "        f.write(f\"{os.environ['PYTEST_XDIST_WORKER']} {path} {len(os.listdir(path))}\\n\")\n"
     )
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", str(probe)],
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "each"]
+        + ["-p", "no:cacheprovider", str(probe)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -32,7 +37,9 @@ def test_xla_cache_directories_are_removed(tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    used = seen.read_text().split()
-    assert used and all(Path(d).name.startswith("jaxpar-test-xla-") for d in used), used
-    assert all(Path(d).parent == tmp_path for d in used), used
+    rows = [line.split() for line in seen.read_text().splitlines()]
+    assert sorted(worker for worker, _, _ in rows) == ["gw0", "gw1"], rows
+    (used,) = {Path(path) for _, path, _ in rows}  # one directory for both workers
+    assert used.name.startswith("jaxpar-test-xla-") and used.parent == tmp_path, used
+    assert all(int(entries) > 0 for _, _, entries in rows), rows  # compiled programs cached
     assert not list(tmp_path.glob("jaxpar-test-xla-*"))

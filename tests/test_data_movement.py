@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpar import InferenceEngine, ParallelConfig
+from jaxpar import ParallelConfig
+from jaxpar.engine import AbstractEngine
 from jaxpar.inspect._movement import data_movement
 from jaxpar.inspect._report import compile_step
-from jaxpar.models import init_params, preset
+from jaxpar.models import KVCache, preset
 from jaxpar.spec import make_mesh
 from tests._prompts import MAX_BATCH, MAX_SEQ_LEN
 
@@ -36,21 +38,18 @@ CONFIG = preset("tiny-gqa")
 @functools.cache
 def _engine(
     layer_loop: str, parallel: ParallelConfig, batch: int, dtype: str = "float32"
-) -> InferenceEngine:
+) -> AbstractEngine:
+    """Only shapes and shardings are read: the engine's layouts and steps, nothing placed
+    (the compiled programs are a real engine's, parameters aside)."""
     config = dataclasses.replace(CONFIG, layer_loop=layer_loop, dtype=dtype, param_dtype=dtype)
     mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
-    return InferenceEngine(
-        config,
-        init_params(config),
-        parallel,
-        max_batch=batch,
-        max_seq_len=MAX_SEQ_LEN,
-        mesh=mesh,
+    return AbstractEngine.build(
+        config, parallel, max_batch=batch, max_seq_len=MAX_SEQ_LEN, mesh=mesh
     )
 
 
-def _shard_bytes(x: jax.Array) -> int:
-    return x.addressable_shards[0].data.nbytes
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
 def _moved_fraction(
@@ -64,8 +63,16 @@ def _moved_fraction(
     compiled = compile_step(eng, phase, prompt_len=PROMPT_LEN)
     params = jax.tree.leaves(eng.params)
     weight_sizes = {_shard_bytes(p) for p in params if p.ndim >= 2}
-    cache = eng.prefill(*eng.pad_prompts([[1, 2, 3]]))[1]
-    layer_caches = jax.tree.leaves((cache.k, cache.v))
+    # The decode cache as prefill hands it over: [B, K, S, H] per layer, in its layout.
+    cache = KVCache.abstract(eng.model_config, batch, MAX_SEQ_LEN)
+    layer_caches = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(
+            jax.tree.leaves((cache.k, cache.v)),
+            jax.tree.leaves((eng.layouts.cache.k, eng.layouts.cache.v)),
+            strict=True,
+        )
+    ]
     if layer_loop == "scan":  # one layer of the stacked [L, B, S, K, H] cache
         layer_sizes = {_shard_bytes(x) // eng.model_config.n_layers for x in layer_caches}
     else:

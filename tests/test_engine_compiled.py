@@ -3,15 +3,19 @@ place, per-device memory is the ideal share, and the handoff is exact."""
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 
 import jax
 import numpy as np
 import pytest
 
+from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import parse_collectives
-from jaxpar.spec import ParallelConfig
-from tests._engine_util import PROMPTS, engine, model
+from jaxpar.models import KVCache
+from jaxpar.spec import ParallelConfig, make_mesh
+from tests._engine_util import MAX_BATCH, MAX_SEQ_LEN, PROMPTS, engine, model
 
 DECODE_CASES = [
     ("tiny-dense", ParallelConfig(tp=8)),
@@ -23,10 +27,26 @@ DECODE_CASES = [
 ]
 
 
-def _decode_compiled(eng):
-    tokens, lengths = eng.pad_prompts(PROMPTS)
-    _, cache, first = eng.prefill(tokens, lengths)
-    return eng.steps.jit_decode().lower(eng.params, cache, first).compile(), cache
+@functools.cache
+def _decode_compiled(name: str, parallel: ParallelConfig):
+    """The compiled decode step for abstract inputs in its own shardings (nothing is placed
+    or run: the same program a real engine compiles), and its cache, per layer ``[B, K, S,
+    H]``, as ``ShapeDtypeStruct`` in the decode layout."""
+    config, _ = model(name)
+    mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
+    eng = AbstractEngine.build(
+        config, parallel, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, mesh=mesh
+    )
+    compiled = eng.lower("decode", prompt_len=1).compile()  # decode: no prompt
+    cache = KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN)
+    cache = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, eng.layouts.cache
+    )
+    return compiled, cache
+
+
+def _shard_shape(x: jax.ShapeDtypeStruct) -> tuple[int, ...]:
+    return x.sharding.shard_shape(x.shape)
 
 
 def _param_shards(path: str, p: ParallelConfig, kv_heads: int) -> int:
@@ -45,8 +65,7 @@ def _param_shards(path: str, p: ParallelConfig, kv_heads: int) -> int:
 @pytest.mark.parametrize(("name", "parallel"), DECODE_CASES, ids=lambda x: str(x))
 def test_decode_moves_no_weights_and_updates_cache_in_place(name, parallel):
     config, params = model(name)
-    eng = engine(name, parallel)
-    compiled, cache = _decode_compiled(eng)
+    compiled, cache = _decode_compiled(name, parallel)
 
     # No collective of parameter size: every one is below half of the smallest per-layer
     # projection (the router, E x D, is activation-sized and left out). Parameters are
@@ -64,10 +83,10 @@ def test_decode_moves_no_weights_and_updates_cache_in_place(name, parallel):
 
     # In place: the donated cache aliases the output, and no copy of it is made.
     layers = jax.tree.leaves((cache.k, cache.v))  # per layer [B, K, S, H]
-    per_device_cache = sum(x.addressable_shards[0].data.nbytes for x in layers)
+    per_device_cache = sum(math.prod(_shard_shape(x)) * x.dtype.itemsize for x in layers)
     stats = compiled.memory_analysis()
     assert stats.alias_size_in_bytes >= per_device_cache
-    local_shape = ",".join(map(str, layers[0].addressable_shards[0].data.shape))
+    local_shape = ",".join(map(str, _shard_shape(layers[0])))
     copies = [
         line
         for line in compiled.as_text().splitlines()
@@ -79,13 +98,12 @@ def test_decode_moves_no_weights_and_updates_cache_in_place(name, parallel):
 @pytest.mark.parametrize(("name", "parallel"), DECODE_CASES, ids=lambda x: str(x))
 def test_per_device_memory_is_the_ideal_share(name, parallel):
     config, params = model(name)
-    eng = engine(name, parallel)
-    compiled, cache = _decode_compiled(eng)
+    compiled, cache = _decode_compiled(name, parallel)
     ideal = sum(
         v.nbytes / _param_shards(jax.tree_util.keystr(p), parallel, config.n_kv_heads)
         for p, v in jax.tree_util.tree_flatten_with_path(params)[0]
     )
-    cache_total = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
+    cache_total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v)))
     batch_split = parallel.dp * parallel.sp * parallel.ep
     ideal += (
         cache_total / (batch_split * parallel.tp) + 2 * 4 * 8 / batch_split
