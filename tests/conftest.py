@@ -51,3 +51,13 @@ assert jax.device_count() == 8, f"tests need 8 simulated CPU devices, got {jax.d
 # without this conftest: `.venv-hf/bin/python -m pytest --noconftest -m hf_live
 # tests/test_hf_live.py` (see scripts/make_hf_fixtures.py). Here it is not collected.
 collect_ignore = ["test_hf_live.py"]
+
+
+@pytest.fixture(scope="module")
+def no_persistent_cache():
+    """The persistent compile cache off for a module's programs: compile-only TPU
+    executables are written to it but cannot be read back without a TPU client (jax 0.12
+    warns and compiles again)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.sh)
 # Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases): each
 # release brings its own libtpu and CUDA plugin.
-pytestmark = pytest.mark.jax_compat
+pytestmark = [pytest.mark.jax_compat, pytest.mark.usefixtures("no_persistent_cache")]
 BATCH, SEQ = 8, 256
 TRITON_NEEDS_A_GPU = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
@@ -83,8 +83,14 @@ def _assert_tpu_program(compiled, engine: AbstractEngine, *, splash: int) -> Non
             assert all(0 <= i < n for i in group), c
 
 
+def _buffer(x: jax.ShapeDtypeStruct) -> tuple[int, int]:
+    """(element count, bytes) of one device's shard."""
+    elements = int(np.prod(x.sharding.shard_shape(x.shape)))
+    return elements, elements * x.dtype.itemsize
+
+
 def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-    return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    return _buffer(x)[1]
 
 
 def _moved_fraction(compiled, engine: AbstractEngine) -> float:
@@ -100,7 +106,7 @@ def _moved_fraction(compiled, engine: AbstractEngine) -> float:
         )
     ]
     params = jax.tree.leaves(engine.params)
-    sizes = {_shard_bytes(p) for p in params if p.ndim >= 2} | set(map(_shard_bytes, caches))
+    sizes = {_buffer(p) for p in params if p.ndim >= 2} | set(map(_buffer, caches))
     moved = sum(m.total_bytes for m in data_movement(compiled, sizes))
     return moved / (sum(map(_shard_bytes, params)) + sum(map(_shard_bytes, caches)))
 

@@ -25,6 +25,8 @@ bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench
 _spec.loader.exec_module(bench)
 
+pytestmark = pytest.mark.usefixtures("no_persistent_cache")
+
 
 @pytest.fixture(scope="module")
 def section() -> dict:

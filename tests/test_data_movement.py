@@ -48,8 +48,14 @@ def _engine(
     )
 
 
+def _buffer(x: jax.ShapeDtypeStruct) -> tuple[int, int]:
+    """(element count, bytes) of one device's shard."""
+    elements = math.prod(x.sharding.shard_shape(x.shape))
+    return elements, elements * x.dtype.itemsize
+
+
 def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-    return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    return _buffer(x)[1]
 
 
 def _moved_fraction(
@@ -62,7 +68,9 @@ def _moved_fraction(
     eng = _engine(layer_loop, parallel, batch, dtype)
     compiled = compile_step(eng, phase, prompt_len=PROMPT_LEN)
     params = jax.tree.leaves(eng.params)
-    weight_sizes = {_shard_bytes(p) for p in params if p.ndim >= 2}
+    # (element count, bytes) per device: an activation of a weight's bytes by chance (f32
+    # [8, 1, 64] against a bf16 kernel of 1024 elements) is no copy of it.
+    weight_sizes = {_buffer(p) for p in params if p.ndim >= 2}
     # The decode cache as prefill hands it over: [B, K, S, H] per layer, in its layout.
     cache = KVCache.abstract(eng.model_config, batch, MAX_SEQ_LEN)
     layer_caches = [
@@ -74,9 +82,10 @@ def _moved_fraction(
         )
     ]
     if layer_loop == "scan":  # one layer of the stacked [L, B, S, K, H] cache
-        layer_sizes = {_shard_bytes(x) // eng.model_config.n_layers for x in layer_caches}
+        layers = eng.model_config.n_layers
+        layer_sizes = {(e // layers, b // layers) for e, b in map(_buffer, layer_caches)}
     else:
-        layer_sizes = {_shard_bytes(x) for x in layer_caches}
+        layer_sizes = set(map(_buffer, layer_caches))
     moved = data_movement(compiled, weight_sizes | layer_sizes)
     total = sum(map(_shard_bytes, params)) + sum(map(_shard_bytes, layer_caches))
     return sum(m.total_bytes for m in moved) / total
@@ -166,6 +175,21 @@ def test_a_cast_fused_into_a_move_counts_at_its_operands_size():
     assert (found["cast_transpose"].nbytes, found["transpose"].nbytes) == (4096, 2048)
     # At 4096 bytes: the f32 output counts, the cast alone (f32[64, 16]) still does not.
     assert [m.name for m in data_movement(_HLO, [4096])] == ["cast_transpose"]
+
+
+def test_buffers_with_element_counts_leave_same_sized_activations_out():
+    """Given as (elements, bytes), a buffer counts only moves of as many elements: the
+    cache (1024 bf16 elements, 2048 bytes) and its f32 transpose count; a copy of 512 f32
+    activations, 2048 bytes by chance, does not (it did, given bytes alone)."""
+    hlo = _HLO.replace(
+        "  %cache = bf16[2,4,8,16]{3,2,1,0} parameter(0)\n",
+        "  %cache = bf16[2,4,8,16]{3,2,1,0} parameter(0)\n"
+        "  %act = f32[8,64]{1,0} parameter(3)\n"
+        "  %act_copy = f32[8,64]{0,1} copy(%act)\n",
+    )
+    assert "act_copy" in {m.name for m in data_movement(hlo, [2048])}
+    found = sorted(m.name for m in data_movement(hlo, [(1024, 2048)]))
+    assert found == ["cast_transpose", "transpose"]
 
 
 def test_a_compiled_cast_transpose_of_a_bf16_cache_is_counted():

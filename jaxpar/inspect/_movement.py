@@ -74,30 +74,40 @@ def _elements(shape: Shape) -> int:
     return sum(prod(a.dims) for a in flatten_shape(shape))
 
 
-def _matches(module: HloModuleText, instr: Instruction, nbytes: int, wanted: set[int]) -> bool:
-    """The output has one of the sizes, or it is a whole (maybe cast) copy of an operand
-    that has: same element count, bytes in ``wanted``."""
-    if nbytes in wanted:
-        return True
+#: A buffer that counts: its bytes, or (element count, bytes) to also require the move to
+#: have as many elements (so that an activation of the same bytes by chance does not count).
+Buffer = int | tuple[int, int]
+
+
+def _matches(
+    module: HloModuleText, instr: Instruction, wanted: set[tuple[int | None, int]]
+) -> bool:
+    """The output is one of the buffers, or a whole (maybe cast) copy of an operand that
+    is: same element count, the buffer's bytes."""
     elements = _elements(instr.shape)
+    nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
+    sized = {b for e, b in wanted if e is None or e == elements}
+    if nbytes in sized:
+        return True
     operands = (module.shape_of(instr.computation, name) for name in instr.operands)
     return any(
         shape is not None
         and _elements(shape) == elements
-        and sum(a.nbytes for a in flatten_shape(shape)) in wanted
+        and sum(a.nbytes for a in flatten_shape(shape)) in sized
         for shape in operands
     )
 
 
-def data_movement(program: str | _HasText, sizes: Iterable[int]) -> list[Movement]:
+def data_movement(program: str | _HasText, sizes: Iterable[Buffer]) -> list[Movement]:
     """Copies, transposes, slices and fusions made only of them (casts allowed), of one of
-    ``sizes`` bytes, or whole copies of an operand of one of ``sizes`` bytes.
+    the buffers' sizes, or whole copies of an operand of one of them.
 
     Args:
         program: a compiled program (``jax.stages.Compiled``) or its HLO text.
-        sizes: buffer sizes in bytes that count (e.g. each weight's and each layer's cache
-            bytes per device), of a move's output or of the operand it copies whole (its
-            element count, maybe cast); other moves (activations) are left out.
+        sizes: the buffers that count (e.g. each weight and each layer's cache per device),
+            as bytes or as (element count, bytes): of a move's output or of the operand it
+            copies whole (same element count, maybe cast); other moves (activations) are
+            left out.
 
     Returns:
         The matching ops of every computation reachable from the entry, with ``runs`` =
@@ -105,7 +115,7 @@ def data_movement(program: str | _HasText, sizes: Iterable[int]) -> list[Movemen
     """
     text = program if isinstance(program, str) else program.as_text()
     module = parse_module(text)
-    wanted = set(sizes)
+    wanted = {(None, b) if isinstance(b, int) else (b[0], b[1]) for b in sizes}
     # Instructions inside fused computations are counted once, as their fusion.
     fused = {
         callee
@@ -121,8 +131,8 @@ def data_movement(program: str | _HasText, sizes: Iterable[int]) -> list[Movemen
         for instr in module.computations[comp].values():
             if not _is_move(module, instr):
                 continue
-            nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
-            if _matches(module, instr, nbytes, wanted):
+            if _matches(module, instr, wanted):
+                nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
                 runs = context.trip_count or 1
                 found.append(Movement(instr.name, instr.opcode, nbytes, runs))
     return found
