@@ -60,7 +60,8 @@ BATCH, PROMPT_LEN, MAX_SEQ_LEN = 8, 16, 64
 # TPU section: (preset, strategy, model overrides), each compiled for TPU v5e (compile-only
 # v5e:2x4 topology) and, the same config, for the simulated CPU devices. The config is
 # bfloat16 at kernel-friendly sizes (head_dim 128, 256-token prompts: whole splash blocks),
-# as tests/test_accelerator_compile.py compiles it; tiny-gqa's 2 kv heads replicate at tp=4.
+# as tests/test_accelerator_compile.py compiles it (from this list); tiny-gqa's 2 kv heads
+# replicate at tp=4.
 TPU_MATRIX: list[tuple[str, str, dict]] = [
     ("tiny-gqa", "", {}),
     ("tiny-gqa", "tp=2", {}),

@@ -30,10 +30,9 @@ import pytest
 from jaxpar.engine import AbstractEngine
 from jaxpar.engine._slots import Inserted, SlotSteps
 from jaxpar.inspect import kernel_calls, parse_collectives, tpu_devices
-from jaxpar.inspect._movement import data_movement
-from jaxpar.models import KVCache
 from jaxpar.spec import ParallelConfig, make_mesh
 from tests._accelerator_cases import CUDA_CASES, MOE_CASES, TPU_CASES, model_config
+from tests._movement import moved_fraction
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.sh)
@@ -83,34 +82,6 @@ def _assert_tpu_program(compiled, engine: AbstractEngine, *, splash: int) -> Non
             assert all(0 <= i < n for i in group), c
 
 
-def _buffer(x: jax.ShapeDtypeStruct) -> tuple[int, int]:
-    """(element count, bytes) of one device's shard."""
-    elements = int(np.prod(x.sharding.shard_shape(x.shape)))
-    return elements, elements * x.dtype.itemsize
-
-
-def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-    return _buffer(x)[1]
-
-
-def _moved_fraction(compiled, engine: AbstractEngine) -> float:
-    """Bytes of weight- or layer-cache-sized copies per decode step, over parameter + cache
-    bytes per device (``jaxpar.inspect._movement``; tests/test_data_movement.py on CPU)."""
-    cache = KVCache.abstract(engine.model_config, BATCH, SEQ)
-    caches = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        for x, s in zip(
-            jax.tree.leaves((cache.k, cache.v)),
-            jax.tree.leaves((engine.layouts.cache.k, engine.layouts.cache.v)),
-            strict=True,
-        )
-    ]
-    params = jax.tree.leaves(engine.params)
-    sizes = {_buffer(p) for p in params if p.ndim >= 2} | set(map(_buffer, caches))
-    moved = sum(m.total_bytes for m in data_movement(compiled, sizes))
-    return moved / (sum(map(_shard_bytes, params)) + sum(map(_shard_bytes, caches)))
-
-
 @pytest.mark.parametrize(("preset_name", "strategy", "overrides"), TPU_CASES, ids=str)
 def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
     v5e, preset_name, strategy, overrides
@@ -125,7 +96,7 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
         # No weight or layer cache is copied (or widened to f32 and copied) per step. On
         # v5e the cache write through a [1, B, K, S, H] view and f32 products over the
         # cache once moved 114% (one device) and 156% (kv heads replicated over tp=4).
-        assert _moved_fraction(decode, engine) == 0.0
+        assert moved_fraction(decode, engine, BATCH, SEQ) == 0.0
 
 
 @pytest.mark.parametrize("strategy", ["tp=2", "dp=2,tp=2"])

@@ -8,22 +8,13 @@ splash runs in every prefill layer. libtpu comes from the venv's ``accel`` folde
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 import jaxpar.inspect
 from jaxpar.errors import ConfigError
-
-_spec = importlib.util.spec_from_file_location(
-    "jaxpar_bench_tpu", Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
-)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench
-_spec.loader.exec_module(bench)
+from tests._accelerator_cases import bench
 
 pytestmark = pytest.mark.usefixtures("no_persistent_cache")
 

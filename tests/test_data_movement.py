@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,9 @@ from jaxpar import ParallelConfig
 from jaxpar.engine import AbstractEngine
 from jaxpar.inspect._movement import data_movement
 from jaxpar.inspect._report import compile_step
-from jaxpar.models import KVCache, preset
+from jaxpar.models import preset
 from jaxpar.spec import make_mesh
+from tests._movement import moved_fraction
 from tests._prompts import MAX_BATCH, MAX_SEQ_LEN
 
 BUDGET = 0.05  # of parameter + cache bytes per device
@@ -48,16 +48,6 @@ def _engine(
     )
 
 
-def _buffer(x: jax.ShapeDtypeStruct) -> tuple[int, int]:
-    """(element count, bytes) of one device's shard."""
-    elements = math.prod(x.sharding.shard_shape(x.shape))
-    return elements, elements * x.dtype.itemsize
-
-
-def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-    return _buffer(x)[1]
-
-
 def _moved_fraction(
     layer_loop: str,
     parallel: ParallelConfig,
@@ -67,28 +57,7 @@ def _moved_fraction(
 ) -> float:
     eng = _engine(layer_loop, parallel, batch, dtype)
     compiled = compile_step(eng, phase, prompt_len=PROMPT_LEN)
-    params = jax.tree.leaves(eng.params)
-    # (element count, bytes) per device: an activation of a weight's bytes by chance (f32
-    # [8, 1, 64] against a bf16 kernel of 1024 elements) is no copy of it.
-    weight_sizes = {_buffer(p) for p in params if p.ndim >= 2}
-    # The decode cache as prefill hands it over: [B, K, S, H] per layer, in its layout.
-    cache = KVCache.abstract(eng.model_config, batch, MAX_SEQ_LEN)
-    layer_caches = [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        for x, s in zip(
-            jax.tree.leaves((cache.k, cache.v)),
-            jax.tree.leaves((eng.layouts.cache.k, eng.layouts.cache.v)),
-            strict=True,
-        )
-    ]
-    if layer_loop == "scan":  # one layer of the stacked [L, B, S, K, H] cache
-        layers = eng.model_config.n_layers
-        layer_sizes = {(e // layers, b // layers) for e, b in map(_buffer, layer_caches)}
-    else:
-        layer_sizes = set(map(_buffer, layer_caches))
-    moved = data_movement(compiled, weight_sizes | layer_sizes)
-    total = sum(map(_shard_bytes, params)) + sum(map(_shard_bytes, layer_caches))
-    return sum(m.total_bytes for m in moved) / total
+    return moved_fraction(compiled, eng, batch, MAX_SEQ_LEN)
 
 
 STRATEGIES = [

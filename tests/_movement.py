@@ -1,0 +1,46 @@
+"""Data movement of a compiled step against an engine's own buffers (shared by
+tests/test_data_movement.py on CPU and tests/test_accelerator_compile.py on TPU)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpar.engine import AbstractEngine
+from jaxpar.inspect._movement import data_movement
+from jaxpar.models import KVCache
+
+
+def shard_buffer(x: jax.ShapeDtypeStruct) -> tuple[int, int]:
+    """(element count, bytes) of one device's shard."""
+    elements = math.prod(x.sharding.shard_shape(x.shape))
+    return elements, elements * x.dtype.itemsize
+
+
+def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: int) -> float:
+    """Bytes per step of copies of a weight or of a layer's cache, over parameter + cache
+    bytes per device.
+
+    Buffers are (element count, bytes): an activation of a weight's bytes by chance (f32
+    [8, 1, 64] against a bf16 kernel of 1024 elements) is no copy of it. The cache is
+    decode's, [B, K, S, H] per layer in its layout (one layer of it when stacked).
+    """
+    params = jax.tree.leaves(engine.params)
+    cache = KVCache.abstract(engine.model_config, batch, max_seq_len)
+    caches = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        for x, s in zip(
+            jax.tree.leaves((cache.k, cache.v)),
+            jax.tree.leaves((engine.layouts.cache.k, engine.layouts.cache.v)),
+            strict=True,
+        )
+    ]
+    layer_sizes = set(map(shard_buffer, caches))
+    if engine.model_config.layer_loop == "scan":  # one layer of the stacked [L, ...] cache
+        layers = engine.model_config.n_layers
+        layer_sizes = {(e // layers, b // layers) for e, b in layer_sizes}
+    weights = {shard_buffer(p) for p in params if p.ndim >= 2}
+    moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
+    total = sum(shard_buffer(x)[1] for x in (*params, *caches))
+    return moved / total
