@@ -653,6 +653,14 @@ def _label(preset_name: str, overrides: dict) -> str:
     return " ".join([preset_name, *(f"{short.get(k, k)}={v}" for k, v in overrides.items())])
 
 
+def splash_expected(engine: Any) -> int:
+    """Splash calls a TPU prefill holds: one per layer in the text (one loop body when the
+    layers are stacked), times one per query offset under sp. TPU decode runs XLA (none)."""
+    c = engine.model_config
+    layers = c.n_layers if c.layer_loop == "unrolled" else 1
+    return layers * engine.parallel_config.sp
+
+
 def _compiled_row(engine: Any, phase: str) -> dict:
     """Memory, collectives vs minimum, kernel calls and compile seconds of one step."""
     from jaxpar.inspect import kernel_calls, phase_report
@@ -662,10 +670,6 @@ def _compiled_row(engine: Any, phase: str) -> dict:
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     rep = report.to_dict()
-    c = engine.model_config
-    # One splash call per layer in the text (one loop body when layers are stacked), and
-    # one per query offset under sp; decode runs XLA on TPU.
-    layers = c.n_layers if c.layer_loop == "unrolled" else 1
     return {
         "compile_s": round(seconds, 2),
         "argument_bytes": mem.argument_size_in_bytes,
@@ -676,7 +680,7 @@ def _compiled_row(engine: Any, phase: str) -> dict:
         "trip_counts_known": rep["trip_counts_known"],
         "moe_exchange": rep["moe_exchange"],
         "kernel_calls": kernel_calls(compiled),
-        "splash_expected": layers * engine.parallel_config.sp if phase == "prefill" else 0,
+        "splash_expected": splash_expected(engine) if phase == "prefill" else 0,
     }
 
 

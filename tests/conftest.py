@@ -58,6 +58,7 @@ def no_persistent_cache():
     """The persistent compile cache off for a module's programs: compile-only TPU
     executables are written to it but cannot be read back without a TPU client (jax 0.12
     warns and compiles again)."""
+    was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     yield
-    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_enable_compilation_cache", was)

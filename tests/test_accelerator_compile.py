@@ -16,7 +16,6 @@ so.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 import subprocess
@@ -31,7 +30,8 @@ from jaxpar.engine import AbstractEngine
 from jaxpar.engine._slots import Inserted, SlotSteps
 from jaxpar.inspect import kernel_calls, parse_collectives, tpu_devices
 from jaxpar.spec import ParallelConfig, make_mesh
-from tests._accelerator_cases import CUDA_CASES, MOE_CASES, TPU_CASES, model_config
+from jaxpar.spec._constrain import _jax_version
+from tests._accelerator_cases import CUDA_CASES, MOE_CASES, TPU_CASES, bench, model_config
 from tests._movement import moved_fraction
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,14 +40,14 @@ ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.
 # release brings its own libtpu and CUDA plugin.
 pytestmark = [pytest.mark.jax_compat, pytest.mark.usefixtures("no_persistent_cache")]
 BATCH, SEQ = 8, 256
-TRITON_NEEDS_A_GPU = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+TRITON_NEEDS_A_GPU = _jax_version() >= (0, 12)
 
 
 def _libtpu() -> str:
-    found = glob.glob(str(ACCEL / "tpu" / "libtpu" / "libtpu.so"))
-    if not found:
+    path, _ = bench.libtpu()  # the venv's accel/tpu
+    if path is None:
         pytest.fail(f"no libtpu under {ACCEL / 'tpu'}: run scripts/test.sh, which installs it")
-    return found[0]
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +60,6 @@ def _tpu_engine(devices, preset_name: str, strategy: str, **overrides) -> Abstra
     mesh = make_mesh(parallel, devices=devices[: parallel.size])
     config = model_config(preset_name, **overrides)
     return AbstractEngine.build(config, parallel, max_batch=BATCH, max_seq_len=SEQ, mesh=mesh)
-
-
-def _splash_expected(engine: AbstractEngine) -> int:
-    # Unrolled layers: one call each; stacked layers (pipelines) run one layer body in a
-    # loop. Under sp a layer holds one kernel per query offset (lax.switch picks a shard's).
-    layers = engine.model_config.n_layers if engine.model_config.layer_loop == "unrolled" else 1
-    return layers * engine.parallel_config.sp
 
 
 def _assert_tpu_program(compiled, engine: AbstractEngine, *, splash: int) -> None:
@@ -88,7 +81,7 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
 ):
     engine = _tpu_engine(v5e, preset_name, strategy, **overrides)
     prefill = engine.lower("prefill", prompt_len=SEQ).compile()
-    _assert_tpu_program(prefill, engine, splash=_splash_expected(engine))
+    _assert_tpu_program(prefill, engine, splash=bench.splash_expected(engine))
     # TPU decode runs XLA (no Pallas TPU decode kernel reads this cache layout).
     decode = engine.lower("decode", prompt_len=SEQ).compile()
     _assert_tpu_program(decode, engine, splash=0)

@@ -73,6 +73,23 @@ def local_kv_heads(
     return take(k_BSKH), take(v_BSKH)
 
 
+def spread_to_kv_head(
+    q_BNH: jax.Array, k_local: int, group: int, head_ids_N: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Decode queries placed under the one kv head they read, when kv heads are replicated
+    over tp (see :func:`kv_replicated`): ``q_BKGH`` with G = the local query heads, zeros
+    under every other kv head, and that head's one-hot ``[K]``. The cache is then read
+    where it lies (slicing the one head out would copy it each step)."""
+    one_hot_K = jnp.arange(k_local) == head_ids_N[0] // group
+    q_BKGH = jnp.where(one_hot_K[None, :, None, None], q_BNH[:, None], 0).astype(q_BNH.dtype)
+    return q_BKGH, one_hot_K
+
+
+def from_kv_head(out_BKGH: jax.Array, one_hot_K: jax.Array, dtype) -> jax.Array:
+    """The outputs under the one kv head :func:`spread_to_kv_head` chose, ``[B, G, H]``."""
+    return jnp.sum(jnp.where(one_hot_K[None, :, None, None], out_BKGH, 0), axis=1).astype(dtype)
+
+
 def zero_padded_rows(out_BTNH: jax.Array, q_pos_BT: jax.Array, lengths_B: jax.Array) -> jax.Array:
     """Zeros the rows of padding queries: kernels leave them unspecified (possibly NaN,
     which would reach the cache and then, through p @ V, real rows)."""
@@ -147,25 +164,23 @@ def decode_cudnn(
     length; a sliding window is a ``[B, 1, 1, S]`` mask (cuDNN's own window is aligned to
     the first query, not to the row's length).
 
-    When kv heads are replicated over tp (see :func:`kv_replicated`) this shard's query
-    heads all read one kv head: they are placed in that head's group and the others get
-    zero queries, so the cache is read where it lies (every local kv head is read; slicing
-    the one out would copy it each step).
+    When kv heads are replicated over tp this shard's query heads all read one kv head
+    (:func:`spread_to_kv_head`); cuDNN reads every local kv head's cache then.
     """
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     b, n, h = q_BNH.shape
     k_local, s = k_BKSH.shape[1], k_BKSH.shape[2]
     lengths_B = lengths_B.astype(jnp.int32)
-    one_hot_K = None
+    dtype, one_hot_K = q_BNH.dtype, None
     if kv_replicated(n, k_local, group):
-        one_hot_K = jnp.arange(k_local) == head_ids_N[0] // group
-        q_BKGH = jnp.where(one_hot_K[None, :, None, None], q_BNH[:, None], 0).astype(q_BNH.dtype)
+        q_BKGH, one_hot_K = spread_to_kv_head(q_BNH, k_local, group, head_ids_N)
         q_BNH = q_BKGH.reshape(b, k_local * n, h)
     mask = None
     if window is not None:
         k_pos_S = jnp.arange(s, dtype=jnp.int32)
-        mask = (k_pos_S[None] > (lengths_B - 1 - window)[:, None])[:, None, None, :]
+        valid_BS = k_pos_S[None] < lengths_B[:, None]
+        mask = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, None]
     out_BN1H = cudnn.dot_product_attention(
         q_BNH[:, :, None, :],
         k_BKSH,
@@ -179,9 +194,8 @@ def decode_cudnn(
     )
     out_BNH = out_BN1H[:, :, 0, :]
     if one_hot_K is not None:
-        out_BKGH = out_BNH.reshape(b, k_local, n, h)
-        out_BNH = jnp.sum(jnp.where(one_hot_K[None, :, None, None], out_BKGH, 0), axis=1)
-    return out_BNH.astype(q_BNH.dtype)
+        return from_kv_head(out_BNH.reshape(b, k_local, n, h), one_hot_K, dtype)
+    return out_BNH.astype(dtype)
 
 
 # --- Pallas TPU splash prefill --------------------------------------------------------------
@@ -308,11 +322,9 @@ def decode_pallas_gpu(
         len_BK = jnp.broadcast_to(lengths_B[:, None], (b, k_local))
         one_hot_K = None
     else:
-        # kv heads replicated over tp: all local query heads read kv head head_ids[0] // G.
-        # Slicing it out would copy 1/K of the cache; instead every kv head gets a program
-        # but the others get length 0, so the kernel skips them without reading a byte.
-        one_hot_K = jnp.arange(k_local) == head_ids_N[0] // group
-        q_BKGH = jnp.where(one_hot_K[None, :, None, None], q_BNH[:, None], 0).astype(q_BNH.dtype)
+        # kv heads replicated over tp: every kv head gets a program but the others get
+        # length 0, so the kernel skips them without reading a byte.
+        q_BKGH, one_hot_K = spread_to_kv_head(q_BNH, k_local, group, head_ids_N)
         len_BK = jnp.where(one_hot_K[None], lengths_B[:, None], 0)
     start_BK = None if window is None else jnp.maximum(len_BK - window, 0)
     k_splits, block_k = decode_blocks(s)
@@ -347,6 +359,4 @@ def decode_pallas_gpu(
     # back, or the residual stream turns f32 from this layer on.
     if one_hot_K is None:
         return out_BKGH.reshape(b, n, h).astype(q_BNH.dtype)
-    return jnp.sum(jnp.where(one_hot_K[None, :, None, None], out_BKGH, 0), axis=1).astype(
-        q_BNH.dtype
-    )
+    return from_kv_head(out_BKGH, one_hot_K, q_BNH.dtype)
