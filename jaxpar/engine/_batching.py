@@ -50,6 +50,7 @@ class BatcherStats:
     prefill_seconds: float = 0.0  # wall time in prefill, first tokens, transfer
     insert_seconds: float = 0.0  # wall time dispatching inserts
     moe_dropped: int = 0  # expert assignments dropped (capacity-limited MoE), prefill + decode
+    preemptions: int = 0  # running requests whose pages were taken back (recomputed later)
 
 
 @dataclasses.dataclass
@@ -197,6 +198,11 @@ class ContinuousBatcher:
     def active(self) -> int:
         """Requests holding a decode slot."""
         return self._active
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the decode KV cache held by running requests (0..1)."""
+        return self._active / self.engine.max_batch
 
     @property
     def slots(self) -> int:
