@@ -40,6 +40,14 @@ from jaxpar.models._moe import (
 )
 from jaxpar.models._moe_route import capacity_rows, dropless_capacity
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
+from jaxpar.models._paged import (
+    PAGE_AXES,
+    SCRATCH_PAGE,
+    STACKED_PAGE_AXES,
+    PagedKVCache,
+    PagedLayer,
+    write_prompts,
+)
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 
 __all__ = [
@@ -63,6 +71,12 @@ __all__ = [
     "Embedding",
     "Experts",
     "KVCache",
+    "PAGE_AXES",
+    "SCRATCH_PAGE",
+    "STACKED_PAGE_AXES",
+    "PagedKVCache",
+    "PagedLayer",
+    "write_prompts",
     "LMHead",
     "LayerNorm",
     "Llama3RopeScaling",

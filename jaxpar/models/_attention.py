@@ -15,6 +15,8 @@ from jaxpar.models._attention_ops import (
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
+from jaxpar.models._paged import PagedLayer
+from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 from jaxpar.spec import Module, constrain
 
@@ -123,7 +125,7 @@ class Attention(nnx.Module):
             return q_B1NH, k_B1KH[:, 0], v_B1KH[:, 0]
 
     def decode_attend(
-        self, q_B1NH: jax.Array, pos_B: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array
+        self, q_B1NH: jax.Array, pos_B: jax.Array, kv: tuple[jax.Array, jax.Array] | PagedLayer
     ) -> jax.Array:
         """Attention of the new token over its layer's cache, which already holds it.
 
@@ -133,13 +135,20 @@ class Attention(nnx.Module):
         Args:
             q_B1NH: The new token's query (from :meth:`decode_project`).
             pos_B: Its position; keys j <= pos_B are valid.
-            k_BKSH: This layer's cached keys including the new one, stored [B, K, S, H]
-                (the order the contraction over S per (B, K) reads); v_BKSH likewise.
+            kv: This layer's cached keys and values including the new token's: contiguous
+                ``(k [B, K, S, H], v)`` (the order the contraction over S per (B, K)
+                reads), or the paged pool with the rows' block tables.
 
         Returns:
             y [B, 1, D].
         """
         with jax.named_scope(Module.ATTENTION.value):
+            if isinstance(kv, PagedLayer):
+                out_BNH = paged_decode_attention(
+                    q_B1NH[:, 0], kv, lengths_B=pos_B + 1, window=self.window, impl=self.decode_impl
+                )
+                return self._output(out_BNH[:, None])
+            k_BKSH, v_BKSH = kv
             k_BKSH = constrain(k_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
             v_BKSH = constrain(v_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
             out_BNH = decode_attention(

@@ -43,13 +43,15 @@ class DecoderLayer(nnx.Module):
 
         Writing the new token into the cache before reading the layer's slice is what
         lets XLA update the carried cache in place (read-then-write makes it copy).
+        ``cache`` is contiguous (:class:`KVCache`, a pipeline group's view) or paged
+        (:class:`PagedKVCache`): anything with ``write_layer``, ``layer`` and ``advance``.
 
         Returns:
             (x [B,1,D], the cache with this layer's new token written).
         """
         q_B1NH, k_BKH, v_BKH = self.attn.decode_project(self.attn_norm(x_B1D), pos_B)
         cache = cache.write_layer(layer, k_BKH, v_BKH)
-        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, *cache.layer(layer))
+        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, cache.layer(layer))
         x_B1D = x_B1D + y_B1D
         return x_B1D + self.ffn(self.ffn_norm(x_B1D)), cache
 

@@ -86,4 +86,6 @@ LOGICAL_AXES: dict[str, str] = {
     "layers": "L",
     "stage": "P",
     "positions": "Q",
+    "pages": "A",  # the decode KV cache's page pool (each batch shard owns its pages)
+    "page_pos": "Z",  # token positions inside one page
 }

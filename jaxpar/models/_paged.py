@@ -1,0 +1,207 @@
+"""The paged KV cache of decode: a pool of fixed-size pages per layer, a block table per row.
+
+A sequence's keys and values stay logically contiguous (position ``j`` of row ``b`` lives
+at slot ``j % page_size`` of page ``block_tables_BN[b, j // page_size]``); only their
+storage is paged, so a request holds memory for the tokens it has, not for
+``max_seq_len``.
+
+Layout: each layer's keys (and values) are one array ``[K, A, Z, H]`` (kv heads, pages,
+positions in a page, head_dim). That is the layout JAX's Pallas paged-attention kernels
+read, on GPU (``pallas.ops.gpu.paged_attention``) and TPU (``pallas.ops.tpu.paged_attention``):
+kv heads outermost, so a kernel program streams one head's pages, each page one contiguous
+``[Z, H]`` tile. Any other order would need a transpose of the pool on every step. Layers
+are a tuple of such arrays (``layer_loop="unrolled"``) or one stacked ``[L, K, A, Z, H]``.
+
+Sharding (the spec tables' ``pages`` axis): kv heads over ``tp`` as in the contiguous cache,
+and pages over decode's batch axes. Each batch shard owns its sequences and the pages
+they use, so ``block_tables_BN`` holds *local* page ids: a shard's rows index its own slice
+of the pool, and writes and reads never leave the shard. Local page 0 of every shard is a
+scratch page no sequence owns: free rows (length 0, block table of zeros) write there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxpar.errors import ShapeError
+from jaxpar.models._config import ModelConfig
+from jaxpar.spec import Module, logical_shard_map
+
+#: One layer's page pool: [K, A, Z, H].
+PAGE_AXES = ("kv_heads", "pages", "page_pos", "head_dim")
+#: Every layer's pool in one array: [L, K, A, Z, H].
+STACKED_PAGE_AXES = ("layers", *PAGE_AXES)
+#: Block tables [B, N]: row b's N page ids (local to its batch shard).
+TABLE_AXES = ("batch", None)
+#: The new token's keys or values of each row: [B, K, H].
+ROW_KV_AXES = ("batch", "kv_heads", "head_dim")
+#: Local page id of each shard's scratch page (written by free rows, owned by none).
+SCRATCH_PAGE = 0
+
+
+@flax.struct.dataclass
+class PagedLayer:
+    """One layer's pool and the rows' block tables, as decode attention reads them."""
+
+    k_KAZH: jax.Array
+    v_KAZH: jax.Array
+    block_tables_BN: jax.Array
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    """Decode's K/V in pages: the pool of every layer, block tables, tokens per row.
+
+    Offers what ``DecoderLayer.decode`` calls on a cache: :meth:`write_layer` (the new
+    token of every row, in place) then :meth:`layer` (a :class:`PagedLayer` view), and
+    :meth:`advance`. The block tables may be narrower than the longest possible row: a step
+    given ``N`` columns reads ``N * page_size`` positions per row, so its cost follows the
+    live sequences, not ``max_seq_len``.
+    """
+
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
+    block_tables_BN: jax.Array
+    lengths_B: jax.Array
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
+    def _pool(self) -> jax.Array:
+        return self.k if self.stacked else self.k[0]
+
+    @property
+    def page_size(self) -> int:
+        return self._pool.shape[-2]
+
+    @property
+    def pages(self) -> int:
+        """Pages in the pool (all shards)."""
+        return self._pool.shape[-3]
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions the block tables address per row."""
+        return self.block_tables_BN.shape[1] * self.page_size
+
+    @classmethod
+    def logical_axes(cls, config: ModelConfig) -> PagedKVCache:
+        """A PagedKVCache-shaped pytree of logical axis tuples (for building shardings)."""
+        pool: Any = (
+            STACKED_PAGE_AXES if config.layer_loop == "scan" else (PAGE_AXES,) * config.n_layers
+        )
+        return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
+
+    @classmethod
+    def empty_pool(cls, config: ModelConfig, pages: int, page_size: int) -> Any:
+        """A zero pool of ``pages`` pages per layer (compute dtype), in the config's form."""
+        shape = (config.n_kv_heads, pages, page_size, config.head_dim)
+        if config.layer_loop == "scan":
+            return jnp.zeros((config.n_layers, *shape), config.dtype)
+        return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.n_layers))
+
+    @staticmethod
+    def pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
+        """Bytes of the keys and values of ``pages`` pages, every layer (all shards)."""
+        per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
+        return per_token * pages * page_size * jnp.dtype(config.dtype).itemsize
+
+    def write_layer(
+        self, layer: int | jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array
+    ) -> PagedKVCache:
+        """Writes layer ``layer``'s new token of row b at position ``lengths_B[b]``.
+
+        Per batch shard (its rows address its pages): a scatter into the donated pool,
+        in place. Lengths are unchanged until :meth:`advance`.
+        """
+        tables, lengths = self.block_tables_BN, self.lengths_B
+        if self.stacked:
+            write = logical_shard_map(
+                _write_stacked,
+                in_axes=(STACKED_PAGE_AXES, None, TABLE_AXES, ("batch",), ROW_KV_AXES),
+                out_axes=STACKED_PAGE_AXES,
+                module=Module.ATTENTION,
+            )
+            layer_index = jnp.asarray(layer, jnp.int32)
+            k = write(self.k, layer_index, tables, lengths, k_new_BKH.astype(self.k.dtype))
+            v = write(self.v, layer_index, tables, lengths, v_new_BKH.astype(self.v.dtype))
+            return self.replace(k=k, v=v)
+        write = logical_shard_map(
+            _write_layer,
+            in_axes=(PAGE_AXES, TABLE_AXES, ("batch",), ROW_KV_AXES),
+            out_axes=PAGE_AXES,
+            module=Module.ATTENTION,
+        )
+        dtype = self.k[0].dtype
+        k_pool = write(self.k[layer], tables, lengths, k_new_BKH.astype(dtype))
+        v_pool = write(self.v[layer], tables, lengths, v_new_BKH.astype(dtype))
+
+        def put(layers: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
+            return (*layers[:layer], x, *layers[layer + 1 :])
+
+        return self.replace(k=put(self.k, k_pool), v=put(self.v, v_pool))
+
+    def layer(self, layer: int | jax.Array) -> PagedLayer:
+        """Layer ``layer``'s pool and the block tables (read after :meth:`write_layer`)."""
+        return PagedLayer(self.k[layer], self.v[layer], self.block_tables_BN)
+
+    def advance(self) -> PagedKVCache:
+        """Lengths + 1, after every layer wrote this step's token."""
+        return self.replace(lengths_B=self.lengths_B + 1)
+
+
+def _page_slot(z: int, tables_BN: jax.Array, pos_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Row b's (local page, slot) of position ``pos_B[b]``."""
+    page_B = jnp.take_along_axis(tables_BN, (pos_B // z)[:, None], axis=1)[:, 0]
+    return page_B, pos_B % z
+
+
+def _write_layer(pool_KAZH, tables_BN, pos_B, new_BKH):
+    """One shard: row b's token into slot ``pos % Z`` of its page ``tables[b, pos // Z]``."""
+    page_B, slot_B = _page_slot(pool_KAZH.shape[-2], tables_BN, pos_B)
+    # The indexed dims are adjacent: the updates are [K, B, H].
+    return pool_KAZH.at[:, page_B, slot_B].set(new_BKH.transpose(1, 0, 2))
+
+
+def _write_stacked(pool_LKAZH, layer, tables_BN, pos_B, new_BKH):
+    """:func:`_write_layer` into layer ``layer`` of a stacked pool."""
+    page_B, slot_B = _page_slot(pool_LKAZH.shape[-2], tables_BN, pos_B)
+    # The indexed dims are apart (layer, then page and slot): the updates are [B, K, H].
+    return pool_LKAZH.at[layer, :, page_B, slot_B].set(new_BKH)
+
+
+def write_prompts(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
+    """Writes prefilled K/V into pages: row p's positions ``[0, T)`` into its pages.
+
+    Args:
+        pool: a layer tuple of ``[K, A, Z, H]`` or a stacked ``[L, K, A, Z, H]``.
+        new: prefill's K or V, per-layer ``[P, T, K, H]`` or stacked ``[L, P, T, K, H]``.
+        pages_PN: ``ceil(T / Z)`` *global* page ids per row (shard * pages-per-shard +
+            local id); ids ``>= A`` (rows not written, pages past a row's prompt) are dropped.
+
+    Traced in the decode layout: XLA places each page's rows where the page lives.
+    """
+    stacked = not isinstance(pool, tuple)
+    z = (pool if stacked else pool[0]).shape[-2]
+    n = pages_PN.shape[1]
+
+    def paged(x_PTKH: jax.Array) -> jax.Array:  # [(L,) P, T, K, H] -> [(L,) K, P, N, Z, H]
+        *lead, p, t, k, h = x_PTKH.shape
+        if n * z < t:
+            raise ShapeError(f"{n} pages of {z} positions cannot hold {t} prefilled tokens")
+        x_PTKH = jnp.pad(x_PTKH, [(0, 0)] * len(lead) + [(0, 0), (0, n * z - t), (0, 0), (0, 0)])
+        x = x_PTKH.reshape(*lead, p, n, z, k, h)
+        return jnp.moveaxis(x, -2, len(lead))
+
+    if stacked:  # [L, K, A, Z, H] <- [L, K, P, N, Z, H]
+        return pool.at[:, :, pages_PN].set(paged(new).astype(pool.dtype), mode="drop")
+    return tuple(
+        layer.at[:, pages_PN].set(paged(x).astype(layer.dtype), mode="drop")
+        for layer, x in zip(pool, new, strict=True)
+    )
