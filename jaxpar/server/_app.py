@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health.
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics.
 
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ended by
 ``data: [DONE]``. A client that goes away (mid-stream or while waiting for a whole
@@ -16,10 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpar.server import _errors
 from jaxpar.server._errors import APIError
+from jaxpar.server._metrics import metrics_registry
 from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
 from jaxpar.server._service import Job, Service
 
@@ -179,6 +181,13 @@ def _routes(app: FastAPI, service: Service) -> None:
         batcher = service.batcher
         status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
         return JSONResponse(status | {"queued": batcher.queued, "stats": vars(batcher.stats)})
+
+    registry = metrics_registry(service)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format, read from the batcher now (200 even while warming up)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -7,6 +7,7 @@ stream of tokens into text deltas (:class:`~jaxpar.server._detokenize.TextStream
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import secrets
 import time
@@ -22,6 +23,8 @@ from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
 
 #: Seconds a client is told to wait (``Retry-After``) when the queue is full.
 RETRY_AFTER_S = 1
+#: The finish reasons of a request that succeeded: a stop token or string, ``max_tokens``.
+SUCCESS_REASONS = ("stop", "length")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,12 +73,27 @@ class Job:
         }
 
 
+@dataclasses.dataclass
+class ServiceStats:
+    """Counters since start over the requests a :class:`Service` followed (they only grow).
+
+    The token counts add up the ``usage`` of every request, finished or not, as its tokens
+    arrive: a prompt counts once its first token is there (it was prefilled).
+    """
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    #: Requests that finished with each of :data:`SUCCESS_REASONS`.
+    succeeded: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
 class Service:
     """Checks, submits and follows requests for one served model."""
 
     def __init__(self, batcher: ContinuousBatcher, model: ServedModel):
         self.batcher = batcher
         self.model = model
+        self.stats = ServiceStats()
         self.started = int(time.time())
         self.ready = False  # set once warmed up
         self.warmup_error: BaseException | None = None
@@ -225,7 +243,10 @@ class Service:
         sent = 0
         try:
             async for token in job.stream:
+                if not job.tokens:
+                    self.stats.prompt_tokens += len(job.prompt)
                 job.tokens.append(token)
+                self.stats.generation_tokens += 1
                 delta = job.text.feed(token)
                 if delta:
                     yield delta, job.tokens[sent:]
@@ -237,6 +258,7 @@ class Service:
             if tail or sent < len(job.tokens):
                 yield tail, job.tokens[sent:]
             job.finish_reason = "stop" if job.text.stopped else _outcome(job.stream)
+            self.stats.succeeded[job.finish_reason] += 1
         finally:
             if not job.stream.done:
                 job.stream.cancel()

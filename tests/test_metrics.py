@@ -1,0 +1,185 @@
+"""``GET /metrics``: Prometheus metrics read from the live batcher.
+
+In-process, a stand-in batcher with known values checks the names, labels and format (and
+that two apps in one process keep their own registries). Then a real ``jaxpar serve``
+(2 slots) is scraped idle, while streamed requests run and queue, and after them: the
+gauges follow the batcher, and the token and request counters add up exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxpar.engine import BatcherStats
+from jaxpar.server import ServedModel, Service, create_app
+from tests._serve_util import MODEL, ServerProcess
+
+RUNNING = "jaxpar:num_requests_running"
+WAITING = "jaxpar:num_requests_waiting"
+USAGE = "jaxpar:kv_cache_usage_perc"
+PREEMPTIONS = "jaxpar:num_preemptions_total"
+PROMPT_TOKENS = "jaxpar:prompt_tokens_total"
+GENERATION_TOKENS = "jaxpar:generation_tokens_total"
+SUCCESS_LENGTH = "jaxpar:request_success_total{finished_reason=length}"
+SUCCESS_STOP = "jaxpar:request_success_total{finished_reason=stop}"
+
+SLOTS = 2
+
+
+def _parse(text: str, model: str) -> dict[str, float]:
+    """Sample name (with its labels other than ``model_name``) -> value."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == model, sample
+            extra = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            out[sample.name + (f"{{{extra}}}" if extra else "")] = sample.value
+    return out
+
+
+def _check_response(response) -> str:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == CONTENT_TYPE_LATEST
+    return response.text
+
+
+# --- in-process, a stand-in batcher ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Batcher:
+    """What /metrics reads of a batcher, with set values."""
+
+    active: int = 0
+    queued: int = 0
+    kv_cache_usage: float = 0.0
+    stats: BatcherStats = dataclasses.field(default_factory=BatcherStats)
+    failure: None = None
+
+    def start(self):
+        return self
+
+    def close(self, *, drain=False, timeout=None):
+        pass
+
+
+def test_metrics_read_the_batcher_at_each_scrape():
+    one = _Batcher(active=3, queued=5, kv_cache_usage=0.375)
+    other = _Batcher(active=1)
+    apps = [create_app(Service(b, ServedModel(name=n))) for b, n in [(one, "a"), (other, "b")]]
+    with TestClient(apps[0]) as http, TestClient(apps[1]) as http_other:
+        text = _check_response(http.get("/metrics"))  # 200 while warming up too
+        assert "# TYPE jaxpar:num_requests_running gauge" in text
+        assert "# TYPE jaxpar:num_preemptions_total counter" in text
+        values = _parse(text, "a")
+        assert values == {
+            RUNNING: 3,
+            WAITING: 5,
+            USAGE: 0.375,
+            PREEMPTIONS: 0,
+            PROMPT_TOKENS: 0,
+            GENERATION_TOKENS: 0,
+            SUCCESS_STOP: 0,
+            SUCCESS_LENGTH: 0,
+        }
+        one.active, one.queued, one.kv_cache_usage = 0, 0, 0.0
+        one.stats.preemptions = 4
+        values = _parse(http.get("/metrics").text, "a")
+        assert (values[RUNNING], values[WAITING], values[USAGE]) == (0, 0, 0)
+        assert values[PREEMPTIONS] == 4
+        assert _parse(_check_response(http_other.get("/metrics")), "b")[RUNNING] == 1
+
+
+# --- a real server -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ready(tmp_path_factory):
+    args = ["--hf", "tests/fixtures/llama_chat", "--max-seq-len", "64", "--slots", str(SLOTS)]
+    proc = ServerProcess(args, cpu_devices=1, log_dir=tmp_path_factory.mktemp("serve"))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def _scrape(server: ServerProcess) -> dict[str, float]:
+    return _parse(_check_response(httpx.get(f"{server.url}/metrics", timeout=10)), MODEL)
+
+
+def _idle(server: ServerProcess, timeout: float = 30) -> dict[str, float]:
+    """The metrics once no request runs or waits (a slot is freed just after its last
+    token is sent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = _scrape(server)
+        if not values[RUNNING] and not values[WAITING]:
+            return values
+        assert time.monotonic() < deadline, f"server still busy: {values}"
+        time.sleep(0.05)
+
+
+async def _stream_while_scraping(url: str, prompts: list[list[int]], max_tokens: int):
+    """Streams ``prompts`` at once and scrapes /metrics until they are done; the token
+    counts of the streams and every scrape."""
+    scrapes: list[dict[str, float]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+        async def stream(prompt: list[int]) -> int:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+            body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            usage = None
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {") and '"usage"' in line:
+                        usage = json.loads(line[6:])["usage"]
+            return usage["completion_tokens"]
+
+        async def scrape(streams: asyncio.Future) -> None:
+            while not streams.done():
+                scrapes.append(_parse(_check_response(await http.get("/metrics")), MODEL))
+                await asyncio.sleep(0.005)
+
+        streams = asyncio.gather(*(stream(p) for p in prompts))
+        await asyncio.gather(streams, scrape(streams))
+        return streams.result(), scrapes
+
+
+def test_metrics_follow_the_running_server(ready):
+    before = _idle(ready)
+    assert (before[RUNNING], before[WAITING], before[USAGE]) == (0, 0, 0)
+    assert before[PREEMPTIONS] == 0
+    # 6 requests of 60 tokens on 2 slots: 2 run while the others wait, three times over.
+    prompts = [[1, 60 + i, 61 + i] for i in range(6)]
+    started = time.monotonic()
+    counts, scrapes = asyncio.run(_stream_while_scraping(ready.url, prompts, 60))
+    took = time.monotonic() - started
+    assert counts == [60] * len(prompts)
+    assert len(scrapes) >= 3, (took, scrapes)
+    busy = [s for s in scrapes if s[RUNNING]]
+    assert busy, f"no scrape saw a running request in {took:.2f} s: {scrapes}"
+    assert any(s[USAGE] > 0 for s in busy), busy
+    for s in scrapes:
+        assert 0 <= s[RUNNING] <= SLOTS and 0 <= s[WAITING] <= len(prompts), s
+        assert 0 <= s[USAGE] <= 1, s
+    assert max(s[RUNNING] for s in scrapes) == SLOTS, scrapes  # every slot was taken
+    assert any(s[WAITING] for s in scrapes), f"no scrape saw a queued request: {scrapes}"
+    after = _idle(ready)
+    assert (after[RUNNING], after[WAITING], after[USAGE]) == (0, 0, 0)
+    # Counters: exactly the streams' usage, and every request finished by max_tokens.
+    assert after[PROMPT_TOKENS] - before[PROMPT_TOKENS] == sum(map(len, prompts))
+    assert after[GENERATION_TOKENS] - before[GENERATION_TOKENS] == sum(counts)
+    assert after[SUCCESS_LENGTH] - before[SUCCESS_LENGTH] == len(prompts)
+    assert after[SUCCESS_STOP] == before[SUCCESS_STOP]
+    assert after[PREEMPTIONS] == 0
