@@ -1,12 +1,17 @@
-"""Continuous batching: requests queue, prefill in buckets, decode over slots.
+"""Continuous batching: requests queue, prefill in buckets, decode over a paged KV cache.
 
-:class:`ContinuousBatcher` runs one decode loop over the engine's ``max_batch`` slots
-(:mod:`jaxpar.engine._slots`). Between two decode steps it frees the slots of finished
-or cancelled requests and fills free slots with queued requests: their prompts are
-prefilled together (up to ``prefill_batch`` at a time, padded to a power-of-two bucket),
-and each one's K/V is written into its slot. A request never waits for another to finish,
-and nothing recompiles per request: prefill and insert compile once per bucket, the
-decode step once.
+:class:`ContinuousBatcher` runs one decode loop over the engine's ``max_batch`` rows
+(:mod:`jaxpar.engine._slots`) and a pool of KV pages (:mod:`jaxpar.engine._pages`).
+Between two decode steps it frees the rows and pages of finished or cancelled requests
+and admits queued requests, in order, while their pages fit: their prompts are prefilled
+together (up to ``prefill_batch`` at a time, padded to a power-of-two bucket), and each
+one's K/V is written into its pages. A running request takes a page whenever it crosses a
+page boundary; when its batch shard has none left, the most recently admitted request of
+that shard is preempted: its pages are freed and it goes back to the front of the queue,
+to be prefilled again from its prompt and the tokens it already drew (with the same
+sampling steps, so its tokens are those it would have drawn anyway). A request never
+waits for another to finish, and nothing recompiles per request: prefill and insert
+compile once per bucket, the decode step once per block-table width.
 
 Disaggregated (``prefill_engine`` given): prefill runs on that engine's devices with its
 own strategy, in a thread of its own, so it overlaps the decode steps; each batch's K/V
@@ -25,15 +30,20 @@ import jax
 import numpy as np
 
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
+from jaxpar.engine._pages import PageTable
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._requests import Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import CacheOverflowError, ConfigError, QueueFullError, ShapeError
+from jaxpar.models import KVCache
 
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
 #: side fed without prefilling far ahead of it.
 READY_BATCHES = 2
+#: The fewest positions per row a decode step reads (its narrowest block table).
+MIN_STEP_TOKENS = 64
 
 
 @dataclasses.dataclass
@@ -63,6 +73,9 @@ class _Batch:
     streams: list[RequestStream | None]
     inserted: Inserted
     sampling_P: RowSampling
+    contexts: list[int]  # tokens each row's prefill cached (prompt + tokens drawn before)
+    steps_P: np.ndarray  # tokens each row had drawn before its prefill (preempted: > 0)
+    rows: list[int | None]  # decode rows taken at admission (None: placed at insert)
 
     @property
     def live(self) -> list[tuple[int, RequestStream]]:
@@ -82,6 +95,9 @@ class ContinuousBatcher:
             that holds them. Default: ``4 * dp`` (the prefill engine's ``max_batch`` when
             disaggregated).
         max_queue: requests waiting beyond this are refused (:class:`QueueFullError`).
+        kv_budget: the paged KV cache's page size and size (a token budget or a fraction
+            of free device memory); default :class:`KVBudget`. ``engine.max_seq_len``
+            bounds one request, capped by what one batch shard's pages hold.
     """
 
     def __init__(
@@ -91,6 +107,7 @@ class ContinuousBatcher:
         prefill_engine: InferenceEngine | None = None,
         prefill_batch: int | None = None,
         max_queue: int = 256,
+        kv_budget: KVBudget | None = None,
     ):
         if jax.process_count() > 1:
             raise ConfigError(
@@ -102,7 +119,20 @@ class ContinuousBatcher:
         self.engine = engine
         self.prefill_engine = prefill_engine or engine
         self.disaggregated = prefill_engine is not None
-        self.slot_steps = SlotSteps(engine.steps, engine.program.model_config, engine.max_batch)
+        program = engine.program
+        self.pool = size_pool(
+            kv_budget or KVBudget(),
+            config=engine.parallel_config,
+            mesh=engine.mesh,
+            dims=program.model_config,
+            rows=engine.max_batch,
+            max_seq_len=engine.max_seq_len,
+            step_temp_bytes=lambda: _step_temp_bytes(engine),
+        )
+        self.pages = PageTable(self.pool)
+        self.slot_steps = SlotSteps(engine.steps, program.model_config, self.pool)
+        #: The longest request (prompt + max_tokens - 1).
+        self.max_seq_len = self.pool.max_seq_len
         if self.disaggregated:
             _check_pair(engine, prefill_engine)
         self.first_tokens = FirstTokens(self.prefill_engine.steps)
@@ -110,7 +140,7 @@ class ContinuousBatcher:
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
-        self.max_prompt_len = min(engine.max_seq_len, self.prefill_engine.max_seq_len)
+        self.max_prompt_len = min(self.max_seq_len, self.prefill_engine.max_seq_len)
         self.stats = BatcherStats()
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestStream] = collections.deque()
@@ -119,7 +149,11 @@ class ContinuousBatcher:
         self._next_id = 0
         self._closing = False
         self._stopping = False
-        self._owners: list[RequestStream | None] = []
+        self._owners: list[RequestStream | None] = [None] * engine.max_batch
+        self._lengths = np.zeros(engine.max_batch, np.int64)  # tokens cached per row (host)
+        self._admitted = np.zeros(engine.max_batch, np.int64)  # admission order per row
+        self._admissions = 0
+        self._tables: tuple[tuple[int, int], jax.Array] | None = None  # (version, width)
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
         self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
@@ -182,11 +216,11 @@ class ContinuousBatcher:
             raise CacheOverflowError(
                 f"prompt of {ids.size} tokens exceeds max_seq_len={self.max_prompt_len}"
             )
-        if ids.size + max_tokens - 1 > self.engine.max_seq_len:
+        if ids.size + max_tokens - 1 > self.max_seq_len:
             raise CacheOverflowError(
                 f"prompt ({ids.size} tokens) + max_tokens={max_tokens} exceeds "
-                f"max_seq_len={self.engine.max_seq_len} + 1; lower max_tokens to at most "
-                f"{self.engine.max_seq_len + 1 - ids.size}"
+                f"max_seq_len={self.max_seq_len} + 1; lower max_tokens to at most "
+                f"{self.max_seq_len + 1 - ids.size}"
             )
         return ids
 
@@ -201,8 +235,12 @@ class ContinuousBatcher:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of the decode KV cache held by running requests (0..1)."""
-        return self._active / self.engine.max_batch
+        """Fraction of the KV cache's pages held by running requests (0..1)."""
+        return self.pages.usage
+
+    def describe_cache(self) -> str:
+        """One line: the KV cache's pages, tokens, GiB per device, sequences that fit."""
+        return describe(self.pool, self.slot_steps.pool_bytes_per_device())
 
     @property
     def slots(self) -> int:
@@ -262,8 +300,17 @@ class ContinuousBatcher:
             self.first_tokens.compile(logits)
             row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
             self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
-        self.slot_steps.compile_step(self.engine.params)
+        for width in self.table_widths():
+            self.slot_steps.compile_step(self.engine.params, width)
         return buckets
+
+    def table_widths(self) -> list[int]:
+        """The block-table widths a decode step compiles for (powers of two)."""
+        floor = self.pool.pages_for(MIN_STEP_TOKENS)
+        widths = {
+            self.pages.width(t, floor) for t in range(1, self.max_seq_len + 1, self.pool.page_size)
+        }
+        return sorted(widths | {self.pages.width(self.max_seq_len, floor)})
 
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops taking requests, then ends the loops.
@@ -324,30 +371,57 @@ class ContinuousBatcher:
 
     # --- prefill -------------------------------------------------------------------------
 
-    def _take(self, n: int) -> list[RequestStream]:
-        """Up to ``n`` queued requests that are still wanted (call with the lock held)."""
-        taken = []
+    def _take(self, n: int, place: bool = False) -> tuple[list[RequestStream], list[int | None]]:
+        """Up to ``n`` queued requests that are still wanted, in order (call with the lock
+        held). With ``place``, each also gets a free decode row and the pages of its
+        context and first new token, and taking stops at the first that does not fit."""
+        taken, rows = [], []
         while self._queue and len(taken) < n:
-            stream = self._queue.popleft()
+            stream = self._queue[0]
             if stream.cancel_requested:
+                self._queue.popleft()
                 stream.finish(stream.cancel_reason)
                 self.stats.finished += 1
                 self._cond.notify_all()
-            else:
-                taken.append(stream)
-        return taken
+                continue
+            row = self._place(_context_len(stream) + 1, rows) if place else None
+            if place and row is None:
+                break
+            taken.append(self._queue.popleft())
+            rows.append(row)
+        return taken, rows
 
-    def _prefill(self, streams: list[RequestStream]) -> _Batch:
+    def _place(self, tokens: int, taken: list[int | None]) -> int | None:
+        """A free decode row whose shard has pages for ``tokens`` tokens (the shard with the
+        most free pages); its pages are taken. None if no shard has room."""
+        best = None
+        for row, owner in enumerate(self._owners):
+            if owner is not None or row in taken or self.pages.held_B[row]:
+                continue
+            if not self.pages.can_grow(row, tokens):
+                continue
+            shard = self.pages.shard(row)
+            if best is None or self.pages.free_pages(shard) > self.pages.free_pages(best[1]):
+                best = (row, shard)
+        if best is None:
+            return None
+        self.pages.grow(best[0], tokens)
+        return best[0]
+
+    def _prefill(self, streams: list[RequestStream], placed: list[int | None]) -> _Batch:
         """Prefills ``streams`` together and draws their first tokens (sent to the clients
-        at once); the results laid out for the decode engine."""
+        at once); the results laid out for the decode engine. A preempted request is
+        prefilled with the tokens it drew, and draws its next one at its own step."""
         eng, rows = self.prefill_engine, self._rows(len(streams))
         start = time.perf_counter()
-        longest = max(len(s.request.prompt) for s in streams)
-        tokens_PT = np.zeros((rows, eng.bucket(longest)), np.int32)
+        contexts = [[*s.request.prompt, *s.tokens] for s in streams]
+        steps_P = np.zeros(rows, np.int32)
+        steps_P[: len(streams)] = [len(s.tokens) for s in streams]
+        tokens_PT = np.zeros((rows, eng.bucket(max(map(len, contexts)))), np.int32)
         lengths_P = np.ones(rows, np.int32)
-        for i, stream in enumerate(streams):
-            tokens_PT[i, : len(stream.request.prompt)] = stream.request.prompt
-            lengths_P[i] = len(stream.request.prompt)
+        for i, context in enumerate(contexts):
+            tokens_PT[i, : len(context)] = context
+            lengths_P[i] = len(context)
         lay = eng.layouts
         tokens = put_global(tokens_PT, lay.tokens_BT)
         lengths = put_global(lengths_P, lay.lengths_prefill_B)
@@ -359,24 +433,27 @@ class ContinuousBatcher:
         requests = [s.request for s in streams]
         requests += [requests[0]] * (rows - len(streams))
         sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
-        first_P = self.first_tokens(logits_PV, sampling_P)
+        first_P = self.first_tokens(logits_PV, sampling_P, steps_P)
         first = np.asarray(jax.device_get(first_P))
         self.stats.prefill_batches += 1
         live = [
-            self._first(stream, int(token))
-            for stream, token in zip(streams, first[: len(streams)], strict=True)
+            self._first(stream, int(token), row)
+            for stream, token, row in zip(streams, first[: len(streams)], placed, strict=True)
         ]
         inserted = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
         if self.disaggregated:
             inserted = self._transfer(inserted)
         jax.block_until_ready(inserted)
         self.stats.prefill_seconds += time.perf_counter() - start
-        return _Batch(live, inserted, sampling_P)
+        return _Batch(live, inserted, sampling_P, list(map(len, contexts)), steps_P, placed)
 
-    def _first(self, stream: RequestStream, token: int) -> RequestStream | None:
-        """Sends a request its first token; None if that finished it (it takes no slot)."""
+    def _first(self, stream: RequestStream, token: int, row: int | None) -> RequestStream | None:
+        """Sends a request its first token; None if that finished it (it takes no row, and
+        the pages taken for it at admission go back)."""
         if stream.emit(token) is None:
             return stream
+        if row is not None:
+            self.pages.release(row)
         with self._cond:
             self.stats.finished += 1
             self._cond.notify_all()
@@ -404,35 +481,51 @@ class ContinuousBatcher:
                 )
                 if self._stopping:
                     return
-                streams = self._take(self.prefill_batch)
+                streams, placed = self._take(self.prefill_batch)
             if not streams:
                 continue
-            batch = self._prefill(streams)
+            batch = self._prefill(streams, placed)
             with self._cond:
                 self._ready.append(batch)
                 self._cond.notify_all()
 
     # --- decode --------------------------------------------------------------------------
 
-    def _next_batches(self, free: int) -> list[_Batch]:
-        """Prefilled batches that fit ``free`` slots (prefilling now unless disaggregated)."""
+    def _next_batches(self) -> list[_Batch]:
+        """Requests admitted into free rows while their pages fit, in order: prefilled now,
+        or (disaggregated) the prefilled batches whose requests all fit."""
         if self.disaggregated:
             with self._cond:
                 batches = []
-                while self._ready and len(self._ready[0].live) <= free:
+                while self._ready and self._fits(self._ready[0]):
                     batches.append(self._ready.popleft())
-                    free -= len(batches[-1].live)
                 self._cond.notify_all()
             return batches
         batches = []
-        while free:
+        while True:
+            free = sum(s is None for s in self._owners) - sum(
+                r is not None for b in batches for r in b.rows
+            )
             with self._cond:
-                streams = self._take(min(free, self.prefill_batch))
+                streams, placed = self._take(min(free, self.prefill_batch), place=True)
             if not streams:
                 break
-            batches.append(self._prefill(streams))
-            free -= len(batches[-1].live)
+            batches.append(self._prefill(streams, placed))
         return batches
+
+    def _fits(self, batch: _Batch) -> bool:
+        """Places a prefilled batch's live requests (rows and pages), all or none."""
+        rows: list[int | None] = []
+        for i, _ in batch.live:
+            row = self._place(batch.contexts[i] + 1, rows)
+            if row is None:
+                for taken in rows:
+                    self.pages.release(taken)
+                return False
+            rows.append(row)
+        placed = iter(rows)
+        batch.rows = [next(placed) if s is not None else None for s in batch.streams]
+        return True
 
     def _wait_for_work(self, busy: bool) -> bool:
         """Blocks while there is nothing to do; False once the loop should end."""
@@ -443,26 +536,35 @@ class ContinuousBatcher:
             return not self._stopping
 
     def _decode_loop(self) -> None:
-        """Decode steps over the slots, refilled in between.
+        """Decode steps over the rows, refilled in between.
 
         Step n+1 is dispatched before step n's tokens are read back, so the host's work
         (reading, streaming, stop checks, admitting) overlaps the device's. A request that
-        finished at step n has one more token drawn at step n+1; it is dropped.
+        finished at step n has one more token drawn at step n+1; it is dropped. Device
+        programs run in the order they are dispatched (each takes the last one's donated
+        state), so pages freed on the host are rewritten only after that extra step.
         """
         b = self.engine.max_batch
         slots = self.slot_steps.empty()
-        owners: list[RequestStream | None] = [None] * b
-        self._owners = owners
+        owners = self._owners
         release_B = np.zeros(b, bool)
-        pending = None  # the last step's tokens (on device) and who held each slot then
+        pending = None  # the last step's tokens (on device) and who held each row then
         while self._wait_for_work(any(owners) or pending is not None):
             self._release_cancelled(owners, release_B)
-            free = [i for i, s in enumerate(owners) if s is None]
-            for batch in self._next_batches(len(free)):
-                slots = self._insert(slots, batch, free, owners, release_B)
+            for batch in self._next_batches():
+                slots = self._insert(slots, batch, owners, release_B)
+            if any(owners) and not self._reserve(owners):
+                # A shard is out of pages: read the step in flight (it may end requests),
+                # then preempt until every running row has its next page.
+                if pending is not None:
+                    self._deliver(*pending, owners, release_B)
+                    pending = None
+                self._preempt_for_room(owners, release_B)
             dispatched = None
             if any(owners):
-                slots, *step = self.slot_steps.step(self.engine.params, slots, release_B)
+                tables = self._step_tables(owners)
+                slots, *step = self.slot_steps.step(self.engine.params, slots, release_B, tables)
+                self._lengths += [s is not None for s in owners]
                 release_B[:] = False
                 dispatched = (*step, list(owners))
             if pending is not None:
@@ -472,8 +574,49 @@ class ContinuousBatcher:
             stream.finish("shutdown")
         self._end_all("shutdown")
 
+    def _reserve(self, owners) -> bool:
+        """Pages for every running row's next token; False if some shard ran out."""
+        return all(
+            self.pages.grow(i, int(self._lengths[i]) + 1)
+            for i, s in enumerate(owners)
+            if s is not None
+        )
+
+    def _preempt_for_room(self, owners, release_B) -> None:
+        """Preempts the latest-admitted request of each shard that is out of pages until
+        every running row has room for its next token (the oldest always fits alone)."""
+        for i, stream in enumerate(owners):
+            while stream is not None and not self.pages.grow(i, int(self._lengths[i]) + 1):
+                shard = self.pages.shard(i)
+                victims = [j for j, s in enumerate(owners) if s and self.pages.shard(j) == shard]
+                victim = max(victims, key=lambda j: self._admitted[j])
+                self._preempt(owners, release_B, victim)
+                stream = owners[i]
+
+    def _preempt(self, owners, release_B, i: int) -> None:
+        """Frees row ``i`` and its pages; its request goes back to the front of the queue."""
+        stream = owners[i]
+        owners[i] = None
+        release_B[i] = True
+        self.pages.release(i)
+        with self._cond:
+            self._active -= 1
+            self.stats.preemptions += 1
+            self._queue.appendleft(stream)
+            self._cond.notify_all()
+
+    def _step_tables(self, owners) -> jax.Array:
+        """The block tables of the running rows, as wide as the longest needs (placed
+        again only when they change)."""
+        longest = max(int(self._lengths[i]) + 1 for i, s in enumerate(owners) if s is not None)
+        width = self.pages.width(longest, self.pool.pages_for(MIN_STEP_TOKENS))
+        key = (self.pages.version, width)
+        if self._tables is None or self._tables[0] != key:
+            self._tables = (key, self.slot_steps.tables(self.pages.tables_BN[:, :width]))
+        return self._tables[1]
+
     def _deliver(self, next_B, dropped, holders, owners, release_B) -> None:
-        """Streams one step's tokens to the requests that held the slots when it ran."""
+        """Streams one step's tokens to the requests that held the rows when it ran."""
         tokens_B = np.asarray(jax.device_get(next_B))
         if dropped is not None:
             with self._cond:
@@ -483,27 +626,36 @@ class ContinuousBatcher:
         self.stats.decode_seconds += now - max(self._last_read, self._loop_started)
         self._last_read = now
         for i, stream in enumerate(holders):
-            if stream is None or stream.done:
-                continue
-            if stream.emit(int(tokens_B[i])) is not None and owners[i] is stream:
+            if stream is None or stream.done or owners[i] is not stream:
+                continue  # ended, or preempted after this step (its token is drawn again)
+            if stream.emit(int(tokens_B[i])) is not None:
                 self._free(owners, release_B, i)
 
-    def _insert(self, slots, batch: _Batch, free: list[int], owners, release_B):
-        """Writes a batch's live requests into free slots (the others' rows are dropped)."""
+    def _insert(self, slots, batch: _Batch, owners, release_B):
+        """Writes a batch's live requests into their rows and pages (the others' rows are
+        dropped)."""
         live = batch.live
         if not live:
             return slots
         rows = batch.inserted.lengths_P.shape[0]  # the row bucket: padding rows are dropped
+        n_pages = self.pool.pages_for(jax.tree.leaves(batch.inserted.k)[0].shape[-3])
         slot_P = np.full(rows, self.engine.max_batch, np.int32)
-        for row, stream in live:
-            slot = free.pop(0)
-            slot_P[row] = slot
+        pages_PN = np.full((rows, n_pages), self.pool.pages, np.int32)
+        for i, stream in live:
+            slot = batch.rows[i]
+            slot_P[i] = slot
+            pages_PN[i] = self.pages.global_ids(slot, n_pages)
             owners[slot] = stream
             release_B[slot] = False
+            self._lengths[slot] = batch.contexts[i]
+            self._admissions += 1
+            self._admitted[slot] = self._admissions
         with self._cond:
             self._active += len(live)
         start = time.perf_counter()
-        slots = self.slot_steps.insert(slots, batch.inserted, slot_P, batch.sampling_P)
+        slots = self.slot_steps.insert(
+            slots, batch.inserted, slot_P, pages_PN, batch.steps_P, batch.sampling_P
+        )
         self.stats.insert_seconds += time.perf_counter() - start
         return slots
 
@@ -514,12 +666,32 @@ class ContinuousBatcher:
                 self._free(owners, release_B, i)
 
     def _free(self, owners, release_B, i: int) -> None:
-        owners[i] = None
-        release_B[i] = True
         with self._cond:
             self._active -= 1
             self.stats.finished += 1
             self._cond.notify_all()
+        owners[i] = None
+        release_B[i] = True
+        self.pages.release(i)
+
+
+def _context_len(stream: RequestStream) -> int:
+    """Tokens a request's prefill caches: its prompt and what it drew before a preemption."""
+    return len(stream.request.prompt) + len(stream.tokens)
+
+
+def _step_temp_bytes(engine: InferenceEngine) -> int:
+    """Temporaries per device of the engine's contiguous decode step (its paged step's
+    are of the same order), from the compiler's memory analysis: 0 if not reported."""
+    cache = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(lambda: KVCache.empty(engine.program.model_config, engine.max_batch, 1)),
+        engine.layouts.cache,
+    )
+    tokens = jax.ShapeDtypeStruct((engine.max_batch,), np.int32, sharding=engine.layouts.tokens_B)
+    compiled = engine.steps.lower_decode(engine.params, cache, tokens).compile()
+    analysis = compiled.memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.models import PREFILL_KV_AXES, STACKED_KV_AXES, KVCache
+from jaxpar.models import PREFILL_KV_AXES, STACKED_KV_AXES, KVCache, PagedKVCache
 from jaxpar.spec import ModelDims, Module, ParallelConfig, Phase, partition_spec
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
@@ -44,6 +44,7 @@ class Layouts:
     logits_prefill_all: NamedSharding  # [P,] B, T, V: every position
     # decode
     cache: KVCache  # of NamedSharding
+    paged: PagedKVCache  # of NamedSharding: the serving slots' page pool, tables, lengths
     tokens_B: NamedSharding  # tokens the caller passes in
     logits: NamedSharding  # [P,] B, V
     next_tokens: NamedSharding  # [P,] B: sampled, chained from step to step
@@ -70,6 +71,7 @@ class Layouts:
             logits_prefill=out(("batch", "vocab"), LM_HEAD, PREFILL),
             logits_prefill_all=out(("batch", "seq", "vocab"), LM_HEAD, PREFILL),
             cache=tree_at(KVCache.logical_axes(dims), ATTENTION, DECODE),
+            paged=tree_at(PagedKVCache.logical_axes(dims), ATTENTION, DECODE),
             tokens_B=at(("batch",), EMBEDDING, DECODE),
             logits=out(("batch", "vocab"), LM_HEAD, DECODE),
             next_tokens=out(("batch",), EMBEDDING, DECODE),

@@ -1,15 +1,20 @@
-"""Decode slots for continuous batching: the device state and its two programs.
+"""Decode slots for continuous batching over a paged KV cache: the device state and its
+two programs.
 
-A serving engine keeps ``B`` decode slots in the decode layout: one KV cache of ``B`` rows
-plus, per slot, the token it feeds next, whether it is active, how many tokens it has
-drawn and its sampling parameters (:class:`Slots`). Two compiled programs change it:
+A serving engine keeps ``B`` decode rows in the decode layout: the page pool of every
+layer (:class:`~jaxpar.models.PagedKVCache`; which pages a row holds is the host's
+:class:`~jaxpar.engine._pages.PageTable`) plus, per row, its length, the token it feeds
+next, whether it is active, how many tokens it has drawn and its sampling parameters
+(:class:`Slots`). Two compiled programs change it:
 
 * ``insert``: takes prefill K/V of a few requests (``[P, T, K, H]`` per layer, in the
-  prefill layout of this engine's strategy) and their first tokens, and writes their rows
-  into the chosen slots: a scatter into the donated cache, so only the new rows move,
-  never the whole cache. One compile per (rows, prompt-length) bucket.
-* ``step``: one decode step over every slot, each with its own length, sampling row and
-  step; inactive slots write nothing anyone reads and keep length 0. One compile.
+  prefill layout of this engine's strategy) and their first tokens, and writes them into
+  their pages and rows: scatters into the donated pool, so only the new pages move. One
+  compile per (rows, prompt-length) bucket.
+* ``step``: one decode step over every row, each with its own length, pages, sampling row
+  and step; inactive rows write to their shard's scratch page. The block tables are an
+  input of ``N`` columns, a power of two just above the longest live row: the step reads
+  ``N`` pages per row, so its cost follows the live tokens. One compile per ``N``.
 
 :class:`FirstTokens` draws each request's first token from its prefill logits, on the
 prefill devices (one compile per row count), so it reaches the client before the insert.
@@ -18,6 +23,7 @@ Sampling parameters are arrays (:class:`RowSampling`), so no request ever recomp
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.struct
@@ -26,12 +32,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.engine._pages import PagePool
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import mask_padded
 from jaxpar.errors import ConfigError
-from jaxpar.models import KVCache, ModelConfig, count_dropped, total_dropped
+from jaxpar.models import (
+    ModelConfig,
+    PagedKVCache,
+    count_dropped,
+    total_dropped,
+    write_prompts,
+)
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE
@@ -39,10 +52,12 @@ DECODE = Phase.DECODE
 
 @flax.struct.dataclass
 class Slots:
-    """The decode slots' device state (every field has ``B`` rows)."""
+    """The decode rows' device state: the page pool, and ``B`` rows of everything else."""
 
-    cache: KVCache
-    tokens_B: jax.Array  # int32: the token each slot appends next
+    k: Any  # the pool: per-layer [K, A, Z, H] tuple, or stacked [L, K, A, Z, H]
+    v: Any
+    lengths_B: jax.Array  # int32: tokens cached per row
+    tokens_B: jax.Array  # int32: the token each row appends next
     active_B: jax.Array  # bool
     step_B: jax.Array  # int32: tokens drawn so far (the sampling key's step)
     sampling: RowSampling
@@ -69,10 +84,10 @@ class SlotSteps:
     Args:
         steps: the engine's step functions (graph, layouts, mesh, strategy).
         model_config: the model as the engine runs it.
-        slots: ``B``, the number of decode slots (the engine's ``max_batch``).
+        pool: the paged cache's shape (rows, pages, page size).
     """
 
-    def __init__(self, steps: Steps, model_config: ModelConfig, slots: int):
+    def __init__(self, steps: Steps, model_config: ModelConfig, pool: PagePool):
         if steps.config.pp > 1:
             raise ConfigError(
                 f"continuous batching runs unpipelined strategies; {steps.config} has "
@@ -80,14 +95,18 @@ class SlotSteps:
             )
         self.steps = steps
         self.model_config = model_config
-        self.n_slots = slots
-        self._idle_sampling = RowSampling.rows([Sampling()] * slots, [0] * slots)
+        self.pool = pool
+        self.n_slots = pool.rows
+        self._idle_sampling = RowSampling.rows([Sampling()] * pool.rows, [0] * pool.rows)
         self._keep_all: jax.Array | None = None  # release nothing (placed on first use)
         lay = steps.layouts
         row = lay.tokens_B
         key_row = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
+        self.tables_layout = lay.paged.block_tables_BN
         self.layout = Slots(
-            cache=lay.cache,
+            k=lay.paged.k,
+            v=lay.paged.v,
+            lengths_B=lay.paged.lengths_B,
             tokens_B=row,
             active_B=row,
             step_B=row,
@@ -97,7 +116,7 @@ class SlotSteps:
     # --- state ---------------------------------------------------------------------------
 
     def empty(self) -> Slots:
-        """Every slot free, in the decode layout."""
+        """Every row free, every page zero, in the decode layout."""
         return jax.jit(self._empty, out_shardings=self.layout)()
 
     def abstract(self) -> Slots:
@@ -110,49 +129,74 @@ class SlotSteps:
 
     def _empty(self) -> Slots:
         b = self.n_slots
+        pool = PagedKVCache.empty_pool(self.model_config, self.pool.pages, self.pool.page_size)
         return Slots(
-            cache=KVCache.empty(self.model_config, b, self.steps.max_seq_len),
+            k=pool,
+            v=pool,
+            lengths_B=jnp.zeros(b, jnp.int32),
             tokens_B=jnp.zeros(b, jnp.int32),
             active_B=jnp.zeros(b, bool),
             step_B=jnp.zeros(b, jnp.int32),
             sampling=jax.tree.map(jnp.asarray, self._idle_sampling),
         )
 
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool (every device's share)."""
+        return PagedKVCache.pool_bytes(self.model_config, self.pool.pages, self.pool.page_size)
+
+    def pool_bytes_per_device(self) -> int:
+        """Bytes of the pool on one device (its shard of pages and kv heads)."""
+        shapes = jax.eval_shape(self._empty)
+        pools = jax.tree.leaves((shapes.k, shapes.v))
+        shardings = jax.tree.leaves((self.layout.k, self.layout.v))
+        itemsize = jnp.dtype(self.model_config.dtype).itemsize
+        return itemsize * sum(
+            math.prod(s.shard_shape(x.shape)) for x, s in zip(pools, shardings, strict=True)
+        )
+
     # --- traced bodies -------------------------------------------------------------------
 
-    def _insert(self, slots: Slots, new: Inserted, slot_P, sampling_P: RowSampling):
-        """Writes new rows ``slot_P`` (``>= B``: a padding row, dropped)."""
+    def _insert(self, slots: Slots, new: Inserted, slot_P, pages_PN, step_P, sampling_P):
+        """Writes new rows ``slot_P`` (``>= B``: a padding row, dropped) and their pages
+        ``pages_PN`` (global ids; ``>= A``: dropped); ``step_P``: each row's draws so far."""
         with self.steps._context(DECODE):
-            cache = _write_rows(slots.cache, new, slot_P)
 
             def put(x_B, x_P):
                 return x_B.at[slot_P].set(x_P.astype(x_B.dtype), mode="drop")
 
-            slots = Slots(
-                cache=cache.replace(lengths_B=put(cache.lengths_B, new.lengths_P)),
+            return Slots(
+                k=write_prompts(slots.k, new.k, pages_PN),
+                v=write_prompts(slots.v, new.v, pages_PN),
+                lengths_B=put(slots.lengths_B, new.lengths_P),
                 tokens_B=put(slots.tokens_B, new.first_P),
                 active_B=put(slots.active_B, jnp.ones_like(slot_P, bool)),
-                step_B=put(slots.step_B, jnp.ones_like(slot_P)),
+                step_B=put(slots.step_B, step_P + 1),
                 sampling=jax.tree.map(put, slots.sampling, sampling_P),
             )
-            return slots
 
-    def _step(self, params, slots: Slots, release_B):
-        """One decode step over every slot; returns the tokens (``-1`` for inactive slots)
+    def _step(self, params, slots: Slots, release_B, tables_BN):
+        """One decode step over every row; returns the tokens (``-1`` for inactive rows)
         and, for a capacity-limited MoE, the step's dropped expert assignments."""
         with self.steps._context(DECODE), count_dropped() as drops:
             active_B = slots.active_B & ~release_B
-            cache = slots.cache
-            # A free slot appends at position 0 (never read: an insert rewrites the row); so
-            # does a full one, whose request has finished (the host stops requests before
+            # A row past the longest sequence has finished (the host stops requests before
             # max_seq_len, and learns it one step late).
-            active_B = active_B & (cache.lengths_B < cache.max_seq_len)
-            cache = cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, 0))
+            active_B = active_B & (slots.lengths_B < self.pool.max_seq_len)
+            # Inactive rows append at position 0 of their shard's scratch page, never read.
+            cache = PagedKVCache(
+                k=slots.k,
+                v=slots.v,
+                block_tables_BN=jnp.where(active_B[:, None], tables_BN, 0),
+                lengths_B=jnp.where(active_B, slots.lengths_B, 0),
+            )
             logits_BV, cache = self.steps._model(params).decode(slots.tokens_B, cache)
             logits_BV = mask_padded(logits_BV, self.steps.vocab_size)
             next_B = select_rows(logits_BV, slots.sampling, slots.step_B)
             slots = Slots(
-                cache=cache.replace(lengths_B=jnp.where(active_B, cache.lengths_B, 0)),
+                k=cache.k,
+                v=cache.v,
+                lengths_B=jnp.where(active_B, cache.lengths_B, 0),
                 tokens_B=jnp.where(active_B, next_B, 0),
                 active_B=active_B,
                 step_B=slots.step_B + active_B.astype(jnp.int32),
@@ -163,26 +207,37 @@ class SlotSteps:
 
     # --- compiled entry points -----------------------------------------------------------
 
-    def _insert_program(self, slots, new: Inserted, slot_P, sampling_P):
+    def _insert_program(self, slots, new: Inserted, *rows):
         lay, rep = self.steps.layouts, self.steps.layouts.replicated
-        rows = RowSampling(rep, rep, rep, rep)
+        sampling = RowSampling(rep, rep, rep, rep)
         inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
         return self.steps._compile(
             "insert",
             (jax.tree.map(jnp.shape, new.k),),
             self._insert,
-            (self.layout, inserted, rep, rows),
+            (self.layout, inserted, rep, rep, rep, sampling),
             self.layout,
-            (slots, new, slot_P, sampling_P),
+            (slots, new, *rows),
             donate_argnums=(0,),
         )
 
-    def insert(self, slots: Slots, new: Inserted, slot_P: np.ndarray, sampling_P: RowSampling):
-        """Writes ``new`` into slots ``slot_P`` (donates ``slots``; ``>= B``: not written)."""
+    def insert(
+        self,
+        slots: Slots,
+        new: Inserted,
+        slot_P: np.ndarray,
+        pages_PN: np.ndarray,
+        step_P: np.ndarray,
+        sampling_P: RowSampling,
+    ) -> Slots:
+        """Writes ``new`` into rows ``slot_P`` and pages ``pages_PN`` (donates ``slots``).
+
+        ``slot_P >= B`` and page ids ``>= A`` are not written; ``step_P``: tokens each
+        request has drawn before this one (0, or more for a preempted request resumed)."""
         rep = self.steps.layouts.replicated
-        slot_P = put_global(np.asarray(slot_P, np.int32), rep)
+        rows = [put_global(np.asarray(x, np.int32), rep) for x in (slot_P, pages_PN, step_P)]
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
-        return self._insert_program(slots, new, slot_P, sampling_P)(slots, new, slot_P, sampling_P)
+        return self._insert_program(slots, new, *rows, sampling_P)(slots, new, *rows, sampling_P)
 
     def compile_insert(self, new: Inserted) -> None:
         """Compiles ``insert`` for prefill results shaped like ``new`` (``ShapeDtypeStruct``
@@ -201,23 +256,31 @@ class SlotSteps:
             first_P=spec(new.first_P),
         )
         host = RowSampling.rows([Sampling()] * rows, [0] * rows)
+        t = jax.tree.leaves(new.k)[0].shape[-3]
+        pages = jax.ShapeDtypeStruct((rows, self.pool.pages_for(t)), np.int32, sharding=rep)
+        row_ints = spec(np.zeros(rows, np.int32))
         self._insert_program(
-            self.abstract(), new, spec(np.zeros(rows, np.int32)), jax.tree.map(spec, host)
+            self.abstract(), new, row_ints, pages, row_ints, jax.tree.map(spec, host)
         )
 
-    def _step_program(self, params, slots, release):
+    def _step_program(self, params, slots, release, tables):
         return self.steps._compile(
             "slot_step",
-            (),
+            (tables.shape,),
             self._step,
-            (self.steps.layouts.params, self.layout, self.layout.active_B),
+            (self.steps.layouts.params, self.layout, self.layout.active_B, self.tables_layout),
             self.steps._with_drops((self.layout, self.steps.layouts.replicated)),
-            (params, slots, release),
+            (params, slots, release, tables),
             donate_argnums=(1,),
         )
 
-    def step(self, params, slots: Slots, release_B: np.ndarray):
-        """Donates ``slots``; ``release_B`` frees slots before the step (finished requests).
+    def tables(self, tables_BN: np.ndarray) -> jax.Array:
+        """Block tables placed for :meth:`step` (place them once while they do not change)."""
+        return put_global(np.ascontiguousarray(tables_BN, np.int32), self.tables_layout)
+
+    def step(self, params, slots: Slots, release_B: np.ndarray, tables: jax.Array):
+        """Donates ``slots``; ``release_B`` frees rows before the step (finished requests);
+        ``tables``: the rows' block tables from :meth:`tables`, ``[B, N]``.
 
         Returns the new slots, the tokens ``[B]`` and the step's dropped MoE assignments
         (an int32 scalar; None unless the model has a capacity factor)."""
@@ -227,32 +290,14 @@ class SlotSteps:
             if self._keep_all is None:
                 self._keep_all = put_global(np.zeros(self.n_slots, bool), self.layout.active_B)
             release = self._keep_all
-        out = self._step_program(params, slots, release)(params, slots, release)
+        out = self._step_program(params, slots, release, tables)(params, slots, release, tables)
         return out if self.steps.counts_drops else (*out, None)
 
-    def compile_step(self, params) -> None:
-        """Compiles ``step`` ahead of its first call."""
+    def compile_step(self, params, width: int) -> None:
+        """Compiles ``step`` for block tables of ``width`` columns ahead of its first call."""
         release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
-        self._step_program(params, self.abstract(), release)
-
-
-def _write_rows(cache: KVCache, new: Inserted, slot_P: jax.Array) -> KVCache:
-    """Writes prefill K/V ``[P, T, K, H]`` into cache rows ``slot_P``, positions ``[0, T)``."""
-    if cache.stacked:  # [L, B, S, K, H] <- [L, P, T, K, H]
-        t = new.k.shape[2]
-
-        def put_stacked(cache_LBSKH, new_LPTKH):
-            new_LPTKH = new_LPTKH.astype(cache_LBSKH.dtype)
-            return cache_LBSKH.at[:, slot_P, :t].set(new_LPTKH, mode="drop")
-
-        return cache.replace(k=put_stacked(cache.k, new.k), v=put_stacked(cache.v, new.v))
-
-    def put(cache_BKSH, new_PTKH):  # [B, K, S, H] <- [P, T, K, H]
-        t = new_PTKH.shape[1]
-        new_PKTH = new_PTKH.transpose(0, 2, 1, 3).astype(cache_BKSH.dtype)
-        return cache_BKSH.at[slot_P, :, :t].set(new_PKTH, mode="drop")
-
-    return cache.replace(k=tuple(map(put, cache.k, new.k)), v=tuple(map(put, cache.v, new.v)))
+        tables = jax.ShapeDtypeStruct((self.n_slots, width), np.int32, sharding=self.tables_layout)
+        self._step_program(params, self.abstract(), release, tables)
 
 
 class FirstTokens:
@@ -265,27 +310,33 @@ class FirstTokens:
     def __init__(self, steps: Steps):
         self.steps = steps
 
-    def _draw(self, logits_PV, sampling_P):
+    def _draw(self, logits_PV, sampling_P, step_P):
         with self.steps._context(Phase.PREFILL):
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
-            return select_rows(logits_PV, sampling_P, jnp.zeros(logits_PV.shape[0], jnp.int32))
+            return select_rows(logits_PV, sampling_P, step_P)
 
-    def _program(self, logits_PV, sampling_P):
+    def _program(self, logits_PV, sampling_P, step_P):
         lay = self.steps.layouts
         rep = lay.replicated
         return self.steps._compile(
             "first_tokens",
             (logits_PV.shape,),
             self._draw,
-            (lay.logits_prefill, RowSampling(rep, rep, rep, rep)),
+            (lay.logits_prefill, RowSampling(rep, rep, rep, rep), rep),
             rep,
-            (logits_PV, sampling_P),
+            (logits_PV, sampling_P, step_P),
         )
 
-    def __call__(self, logits_PV: jax.Array, sampling_P: RowSampling) -> jax.Array:
+    def __call__(
+        self, logits_PV: jax.Array, sampling_P: RowSampling, step_P: np.ndarray | None = None
+    ) -> jax.Array:
+        """Each row's token at its sampling step ``step_P`` (default 0: a first token)."""
         rep = self.steps.layouts.replicated
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
-        return self._program(logits_PV, sampling_P)(logits_PV, sampling_P)
+        if step_P is None:
+            step_P = np.zeros(logits_PV.shape[0], np.int32)
+        step = put_global(np.asarray(step_P, np.int32), rep)
+        return self._program(logits_PV, sampling_P, step)(logits_PV, sampling_P, step)
 
     def compile(self, logits_PV: jax.ShapeDtypeStruct) -> None:
         """Compiles the draw for ``logits_PV``'s shape ahead of its first call."""
@@ -296,4 +347,4 @@ class FirstTokens:
             logits_PV.shape, logits_PV.dtype, sharding=self.steps.layouts.logits_prefill
         )
         specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), host)
-        self._program(logits, specs)
+        self._program(logits, specs, jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep))

@@ -169,6 +169,12 @@ class Steps:
         return self._compiled[cache_key]
 
     def _compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
+        """:meth:`_aot` of ``jax.jit(fn, ...)``; a compiled program is looked up before
+        anything is built (building a ``jax.jit`` wrapper per call parses the shardings of
+        every parameter: most of a decode step's host time)."""
+        compiled = self._compiled.get((name, *key))
+        if compiled is not None:
+            return compiled
         jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
         return self._aot(name, key, jitted, args)
 

@@ -1,0 +1,144 @@
+"""How many KV pages a serving engine gets: from a token budget, or from device memory.
+
+``kv_cache_tokens`` fixes the pool; otherwise it takes ``kv_cache_memory_fraction`` (default
+0.9) of what each device has free once the weights are placed, less the decode step's
+temporaries. On CPU, where "free memory" is the host's and means little, the default is
+:data:`CPU_KV_TOKENS`. :func:`describe` is the line ``jaxpar serve`` prints at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxpar.engine._pages import PagePool
+from jaxpar.errors import ConfigError
+from jaxpar.models import PAGE_AXES, ModelConfig
+from jaxpar.spec import Module, ParallelConfig, Phase, partition_spec
+
+#: Tokens of KV cache on CPU when neither a token budget nor a memory fraction is given.
+CPU_KV_TOKENS = 16384
+#: Fraction of free device memory the cache takes by default (accelerators).
+MEMORY_FRACTION = 0.9
+#: Tokens per page by default.
+PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    """What the user asked for (``None``: the default)."""
+
+    page_size: int = PAGE_SIZE
+    tokens: int | None = None
+    memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and self.memory_fraction is not None:
+            raise ConfigError(
+                "give the KV cache a token budget or a memory fraction, not both "
+                f"(kv_cache_tokens={self.tokens}, kv_cache_memory_fraction={self.memory_fraction})"
+            )
+        if self.tokens is not None and self.tokens < 1:
+            raise ConfigError(f"kv_cache_tokens must be >= 1, got {self.tokens}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ConfigError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.memory_fraction}"
+            )
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+
+
+def batch_shards(config: ParallelConfig, mesh: jax.sharding.Mesh, dims: ModelConfig) -> int:
+    """Decode's batch shards: the pool splits into one slice per shard."""
+    spec = partition_spec(PAGE_AXES, Module.ATTENTION, Phase.DECODE, config, dims=dims)
+    axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],) if spec[1] else ()
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def page_bytes_per_device(
+    config: ParallelConfig, mesh: jax.sharding.Mesh, dims: ModelConfig, page_size: int
+) -> int:
+    """Bytes one page takes on each device holding it: keys and values of every layer,
+    for the kv heads the device keeps (all of them when replicated over tp)."""
+    spec = partition_spec(PAGE_AXES, Module.ATTENTION, Phase.DECODE, config, dims=dims)
+    kv_axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+    local_heads = dims.n_kv_heads // math.prod(mesh.shape[a] for a in kv_axes)
+    itemsize = np.dtype(dims.dtype).itemsize
+    return 2 * dims.n_layers * local_heads * page_size * dims.head_dim * itemsize
+
+
+def free_device_bytes(devices) -> int | None:
+    """The least free memory over ``devices`` (None where a device does not report it)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return None
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
+
+
+def size_pool(
+    budget: KVBudget,
+    *,
+    config: ParallelConfig,
+    mesh: jax.sharding.Mesh,
+    dims: ModelConfig,
+    rows: int,
+    max_seq_len: int,
+    step_temp_bytes: Callable[[], int] | None = None,
+) -> PagePool:
+    """The page pool for ``budget`` on ``mesh``.
+
+    Args:
+        budget: the user's sizing flags.
+        config, mesh, dims: the decode strategy, its mesh and the model as it runs.
+        rows: the most sequences decoded together.
+        max_seq_len: the longest request the engine takes; capped to what one batch shard's
+            pages hold.
+        step_temp_bytes: the decode step's temporaries per device (compiled on demand:
+            only when sizing from memory).
+    """
+    shards = batch_shards(config, mesh, dims)
+    page_bytes = page_bytes_per_device(config, mesh, dims, budget.page_size)
+    if budget.tokens is not None:
+        pages = math.ceil(budget.tokens / budget.page_size)
+    else:
+        free = free_device_bytes(mesh.devices.flat)
+        if free is None or mesh.devices.flat[0].platform == "cpu":
+            if budget.memory_fraction is not None:
+                raise ConfigError(
+                    "kv_cache_memory_fraction needs devices that report their memory; "
+                    f"{mesh.devices.flat[0].platform} does not: give kv_cache_tokens"
+                )
+            pages = math.ceil(CPU_KV_TOKENS / budget.page_size)
+        else:
+            fraction = budget.memory_fraction or MEMORY_FRACTION
+            temp = step_temp_bytes() if step_temp_bytes is not None else 0
+            usable = int((free - temp) * fraction)
+            if usable < 2 * page_bytes:
+                raise ConfigError(
+                    f"no room for a KV cache: {free / 2**30:.2f} GiB free per device, "
+                    f"{temp / 2**30:.2f} GiB of it for the decode step's temporaries; use "
+                    "more devices (tp), a smaller model or dtype, or give kv_cache_tokens"
+                )
+            pages = (usable // page_bytes - 1) * shards  # one scratch page per shard
+    per_shard = math.ceil(pages / shards) + 1
+    longest = min(max_seq_len, (per_shard - 1) * budget.page_size)
+    return PagePool(budget.page_size, per_shard, shards, rows, longest)
+
+
+def describe(pool: PagePool, bytes_per_device: int) -> str:
+    """One line: pages, tokens, GiB per device, and how many sequences of half the
+    longest request's length fit together."""
+    mean = max(pool.max_seq_len // 2, 1)
+    fit = min(pool.rows, pool.usable_pages // pool.pages_for(mean))
+    return (
+        f"KV cache: {pool.usable_pages} pages x {pool.page_size} tokens = {pool.tokens} "
+        f"tokens, {bytes_per_device / 2**30:.2f} GiB per device; {fit} sequences of "
+        f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
+    )
