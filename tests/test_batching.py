@@ -19,6 +19,8 @@ import pytest
 
 from jaxpar import ConfigError, InferenceEngine, ParallelConfig, QueueFullError, ShapeError
 from jaxpar.engine import ContinuousBatcher, RowSampling, Sampling
+from jaxpar.engine._kv_budget import KVBudget
+from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import select, select_rows
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
@@ -216,11 +218,11 @@ def test_pipelined_strategies_are_refused_with_a_clear_error():
         ContinuousBatcher(engine)
 
 
-def test_insert_writes_only_the_new_rows():
-    """The insert's compiled program copies no cache-sized buffer, and what it moves
-    between devices is the new rows' K/V (gathered over dp), not the cache."""
+def test_insert_writes_only_the_new_pages():
+    """The insert's compiled program copies no pool-sized buffer, and what it moves
+    between devices is the new rows' K/V (gathered over dp), not the pool."""
     engine = _engine(ParallelConfig(dp=2, tp=2))
-    batcher = ContinuousBatcher(engine, prefill_batch=2)
+    batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=KVBudget(tokens=256))
     batcher.warmup([16])
     (name, key), compiled = next(
         ((k[0], k[1:]), c) for k, c in engine.steps._compiled.items() if k[0] == "insert"
@@ -228,13 +230,14 @@ def test_insert_writes_only_the_new_rows():
     hlo = compiled.as_text()
     dp, tp = 2, 2
     k_heads = CONFIG.n_kv_heads // tp
-    layer_cache = SLOTS // dp * k_heads * MAX_SEQ_LEN * CONFIG.head_dim * 4
-    assert not data_movement(hlo, [layer_cache])
+    pool = batcher.pool
+    layer_pool = k_heads * pool.pages_per_shard * pool.page_size * CONFIG.head_dim * 4
+    assert not data_movement(hlo, [layer_pool])
     new_rows = 2 * CONFIG.n_layers * 2 * k_heads * 16 * CONFIG.head_dim * 4  # K+V, 2 rows
     moved = sum(c.bytes for c in parse_collectives(hlo))
-    whole_cache = 2 * CONFIG.n_layers * layer_cache * dp
+    whole_pool = 2 * CONFIG.n_layers * layer_pool * dp
     assert moved <= new_rows * dp, (moved, new_rows)
-    assert moved < whole_cache / 2
+    assert moved < whole_pool / 2
 
 
 def test_capacity_limited_moe_serves_as_offline_and_counts_its_drops():
@@ -256,9 +259,10 @@ def test_capacity_limited_moe_serves_as_offline_and_counts_its_drops():
         assert batcher.stats.moe_dropped >= sum(g.moe_dropped_total for g in offline)
 
 
-def _insert(engine: InferenceEngine, slot_steps: SlotSteps, prompts, slot_P, slots=None):
+def _insert(engine, slot_steps: SlotSteps, table: PageTable, prompts, slot_P, slots=None):
     """``slots`` (default: all free) with ``prompts`` prefilled (greedy) and inserted at
-    ``slot_P``, as the batcher does it (the prefill's padding rows are dropped)."""
+    ``slot_P``, with pages from ``table``, as the batcher does it (the prefill's padding
+    rows are dropped)."""
     tokens_PT, lengths_P = engine.pad_prompts(prompts)
     rows = tokens_PT.shape[0]
     lay = engine.layouts
@@ -272,38 +276,62 @@ def _insert(engine: InferenceEngine, slot_steps: SlotSteps, prompts, slot_P, slo
     slots = slot_steps.empty() if slots is None else slots
     rows_P = np.full(rows, slot_steps.n_slots)
     rows_P[: len(slot_P)] = slot_P
-    return slot_steps.insert(slots, new, rows_P, sampling_P)
+    n = table.pool.pages_for(tokens_PT.shape[1])
+    pages_PN = np.full((rows, n), table.pool.pages, np.int32)
+    for i, (slot, prompt) in enumerate(zip(slot_P, prompts, strict=True)):
+        assert table.grow(slot, len(prompt) + 1)
+        pages_PN[i] = table.global_ids(slot, n)
+    return slot_steps.insert(slots, new, rows_P, pages_PN, np.zeros(rows, np.int32), sampling_P)
 
 
-def _host_state(slots) -> dict[str, np.ndarray]:
-    """Every per-slot field of ``slots`` on the host, each with the slots on axis 0."""
+def _host_state(slots, table: PageTable) -> dict[str, np.ndarray]:
+    """Every per-row field of ``slots`` on the host, each with the rows on axis 0; K/V
+    are each row's pages ``[B, L, K, N, Z, H]`` (read through the table)."""
+    pool = table.pool
+
+    def pages(layers):
+        out = []
+        for row in range(pool.rows):
+            ids = table.tables_BN[row] + table.shard(row) * pool.pages_per_shard
+            held = np.arange(len(ids)) < table.held_B[row]  # the rest: the scratch page
+            out.append(np.stack([np.asarray(x)[:, ids] * held[:, None, None] for x in layers]))
+        return np.stack(out)
+
     return dict(
         active=np.asarray(slots.active_B),
-        lengths=np.asarray(slots.cache.lengths_B),
+        lengths=np.asarray(slots.lengths_B),
         tokens=np.asarray(slots.tokens_B),
         step=np.asarray(slots.step_B),
-        k=np.stack([np.asarray(x) for x in slots.cache.k], axis=1),  # [B, L, K, S, H]
-        v=np.stack([np.asarray(x) for x in slots.cache.v], axis=1),
+        k=pages(slots.k),
+        v=pages(slots.v),
     )
 
 
 def test_step_frees_released_slots_by_state_and_leaves_the_others():
-    """A step with a release mask frees those slots on the device (inactive, length 0, no
-    token drawn, step not advanced) and computes the other slots exactly as a step without
-    it; a released slot then takes a new request as a free one does."""
-    engine = _engine(ParallelConfig(dp=2))  # slots 0-1 on one device, 2-3 on the other
-    slot_steps = SlotSteps(engine.steps, engine.program.model_config, SLOTS)
+    """A step with a release mask frees those rows on the device (inactive, length 0, no
+    token drawn, step not advanced) and computes the other rows exactly as a step without
+    it, pages included; a released row then takes a new request as a free one does."""
+    engine = _engine(ParallelConfig(dp=2))  # rows 0-1 on one device, 2-3 on the other
+    pool = PagePool(page_size=4, pages_per_shard=12, shards=2, rows=SLOTS, max_seq_len=MAX_SEQ_LEN)
+    slot_steps = SlotSteps(engine.steps, engine.program.model_config, pool)
     prompts, all_slots = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8], [3, 3, 3, 3]], np.arange(SLOTS)
     keep_B, release_B = np.zeros(SLOTS, bool), np.array([True, False, False, True])
 
-    def step(slots, release):
-        slots, tokens_B, _ = slot_steps.step(engine.params, slots, release)
+    def step(slots, table, release):
+        tables = slot_steps.tables(table.tables_BN)
+        slots, tokens_B, _ = slot_steps.step(engine.params, slots, release, tables)
         return slots, np.asarray(tokens_B)
 
-    before = _host_state(_insert(engine, slot_steps, prompts, all_slots))
-    kept, kept_tokens = step(_insert(engine, slot_steps, prompts, all_slots), keep_B)
-    freed, freed_tokens = step(_insert(engine, slot_steps, prompts, all_slots), release_B)
-    kept_state, freed_state = _host_state(kept), _host_state(freed)
+    def inserted(prompts, slot_P, slots=None, table=None):
+        table = table or PageTable(pool)
+        return _insert(engine, slot_steps, table, prompts, slot_P, slots), table
+
+    slots, table = inserted(prompts, all_slots)
+    before = _host_state(slots, table)
+    kept, kept_tokens = step(*inserted(prompts, all_slots), keep_B)
+    slots, freed_table = inserted(prompts, all_slots)
+    freed, freed_tokens = step(slots, freed_table, release_B)
+    kept_state, freed_state = _host_state(kept, table), _host_state(freed, freed_table)
     assert before["active"].all() and kept_state["active"].all()  # the release frees them
     np.testing.assert_array_equal(kept_state["lengths"], before["lengths"] + 1)
     # Released: inactive, length 0, token 0, step not advanced, no token drawn.
@@ -312,17 +340,25 @@ def test_step_frees_released_slots_by_state_and_leaves_the_others():
     np.testing.assert_array_equal(freed_state["tokens"][release_B], 0)
     np.testing.assert_array_equal(freed_state["step"][release_B], before["step"][release_B])
     np.testing.assert_array_equal(freed_tokens[release_B], -1)
-    # The others: exactly as without the release, cache rows included.
+    # Their pages are untouched by the step (it wrote nothing for them) ...
+    np.testing.assert_array_equal(freed_state["k"][release_B], before["k"][release_B])
+    # ... while the kept rows wrote their new token into theirs.
+    assert (kept_state["k"][release_B] != before["k"][release_B]).any()
+    # The others: exactly as without the release, pages included.
     for field, got in freed_state.items():
         np.testing.assert_array_equal(got[~release_B], kept_state[field][~release_B], field)
     np.testing.assert_array_equal(freed_tokens[~release_B], kept_tokens[~release_B])
 
-    # Reuse: a request written into released slot 0 steps as it does in a free slot 0,
-    # and released slot 3 stays free.
+    # Reuse: a request written into released row 0 (its pages given back and taken again)
+    # steps as it does in a free row 0, and released row 3 stays free.
     new = [[4, 2, 7, 1]]
-    fresh, fresh_tokens = step(_insert(engine, slot_steps, new, [0]), keep_B)
-    reused, reused_tokens = step(_insert(engine, slot_steps, new, [0], freed), keep_B)
-    fresh, reused = _host_state(fresh), _host_state(reused)
+    for row in np.nonzero(release_B)[0]:
+        freed_table.release(row)
+    fresh_slots, fresh_table = inserted(new, [0])
+    fresh, fresh_tokens = step(fresh_slots, fresh_table, keep_B)
+    reused_slots, _ = inserted(new, [0], freed, freed_table)
+    reused, reused_tokens = step(reused_slots, freed_table, keep_B)
+    fresh, reused = _host_state(fresh, fresh_table), _host_state(reused, freed_table)
     for field, got in reused.items():
         np.testing.assert_array_equal(got[0], fresh[field][0], field)
     assert reused_tokens[0] == fresh_tokens[0] != -1

@@ -1,0 +1,135 @@
+"""Serving over the paged KV cache: admission by pages, growth, preemption, release.
+
+Every served request must still equal its own offline ``generate`` token for token
+(greedy and seeded sampling), whatever the page size and however often it is preempted;
+and the host's page book must balance: every page free or held by one running row, all
+free once the requests end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpar import ConfigError, ParallelConfig
+from jaxpar.engine import ContinuousBatcher
+from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
+from jaxpar.engine._pages import PagePool, PageTable
+from jaxpar.models import SCRATCH_PAGE
+from tests.test_batching import CONFIG, MAX_SEQ_LEN, SLOTS, _check_served, _engine
+
+
+def _serve(parallel: ParallelConfig, budget: KVBudget, **kw):
+    engine = _engine(parallel, **kw)
+    batcher = ContinuousBatcher(engine, prefill_batch=2 * parallel.dp, kv_budget=budget)
+    return engine, batcher
+
+
+def _balanced(batcher: ContinuousBatcher) -> None:
+    """Every page is back on a free list, the book is consistent, usage reads 0."""
+    batcher.pages.check()
+    assert batcher.pages.used_pages == 0
+    assert batcher.kv_cache_usage == 0
+    assert (batcher.pages.tables_BN == SCRATCH_PAGE).all()
+
+
+@pytest.mark.parametrize("page_size", [4, 5], ids=["page4", "page5"])
+def test_page_sizes_that_do_and_do_not_divide_the_prompts(page_size):
+    engine, batcher = _serve(ParallelConfig(), KVBudget(page_size=page_size, tokens=512))
+    with batcher:
+        batcher.warmup(range(1, 17))
+        _check_served(batcher, engine)
+    assert batcher.stats.preemptions == 0
+    _balanced(batcher)
+
+
+@pytest.mark.parametrize(
+    "parallel,shard_tokens",
+    [(ParallelConfig(), 40), (ParallelConfig(dp=2, tp=2), 28)],
+    ids=["single", "dp2-tp2"],
+)
+def test_a_tiny_pool_preempts_and_every_request_still_equals_offline(parallel, shard_tokens):
+    """A few dozen tokens per batch shard for its rows' requests of up to 25 tokens each:
+    rows run out of pages mid-decode, the latest admitted is preempted and recomputed."""
+    shards = parallel.dp
+    engine, batcher = _serve(parallel, KVBudget(page_size=4, tokens=shard_tokens * shards))
+    assert batcher.pool.pages_per_shard == shard_tokens // 4 + 1  # + the scratch page
+    with batcher:
+        batcher.warmup(range(1, 33))
+        _check_served(batcher, engine)
+        assert batcher.stats.preemptions > 0
+    _balanced(batcher)
+
+
+def test_requests_wait_for_pages_in_order():
+    """A request whose pages do not fit waits (no preemption for admission), then runs."""
+    engine, batcher = _serve(ParallelConfig(), KVBudget(page_size=4, tokens=32))
+    with batcher:
+        batcher.warmup(range(1, 33))
+        big = batcher.submit(list(range(1, 21)), max_tokens=8)  # 27 tokens: 7 of 8 pages
+        small = batcher.submit([3, 4, 5], max_tokens=4)
+        offline = [
+            engine.generate([p], n).tokens[0] for p, n in [(list(range(1, 21)), 8), ([3, 4, 5], 4)]
+        ]
+        assert [big.result(timeout=60), small.result(timeout=60)] == offline
+        assert small.token_times[0] > big.token_times[0]
+    _balanced(batcher)
+
+
+def test_page_table_refuses_double_frees_and_finds_leaks():
+    table = PageTable(PagePool(page_size=4, pages_per_shard=5, shards=2, rows=4, max_seq_len=16))
+    assert table.grow(0, 9) and table.held_B[0] == 3  # ceil(9 / 4)
+    assert not table.grow(1, 5)  # rows 0 and 1 share shard 0: one page left, two needed
+    assert table.grow(2, 16)  # shard 1 has its own four
+    assert table.used_pages == 7 and table.usage == 7 / 8
+    table.check()
+    assert table.global_ids(2, 5).tolist() == [
+        *(table.tables_BN[2, :4] + 5).tolist(),
+        table.pool.pages,  # past what it holds: out of range, dropped by the insert
+    ]
+    assert table.release(0) == 3
+    table.tables_BN[0, :3] = table.tables_BN[2, :3] - 0  # a corrupted book ...
+    table.held_B[0] = 1
+    with pytest.raises(RuntimeError, match="do not partition"):
+        table.check()
+    table.held_B[0] = 0
+    table.tables_BN[0] = SCRATCH_PAGE
+    table.held_B[1] = 1  # row 1 claims a free page
+    table.tables_BN[1, 0] = table._free[0][-1]
+    with pytest.raises(RuntimeError, match="already free"):
+        table.release(1)
+
+
+def test_pool_sizing_from_tokens_and_its_errors():
+    engine = _engine(ParallelConfig(dp=2, tp=2))
+    pool = size_pool(
+        KVBudget(page_size=8, tokens=100),
+        config=engine.parallel_config,
+        mesh=engine.mesh,
+        dims=engine.program.model_config,
+        rows=SLOTS,
+        max_seq_len=MAX_SEQ_LEN,
+    )
+    # 13 pages over two batch shards: 7 each, plus a scratch page each.
+    assert (pool.shards, pool.pages_per_shard, pool.max_seq_len) == (2, 8, MAX_SEQ_LEN)
+    assert "112 tokens" in describe(pool, 0)
+    small = size_pool(
+        KVBudget(page_size=8, tokens=16),
+        config=engine.parallel_config,
+        mesh=engine.mesh,
+        dims=engine.program.model_config,
+        rows=SLOTS,
+        max_seq_len=MAX_SEQ_LEN,
+    )
+    assert small.max_seq_len == 8  # one page per shard: the longest request is capped
+    with pytest.raises(ConfigError, match="not both"):
+        KVBudget(tokens=10, memory_fraction=0.5)
+    with pytest.raises(ConfigError, match="devices that report their memory"):
+        size_pool(
+            KVBudget(memory_fraction=0.5),
+            config=engine.parallel_config,
+            mesh=engine.mesh,
+            dims=engine.program.model_config,
+            rows=SLOTS,
+            max_seq_len=MAX_SEQ_LEN,
+        )
+    assert CONFIG.n_kv_heads % 2 == 0
