@@ -55,6 +55,7 @@ _LAZY = {
     "InferenceEngine": "jaxpar.engine",
     "Generation": "jaxpar.engine",
     "ContinuousBatcher": "jaxpar.engine",
+    "KVBudget": "jaxpar.engine",
     "RequestStream": "jaxpar.engine",
     "Sampling": "jaxpar.engine",
     "engine_from_hf": "jaxpar.engine",

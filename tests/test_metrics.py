@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpar.engine import BatcherStats
 from jaxpar.server import ServedModel, Service, create_app
-from tests._serve_util import MODEL, ServerProcess
+from tests._serve_util import MODEL, Offline, ServerProcess
 
 RUNNING = "jaxpar:num_requests_running"
 WAITING = "jaxpar:num_requests_waiting"
@@ -183,3 +183,38 @@ def test_metrics_follow_the_running_server(ready):
     assert after[SUCCESS_LENGTH] - before[SUCCESS_LENGTH] == len(prompts)
     assert after[SUCCESS_STOP] == before[SUCCESS_STOP]
     assert after[PREEMPTIONS] == 0
+
+
+# --- many sequences in a small paged cache -------------------------------------------------
+
+#: 1024 tokens of KV cache: as contiguous slots of max_seq_len 64 that is 16 sequences.
+PAGED_ARGS = ["--kv-cache-tokens", "1024", "--max-num-seqs", "48", "--page-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory):
+    args = ["--hf", "tests/fixtures/llama_chat", "--max-seq-len", "64", *PAGED_ARGS]
+    proc = ServerProcess(args, cpu_devices=1, log_dir=tmp_path_factory.mktemp("paged"))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_a_small_paged_cache_decodes_many_short_requests_together(paged):
+    """48 short requests (14 tokens: two pages each) fit 1024 tokens of cache together,
+    three times what contiguous slots of 64 tokens would hold; their answers equal offline."""
+    assert "KV cache: 128 pages x 8 tokens = 1024 tokens" in paged.log()
+    prompts = [[1, 20 + i, 80 + i] for i in range(48)]
+    counts, scrapes = asyncio.run(_stream_while_scraping(paged.url, prompts, 12))
+    assert counts == [12] * len(prompts)
+    assert max(s[RUNNING] for s in scrapes) >= 32, [s[RUNNING] for s in scrapes]
+    assert max(s[USAGE] for s in scrapes) <= 1
+    assert _idle(paged)[USAGE] == 0
+    offline = Offline()
+    with httpx.Client(base_url=paged.url, timeout=60) as http:
+        for prompt in prompts[::6]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+            body["return_token_ids"] = True
+            got = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+            assert got == offline.greedy(prompt, 12, eos=False)

@@ -21,12 +21,14 @@ from jaxpar.cli._common import describe_devices, model_config, parallel_config
 from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
-from jaxpar.engine import ContinuousBatcher, InferenceEngine, engine_from_hf
+from jaxpar.engine import ContinuousBatcher, InferenceEngine, KVBudget, engine_from_hf
+from jaxpar.engine._kv_budget import CPU_KV_TOKENS, MEMORY_FRACTION, PAGE_SIZE
 from jaxpar.errors import ConfigError
 from jaxpar.spec import Phase, batch_multiple, validate
 
-#: Decode slots when ``--slots`` is not given (rounded up to what the strategy divides).
-DEFAULT_SLOTS = 8
+#: Sequences decoded together when ``--max-num-seqs`` is not given (rounded up to what the
+#: strategy divides). Rows cost little: the paged KV cache, not the rows, bounds memory.
+DEFAULT_MAX_NUM_SEQS = 64
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -40,17 +42,41 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="(default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="(default 8000)")
     serve.add_argument(
+        "--max-num-seqs",
         "--slots",
+        dest="max_num_seqs",
         type=int,
         default=None,
-        help=f"decode slots: requests decoded together (default {DEFAULT_SLOTS}, rounded up "
-        "to a multiple the strategy divides)",
+        help=f"the most sequences decoded together (default {DEFAULT_MAX_NUM_SEQS}, rounded up "
+        "to a multiple the strategy divides); they share the KV cache's pages",
     )
     serve.add_argument(
         "--max-seq-len",
         type=int,
-        default=1024,
-        help="KV cache length per request: prompt + max_tokens - 1 (default 1024)",
+        default=None,
+        help="the longest request, prompt + max_tokens - 1 (default: the model's context "
+        "length, capped by what one batch shard's KV pages hold)",
+    )
+    cache = serve.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=None,
+        help=f"fraction of each device's free memory (after the weights and the decode "
+        f"step's temporaries) the KV cache takes (default {MEMORY_FRACTION}; on CPU the "
+        f"default is {CPU_KV_TOKENS} tokens)",
+    )
+    cache.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens, all batch shards together (instead of a memory fraction)",
+    )
+    serve.add_argument(
+        "--page-size",
+        type=int,
+        default=PAGE_SIZE,
+        help=f"tokens per KV cache page (default {PAGE_SIZE})",
     )
     serve.add_argument(
         "--max-queue",
@@ -85,6 +111,11 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _max_seq_len(args, config) -> int:
+    """``--max-seq-len``, or the model's context length."""
+    return args.max_seq_len or config.max_position_embeddings
+
+
 def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> InferenceEngine:
     config, parallel = model_config(args), group.parallel
     with stage(console, f"load {args.hf} ({what}: {parallel})", total=tensor_count(config)) as adv:
@@ -92,7 +123,7 @@ def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> Inferen
             args.hf,
             parallel,
             max_batch=batch,
-            max_seq_len=args.max_seq_len,
+            max_seq_len=_max_seq_len(args, config),
             mesh=group.mesh(),
             dtype=args.dtype,
             on_tensor=lambda name: adv(),
@@ -110,9 +141,15 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
             "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
             "schedule): use pp=1, with dp, sp, ep or tp instead"
         )
-    slots = args.slots or _round_up(DEFAULT_SLOTS, batch_multiple(config, decode))
+    slots = args.max_num_seqs or _round_up(DEFAULT_MAX_NUM_SEQS, batch_multiple(config, decode))
+    max_seq_len = _max_seq_len(args, config)
     # Refuses illegal strategies before anything is read or compiled.
-    validate(config, decode, n_devices=decode.size, batch=slots, max_seq_len=args.max_seq_len)
+    validate(config, decode, n_devices=decode.size, batch=slots, max_seq_len=max_seq_len)
+    budget = KVBudget(
+        page_size=args.page_size,
+        tokens=args.kv_cache_tokens,
+        memory_fraction=args.kv_cache_memory_fraction,
+    )
     prefill_batch = None
     if prefill is not None:
         prefill_batch = args.prefill_batch or batch_multiple(config, prefill)
@@ -121,14 +158,18 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
             prefill,
             n_devices=prefill.size,
             batch=prefill_batch,
-            max_seq_len=args.max_seq_len,
+            max_seq_len=max_seq_len,
         )
     check_devices(groups)
     engine = _engine(args, groups[Phase.DECODE], slots, console, "decode")
     if prefill is None:
-        return ContinuousBatcher(engine, prefill_batch=args.prefill_batch, max_queue=args.max_queue)
+        return ContinuousBatcher(
+            engine, prefill_batch=args.prefill_batch, max_queue=args.max_queue, kv_budget=budget
+        )
     prefill_engine = _engine(args, groups[Phase.PREFILL], prefill_batch, console, "prefill")
-    return ContinuousBatcher(engine, prefill_engine=prefill_engine, max_queue=args.max_queue)
+    return ContinuousBatcher(
+        engine, prefill_engine=prefill_engine, max_queue=args.max_queue, kv_budget=budget
+    )
 
 
 def served_model(args: argparse.Namespace):
@@ -188,10 +229,11 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     )
     batcher = build_batcher(args, console)
     where = f"prefill {batcher.prefill_engine.parallel_config}, " if batcher.disaggregated else ""
+    console.print(batcher.describe_cache(), soft_wrap=True)
     console.print(
-        f"{where}decode {batcher.engine.parallel_config} with {batcher.slots} slots, "
-        f"max_seq_len {args.max_seq_len}, queue {args.max_queue}; http://{args.host}:{args.port}"
-        " (GET /health is 200 once warmed up)",
+        f"{where}decode {batcher.engine.parallel_config}, up to {batcher.slots} sequences, "
+        f"max_seq_len {batcher.max_seq_len}, queue {args.max_queue}; "
+        f"http://{args.host}:{args.port} (GET /health is 200 once warmed up)",
         soft_wrap=True,
     )
     app = create_app(

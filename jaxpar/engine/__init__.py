@@ -1,5 +1,5 @@
 """The engine: mesh placement, jit-compiled prefill and decode, KV-cache handoff, generate,
-and continuous batching over decode slots (``ContinuousBatcher``).
+and continuous batching over a paged KV cache (``ContinuousBatcher``, sized by ``KVBudget``).
 
 ``pipeline`` is the pipeline schedule's module (its stage-local steps, one by one).
 """
@@ -10,8 +10,10 @@ from jaxpar.engine._batching import BatcherStats, ContinuousBatcher
 from jaxpar.engine._distributed import ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._engine import Generation, InferenceEngine
+from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._load import engine_from_hf
+from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
@@ -25,7 +27,10 @@ __all__ = [
     "ContinuousBatcher",
     "Generation",
     "InferenceEngine",
+    "KVBudget",
     "Layouts",
+    "PagePool",
+    "PageTable",
     "ProcessInfo",
     "Request",
     "RequestStream",
