@@ -44,3 +44,20 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
     moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
     total = sum(shard_buffer(x)[1] for x in (*params, *caches))
     return moved / total
+
+
+def paged_moved_fraction(compiled, engine: AbstractEngine, slots) -> float:
+    """:func:`moved_fraction` of a serving step over the paged cache of ``slots`` (a
+    ``SlotSteps``): copies of a weight or of a layer's page pool, over parameter + pool
+    bytes per device."""
+    params = jax.tree.leaves(engine.params)
+    pool = slots.abstract()
+    pools = jax.tree.leaves((pool.k, pool.v))
+    layer_sizes = set(map(shard_buffer, pools))
+    if engine.model_config.layer_loop == "scan":  # one layer of the stacked [L, ...] pool
+        layers = engine.model_config.n_layers
+        layer_sizes = {(e // layers, b // layers) for e, b in layer_sizes}
+    weights = {shard_buffer(p) for p in params if p.ndim >= 2}
+    moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
+    total = sum(shard_buffer(x)[1] for x in (*params, *pools))
+    return moved / total

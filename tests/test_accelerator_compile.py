@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from jaxpar.engine import AbstractEngine
+from jaxpar.engine._kv_budget import KVBudget, size_pool
 from jaxpar.engine._slots import Inserted, SlotSteps
 from jaxpar.inspect import kernel_calls, parse_collectives, tpu_devices
 from jaxpar.spec import ParallelConfig, make_mesh
@@ -95,8 +96,16 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
 @pytest.mark.parametrize("strategy", ["tp=2", "dp=2,tp=2"])
 def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
     engine = _tpu_engine(v5e, "tiny-gqa", strategy)
-    slots = SlotSteps(engine.steps, engine.model_config, BATCH)
-    slots.compile_step(engine.params)
+    pool = size_pool(
+        KVBudget(tokens=BATCH * SEQ),
+        config=engine.parallel_config,
+        mesh=engine.mesh,
+        dims=engine.model_config,
+        rows=BATCH,
+        max_seq_len=SEQ,
+    )
+    slots = SlotSteps(engine.steps, engine.model_config, pool)
+    slots.compile_step(engine.params, pool.pages_per_row)
     rows, prompt_len = 4, 128
     c = engine.model_config
     kv_PTKH = jax.ShapeDtypeStruct((rows, prompt_len, c.n_kv_heads, c.head_dim), c.dtype)
@@ -108,7 +117,7 @@ def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
     )
     slots.compile_insert(new)
     compiled = engine.steps._compiled
-    step = compiled[("slot_step",)]
+    step = compiled[("slot_step", (BATCH, pool.pages_per_row))]
     assert kernel_calls(step)["splash"] == 0  # decode: XLA on TPU
     assert step.memory_analysis().argument_size_in_bytes > 0
     insert = next(v for k, v in compiled.items() if k[0] == "insert")

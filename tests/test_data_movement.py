@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar import ParallelConfig
-from jaxpar.engine import AbstractEngine
+from jaxpar.engine import AbstractEngine, PagePool, SlotSteps
 from jaxpar.inspect._movement import data_movement
 from jaxpar.inspect._report import compile_step
 from jaxpar.models import preset
 from jaxpar.spec import make_mesh
-from tests._movement import moved_fraction
+from tests._movement import moved_fraction, paged_moved_fraction
 from tests._prompts import MAX_BATCH, MAX_SEQ_LEN
 
 BUDGET = 0.05  # of parameter + cache bytes per device
@@ -167,3 +167,35 @@ def test_a_compiled_cast_transpose_of_a_bf16_cache_is_counted():
     bf16_bytes = cache.size * 2
     moved = data_movement(compiled, [bf16_bytes])
     assert [m.nbytes for m in moved] == [2 * bf16_bytes], compiled.as_text()
+
+
+# --- the serving step over the paged cache --------------------------------------------------
+
+# Six rows, not eight: the per-row sampler's random bits for 8 rows, u32 [8, 256], have
+# the element count and bytes of a tp-less K/V kernel (2048 f32), and its threefry loop
+# copies them: an activation that would count as a weight copy by size alone.
+PAGED_ROWS = 6
+PAGED_CASES = [
+    (ParallelConfig(), PAGED_ROWS, "float32"),
+    (ParallelConfig(), 1, "float32"),
+    (ParallelConfig(tp=2), PAGED_ROWS, "float32"),
+    (ParallelConfig(dp=2, tp=2), PAGED_ROWS, "float32"),
+    (ParallelConfig(tp=4), PAGED_ROWS, "float32"),  # 2 kv heads replicated over tp=4
+    (ParallelConfig(dp=2, tp=2), PAGED_ROWS, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("parallel", "batch", "dtype"), PAGED_CASES, ids=lambda x: str(x))
+def test_paged_serving_step_copies_no_weight_or_page_pool(parallel, batch, dtype):
+    """The step writes each row's token into its page in place and gathers only the
+    rows' pages: no copy of the pool (or of a weight) per step."""
+    eng = _engine("unrolled", parallel, batch, dtype)
+    pool = PagePool(
+        page_size=8, pages_per_shard=33, shards=parallel.dp, rows=batch, max_seq_len=MAX_SEQ_LEN
+    )
+    slots = SlotSteps(eng.steps, eng.model_config, pool)
+    width = pool.pages_per_row
+    slots.compile_step(eng.params, width)
+    compiled = eng.steps._compiled[("slot_step", (batch, width))]
+    fraction = paged_moved_fraction(compiled, eng, slots)
+    assert fraction <= BUDGET, f"{fraction:.1%} of parameter + pool bytes moved per step"
