@@ -135,20 +135,19 @@ def test_max_seq_len_boundary(eng, prompt_len):
         eng.generate([prompt + [1] * (30 - prompt_len)], 4)
 
 
-def _loop_programs(eng) -> list[tuple]:
-    return [key for key in eng.steps._compiled if key[0] == "decode_loop"]
-
-
 def test_max_new_tokens_does_not_recompile(eng):
-    """The token count is a runtime argument of the decode loop: 16, 17, 3 and 1 new
-    tokens (and a different stop list) share one program per sampling mode."""
+    """Token counts, sampling parameters and stop lists are runtime values: 16, 17, 3 and
+    1 new tokens, greedy and sampled, with different stop lists, run the same programs
+    (prefill, first tokens, insert, and one decode step per block-table width)."""
     sampled = Sampling(temperature=0.7, top_k=10)
     runs, programs = {}, []
+    before = set(eng.steps._compiled)  # other tests' programs, on this module's engine
     for n in (16, 17, 3, 1):
         runs[n] = eng.generate(PROMPTS[:3], n).tokens
         eng.generate(PROMPTS[:3], n, sampling=sampled, seed=1, stop_tokens=[5, 6, 7][: n % 4])
-        programs.append(_loop_programs(eng))
+        programs.append(set(eng.steps._compiled))
     assert programs[0] == programs[-1], programs
-    assert sum(key[1] in (Sampling(), sampled) for key in programs[-1]) == 2
+    new = {key[0] for key in programs[-1] - before}
+    assert new <= {"prefill", "first_tokens", "insert", "slot_step"}, new
     for n in (17, 3, 1):  # fewer tokens are a prefix of more (greedy)
         assert [row[:n] for row in runs[17]] == runs[n] and all(len(r) == n for r in runs[n])

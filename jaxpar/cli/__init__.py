@@ -128,6 +128,15 @@ def _parser() -> argparse.ArgumentParser:
         "--prompt-len", type=int, default=16, help="padded prompt length (default 16)"
     )
     explain.add_argument("--max-seq-len", type=int, default=64, help="KV cache length (default 64)")
+    explain.add_argument(
+        "--page-size", type=int, default=16, help="tokens per KV cache page (default 16)"
+    )
+    explain.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="decode's paged KV cache size in tokens (default: batch x max-seq-len)",
+    )
     explain.add_argument("--json", action="store_true", help="print JSON instead of tables")
     explain.add_argument(
         "--dot", type=str, default=None, help="write the execution graph (Graphviz DOT) here"

@@ -27,6 +27,7 @@ from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._groups import DeviceGroup, describe_groups, device_groups, handoff
 from jaxpar.cli._progress import stage
 from jaxpar.engine import AbstractEngine, run_form
+from jaxpar.engine._kv_budget import batch_shards, pages_per_shard
 from jaxpar.inspect import (
     CAUSES,
     MOE_EXCHANGES,
@@ -37,6 +38,7 @@ from jaxpar.inspect import (
 from jaxpar.models import (
     KV_SCORE_AXES,
     Q_AXES,
+    STACKED_PAGE_AXES,
     KVCache,
     ModelConfig,
     abstract_model,
@@ -119,19 +121,48 @@ def tensor_rows(
     batch: int,
     prompt_len: int,
     max_seq_len: int,
+    page_size: int = 16,
+    kv_cache_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The KV cache and the main activations of ``phase`` in the layouts the model applies."""
+    """The KV cache and the main activations of ``phase`` in the layouts the model applies.
+
+    Decode's cache is the page pool continuous batching and (unpipelined) ``generate`` run
+    on, ``kv_cache_tokens`` (default ``batch * max_seq_len``) in pages of ``page_size``,
+    with the rows' block tables; pipelined decode keeps the contiguous ``[L, B, S, K, H]``.
+    """
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
-    cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
     size = c.dtype.itemsize
-    table = [
-        (
-            "KV cache (K and V each)",
-            Module.ATTENTION,
-            KVCache.KV_AXES,
-            (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim),
-            size,
-        ),
+    if phase is Phase.PREFILL or parallel.pp > 1:
+        cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
+        table = [
+            (
+                "KV cache (K and V each)",
+                Module.ATTENTION,
+                KVCache.KV_AXES,
+                (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim),
+                size,
+            )
+        ]
+    else:
+        shards = batch_shards(parallel, c)
+        pages = shards * pages_per_shard(kv_cache_tokens or batch * max_seq_len, page_size, shards)
+        table = [
+            (
+                f"KV page pool (K and V each; {pages} pages incl. {shards} scratch)",
+                Module.ATTENTION,
+                STACKED_PAGE_AXES,
+                (c.n_layers, c.n_kv_heads, pages, page_size, c.head_dim),
+                size,
+            ),
+            (
+                "block tables (page ids per row)",
+                Module.ATTENTION,
+                ("batch", None),
+                (batch, -(-max_seq_len // page_size)),
+                4,
+            ),
+        ]
+    table += [
         ("tokens", Module.EMBEDDING, ("batch", "seq"), (batch, t), 4),
         ("hidden x", Module.ATTENTION, ("batch", "seq", "embed"), (batch, t, c.d_model), size),
         ("queries", Module.ATTENTION, Q_AXES, (batch, t, c.n_heads, c.head_dim), size),
@@ -336,6 +367,8 @@ def _phase(args, config, group, plan, phase, engine) -> dict[str, Any]:
             batch=args.batch,
             prompt_len=args.prompt_len,
             max_seq_len=args.max_seq_len,
+            page_size=getattr(args, "page_size", 16),
+            kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         ),
         "modules": module_rows(plan, phase),
         "collectives": report.to_dict() if report else {"model": model.to_dict()},

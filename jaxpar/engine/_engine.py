@@ -116,6 +116,7 @@ class InferenceEngine:
         self.layouts = self.program.layouts
         self.steps = self.program.steps
         self.params = jax.tree.map(place, params, self.layouts.params)
+        self._core = None  # the serving core of generate (built on first use)
 
     def lower(self, phase: str, *, prompt_len: int) -> Any:
         """The ``jax.stages.Lowered`` prefill or decode step over this engine's parameters
@@ -249,16 +250,23 @@ class InferenceEngine:
             sampling: greedy by default; temperature / top-k / top-p otherwise.
             seed: sampling seed; the same seed gives bitwise-identical tokens.
             stop_tokens: a sequence finishes after emitting one of these.
-            callback: streaming: called as ``callback(step, tokens_B)`` after every token;
-                decoding then runs one dispatched step per token. Without it, all decode
-                steps run inside one compiled ``while_loop``. ``tokens_B`` (int32, all
-                ``max_batch`` rows) holds each row's token of this step, or ``-1`` for
-                padding rows and for rows that finished at an earlier step.
+            callback: streaming: called as ``callback(step, tokens_B)`` after every token.
+                ``tokens_B`` (int32, all ``max_batch`` rows) holds each row's token of this
+                step, or ``-1`` for padding rows and for rows that finished at an earlier step.
+
+        Unpipelined strategies run the serving core (:mod:`jaxpar.engine._offline`): the
+        paged cache, decode step and per-row sampler of :class:`ContinuousBatcher`, one
+        dispatched step per token. Pipelined ones (``pp > 1``) run the pipeline schedule's
+        contiguous cache, all decode steps in one compiled ``while_loop`` unless streaming.
         """
         self._check_prompts(prompts, max_new_tokens)
         sampling = sampling or Sampling()
         tokens_BT, lengths_B = self.pad_prompts(prompts)
         n = len(prompts)
+        if self.parallel_config.pp == 1:
+            return self._generate_on_core(
+                tokens_BT, lengths_B, n, max_new_tokens, sampling, seed, stop_tokens, callback
+            )
         start = time.perf_counter()
         _, cache, first_B = self._prefill(tokens_BT, lengths_B, seed, sampling)
         first_B.block_until_ready()
@@ -296,6 +304,41 @@ class InferenceEngine:
             prompt_tokens=int(lengths_B[:n].sum()),
             new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
             moe_dropped=dropped,
+        )
+
+    def _generate_on_core(
+        self, tokens_BT, lengths_B, n, max_new_tokens, sampling, seed, stop_tokens, callback
+    ) -> Generation:
+        from jaxpar.engine._offline import OfflineCore, decode_offline
+
+        if self._core is None:
+            self._core = OfflineCore.build(self)
+        start = time.perf_counter()
+        times = []
+        decoded = decode_offline(
+            self,
+            self._core,
+            tokens_BT,
+            lengths_B,
+            n,
+            max_new_tokens,
+            sampling,
+            seed,
+            stop_tokens,
+            callback,
+            on_prefilled=lambda: times.append(time.perf_counter()),
+        )
+        end = time.perf_counter()
+        tokens = []
+        for row in decoded.tokens_BN[:n]:
+            tokens.append([int(t) for t in row[row >= 0]])
+        return Generation(
+            tokens=tokens,
+            prefill_seconds=times[0] - start,
+            decode_seconds=end - times[0],
+            prompt_tokens=int(lengths_B[:n].sum()),
+            new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
+            moe_dropped=decoded.dropped,
         )
 
     def _dropped(self, steps: int) -> tuple[int, ...] | None:

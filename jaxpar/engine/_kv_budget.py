@@ -18,7 +18,7 @@ import numpy as np
 from jaxpar.engine._pages import PagePool
 from jaxpar.errors import ConfigError
 from jaxpar.models import PAGE_AXES, ModelConfig
-from jaxpar.spec import Module, ParallelConfig, Phase, partition_spec
+from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, partition_spec
 
 #: Tokens of KV cache on CPU when neither a token budget nor a memory fraction is given.
 CPU_KV_TOKENS = 16384
@@ -52,11 +52,16 @@ class KVBudget:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
 
 
-def batch_shards(config: ParallelConfig, mesh: jax.sharding.Mesh, dims: ModelConfig) -> int:
+def batch_shards(config: ParallelConfig, dims: ModelConfig) -> int:
     """Decode's batch shards: the pool splits into one slice per shard."""
-    spec = partition_spec(PAGE_AXES, Module.ATTENTION, Phase.DECODE, config, dims=dims)
-    axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],) if spec[1] else ()
-    return math.prod(mesh.shape[a] for a in axes)
+    axes = mesh_axes(Module.ATTENTION, Phase.DECODE, config, dims=dims)["pages"]
+    return math.prod(config.degree(a) for a in axes)
+
+
+def pages_per_shard(tokens: int, page_size: int, shards: int) -> int:
+    """Pages of each shard's slice of a pool holding ``tokens`` tokens (all shards), its
+    scratch page included."""
+    return math.ceil(math.ceil(tokens / page_size) / shards) + 1
 
 
 def page_bytes_per_device(
@@ -103,7 +108,7 @@ def size_pool(
         step_temp_bytes: the decode step's temporaries per device (compiled on demand:
             only when sizing from memory).
     """
-    shards = batch_shards(config, mesh, dims)
+    shards = batch_shards(config, dims)
     page_bytes = page_bytes_per_device(config, mesh, dims, budget.page_size)
     if budget.tokens is not None:
         pages = math.ceil(budget.tokens / budget.page_size)
@@ -127,7 +132,7 @@ def size_pool(
                     "more devices (tp), a smaller model or dtype, or give kv_cache_tokens"
                 )
             pages = (usable // page_bytes - 1) * shards  # one scratch page per shard
-    per_shard = math.ceil(pages / shards) + 1
+    per_shard = pages_per_shard(pages * budget.page_size, budget.page_size, shards)
     longest = min(max_seq_len, (per_shard - 1) * budget.page_size)
     return PagePool(budget.page_size, per_shard, shards, rows, longest)
 

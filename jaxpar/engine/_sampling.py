@@ -1,7 +1,8 @@
 """Next-token selection from (possibly vocab-sharded) logits: greedy, temperature, top-k, top-p.
 
-One :class:`Sampling` for a whole batch (``generate``), or per-row arrays
-(:class:`RowSampling`, serving slots).
+One implementation of the filters and the draw (:func:`_filter_and_draw`), with the
+parameters as per-row arrays (:class:`RowSampling`): changing them never recompiles.
+:func:`select` applies one :class:`Sampling` to a whole batch (the pipelined schedule).
 """
 
 from __future__ import annotations
@@ -45,36 +46,27 @@ class Sampling:
 
 
 def select(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """The next token per row (int32 [B]). Traced inside the decode step."""
+    """The next token per row (int32 [B]), one :class:`Sampling` for the batch; traced.
+
+    The filters are :func:`select_rows`' (one implementation); row ``b`` draws with
+    ``fold_in(key, b)``, so the draw for token ``v`` depends on neither the batch size nor
+    the vocabulary length (a vocabulary padded for tp, padded ids at -inf, samples the
+    same tokens as the unpadded one).
+    """
     logits_BV = logits_BV.astype(jnp.float32)
     if sampling.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV / sampling.temperature
-    if sampling.top_k is not None:
-        k = min(sampling.top_k, logits_BV.shape[-1])
-        kth_B1 = jax.lax.top_k(logits_BV, k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-    if sampling.top_p is not None:
-        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
-        # before it is still below top_p (the top token always stays).
-        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        kept = jnp.where(before_BV < sampling.top_p, sorted_BV, jnp.inf)
-        cutoff_B1 = jnp.min(kept, axis=-1, keepdims=True)
-        logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
-    return _gumbel_argmax(key, logits_BV)
-
-
-def _gumbel_argmax(key: jax.Array, logits_BV: jax.Array) -> jax.Array:
-    """A categorical draw per row, as ``jax.random.categorical`` (argmax of logits + Gumbel
-    noise), with row ``b``'s noise drawn from ``fold_in(key, b)`` over ``[V]``: the draw for
-    token ``v`` depends on neither the batch size nor the vocabulary length, so a vocabulary
-    padded for tp (padded ids at -inf) samples the same tokens as the unpadded one."""
-    vocab = logits_BV.shape[-1:]
-    rows_B = jnp.arange(logits_BV.shape[0], dtype=jnp.int32)
-    noise_BV = jax.vmap(lambda b: jax.random.gumbel(jax.random.fold_in(key, b), vocab))(rows_B)
-    return jnp.argmax(logits_BV + noise_BV, axis=-1).astype(jnp.int32)
+    b = logits_BV.shape[0]
+    row_B = jnp.arange(b, dtype=jnp.int32)
+    rows = RowSampling(
+        temperature_B=jnp.full(b, sampling.temperature, jnp.float32),
+        top_k_B=jnp.full(b, sampling.top_k or 0, jnp.int32),
+        top_p_B=jnp.full(b, 1.0 if sampling.top_p is None else sampling.top_p, jnp.float32),
+        key_B=jnp.zeros((b, 0), jnp.uint32),  # unused: the keys are given
+        row_B=row_B,
+    )
+    keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_B)
+    return _filter_and_draw(logits_BV, rows, keys_B)
 
 
 @flax.struct.dataclass
@@ -82,36 +74,55 @@ class RowSampling:
     """Sampling parameters per row, as arrays: serving slots change them without a compile.
 
     ``temperature_B`` 0 is greedy; ``top_k_B`` 0 and ``top_p_B`` 1 switch those filters
-    off; ``key_B`` holds each row's ``key_data(PRNGKey(seed))``. A row draws as row 0 of an
-    offline :func:`select` with the same seed and step, so a served request samples the
-    tokens ``generate([prompt], seed=seed)`` does.
+    off; ``key_B`` holds each row's ``key_data(PRNGKey(seed))``; ``row_B`` is the row's
+    place in the batch its seed was given for. A row draws as row ``row_B`` of an offline
+    :func:`select` with the same seed and step: a served request (row 0) samples the tokens
+    ``generate([prompt], seed=seed)`` does, and ``generate(prompts, seed=seed)`` draws
+    through these arrays with rows ``0..B-1``.
     """
 
     temperature_B: jax.Array
     top_k_B: jax.Array
     top_p_B: jax.Array
     key_B: jax.Array
+    row_B: jax.Array
 
     @classmethod
-    def rows(cls, samplings: Sequence[Sampling], seeds: Sequence[int]) -> RowSampling:
-        """Host arrays for one :class:`Sampling` and seed per row."""
+    def rows(
+        cls,
+        samplings: Sequence[Sampling],
+        seeds: Sequence[int],
+        rows: Sequence[int] | None = None,
+    ) -> RowSampling:
+        """Host arrays for one :class:`Sampling` and seed (and row, default 0) per row."""
         keys = [np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in seeds]
         return cls(
             temperature_B=np.array([s.temperature for s in samplings], np.float32),
             top_k_B=np.array([s.top_k or 0 for s in samplings], np.int32),
             top_p_B=np.array([1.0 if s.top_p is None else s.top_p for s in samplings], np.float32),
             key_B=np.stack(keys).astype(np.uint32),
+            row_B=np.zeros(len(seeds), np.int32) if rows is None else np.asarray(rows, np.int32),
         )
 
 
 def select_rows(logits_BV: jax.Array, rows: RowSampling, step_B: jax.Array) -> jax.Array:
     """The next token per row with that row's own parameters (int32 [B]); traced.
 
-    Row ``b`` at its step ``step_B[b]`` applies temperature, top-k and top-p exactly as
-    :func:`select` does and draws with ``fold_in(fold_in(key_b, step_b), 0)``. The sort the
-    filters need runs only when some row samples.
+    Row ``b`` at its step ``step_B[b]`` draws with
+    ``fold_in(fold_in(key_b, step_b), row_b)``: as row ``row_b`` of :func:`select` at that
+    step. The sort the filters need runs only when some row samples.
     """
-    logits_BV = logits_BV.astype(jnp.float32)
+
+    def key(key_data: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
+        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key_data), step), row)
+
+    keys_B = jax.vmap(key)(rows.key_B, step_B, rows.row_B)
+    return _filter_and_draw(logits_BV.astype(jnp.float32), rows, keys_B)
+
+
+def _filter_and_draw(logits_BV: jax.Array, rows: RowSampling, keys_B: jax.Array) -> jax.Array:
+    """Temperature, top-k and top-p per row, then a categorical draw per row (argmax of
+    logits + Gumbel noise from that row's key over ``[V]``); greedy rows take the argmax."""
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     sampled_B = rows.temperature_B > 0
 
@@ -124,17 +135,14 @@ def select_rows(logits_BV: jax.Array, rows: RowSampling, step_B: jax.Array) -> j
         kth_B1 = jnp.take_along_axis(sorted_BV, k_B1 - 1, axis=-1)
         scaled_BV = jnp.where(scaled_BV < kth_B1, -jnp.inf, scaled_BV)
         sorted_BV = jnp.where(sorted_BV < kth_B1, -jnp.inf, sorted_BV)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
+        # before it is still below top_p (the top token always stays).
         probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
         before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
         top_p_B1 = rows.top_p_B[:, None]
         cutoff_B1 = jnp.min(jnp.where(before_BV < top_p_B1, sorted_BV, jnp.inf), -1, keepdims=True)
         scaled_BV = jnp.where((top_p_B1 < 1.0) & (scaled_BV < cutoff_B1), -jnp.inf, scaled_BV)
-
-        def noise(key_data: jax.Array, step: jax.Array) -> jax.Array:
-            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
-            return jax.random.gumbel(jax.random.fold_in(key, 0), (vocab,))
-
-        noise_BV = jax.vmap(noise)(rows.key_B, step_B)
+        noise_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys_B)
         drawn_B = jnp.argmax(scaled_BV + noise_BV, axis=-1).astype(jnp.int32)
         return jnp.where(sampled_B, drawn_B, greedy_B)
 

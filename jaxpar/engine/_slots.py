@@ -110,7 +110,7 @@ class SlotSteps:
             tokens_B=row,
             active_B=row,
             step_B=row,
-            sampling=RowSampling(row, row, row, key_row),
+            sampling=RowSampling(row, row, row, key_row, row),
         )
 
     # --- state ---------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class SlotSteps:
 
     def _insert_program(self, slots, new: Inserted, *rows):
         lay, rep = self.steps.layouts, self.steps.layouts.replicated
-        sampling = RowSampling(rep, rep, rep, rep)
+        sampling = RowSampling(rep, rep, rep, rep, rep)
         inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
         return self.steps._compile(
             "insert",
@@ -322,7 +322,7 @@ class FirstTokens:
             "first_tokens",
             (logits_PV.shape,),
             self._draw,
-            (lay.logits_prefill, RowSampling(rep, rep, rep, rep), rep),
+            (lay.logits_prefill, RowSampling(rep, rep, rep, rep, rep), rep),
             rep,
             (logits_PV, sampling_P, step_P),
         )
