@@ -1,5 +1,5 @@
 """Per-shard bodies of the fused attention paths (cuDNN prefill and decode, Pallas TPU splash,
-Pallas GPU decode).
+Pallas GPU decode, Pallas GPU and TPU paged decode).
 
 Each body runs inside :func:`jaxpar.spec.logical_shard_map` (or on whole arrays outside a
 sharding context) and sees only local shards. What a shard cannot read off its own shapes
@@ -11,6 +11,7 @@ The Pallas modules are imported lazily and guarded, so this module imports on ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -360,3 +361,190 @@ def decode_pallas_gpu(
     if one_hot_K is None:
         return out_BKGH.reshape(b, n, h).astype(q_BNH.dtype)
     return from_kv_head(out_BKGH, one_hot_K, q_BNH.dtype)
+
+
+# --- Pallas paged decode (GPU and TPU) ------------------------------------------------------
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def paged_gpu_blocks(pages_per_row: int, page_size: int, head_dim: int) -> tuple[int, int] | None:
+    """(k_splits, pages_per_compute_block) for the GPU paged kernel, or None where it cannot
+    run.
+
+    Each program loads ``[pages_per_compute_block, page_size, head_dim]`` keys (and values)
+    per step and multiplies them with ``[block_h, head_dim]`` queries. Triton loads only
+    power-of-two sized tiles and its dots need every dimension >= 16: page_size and head_dim
+    powers of two, head_dim >= 16, a compute block of >= 16 keys. The kernel splits a row's
+    pages into ``k_splits`` partitions of whole compute blocks (programs run in parallel,
+    then one last flash round). More splits give more programs for small batches; compute
+    blocks of at most 128 keys (unless one page is longer).
+    """
+    if not (_power_of_two(page_size) and _power_of_two(head_dim) and head_dim >= 16):
+        return None
+    for k_splits in (16, 8, 4, 2, 1):
+        if pages_per_row % k_splits:
+            continue
+        part = pages_per_row // k_splits
+        for per_block in (8, 4, 2, 1):
+            keys = per_block * page_size
+            if part % per_block == 0 and keys >= 16 and (keys <= 128 or per_block == 1):
+                return k_splits, per_block
+    return None
+
+
+def paged_gpu_block_h(group: int) -> int:
+    """Query heads per GPU program: a multiple of 16 (the kernel requires it; it pads a
+    smaller group with zero queries), up to 64, so that a large group reads each page once
+    per 64 heads rather than once per 16."""
+    return min(64, max(16, 1 << (group - 1).bit_length()))
+
+
+#: Block-table entries per TPU paged-kernel call. The kernel prefetches its whole table
+#: (and the lengths) into SMEM, 1 MiB on v4, v5e, v5p and v6e (measured compiling for
+#: each: a table of 2**18 int32 entries overflows it): half of it for the table.
+PAGED_TPU_TABLE_ENTRIES = 1 << 17
+
+
+def paged_tpu_block(pages_per_row: int, page_size: int, head_dim: int, dtype) -> int | None:
+    """pages_per_compute_block for the TPU paged kernel, or None where it cannot run.
+
+    Measured by compiling the kernel for a compile-only v5e (libtpu of jax 0.10 and 0.12):
+    head_dim must be a multiple of 128 (the queries' block has head_dim on the lanes; 64
+    fails to lower), and the dtype bf16 or f32 (the kernel converts K/V to bf16 in VMEM;
+    Mosaic fails on f16). Any page size compiles. The kernel requires compute blocks of
+    whole pages dividing the row's pages; up to 512 keys per block (two double-buffered
+    blocks of K and V live in VMEM). One row's table must fit in SMEM
+    (:data:`PAGED_TPU_TABLE_ENTRIES`; more rows are split over several calls).
+    """
+    if head_dim % 128 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return None
+    if pages_per_row > PAGED_TPU_TABLE_ENTRIES:
+        return None
+    fits = [p for p in range(1, pages_per_row + 1) if pages_per_row % p == 0]
+    return max([p for p in fits if p * page_size <= 512] or [1])
+
+
+def pages_of_kv_head(
+    k_KAZH: jax.Array,
+    v_KAZH: jax.Array,
+    tables_BN: jax.Array,
+    n_local: int,
+    group: int,
+    head_ids_N: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pool and block tables as a paged kernel reads them for this shard's query heads.
+
+    When kv heads are replicated over tp (:func:`kv_replicated`) the shard holds the whole
+    ``[K, A, Z, H]`` pool but its query heads all read one kv head. The pool is then seen as
+    a single kv head of ``K * A`` pages, ``[1, K * A, Z, H]`` (merging the two leading axes:
+    a bitcast, no copy, on every backend's layout), and the block tables are moved to that
+    head's pages: local page ``p`` of kv head ``kv`` is page ``kv * A + p``. The kernel
+    reads exactly the pages it reads for an unreplicated head. The alternatives cost more:
+    slicing the head out (``k_KAZH[kv]``) copies a pool-sized operand per layer and step (a
+    kernel's operand is materialised), and spreading the queries over every kv head with
+    zeros, as the contiguous kernels do, would stream every head's pages: both paged kernels
+    take one length per row, not per (row, kv head), so they cannot skip the other heads.
+    """
+    k_local, pages = k_KAZH.shape[:2]
+    if not kv_replicated(n_local, k_local, group):
+        return k_KAZH, v_KAZH, tables_BN
+    kv = head_ids_N[0] // group
+
+    def one_head(x_KAZH: jax.Array) -> jax.Array:
+        return x_KAZH.reshape(1, k_local * pages, *x_KAZH.shape[2:])
+
+    return one_head(k_KAZH), one_head(v_KAZH), tables_BN + kv * pages
+
+
+def paged_decode_pallas_gpu(
+    q_BNH,
+    k_KAZH,
+    v_KAZH,
+    tables_BN,
+    lengths_B,
+    head_ids_N,
+    *,
+    group: int,
+    blocks: tuple[int, int],
+    interpret: bool,
+) -> jax.Array:
+    """Local shard of paged decode through ``pallas.ops.gpu.paged_attention``.
+
+    The kernel reads ``[K, A, Z, H]`` pages and ``[B, N]`` block tables, the pool's own
+    layout: nothing is transposed. A program per (row, kv head, block of query heads, split
+    of the row's pages) streams only the pages below the row's length. The kernel does not
+    scale the scores: ``1/sqrt(H)`` goes on q.
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as pa
+
+    n, h = q_BNH.shape[1], q_BNH.shape[2]
+    k_KAZH, v_KAZH, tables_BN = pages_of_kv_head(k_KAZH, v_KAZH, tables_BN, n, group, head_ids_N)
+    k_splits, per_block = blocks
+    out_BNH = pa.paged_attention(
+        q_BNH * jnp.asarray(h**-0.5, q_BNH.dtype),
+        k_KAZH,
+        v_KAZH,
+        tables_BN,
+        lengths_B.astype(jnp.int32),
+        block_h=paged_gpu_block_h(n // k_KAZH.shape[0]),
+        pages_per_compute_block=per_block,
+        k_splits=k_splits,
+        mask_value=MASKED,
+        interpret=interpret,
+    )
+    return out_BNH.astype(q_BNH.dtype)
+
+
+def paged_decode_pallas_tpu(
+    q_BNH,
+    k_KAZH,
+    v_KAZH,
+    tables_BN,
+    lengths_B,
+    head_ids_N,
+    *,
+    group: int,
+    pages_per_block: int,
+    interpret: bool,
+) -> jax.Array:
+    """Local shard of paged decode through ``pallas.ops.tpu.paged_attention``.
+
+    Same layout as the GPU kernel (``[K, A, Z, H]`` pages, ``[B, N]`` page indices), read in
+    place: the kernel DMAs each compute block of a row's pages from HBM into VMEM (double
+    buffered) and stops at the row's length. It does not scale the scores (``1/sqrt(H)``
+    goes on q) and converts K and V to bf16 in VMEM whatever their dtype, so f32 pools get
+    bf16 keys and values. It prefetches the block tables into SMEM: a batch whose tables do
+    not fit is split over several calls (:data:`PAGED_TPU_TABLE_ENTRIES`). The kernel takes
+    no ``interpret`` argument: interpret mode is JAX's TPU interpreter context
+    (``force_tpu_interpret_mode``) around the call, which simulates the DMAs and semaphores
+    on CPU.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    b, n, h = q_BNH.shape
+    k_KAZH, v_KAZH, tables_BN = pages_of_kv_head(k_KAZH, v_KAZH, tables_BN, n, group, head_ids_N)
+    q_BNH = q_BNH * jnp.asarray(h**-0.5, q_BNH.dtype)
+    lengths_B = lengths_B.astype(jnp.int32)
+
+    def attend(rows: slice) -> jax.Array:
+        return paged_attention(
+            q_BNH[rows],
+            k_KAZH,
+            v_KAZH,
+            lengths_B[rows],
+            tables_BN[rows],
+            mask_value=MASKED,
+            pages_per_compute_block=pages_per_block,
+        )
+
+    # Rows in as few calls as keep each call's block table within SMEM.
+    per_call = max(1, PAGED_TPU_TABLE_ENTRIES // tables_BN.shape[1])
+    context = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with context:
+        outs = [attend(slice(i, i + per_call)) for i in range(0, b, per_call)]
+    out_BNH = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    return out_BNH.astype(q_BNH.dtype)

@@ -1,15 +1,43 @@
 """Decode attention over the paged KV cache (:mod:`jaxpar.models._paged`).
 
-Implementations, chosen by the model's ``decode_attention`` as for the contiguous cache:
+Implementations, chosen by the model's ``decode_attention`` as for the contiguous cache
+(its vocabulary, plus ``"pallas_tpu"`` by name here; :func:`paged_attention_impl` resolves
+``"auto"``):
 
 - ``"xla"`` (every backend, the reference): each row's pages are gathered from the pool,
   ``[K, B, N * Z, H]``, and attended to with f32 scores and softmax. The gather reads only
   the ``N`` pages of the block tables the step was given, so a step's cost follows its
   live rows; nothing copies the pool.
+- ``"pallas_gpu"`` (GPU): JAX's Pallas Triton paged-attention kernel
+  (``pallas.ops.gpu.paged_attention``), which reads the ``[K, A, Z, H]`` pool and the
+  block tables as they lie and streams only each row's pages below its length. ``"auto"``
+  picks it on GPU for bf16/fp16. JAX 0.12 deprecates the Pallas Triton ops, this one
+  included; it is still the only fused paged decode JAX offers on GPU.
+- ``"cudnn"``: runs XLA here. cuDNN's attention can read paged K/V, but JAX's cuDNN
+  wrapper takes no page tables.
+- ``"pallas_tpu"`` (TPU): JAX's Pallas TPU paged-attention kernel
+  (``pallas.ops.tpu.paged_attention``), same layout, pages DMA'd block by block into VMEM.
+  ``"auto"`` picks it on TPU for bf16. It is not among the model config's
+  ``decode_attention`` choices (they are the contiguous decode's): a model reaches it
+  through ``"auto"``; tests name it here.
+- ``"auto"``: :func:`paged_attention_impl` for the platform the program is compiled for
+  and the query dtype; f32 stays on XLA, the exact path, as for the contiguous cache.
+
+A kernel named explicitly also runs f32 (the interpret-mode tests compare it tightly). A
+kernel falls back to XLA where it cannot take the input: a sliding window (neither kernel
+masks one), a pool dtype other than q's (casting the pool would copy it every step), and
+shapes it cannot tile (``paged_gpu_blocks``, ``paged_tpu_block`` in
+:mod:`jaxpar.models._attention_kernels`).
 
 Every implementation runs per shard inside :func:`jaxpar.spec.logical_shard_map`: block
 tables hold page ids local to their batch shard (see ``_paged``), which only the shard's
 own slice of the pool resolves.
+
+Follow-up, chunked prefill: mixed prefill + decode batches (several new tokens per row
+over its pages) are what JAX's ragged paged-attention kernel
+(``pallas.ops.tpu.ragged_paged_attention``) computes. It wants one combined pool
+``[pages, page_size, 2K, H]`` with K and V interleaved, another layout than this cache's
+(the writes and the kernels above would change with it); not implemented.
 """
 
 from __future__ import annotations
@@ -19,11 +47,45 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import ConfigError
+from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask, kv_replicated
+from jaxpar.models._attention_ops import _HALF, DECODE_IMPLS, _interpret
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
-from jaxpar.spec import Module, logical_shard_map
+from jaxpar.spec import Module, active_platform, logical_shard_map
 
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
+#: What :func:`paged_decode_attention` takes: the model's choices, and the TPU kernel by name.
+PAGED_DECODE_IMPLS = (*DECODE_IMPLS, "pallas_tpu")
+
+
+def paged_attention_impl(backend: str, dtype) -> str:
+    """The implementation ``impl="auto"`` picks for paged decode.
+
+    The Pallas paged kernel of the backend for half precision (TPU: bf16 only, the kernel
+    computes in bf16 and Mosaic takes no f16); XLA on CPU and for f32, the exact reference.
+
+    Args:
+        backend: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``; anything else gets XLA.
+        dtype: The dtype of q and the pool.
+    """
+    dtype = jnp.dtype(dtype)
+    if backend in ("gpu", "cuda") and dtype in _HALF:
+        return "pallas_gpu"
+    if backend == "tpu" and dtype == jnp.dtype(jnp.bfloat16):
+        return "pallas_tpu"
+    return "xla"
+
+
+def _resolve(impl: str, dtype) -> str:
+    if impl not in PAGED_DECODE_IMPLS:
+        legal = ", ".join(PAGED_DECODE_IMPLS)
+        raise ConfigError(f"unknown paged attention impl {impl!r}; legal: {legal}")
+    if impl == "auto":
+        return paged_attention_impl(active_platform(), dtype)
+    if impl == "cudnn":
+        return "xla"  # JAX's cuDNN wrapper takes no page tables
+    return impl
 
 
 def paged_xla(q_BNH, k_KAZH, v_KAZH, tables_BN, lengths_B, head_ids_N, *, group, window):
@@ -60,6 +122,28 @@ def paged_xla(q_BNH, k_KAZH, v_KAZH, tables_BN, lengths_B, head_ids_N, *, group,
     return out_KBGH.transpose(1, 0, 2, 3).reshape(b, n, h).astype(q_BNH.dtype)
 
 
+def _kernel_body(impl: str, q_BNH: jax.Array, kv: PagedLayer, group: int, interpret: bool):
+    """The per-shard kernel body for ``impl``, or None where its kernel cannot take the
+    input (XLA then). Shapes are checked on the global arrays: a shard splits only batch,
+    heads and pages, which no constraint reads."""
+    if kv.k_KAZH.dtype != q_BNH.dtype:
+        return None  # the kernels read the pool as is; a cast would copy it every step
+    n_pages, page_size, h = kv.block_tables_BN.shape[1], kv.k_KAZH.shape[2], q_BNH.shape[2]
+    if impl == "pallas_gpu":
+        blocks = kern.paged_gpu_blocks(n_pages, page_size, h)
+        if blocks is None:
+            return None
+        return functools.partial(
+            kern.paged_decode_pallas_gpu, group=group, blocks=blocks, interpret=interpret
+        )
+    per_block = kern.paged_tpu_block(n_pages, page_size, h, q_BNH.dtype)
+    if per_block is None:
+        return None
+    return functools.partial(
+        kern.paged_decode_pallas_tpu, group=group, pages_per_block=per_block, interpret=interpret
+    )
+
+
 def paged_decode_attention(
     q_BNH: jax.Array,
     kv: PagedLayer,
@@ -67,6 +151,7 @@ def paged_decode_attention(
     lengths_B: jax.Array,
     window: int | None,
     impl: str = "auto",
+    interpret: bool | None = None,
 ) -> jax.Array:
     """One new query per row over its pages, which already hold its key and value.
 
@@ -75,14 +160,25 @@ def paged_decode_attention(
         kv: The layer's pool ``[K, A, Z, H]`` and the rows' block tables ``[B, N]``.
         lengths_B: Valid keys per row, the new token included.
         window: Sliding-window size, or None.
-        impl: The model's ``decode_attention`` choice.
+        impl: The model's ``decode_attention`` choice, or ``"pallas_tpu"`` (see the module
+            docstring).
+        interpret: Run a Pallas kernel in interpret mode (tests on CPU); default: whether
+            an :func:`~jaxpar.models.interpret_kernels` context is active.
 
     Returns:
         out_BNH in q's dtype.
+
+    Raises:
+        ConfigError: an unknown ``impl``.
     """
-    del impl  # every backend runs the XLA gather path
+    impl = _resolve(impl, q_BNH.dtype)
     n = q_BNH.shape[1]
-    body = functools.partial(paged_xla, group=n // kv.k_KAZH.shape[0], window=window)
+    group = n // kv.k_KAZH.shape[0]
+    body = None
+    if impl != "xla" and window is None:  # neither kernel masks a sliding window
+        body = _kernel_body(impl, q_BNH, kv, group, _interpret(interpret))
+    if body is None:
+        body = functools.partial(paged_xla, group=group, window=window)
     sharded = logical_shard_map(
         body,
         in_axes=(DECODE_Q_AXES, PAGE_AXES, PAGE_AXES, TABLE_AXES, ("batch",), ("heads",)),
