@@ -105,7 +105,7 @@ def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
         max_seq_len=SEQ,
     )
     slots = SlotSteps(engine.steps, engine.model_config, pool)
-    slots.compile_step(engine.params, pool.pages_per_row)
+    step = slots.compile_step(engine.params, pool.pages_per_row)
     rows, prompt_len = 4, 128
     c = engine.model_config
     kv_PTKH = jax.ShapeDtypeStruct((rows, prompt_len, c.n_kv_heads, c.head_dim), c.dtype)
@@ -117,7 +117,6 @@ def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
     )
     slots.compile_insert(new)
     compiled = engine.steps._compiled
-    step = compiled[("slot_step", (BATCH, pool.pages_per_row))]
     assert kernel_calls(step)["splash"] == 0  # decode: XLA on TPU
     assert step.memory_analysis().argument_size_in_bytes > 0
     insert = next(v for k, v in compiled.items() if k[0] == "insert")

@@ -174,7 +174,7 @@ def test_warm_up_compiles_everything_the_timed_run_needs():
     )
     prompts, sampling = [[1, 2, 3], [4]], jaxpar.Sampling()
     compiled = warm_up(engine, prompts, 5, sampling=sampling, seed=0)
-    assert {"prefill", "handoff", "decode_step"} <= set(compiled)
+    assert {"prefill", "first_tokens", "insert", "slot_step"} <= set(compiled)
     assert all(s > 0 for s in compiled.values())
     before = dict(engine.steps.compile_seconds)
     engine.generate(prompts, 5, sampling=sampling, callback=lambda step, tokens_B: None)
@@ -203,9 +203,11 @@ def test_run_shows_progress_and_separates_compile_from_throughput(capsys):
     assert code == 0, out
     n_tensors = len(jax.tree.leaves(jaxpar.load_hf_checkpoint(HF_LLAMA)[1]))
     assert re.search(rf"done load {re.escape(str(HF_LLAMA))} .* {n_tensors}/{n_tensors}", out), out
-    assert "done compile prefill, handoff and decode step" in out
+    assert "done compile prefill and decode steps" in out
     compile_line = re.search(
-        r"^compile: prefill [\d.]+ s, handoff [\d.]+ s, decode step [\d.]+ s", out, re.M
+        r"^compile: prefill [\d.]+ s, first tokens [\d.]+ s, insert [\d.]+ s, slot step [\d.]+ s",
+        out,
+        re.M,
     )
     assert compile_line, out
     assert re.search(r"^decode: +\d+ tokens in [\d.]+ s \([\d.]+ tokens/s, steady state", out, re.M)

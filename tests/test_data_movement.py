@@ -195,7 +195,6 @@ def test_paged_serving_step_copies_no_weight_or_page_pool(parallel, batch, dtype
     )
     slots = SlotSteps(eng.steps, eng.model_config, pool)
     width = pool.pages_per_row
-    slots.compile_step(eng.params, width)
-    compiled = eng.steps._compiled[("slot_step", (batch, width))]
+    compiled = slots.compile_step(eng.params, width)
     fraction = paged_moved_fraction(compiled, eng, slots)
     assert fraction <= BUDGET, f"{fraction:.1%} of parameter + pool bytes moved per step"

@@ -41,10 +41,15 @@ def test_json_holds_per_tensor_specs_and_compiled_collectives(capsys, argv, name
     )
     for phase, d in data["phases"].items():
         tensors = {t["tensor"]: t for t in d["tensors"]}
-        cache = tensors["KV cache (K and V each)"]
-        assert cache["spec"].startswith("P(None, ") and cache["bytes_per_device"] > 0
-        if phase == "decode":  # the decode cache is never split along its sequence
-            assert cache["spec"].split(", ")[2] == "None"
+        if phase == "prefill":
+            cache = tensors["KV cache (K and V each)"]
+            assert cache["spec"].startswith("P(None, ") and cache["bytes_per_device"] > 0
+        else:  # decode's page pool [L, K, pages, page_pos, H]: never split within a page
+            (pool,) = [t for t in d["tensors"] if t["tensor"].startswith("KV page pool")]
+            assert pool["logical_axes"] == ["layers", "kv_heads", "pages", "page_pos", "head_dim"]
+            assert pool["spec"].startswith("P(None, ") and pool["bytes_per_device"] > 0
+            assert pool["spec"].split(", ")[3] == "None"
+            assert tensors["block tables (page ids per row)"]["spec"].endswith(", None)")
         moe = "n_experts" in data["model"] and data["model"]["n_experts"] > 0
         local = [t for t in d["tensors"] if t["spec"] == "local (shard_map)"]
         assert len(local) == (2 if moe else 0)  # the MoE's per-device row buffers

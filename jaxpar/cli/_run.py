@@ -126,12 +126,14 @@ def warm_up(
     """Compiles every program a streamed generation of ``prompts`` runs, before it is timed.
 
     A streamed run of ``min(2, max_new_tokens)`` tokens compiles the prefill for this
-    prompt length, the handoff and the decode step; the streamed generation that follows
-    (same prompts, sampling and engine) compiles nothing, so its timings are steady state.
-    Returns the seconds each program took to compile.
+    prompt length and what follows it (unpipelined: first tokens, insert into pages and the
+    decode step; pipelined: handoff and decode step), and the decode steps of longer rows
+    are compiled too; the streamed generation that follows (same prompts, sampling and
+    engine) compiles nothing, so its timings are steady state. Returns the seconds each
+    program took to compile.
     """
     before = dict(engine.steps.compile_seconds)
-    with stage(console or Console(quiet=True), "compile prefill, handoff and decode step"):
+    with stage(console or Console(quiet=True), "compile prefill and decode steps"):
         engine.generate(
             prompts,
             min(2, max_new_tokens),
@@ -139,6 +141,7 @@ def warm_up(
             seed=seed,
             callback=lambda step, tokens_B: None,
         )
+        engine.compile_generate(max(map(len, prompts)), max_new_tokens)
     return {k: v for k, v in engine.steps.compile_seconds.items() if before.get(k) != v}
 
 

@@ -306,18 +306,34 @@ class InferenceEngine:
             moe_dropped=dropped,
         )
 
-    def _generate_on_core(
-        self, tokens_BT, lengths_B, n, max_new_tokens, sampling, seed, stop_tokens, callback
-    ) -> Generation:
-        from jaxpar.engine._offline import OfflineCore, decode_offline
+    def compile_generate(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Compiles every decode step a ``generate`` of prompts of up to ``prompt_len``
+        tokens and ``max_new_tokens`` new ones runs (unpipelined: one per block-table
+        width; the prefill compiles at the first call of each prompt bucket)."""
+        if self.parallel_config.pp > 1:
+            return
+        core = self._offline_core()
+        for width in core.widths(min(prompt_len + max_new_tokens, self.max_seq_len)):
+            core.slot_steps.compile_step(self.params, width)
+
+    def _offline_core(self):
+        from jaxpar.engine._offline import OfflineCore
 
         if self._core is None:
             self._core = OfflineCore.build(self)
+        return self._core
+
+    def _generate_on_core(
+        self, tokens_BT, lengths_B, n, max_new_tokens, sampling, seed, stop_tokens, callback
+    ) -> Generation:
+        from jaxpar.engine._offline import decode_offline
+
+        core = self._offline_core()
         start = time.perf_counter()
         times = []
         decoded = decode_offline(
             self,
-            self._core,
+            core,
             tokens_BT,
             lengths_B,
             n,

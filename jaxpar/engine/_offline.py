@@ -65,6 +65,11 @@ class OfflineCore:
     def pool(self) -> PagePool:
         return self.slot_steps.pool
 
+    def widths(self, tokens: int) -> list[int]:
+        """The block-table widths steps over rows of up to ``tokens`` tokens use."""
+        table, floor = PageTable(self.pool), self.pool.pages_for(MIN_STEP_TOKENS)
+        return sorted({table.width(t, floor) for t in range(1, tokens + 1)})
+
 
 @dataclasses.dataclass
 class Decoded:

@@ -97,6 +97,9 @@ class SlotSteps:
         self.model_config = model_config
         self.pool = pool
         self.n_slots = pool.rows
+        # Programs are cached on ``steps`` (shared with other SlotSteps of the engine, e.g.
+        # offline generation's): keyed by the pool's shape too.
+        self._pool_key = (pool.pages, pool.page_size)
         self._idle_sampling = RowSampling.rows([Sampling()] * pool.rows, [0] * pool.rows)
         self._keep_all: jax.Array | None = None  # release nothing (placed on first use)
         lay = steps.layouts
@@ -213,7 +216,7 @@ class SlotSteps:
         inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
         return self.steps._compile(
             "insert",
-            (jax.tree.map(jnp.shape, new.k),),
+            (jax.tree.map(jnp.shape, new.k), self._pool_key),
             self._insert,
             (self.layout, inserted, rep, rep, rep, sampling),
             self.layout,
@@ -266,7 +269,7 @@ class SlotSteps:
     def _step_program(self, params, slots, release, tables):
         return self.steps._compile(
             "slot_step",
-            (tables.shape,),
+            (tables.shape, self._pool_key),
             self._step,
             (self.steps.layouts.params, self.layout, self.layout.active_B, self.tables_layout),
             self.steps._with_drops((self.layout, self.steps.layouts.replicated)),
@@ -293,11 +296,12 @@ class SlotSteps:
         out = self._step_program(params, slots, release, tables)(params, slots, release, tables)
         return out if self.steps.counts_drops else (*out, None)
 
-    def compile_step(self, params, width: int) -> None:
-        """Compiles ``step`` for block tables of ``width`` columns ahead of its first call."""
+    def compile_step(self, params, width: int) -> Any:
+        """Compiles ``step`` for block tables of ``width`` columns ahead of its first call;
+        returns the compiled program."""
         release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
         tables = jax.ShapeDtypeStruct((self.n_slots, width), np.int32, sharding=self.tables_layout)
-        self._step_program(params, self.abstract(), release, tables)
+        return self._step_program(params, self.abstract(), release, tables)
 
 
 class FirstTokens:

@@ -55,7 +55,9 @@ __all__ = [
 ]
 
 PREFILL_IMPLS = ("auto", "xla", "cudnn", "pallas_tpu")
-DECODE_IMPLS = ("auto", "xla", "cudnn", "pallas_gpu")
+# "pallas_tpu": the paged cache's TPU kernel (``_paged_attention``); the contiguous cache
+# has no TPU decode kernel and runs XLA for it.
+DECODE_IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 Q_AXES = ("batch", "seq", "heads", "head_dim")  # also the model's query constraint
@@ -285,6 +287,8 @@ def decode_attention(
         ConfigError: an unknown ``impl``.
     """
     impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype)
+    if impl == "pallas_tpu":
+        impl = "xla"  # no Pallas TPU decode kernel reads the contiguous [B, K, S, H] cache
     if impl == "pallas_gpu" and kern.decode_blocks(k_BKSH.shape[2]) is None:
         impl = "xla"  # the kernel needs S in splits of >= 16 keys (see decode_blocks)
     if impl == "xla":

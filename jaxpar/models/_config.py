@@ -20,7 +20,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "layer_loop": ("unrolled", "scan"),
     # The attention cores of jaxpar.models._attention_ops (PREFILL_IMPLS, DECODE_IMPLS).
     "prefill_attention": ("auto", "xla", "cudnn", "pallas_tpu"),
-    "decode_attention": ("auto", "xla", "cudnn", "pallas_gpu"),
+    "decode_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
     # The MoE exchange of jaxpar.models._moe_exchange: "auto" is resolved by the engine
     # (ragged where the backend compiles ragged-all-to-all and the MoE is dropless).
     "moe_dispatch": ("auto", "padded", "ragged"),

@@ -55,8 +55,8 @@ from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.spec import Module, active_platform, logical_shard_map
 
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
-#: What :func:`paged_decode_attention` takes: the model's choices, and the TPU kernel by name.
-PAGED_DECODE_IMPLS = (*DECODE_IMPLS, "pallas_tpu")
+#: What :func:`paged_decode_attention` takes: the model's ``decode_attention`` choices.
+PAGED_DECODE_IMPLS = DECODE_IMPLS
 
 
 def paged_attention_impl(backend: str, dtype) -> str:
