@@ -142,8 +142,13 @@ def describe(pool: PagePool, bytes_per_device: int) -> str:
     longest request's length fit together."""
     mean = max(pool.max_seq_len // 2, 1)
     fit = min(pool.rows, pool.usable_pages // pool.pages_for(mean))
+    size = (
+        f"{bytes_per_device / 2**30:.2f} GiB"
+        if bytes_per_device >= 2**30
+        else f"{bytes_per_device / 2**20:.1f} MiB"
+    )
     return (
         f"KV cache: {pool.usable_pages} pages x {pool.page_size} tokens = {pool.tokens} "
-        f"tokens, {bytes_per_device / 2**30:.2f} GiB per device; {fit} sequences of "
+        f"tokens, {size} per device; {fit} sequences of "
         f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
     )
