@@ -421,9 +421,9 @@ def test_unknown_impl_names_the_legal_ones(phase):
     else:
         q, k, v, lengths_B = _decode_case()
         call = lambda: decode_attention(  # noqa: E731
-            q, k, v, lengths_B=lengths_B, window=None, impl="pallas_tpu"
+            q, k, v, lengths_B=lengths_B, window=None, impl="flash"
         )
-        legal = "auto, xla, cudnn, pallas_gpu"
+        legal = "auto, xla, cudnn, pallas_gpu, pallas_tpu"
     with pytest.raises(ConfigError, match=legal):
         call()
 
@@ -435,5 +435,5 @@ def test_model_config_accepts_exactly_the_ops_impls():
 
     assert _CHOICES["prefill_attention"] == ops.PREFILL_IMPLS
     assert _CHOICES["decode_attention"] == ops.DECODE_IMPLS
-    with pytest.raises(ConfigError, match="decode_attention='pallas_tpu'; legal: auto, xla"):
-        dataclasses.replace(preset("tiny-gqa"), decode_attention="pallas_tpu")
+    with pytest.raises(ConfigError, match="decode_attention='flash'; legal: auto, xla"):
+        dataclasses.replace(preset("tiny-gqa"), decode_attention="flash")
