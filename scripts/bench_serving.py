@@ -1,21 +1,29 @@
 #!/usr/bin/env python
-"""Serving benchmark: continuous batching vs static batching on one engine, same requests.
+"""Serving benchmark: continuous vs static batching, and the paged KV cache vs the dense one.
 
-A Poisson stream of mixed-length requests (prompt and output lengths drawn per request)
-is served twice by the same engine and strategy:
+Sections (``--sections``, default all):
 
-* **continuous**: :class:`jaxpar.engine.ContinuousBatcher` (slots refilled between steps);
-* **static**: whenever the engine is idle, the requests that have arrived (up to
-  ``max_batch``) run as one ``generate`` call to the longest ``max_tokens`` among them;
-  each request keeps its own ``max_tokens`` tokens.
+* ``static``: a Poisson stream of mixed-length requests served twice by one engine and
+  strategy: by :class:`jaxpar.engine.ContinuousBatcher` (rows refilled between steps), and
+  by static batching (whenever the engine is idle, the requests that have arrived, up to
+  ``max_batch``, run as one ``generate`` call to the longest ``max_tokens`` among them).
+  Requests/s and output tokens/s over the run, time to first token and inter-token
+  latency (p50, p99), under a heavy load (throughput) and a moderate one (latency); the
+  TTFT goal compares a short prompt's p50 TTFT under the moderate load with its prefill
+  time plus two decode steps, both measured alone in the same run.
+* ``paged``: the same KV bytes per device served two ways, at saturation: the paged
+  batcher (``KVBudget(tokens=T)``, many rows) and the pre-paging dense baseline
+  (``scripts/_dense_slots.py``: ``T // max_seq_len`` contiguous slots). Peak and mean
+  concurrent sequences, output tokens/s, TTFT; goals >= 4x sequences, >= 2x tokens/s.
+* ``step``: one decode step, paged (XLA gather over block tables as wide as the rows)
+  vs contiguous, same batch and tokens per row, interleaved; how the paged step follows
+  the live tokens; and the host's dispatch time as a share of the step (goals: paged /
+  dense <= 1.15x, dispatch <= 10%).
 
-Reported per system: requests/s and output tokens/s over the run (first arrival to last
-completion), time to first token and inter-token latency (p50, p99). Two loads: a heavy
-one (arrivals faster than either system serves: throughput) and a moderate one
-(latency). The TTFT goal compares a short prompt's p50 TTFT under the moderate load with
-its prefill time plus two decode steps, both measured alone in the same run.
+    python scripts/bench_serving.py [--quick] [--sections static,paged,step]
+        [--strategy dp=2,tp=2]
 
-    python scripts/bench_serving.py [--quick] [--strategy dp=2,tp=2]
+``--strategy`` applies to ``static``; ``paged`` and ``step`` run on one device.
 """
 
 from __future__ import annotations
@@ -25,11 +33,18 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+
+def _poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    """``n`` arrival offsets (s) of a Poisson process at ``rate``/s, the first at 0."""
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    return arrivals - arrivals[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +58,38 @@ class Workload:
     @classmethod
     def poisson(cls, n: int, rate: float, vocab: int, max_prompt: int, max_out: int, seed=0):
         rng = np.random.default_rng(seed)
-        arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-        arrivals -= arrivals[0]
+        arrivals = _poisson_arrivals(rng, n, rate)
         lengths = rng.integers(4, max_prompt + 1, n)
         # Mixed outputs: most short, a quarter long (the shape that idles static batches).
         long = rng.random(n) < 0.25
         outs = np.where(long, rng.integers(max_out // 2, max_out + 1, n), rng.integers(2, 17, n))
         prompts = [rng.integers(1, vocab, int(t)).tolist() for t in lengths]
         return cls(arrivals, prompts, [int(o) for o in outs])
+
+    @classmethod
+    def mixed(
+        cls,
+        n: int,
+        rate: float,
+        vocab: int,
+        prompt: tuple[int, int],
+        output: tuple[int, int],
+        seed: int = 0,
+    ) -> Workload:
+        """Poisson arrivals; prompt and output lengths uniform over the inclusive ranges."""
+        rng = np.random.default_rng(seed)
+        arrivals = _poisson_arrivals(rng, n, rate)
+        lengths = rng.integers(prompt[0], prompt[1] + 1, n)
+        outs = rng.integers(output[0], output[1] + 1, n)
+        prompts = [rng.integers(1, vocab, int(t)).tolist() for t in lengths]
+        return cls(arrivals, prompts, [int(o) for o in outs])
+
+    def live_tokens(self, page_size: int) -> float:
+        """Tokens a request holds in a paged cache on average over its decode steps
+        (weighted by them, as concurrency is): prompt + half its output + half a page."""
+        out = np.asarray(self.max_tokens, float)
+        held = np.array([len(p) for p in self.prompts]) + out / 2 + page_size / 2
+        return float((out * held).sum() / out.sum())
 
 
 @dataclasses.dataclass
@@ -138,18 +177,30 @@ def _alone(batcher, prompt: list[int], repeats: int = 5) -> dict[str, float]:
     return {"prefill_ms": 1e3 * float(np.median(ttfts)), "step_ms": 1e3 * float(np.median(itls))}
 
 
+#: The model every section runs (random weights): big enough that a decode step is more
+#: than dispatch overhead on a CPU, small enough for a 2-core machine.
+MODEL = "tiny-gqa widened: d_model 256, 8 heads (4 kv), d_ff 768, vocab 2048, 4 layers"
+
+
+def bench_model(max_positions: int):
+    """:data:`MODEL`'s config, with room for ``max_positions`` positions."""
+    from jaxpar.models import preset
+
+    return dataclasses.replace(
+        preset("tiny-gqa"), d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
+        vocab_size=2048, max_position_embeddings=max_positions,
+    )  # fmt: skip
+
+
 def serving_section(quick: bool = False, strategy: str = "", devices: list | None = None) -> dict:
     """Both systems under a heavy and a moderate Poisson load, and the TTFT goal."""
     import jax
 
     from jaxpar.engine import ContinuousBatcher, InferenceEngine
-    from jaxpar.models import init_params, preset
+    from jaxpar.models import init_params
     from jaxpar.spec import ParallelConfig, make_mesh
 
-    config = dataclasses.replace(
-        preset("tiny-gqa"), d_model=256, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
-        vocab_size=2048, max_position_embeddings=512,
-    )  # fmt: skip
+    config = bench_model(max_positions=512)
     parallel = ParallelConfig.parse(strategy) if strategy else ParallelConfig()
     devices = devices or jax.devices()[: parallel.size]
     slots, max_seq_len, max_prompt, max_out = 16, 256, 64, 128
@@ -206,7 +257,7 @@ def serving_section(quick: bool = False, strategy: str = "", devices: list | Non
     finally:
         batcher.close()
     results["setup"] = {
-        "model": "tiny-gqa widened: d_model 256, 8 heads (4 kv), d_ff 768, vocab 2048, 4 layers",
+        "model": MODEL,
         "strategy": str(parallel),
         "slots": slots,
         "max_seq_len": max_seq_len,
@@ -268,18 +319,529 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+# --- paged vs dense KV cache, same bytes -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSetup:
+    """The ``paged`` section's sizes: a KV budget of ``dense_slots * max_seq_len`` tokens."""
+
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    max_seq_len: int  # the longest request: prompt + output - 1 fits
+    dense_slots: int
+    paged_rows: tuple[int, ...]  # max_num_seqs of each paged system
+    requests: int
+    page_size: int = 16
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.dense_slots * self.max_seq_len
+
+
+#: Arrivals per second, as a multiple of the most requests/s prefill alone lets through.
+SATURATION = 3.0
+#: Paged rows: many (max_num_seqs 64), and what ``describe_cache()`` says fits (sequences of
+#: max_seq_len / 2: 6144 / 384 = 16).
+PAGED = PagedSetup((16, 512), (16, 256), 768, dense_slots=8, paged_rows=(64, 16), requests=48)
+#: A smoke run of the same code: lengths / 4, fewer requests (not the documented figures).
+PAGED_QUICK = PagedSetup((16, 128), (16, 64), 192, dense_slots=8, paged_rows=(64,), requests=24)
+
+
+class Activity:
+    """Samples a batcher's running and queued requests every ``period`` s, in a thread."""
+
+    def __init__(self, batcher, period: float = 0.005):
+        self.batcher = batcher
+        self.period = period
+        self.samples: list[tuple[float, int, int]] = []  # (perf_counter, active, queued)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="activity", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter(), self.batcher.active, self.batcher.queued))
+
+    def __enter__(self) -> Activity:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def saturated_summary(served: Served, samples: list[tuple[float, int, int]]) -> dict[str, float]:
+    """``served``'s figures over its saturated window, from the first arrival to the last
+    request's first token (its admission: the queue is empty from then on, and the
+    running requests only drain), and over the whole run."""
+    start = min(served.arrival)
+    end = max(t[0] for t in served.token_times)
+    n_window = sum(start <= x <= end for t in served.token_times for x in t)
+    window = [(a, q) for t, a, q in samples if start <= t <= end]
+    whole = served.summary()
+    return {
+        "window_s": end - start,
+        "output_tokens_per_s": n_window / (end - start),
+        "run_output_tokens_per_s": whole["output_tokens_per_s"],
+        "run_s": whole["seconds"],
+        "mean_seqs": float(np.mean([a for a, _ in window])),
+        "peak_seqs": max(a for _, a, _ in samples),
+        "queued_share": float(np.mean([q > 0 for _, q in window])),
+        "ttft_p50_s": whole["ttft_p50_ms"] / 1e3,
+        "ttft_p99_s": whole["ttft_p99_ms"] / 1e3,
+    }
+
+
+def _lone_prefill_s(batcher, work: Workload) -> float:
+    """Mean prefill time (prompt, first token) of ``work``'s prompts, each alone: every
+    request needs one on the device, so either system admits at most one per this."""
+    before = batcher.stats.prefill_seconds
+    for prompt in work.prompts:
+        batcher.submit(prompt, max_tokens=1).result(timeout=120)
+    return (batcher.stats.prefill_seconds - before) / len(work.prompts)
+
+
+def _serve_saturated(batcher, work: Workload) -> tuple[Served, dict]:
+    """Runs ``work`` through a started batcher; its summary and counters."""
+    before = dataclasses.asdict(batcher.stats)
+    with Activity(batcher) as activity:
+        served = run_continuous(batcher, work)
+    stats = {k: v - before[k] for k, v in dataclasses.asdict(batcher.stats).items()}
+    summary = saturated_summary(served, activity.samples)
+    summary["preemptions"] = stats.get("preemptions", 0)
+    summary["decode_steps"] = stats["decode_steps"]
+    summary["prefill_share"] = stats["prefill_seconds"] / summary["run_s"]
+    decode_s = summary["run_s"] - stats["prefill_seconds"] - stats["insert_seconds"]
+    summary["step_ms"] = 1e3 * decode_s / max(stats["decode_steps"], 1)
+    return served, summary
+
+
+@dataclasses.dataclass
+class System:
+    """One way of serving the stream: a started-on-demand batcher and its KV cache."""
+
+    name: str
+    cache: str
+    batcher: Any
+
+
+def _systems(setup: PagedSetup, config, params) -> list[System]:
+    """The dense baseline, then one paged batcher per row count, each warmed up. The
+    baseline runs on the first paged engine (its own slots), sharing its prefill programs."""
+    import jax
+    from _dense_slots import DenseBatcher
+
+    from jaxpar.engine import ContinuousBatcher, InferenceEngine, KVBudget
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    parallel = ParallelConfig()
+    mesh = make_mesh(parallel, jax.devices()[:1])
+    budget = KVBudget(page_size=setup.page_size, tokens=setup.kv_tokens)
+    lens = range(setup.prompt[0], setup.prompt[1] + 1)
+    systems = []
+    for rows in setup.paged_rows:
+        engine = InferenceEngine(
+            config, params, parallel, mesh=mesh, max_batch=rows, max_seq_len=setup.max_seq_len
+        )
+        if not systems:
+            dense = DenseBatcher(engine, slots=setup.dense_slots, prefill_batch=1)
+            dense.warmup(lens)
+            cache = f"{setup.dense_slots} slots x {setup.max_seq_len}"
+            systems.append(System(f"dense, {setup.dense_slots} slots", cache, dense))
+        paged = ContinuousBatcher(engine, kv_budget=budget, prefill_batch=1)
+        paged.warmup(lens)
+        cache = f"{paged.pool.usable_pages} pages x {paged.pool.page_size}"
+        systems.append(System(f"paged, {rows} rows", cache, paged))
+    return systems
+
+
+def _serve_each(systems: list[System], work: Workload) -> dict[str, Any]:
+    """``work`` through each started system in turn (each closed after its run); their
+    summaries, and how many requests' tokens differ from the first system's."""
+    results: dict[str, Any] = {"systems": {}, "differing_requests": {}}
+    base: list[list[int]] = []  # the baseline's tokens: every system must draw the same
+    for system in systems:
+        served, summary = _serve_saturated(system.batcher, work)
+        system.batcher.close()
+        results["systems"][system.name] = {**summary, "cache": system.cache}
+        base = base or served.tokens
+        differ = sum(a != b for a, b in zip(base, served.tokens, strict=True))
+        results["differing_requests"][system.name] = differ
+    return results
+
+
+def paged_section(quick: bool = False) -> dict:
+    """Dense slots vs paged rows over the same KV tokens, one saturating Poisson stream:
+    arrivals at :data:`SATURATION` times the most requests/s a lone prefill admits."""
+    from jaxpar.models import init_params
+
+    setup = PAGED_QUICK if quick else PAGED
+    config = bench_model(max_positions=1024)
+    systems = _systems(setup, config, init_params(config))
+    vocab, lengths = config.vocab_size, (setup.prompt, setup.output)
+    probe = Workload.mixed(8, 1.0, vocab, *lengths, seed=5)  # also each system's first run
+    prefill_s = min(_lone_prefill_s(s.batcher.start(), probe) for s in systems)
+    rate = SATURATION / prefill_s
+    work = Workload.mixed(setup.requests, rate, vocab, *lengths, seed=4)
+    try:
+        results = _serve_each(systems, work)
+    finally:
+        for system in systems:
+            system.batcher.close()
+    live = work.live_tokens(setup.page_size)
+    results["setup"] = {
+        **dataclasses.asdict(setup),
+        "kv_tokens": setup.kv_tokens,
+        "model": MODEL,
+        "rate_per_s": rate,
+        "lone_prefill_s": prefill_s,
+        "live_tokens": live,
+        "fit_seqs": setup.kv_tokens / live,
+    }
+    return results
+
+
+def _verdict(value: float, goal: float, at_least: bool = True) -> str:
+    ok = value >= goal if at_least else value <= goal
+    return f"goal {'>=' if at_least else '<='} {goal:g}x: **{'pass' if ok else 'FAIL'}**"
+
+
+def paged_markdown(res: dict) -> str:
+    s = res["setup"]
+    lines = [
+        f"Model: {s['model']}, one CPU device. KV budget {s['kv_tokens']} tokens "
+        f"per device = {s['dense_slots']} x max_seq_len {s['max_seq_len']}. {s['requests']} "
+        f"requests, prompts {s['prompt'][0]}..{s['prompt'][1]} and max_tokens "
+        f"{s['output'][0]}..{s['output'][1]} (uniform), Poisson at {s['rate_per_s']:.1f}/s "
+        f"({SATURATION:g}x the most one device admits: a lone prefill takes "
+        f"{1e3 * s['lone_prefill_s']:.0f} ms on average); prefill one prompt at a time; pages "
+        f"of {s['page_size']} tokens; greedy.",
+        "",
+        "| system | KV cache | peak seqs | mean seqs | out tok/s (saturated) | out tok/s (run) "
+        "| TTFT p50 s | TTFT p99 s | preemptions | decode steps | ms / step | prefill share "
+        "| queue busy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in res["systems"].items():
+        lines.append(
+            f"| {name} | {m['cache']} | {m['peak_seqs']} | {m['mean_seqs']:.1f} | "
+            f"{m['output_tokens_per_s']:.0f} | {m['run_output_tokens_per_s']:.0f} | "
+            f"{m['ttft_p50_s']:.1f} | {m['ttft_p99_s']:.1f} | {m['preemptions']} | "
+            f"{m['decode_steps']} | {m['step_ms']:.1f} | {100 * m['prefill_share']:.0f}% | "
+            f"{100 * m['queued_share']:.0f}% |"
+        )
+    names = list(res["systems"])
+    dense = res["systems"][names[0]]
+    lines += [
+        "",
+        "Saturated: from the first arrival to the last request's first token (from then on "
+        "nothing waits). Seqs: requests holding a row, sampled every 5 ms. ms / step: wall "
+        "time outside prefill and inserts per decode step. Prefill share: of the whole run. "
+        "Queue busy: share of the saturated window with requests waiting.",
+        "",
+    ]
+    for name in names[1:]:
+        m = res["systems"][name]
+        seqs = m["mean_seqs"] / dense["mean_seqs"]
+        peak = m["peak_seqs"] / dense["peak_seqs"]
+        tps = m["output_tokens_per_s"] / dense["output_tokens_per_s"]
+        lines += [
+            f"- {name} / dense: concurrent sequences **{seqs:.2f}x** mean, {peak:.2f}x peak "
+            f"({_verdict(seqs, 4)}); output tokens/s **{tps:.2f}x** ({_verdict(tps, 2)})",
+        ]
+    lines.append(
+        f"- The budget holds about {s['fit_seqs']:.1f} of these requests at once (a request "
+        f"holds {s['live_tokens']:.0f} tokens on average over its decode steps): "
+        f"{s['fit_seqs'] / s['dense_slots']:.2f}x the dense slots: on average, the most "
+        "sequences the paged cache can add at this budget."
+    )
+    differ = {k: v for k, v in res["differing_requests"].items() if v}
+    lines.append(
+        "- Same tokens from every system for every request."
+        if not differ
+        else f"- Requests whose tokens differ from the dense baseline's: {differ}."
+    )
+    return "\n".join(lines)
+
+
+# --- one decode step: paged vs contiguous, and its host dispatch -------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """One timed decode step: ``batch`` full rows of ``tokens`` tokens; ``max_seq_len``:
+    the positions of every dense slot, or the longest row the paged pool holds."""
+
+    kind: str  # "paged" or "dense"
+    batch: int
+    max_seq_len: int
+    tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} batch={self.batch} S={self.max_seq_len} tokens={self.tokens}"
+
+
+#: Batch of the paged-vs-dense pairs, their tokens per row, and the short rows the paged
+#: step is also timed at (its cost should follow them); the wide batch: the same at 64.
+STEP_BATCH, WIDE_BATCH = 8, 64
+STEP_TOKENS = (256, 1024)
+STEP_SHORT = 64
+STEP_CASES = (
+    *(StepCase("paged", STEP_BATCH, 1024, t) for t in (STEP_SHORT, 256, 1024)),
+    StepCase("dense", STEP_BATCH, 256, 256),
+    *(StepCase("dense", STEP_BATCH, 1024, t) for t in (STEP_SHORT, 256, 1024)),
+    StepCase("paged", WIDE_BATCH, 256, 256),
+    StepCase("dense", WIDE_BATCH, 256, 256),
+)
+
+
+class _TimedStep:
+    """One decode step over ``n_slots`` full rows of ``tokens`` tokens (lengths set again
+    before every call), timed; subclasses place their lengths and make the call."""
+
+    def __init__(self, slot_steps, params, tokens: int):
+        import jax
+
+        from jaxpar.engine import put_global
+
+        self._put, self._block = put_global, jax.block_until_ready
+        self.slot_steps, self.params, self.tokens = slot_steps, params, tokens
+        b = slot_steps.n_slots
+        self.release_B = np.zeros(b, bool)
+        self.lengths_B = np.full(b, tokens - 1, np.int32)  # + the step's token: full rows
+        active = put_global(np.ones(b, bool), slot_steps.layout.active_B)
+        self.slots = slot_steps.empty().replace(active_B=active)
+
+    def time_once(self) -> tuple[float, float]:
+        """(dispatch s, step s): the call returning, and the step done."""
+        slots = self._with_lengths(self.slots)
+        start = time.perf_counter()
+        slots, tokens_B = self._call(slots)
+        returned = time.perf_counter()
+        self._block((slots, tokens_B))
+        self.slots = slots
+        return returned - start, time.perf_counter() - start
+
+
+class _PagedStep(_TimedStep):
+    """The paged step, its block tables as wide as the rows (``tokens / page_size``
+    pages), in a pool with room for every row at the longest length."""
+
+    def __init__(self, slot_steps, params, tokens: int):
+        super().__init__(slot_steps, params, tokens)
+        pool = slot_steps.pool
+        b, n = pool.rows, pool.pages_per_row
+        tables_BN = 1 + np.arange(b * n, dtype=np.int32).reshape(b, n)  # page 0: scratch
+        self.tables = slot_steps.tables(tables_BN[:, : pool.pages_for(tokens)])
+
+    def _with_lengths(self, slots):
+        return slots.replace(lengths_B=self._put(self.lengths_B, self.slot_steps.layout.lengths_B))
+
+    def _call(self, slots):
+        slots, tokens_B, _ = self.slot_steps.step(self.params, slots, self.release_B, self.tables)
+        return slots, tokens_B
+
+
+class _DenseStep(_TimedStep):
+    """The contiguous step: every row reads all ``max_seq_len`` positions of its slot."""
+
+    def _with_lengths(self, slots):
+        lengths = self._put(self.lengths_B, self.slot_steps.layout.cache.lengths_B)
+        return slots.replace(cache=slots.cache.replace(lengths_B=lengths))
+
+    def _call(self, slots):
+        return self.slot_steps.step(self.params, slots, self.release_B)
+
+
+def _step_cases(config) -> dict[StepCase, _TimedStep]:
+    """:data:`STEP_CASES`, ready to time: one engine; one slot program per (kind, batch,
+    max_seq_len), shared by the cases that differ only in tokens per row."""
+    import jax
+    from _dense_slots import DenseSlotSteps
+
+    from jaxpar.engine import InferenceEngine, PagePool, SlotSteps
+    from jaxpar.models import init_params
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    parallel = ParallelConfig()
+    engine = InferenceEngine(
+        config,
+        init_params(config),
+        parallel,
+        mesh=make_mesh(parallel, jax.devices()[:1]),
+        max_batch=STEP_BATCH,
+        max_seq_len=max(c.max_seq_len for c in STEP_CASES),
+    )
+    dims, programs, cases = engine.program.model_config, {}, {}
+    for case in STEP_CASES:
+        key = (case.kind, case.batch, case.max_seq_len)
+        if key not in programs:
+            b, s = case.batch, case.max_seq_len
+            programs[key] = (
+                SlotSteps(engine.steps, dims, PagePool(16, b * s // 16 + 1, 1, b, s))
+                if case.kind == "paged"
+                else DenseSlotSteps(engine.steps, dims, b, max_seq_len=s)
+            )
+        timed = _PagedStep if case.kind == "paged" else _DenseStep
+        cases[case] = timed(programs[key], engine.params, case.tokens)
+    return cases
+
+
+def step_section(quick: bool = False) -> dict:
+    """Every case's step timed in rounds (each round every case once, in a rotating
+    order, so noise falls on all alike); medians of the step and of its dispatch."""
+    cases = _step_cases(bench_model(max_positions=max(c.max_seq_len for c in STEP_CASES)))
+    order = list(cases)
+    for timed in cases.values():  # compile, and leave the first runs out
+        for _ in range(3):
+            timed.time_once()
+    rounds = 30 if quick else 300
+    times: dict[StepCase, list[tuple[float, float]]] = {c: [] for c in order}
+    for r in range(rounds):
+        for case in order[r % len(order) :] + order[: r % len(order)]:
+            times[case].append(cases[case].time_once())
+    results = {}
+    for case, samples in times.items():
+        dispatch, step = (1e3 * np.asarray(x) for x in zip(*samples, strict=True))
+        results[case.name] = {
+            **dataclasses.asdict(case),
+            "step_ms": float(np.median(step)),
+            "step_p90_ms": float(np.percentile(step, 90)),
+            "dispatch_ms": float(np.median(dispatch)),
+        }
+    return {"cases": results, "setup": {"model": MODEL, "rounds": rounds, "page_size": 16}}
+
+
+def _ms(res: dict, kind: str, batch: int, max_seq_len: int, tokens: int) -> dict:
+    return res["cases"][StepCase(kind, batch, max_seq_len, tokens).name]
+
+
+def _pairs_table(res: dict) -> list[str]:
+    """Paged vs dense at the same batch and tokens per row: the 1.15x goal."""
+    b, z, longest = STEP_BATCH, res["setup"]["page_size"], max(STEP_TOKENS)
+    lines = [
+        f"| batch {b}, tokens per row | paged ms (block table) | dense ms (S = tokens) | "
+        "paged / dense | goal <= 1.15x |",
+        "|---|---|---|---|---|",
+    ]
+    for t in STEP_TOKENS:
+        p, d = _ms(res, "paged", b, longest, t)["step_ms"], _ms(res, "dense", b, t, t)["step_ms"]
+        verdict = "pass" if p / d <= 1.15 else "FAIL"
+        lines.append(f"| {t} | {p:.2f} ({t // z} pages) | {d:.2f} | {p / d:.2f} | {verdict} |")
+    return lines
+
+
+def _live_tokens_table(res: dict) -> list[str]:
+    """The paged step at shorter rows against a dense cache of the longest rows."""
+    b, longest = STEP_BATCH, max(STEP_TOKENS)
+    lines = [
+        f"| batch {b}, tokens per row | paged ms (table as wide as the rows) | dense ms "
+        f"(S = {longest}) | paged / dense |",
+        "|---|---|---|---|",
+    ]
+    for t in (STEP_SHORT, *STEP_TOKENS):
+        p = _ms(res, "paged", b, longest, t)["step_ms"]
+        d = _ms(res, "dense", b, longest, t)["step_ms"]
+        lines.append(f"| {t} | {p:.2f} | {d:.2f} | {p / d:.2f} |")
+    return lines
+
+
+def _batch_table(res: dict) -> list[str]:
+    """Both steps at 256 tokens per row, batch 8 and 64: what more rows cost on this host."""
+    lines = ["| 256 tokens per row | paged ms | dense ms | paged / dense |", "|---|---|---|---|"]
+    for batch, pool in ((STEP_BATCH, max(STEP_TOKENS)), (WIDE_BATCH, 256)):
+        p = _ms(res, "paged", batch, pool, 256)["step_ms"]
+        d = _ms(res, "dense", batch, 256, 256)["step_ms"]
+        lines.append(f"| batch {batch} | {p:.2f} | {d:.2f} | {p / d:.2f} |")
+    return lines
+
+
+def _dispatch_table(res: dict) -> list[str]:
+    """Host dispatch against the whole step, batch 8: the 10% goal (paged rows)."""
+    lines = [
+        "| step | dispatch ms | step ms | dispatch / step | goal <= 10% |",
+        "|---|---|---|---|---|",
+    ]
+    for m in res["cases"].values():
+        if m["batch"] != STEP_BATCH or (m["kind"] == "dense" and m["tokens"] != m["max_seq_len"]):
+            continue
+        share = m["dispatch_ms"] / m["step_ms"]
+        goal = ("pass" if share <= 0.10 else "FAIL") if m["kind"] == "paged" else "-"
+        lines.append(
+            f"| {m['kind']}, batch {STEP_BATCH}, {m['tokens']} tokens per row | "
+            f"{m['dispatch_ms']:.3f} | {m['step_ms']:.2f} | {100 * share:.1f}% | {goal} |"
+        )
+    return lines
+
+
+def step_markdown(res: dict) -> str:
+    s = res["setup"]
+    return "\n".join(
+        [
+            f"Model: {s['model']}; every row full; one CPU device, XLA (the paged step's "
+            f"gather path); medians of {s['rounds']} rounds, each timing every step once in "
+            "a rotating order.",
+            "",
+            *_pairs_table(res),
+            "",
+            *_live_tokens_table(res),
+            "",
+            *_batch_table(res),
+            "",
+            "Host dispatch: the step call returning (arguments placed, program launched) "
+            "against the step done (`block_until_ready`), medians.",
+            "",
+            *_dispatch_table(res),
+        ]
+    )
+
+
+#: Each section: what it measures, and its Markdown.
+SECTIONS = {
+    "static": ("continuous vs static batching", markdown),
+    "paged": ("paged vs dense KV cache, same bytes, at saturation", paged_markdown),
+    "step": ("one decode step: paged vs contiguous; host dispatch", step_markdown),
+}
+
+
+def run_section(name: str, quick: bool, strategy: str = "") -> dict:
+    """One section's results (``seconds``: how long it took, compiles included)."""
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    if name == "static":
+        res = serving_section(quick, strategy)
+    elif name == "paged":
+        res = paged_section(quick)
+    else:
+        res = step_section(quick)
+    res["seconds"] = time.perf_counter() - start
+    res["load_average"] = [load, os.getloadavg()[0]]  # 1-minute, before and after
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--strategy", default="", help="e.g. dp=2,tp=2 (default: one device)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer requests")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated")
+    parser.add_argument("--strategy", default="", help="static: e.g. dp=2,tp=2 (default: one)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/serving.json"))
     args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    res = serving_section(args.quick, args.strategy)
+    results = {}
+    for name in sections:
+        results[name] = run_section(name, args.quick, args.strategy)
+        title, render = SECTIONS[name]
+        print(f"\n### {title}\n\n{render(results[name])}", flush=True)
+        load = "/".join(f"{x:.1f}" for x in results[name]["load_average"])
+        print(f"({name}: {results[name]['seconds']:.0f} s; load average {load})", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    print(markdown(res))
+    args.out.write_text(json.dumps(results, indent=1))
     return 0
 
 
