@@ -95,7 +95,7 @@ class DenseSlotSteps:
             tokens_B=row,
             active_B=row,
             step_B=row,
-            sampling=RowSampling(row, row, row, key_row),
+            sampling=RowSampling(row, row, row, key_row, row),
         )
 
     def empty(self) -> DenseSlots:
@@ -166,7 +166,7 @@ class DenseSlotSteps:
             "dense_insert",
             (self.n_slots, self.max_seq_len, jax.tree.map(jnp.shape, new.k)),
             self._insert,
-            (self.layout, inserted, rep, RowSampling(rep, rep, rep, rep)),
+            (self.layout, inserted, rep, RowSampling(rep, rep, rep, rep, rep)),
             self.layout,
             (slots, new, slot_P, sampling_P),
             donate_argnums=(0,),

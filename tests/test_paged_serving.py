@@ -133,3 +133,23 @@ def test_pool_sizing_from_tokens_and_its_errors():
             max_seq_len=MAX_SEQ_LEN,
         )
     assert CONFIG.n_kv_heads % 2 == 0
+
+
+def test_a_step_computes_only_the_rows_that_cover_the_live_requests():
+    """32 rows, 8 requests: steps compute the first 8 rows (the live ones lie there), yet
+    every request equals its offline run; a free row past them stays untouched."""
+    engine, batcher = _serve(ParallelConfig(), KVBudget(page_size=4, tokens=512), max_batch=32)
+    assert batcher.slot_steps.row_buckets() == [8, 16, 32]
+    shapes = []
+    step = batcher.slot_steps.step
+
+    def spy(params, slots, release_B, tables):
+        shapes.append(tables.shape)
+        return step(params, slots, release_B, tables)
+
+    batcher.slot_steps.step = spy
+    with batcher:
+        batcher.warmup(range(1, 17))
+        _check_served(batcher, engine)
+    assert shapes and {rows for rows, _ in shapes} == {8}
+    _balanced(batcher)

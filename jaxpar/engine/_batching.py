@@ -153,7 +153,7 @@ class ContinuousBatcher:
         self._lengths = np.zeros(engine.max_batch, np.int64)  # tokens cached per row (host)
         self._admitted = np.zeros(engine.max_batch, np.int64)  # admission order per row
         self._admissions = 0
-        self._tables: tuple[tuple[int, int], jax.Array] | None = None  # (version, width)
+        self._tables: tuple[tuple[int, ...], jax.Array] | None = None  # (version, width, rows)
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
         self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
@@ -300,8 +300,9 @@ class ContinuousBatcher:
             self.first_tokens.compile(logits)
             row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
             self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
-        for width in self.table_widths():
-            self.slot_steps.compile_step(self.engine.params, width)
+        for rows in self.slot_steps.row_buckets():
+            for width in self.table_widths():
+                self.slot_steps.compile_step(self.engine.params, width, rows)
         return buckets
 
     def table_widths(self) -> list[int]:
@@ -606,13 +607,16 @@ class ContinuousBatcher:
             self._cond.notify_all()
 
     def _step_tables(self, owners) -> jax.Array:
-        """The block tables of the running rows, as wide as the longest needs (placed
-        again only when they change)."""
-        longest = max(int(self._lengths[i]) + 1 for i, s in enumerate(owners) if s is not None)
+        """The block tables of the rows a step computes (as many as cover the running
+        rows), as wide as the longest needs; placed again only when they change."""
+        live = np.array([s is not None for s in owners])
+        longest = int(self._lengths[live].max()) + 1
         width = self.pages.width(longest, self.pool.pages_for(MIN_STEP_TOKENS))
-        key = (self.pages.version, width)
+        rows = self.slot_steps.rows_for(live)
+        key = (self.pages.version, width, rows)
         if self._tables is None or self._tables[0] != key:
-            self._tables = (key, self.slot_steps.tables(self.pages.tables_BN[:, :width]))
+            tables = self.slot_steps.tables(self.pages.tables_BN[:, :width], rows)
+            self._tables = (key, tables)
         return self._tables[1]
 
     def _deliver(self, next_B, dropped, holders, owners, release_B) -> None:

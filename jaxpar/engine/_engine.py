@@ -313,8 +313,9 @@ class InferenceEngine:
         if self.parallel_config.pp > 1:
             return
         core = self._offline_core()
-        for width in core.widths(min(prompt_len + max_new_tokens, self.max_seq_len)):
-            core.slot_steps.compile_step(self.params, width)
+        for rows in core.slot_steps.row_buckets():
+            for width in core.widths(min(prompt_len + max_new_tokens, self.max_seq_len)):
+                core.slot_steps.compile_step(self.params, width, rows)
 
     def _offline_core(self):
         from jaxpar.engine._offline import OfflineCore

@@ -170,7 +170,8 @@ def _step(engine, core, table, slots, cached, done, release):
         table.grow(row, int(cached[row]) + 1)
     floor = core.pool.pages_for(MIN_STEP_TOKENS)
     width = table.width(int(cached[running].max()) + 1, floor)
-    tables = core.slot_steps.tables(table.tables_BN[:, :width])
+    rows = core.slot_steps.rows_for(~done)
+    tables = core.slot_steps.tables(table.tables_BN[:, :width], rows)
     out = core.slot_steps.step(engine.params, slots, release, tables)
     cached[running] += 1
     return out

@@ -178,34 +178,59 @@ class SlotSteps:
                 sampling=jax.tree.map(put, slots.sampling, sampling_P),
             )
 
-    def _step(self, params, slots: Slots, release_B, tables_BN):
-        """One decode step over every row; returns the tokens (``-1`` for inactive rows)
-        and, for a capacity-limited MoE, the step's dropped expert assignments."""
+    def _row_views(self, rows: int):
+        """``take``: the first ``rows / shards`` rows of every batch shard of a ``[B, ...]``
+        array, as ``[rows, ...]``; ``put``: writes such rows back. Local to each shard."""
+        b, shards = self.n_slots, self.pool.shards
+        if rows == b:
+            return (lambda x: x), (lambda x, y: y)
+        per, local = b // shards, rows // shards
+
+        def take(x_B):
+            return x_B.reshape(shards, per, *x_B.shape[1:])[:, :local].reshape(rows, *x_B.shape[1:])
+
+        def put(x_B, x_R):
+            x_SPx = x_B.reshape(shards, per, *x_B.shape[1:])
+            x_SPx = x_SPx.at[:, :local].set(x_R.reshape(shards, local, *x_R.shape[1:]))
+            return x_SPx.reshape(x_B.shape)
+
+        return take, put
+
+    def _step(self, params, slots: Slots, release_B, tables_RN):
+        """One decode step over the rows ``tables_RN`` covers (the first ``R / shards`` of
+        each batch shard: every live row); returns the tokens ``[B]`` (``-1`` for inactive
+        rows) and, for a capacity-limited MoE, the step's dropped expert assignments."""
         with self.steps._context(DECODE), count_dropped() as drops:
+            take, put = self._row_views(tables_RN.shape[0])
+            # Released rows (finished requests) are freed wherever they lie.
             active_B = slots.active_B & ~release_B
+            lengths_B = jnp.where(active_B, slots.lengths_B, 0)
+            tokens_B = jnp.where(active_B, slots.tokens_B, 0)
             # A row past the longest sequence has finished (the host stops requests before
             # max_seq_len, and learns it one step late).
-            active_B = active_B & (slots.lengths_B < self.pool.max_seq_len)
+            active_R = take(active_B) & (take(lengths_B) < self.pool.max_seq_len)
             # Inactive rows append at position 0 of their shard's scratch page, never read.
             cache = PagedKVCache(
                 k=slots.k,
                 v=slots.v,
-                block_tables_BN=jnp.where(active_B[:, None], tables_BN, 0),
-                lengths_B=jnp.where(active_B, slots.lengths_B, 0),
+                block_tables_BN=jnp.where(active_R[:, None], tables_RN, 0),
+                lengths_B=jnp.where(active_R, take(lengths_B), 0),
             )
-            logits_BV, cache = self.steps._model(params).decode(slots.tokens_B, cache)
-            logits_BV = mask_padded(logits_BV, self.steps.vocab_size)
-            next_B = select_rows(logits_BV, slots.sampling, slots.step_B)
+            logits_RV, cache = self.steps._model(params).decode(take(tokens_B), cache)
+            logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
+            step_R = take(slots.step_B)
+            next_R = select_rows(logits_RV, jax.tree.map(take, slots.sampling), step_R)
             slots = Slots(
                 k=cache.k,
                 v=cache.v,
-                lengths_B=jnp.where(active_B, cache.lengths_B, 0),
-                tokens_B=jnp.where(active_B, next_B, 0),
-                active_B=active_B,
-                step_B=slots.step_B + active_B.astype(jnp.int32),
+                lengths_B=put(lengths_B, jnp.where(active_R, cache.lengths_B, 0)),
+                tokens_B=put(tokens_B, jnp.where(active_R, next_R, 0)),
+                active_B=put(active_B, active_R),
+                step_B=put(slots.step_B, step_R + active_R.astype(jnp.int32)),
                 sampling=slots.sampling,
             )
-            out = (slots, jnp.where(active_B, next_B, -1))
+            drawn_B = put(jnp.full_like(tokens_B, -1), jnp.where(active_R, next_R, -1))
+            out = (slots, drawn_B)
             return (*out, total_dropped(drops)) if self.steps.counts_drops else out
 
     # --- compiled entry points -----------------------------------------------------------
@@ -277,13 +302,33 @@ class SlotSteps:
             donate_argnums=(1,),
         )
 
-    def tables(self, tables_BN: np.ndarray) -> jax.Array:
-        """Block tables placed for :meth:`step` (place them once while they do not change)."""
-        return put_global(np.ascontiguousarray(tables_BN, np.int32), self.tables_layout)
+    def tables(self, tables_BN: np.ndarray, rows: int | None = None) -> jax.Array:
+        """Block tables placed for :meth:`step`: those of the first ``rows / shards`` rows
+        of every batch shard (default: every row). Place them once while they do not
+        change."""
+        rows = rows or self.n_slots
+        shards, per = self.pool.shards, self.n_slots // self.pool.shards
+        tables_RN = tables_BN.reshape(shards, per, -1)[:, : rows // shards].reshape(rows, -1)
+        return put_global(np.ascontiguousarray(tables_RN, np.int32), self.tables_layout)
+
+    def rows_for(self, live: np.ndarray, floor: int = 8) -> int:
+        """The rows a step computes: per batch shard, a power of two (at least ``floor``,
+        at most the shard's rows) above its last live row; few step compiles, and a step's
+        cost follows the live rows rather than ``max_batch``."""
+        per = self.n_slots // self.pool.shards
+        local = np.nonzero(live)[0] % per
+        need = max(int(local.max()) + 1 if local.size else 1, min(floor, per))
+        return min(1 << (need - 1).bit_length(), per) * self.pool.shards
+
+    def row_buckets(self, floor: int = 8) -> list[int]:
+        """Every row count :meth:`rows_for` gives."""
+        per = self.n_slots // self.pool.shards
+        counts = {self.rows_for(np.arange(self.n_slots) == i, floor) for i in range(per)}
+        return sorted(counts)
 
     def step(self, params, slots: Slots, release_B: np.ndarray, tables: jax.Array):
         """Donates ``slots``; ``release_B`` frees rows before the step (finished requests);
-        ``tables``: the rows' block tables from :meth:`tables`, ``[B, N]``.
+        ``tables``: the block tables of the rows to compute, from :meth:`tables`.
 
         Returns the new slots, the tokens ``[B]`` and the step's dropped MoE assignments
         (an int32 scalar; None unless the model has a capacity factor)."""
@@ -296,11 +341,12 @@ class SlotSteps:
         out = self._step_program(params, slots, release, tables)(params, slots, release, tables)
         return out if self.steps.counts_drops else (*out, None)
 
-    def compile_step(self, params, width: int) -> Any:
-        """Compiles ``step`` for block tables of ``width`` columns ahead of its first call;
-        returns the compiled program."""
+    def compile_step(self, params, width: int, rows: int | None = None) -> Any:
+        """Compiles ``step`` for block tables of ``width`` columns over ``rows`` rows
+        (default all) ahead of its first call; returns the compiled program."""
+        rows = rows or self.n_slots
         release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
-        tables = jax.ShapeDtypeStruct((self.n_slots, width), np.int32, sharding=self.tables_layout)
+        tables = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=self.tables_layout)
         return self._step_program(params, self.abstract(), release, tables)
 
 
