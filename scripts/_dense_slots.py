@@ -37,17 +37,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.engine import (
     BatcherStats,
+    FirstTokens,
     InferenceEngine,
+    Inserted,
     Request,
     RequestStream,
     RowSampling,
     Sampling,
+    Steps,
+    mask_padded,
     put_global,
+    select_rows,
 )
-from jaxpar.engine._sampling import select_rows
-from jaxpar.engine._slots import FirstTokens, Inserted
-from jaxpar.engine._steps import Steps
-from jaxpar.engine._vocab import mask_padded
 from jaxpar.errors import CacheOverflowError, ConfigError, QueueFullError
 from jaxpar.models import KVCache, ModelConfig
 from jaxpar.spec import Phase

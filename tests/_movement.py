@@ -26,7 +26,6 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
     [8, 1, 64] against a bf16 kernel of 1024 elements) is no copy of it. The cache is
     decode's, [B, K, S, H] per layer in its layout (one layer of it when stacked).
     """
-    params = jax.tree.leaves(engine.params)
     cache = KVCache.abstract(engine.model_config, batch, max_seq_len)
     caches = [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
@@ -36,6 +35,21 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
             strict=True,
         )
     ]
+    return _fraction(compiled, engine, caches)
+
+
+def paged_moved_fraction(compiled, engine: AbstractEngine, slots) -> float:
+    """:func:`moved_fraction` of a serving step over the paged cache of ``slots`` (a
+    ``SlotSteps``): copies of a weight or of a layer's page pool, over parameter + pool
+    bytes per device."""
+    pool = slots.abstract()
+    return _fraction(compiled, engine, jax.tree.leaves((pool.k, pool.v)))
+
+
+def _fraction(compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruct]) -> float:
+    """Copies of a weight or of one layer of ``caches`` (per-layer arrays, or stacked
+    ``[L, ...]`` ones), over parameter + cache bytes per device."""
+    params = jax.tree.leaves(engine.params)
     layer_sizes = set(map(shard_buffer, caches))
     if engine.model_config.layer_loop == "scan":  # one layer of the stacked [L, ...] cache
         layers = engine.model_config.n_layers
@@ -43,21 +57,4 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
     weights = {shard_buffer(p) for p in params if p.ndim >= 2}
     moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
     total = sum(shard_buffer(x)[1] for x in (*params, *caches))
-    return moved / total
-
-
-def paged_moved_fraction(compiled, engine: AbstractEngine, slots) -> float:
-    """:func:`moved_fraction` of a serving step over the paged cache of ``slots`` (a
-    ``SlotSteps``): copies of a weight or of a layer's page pool, over parameter + pool
-    bytes per device."""
-    params = jax.tree.leaves(engine.params)
-    pool = slots.abstract()
-    pools = jax.tree.leaves((pool.k, pool.v))
-    layer_sizes = set(map(shard_buffer, pools))
-    if engine.model_config.layer_loop == "scan":  # one layer of the stacked [L, ...] pool
-        layers = engine.model_config.n_layers
-        layer_sizes = {(e // layers, b // layers) for e, b in layer_sizes}
-    weights = {shard_buffer(p) for p in params if p.ndim >= 2}
-    moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
-    total = sum(shard_buffer(x)[1] for x in (*params, *pools))
     return moved / total

@@ -15,7 +15,7 @@ from jaxpar.engine import ContinuousBatcher
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.models import SCRATCH_PAGE
-from tests.test_batching import CONFIG, MAX_SEQ_LEN, SLOTS, _check_served, _engine
+from tests.test_batching import MAX_SEQ_LEN, SLOTS, _check_served, _engine
 
 
 def _serve(parallel: ParallelConfig, budget: KVBudget, **kw):
@@ -101,38 +101,27 @@ def test_page_table_refuses_double_frees_and_finds_leaks():
 
 def test_pool_sizing_from_tokens_and_its_errors():
     engine = _engine(ParallelConfig(dp=2, tp=2))
-    pool = size_pool(
-        KVBudget(page_size=8, tokens=100),
-        config=engine.parallel_config,
-        mesh=engine.mesh,
-        dims=engine.program.model_config,
-        rows=SLOTS,
-        max_seq_len=MAX_SEQ_LEN,
-    )
-    # 13 pages over two batch shards: 7 each, plus a scratch page each.
-    assert (pool.shards, pool.pages_per_shard, pool.max_seq_len) == (2, 8, MAX_SEQ_LEN)
-    assert "112 tokens" in describe(pool, 0)
-    small = size_pool(
-        KVBudget(page_size=8, tokens=16),
-        config=engine.parallel_config,
-        mesh=engine.mesh,
-        dims=engine.program.model_config,
-        rows=SLOTS,
-        max_seq_len=MAX_SEQ_LEN,
-    )
-    assert small.max_seq_len == 8  # one page per shard: the longest request is capped
-    with pytest.raises(ConfigError, match="not both"):
-        KVBudget(tokens=10, memory_fraction=0.5)
-    with pytest.raises(ConfigError, match="devices that report their memory"):
-        size_pool(
-            KVBudget(memory_fraction=0.5),
+
+    def size(budget: KVBudget) -> PagePool:
+        return size_pool(
+            budget,
             config=engine.parallel_config,
             mesh=engine.mesh,
             dims=engine.program.model_config,
             rows=SLOTS,
             max_seq_len=MAX_SEQ_LEN,
         )
-    assert CONFIG.n_kv_heads % 2 == 0
+
+    pool = size(KVBudget(page_size=8, tokens=100))
+    # 13 pages over two batch shards: 7 each, plus a scratch page each.
+    assert (pool.shards, pool.pages_per_shard, pool.max_seq_len) == (2, 8, MAX_SEQ_LEN)
+    assert "112 tokens" in describe(pool, 0)
+    small = size(KVBudget(page_size=8, tokens=16))
+    assert small.max_seq_len == 8  # one page per shard: the longest request is capped
+    with pytest.raises(ConfigError, match="not both"):
+        KVBudget(tokens=10, memory_fraction=0.5)
+    with pytest.raises(ConfigError, match="devices that report their memory"):
+        size(KVBudget(memory_fraction=0.5))
 
 
 def test_a_step_computes_only_the_rows_that_cover_the_live_requests():

@@ -49,6 +49,8 @@ def expected(module: str, phase: str, axis: str) -> dict[str, tuple[str, ...]]:
             "ffn": {"mlp"},
             "moe": {"mlp"},
         }[module]
+    if module == "attention" and phase == "decode" and "batch" in dims:
+        dims.add("pages")  # a paged KV cache's pool splits with its sequences ([[follows]])
     return {d: (axis,) for d in dims}
 
 

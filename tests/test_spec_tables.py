@@ -173,6 +173,8 @@ def _edit(path: Path, old: str, new: str) -> None:
         ("lm_head.toml", 'module = "lm_head"', 'module = "head"', "'module'"),
         ("rules.toml", 'enforced_by = "inspect"', 'enforced_by = "nobody"', "enforced_by"),
         ("attention.toml", 'applies_to = ["qkv_proj"', 'applies_to = ["qkv"', "qkv"),
+        ("rules.toml", 'follows = "batch"', 'follows = "rows"', "follows"),
+        ("rules.toml", 'module = "attention"\nphases', 'module = "cache"\nphases', "cache"),
     ],
 )
 def test_malformed_file_names_file_and_key(spec_copy, file, old, new, named):

@@ -182,7 +182,8 @@ def test_legal_strategies_pass_and_plan_describes_them():
     # In MoE layers ep splits experts (table) and carries the tokens' batch (role) until the
     # dispatch all-to-all moves them to their experts.
     assert cells["prefill", "moe", "ep"].splits == ("batch", "experts")
-    assert cells["decode", "attention", "ep"].splits == ("batch",)  # role: ep carries batch
+    # role: ep carries batch; the paged KV cache's pages follow it ([[follows]])
+    assert cells["decode", "attention", "ep"].splits == ("batch", "pages")
     assert cells["decode", "lm_head", "tp"].splits == ("vocab",)
     assert cells["decode", "attention", "sp"].status is jaxpar.Status.NOT_ALLOWED
     validate(DENSE, ParallelConfig(pp=4, decode_groups=4, microbatches=2), batch=8)

@@ -26,8 +26,7 @@ from rich.table import Table
 from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._groups import DeviceGroup, describe_groups, device_groups, handoff
 from jaxpar.cli._progress import stage
-from jaxpar.engine import AbstractEngine, run_form
-from jaxpar.engine._kv_budget import batch_shards, pages_per_shard
+from jaxpar.engine import AbstractEngine, batch_shards, pages_per_shard, run_form
 from jaxpar.inspect import (
     CAUSES,
     MOE_EXCHANGES,

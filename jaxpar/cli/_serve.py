@@ -21,8 +21,15 @@ from jaxpar.cli._common import describe_devices, model_config, parallel_config
 from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
-from jaxpar.engine import ContinuousBatcher, InferenceEngine, KVBudget, engine_from_hf
-from jaxpar.engine._kv_budget import CPU_KV_TOKENS, MEMORY_FRACTION, PAGE_SIZE
+from jaxpar.engine import (
+    CPU_KV_TOKENS,
+    KV_MEMORY_FRACTION,
+    KV_PAGE_SIZE,
+    ContinuousBatcher,
+    InferenceEngine,
+    KVBudget,
+    engine_from_hf,
+)
 from jaxpar.errors import ConfigError
 from jaxpar.spec import Phase, batch_multiple, validate
 
@@ -63,7 +70,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"fraction of each device's free memory (after the weights and the decode "
-        f"step's temporaries) the KV cache takes (default {MEMORY_FRACTION}; on CPU the "
+        f"step's temporaries) the KV cache takes (default {KV_MEMORY_FRACTION}; on CPU the "
         f"default is {CPU_KV_TOKENS} tokens)",
     )
     cache.add_argument(
@@ -75,8 +82,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--page-size",
         type=int,
-        default=PAGE_SIZE,
-        help=f"tokens per KV cache page (default {PAGE_SIZE})",
+        default=KV_PAGE_SIZE,
+        help=f"tokens per KV cache page (default {KV_PAGE_SIZE})",
     )
     serve.add_argument(
         "--max-queue",

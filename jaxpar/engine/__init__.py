@@ -10,18 +10,31 @@ from jaxpar.engine._batching import BatcherStats, ContinuousBatcher
 from jaxpar.engine._distributed import ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._engine import Generation, InferenceEngine
-from jaxpar.engine._kv_budget import KVBudget
+from jaxpar.engine._kv_budget import (
+    CPU_KV_TOKENS,
+    KVBudget,
+    batch_shards,
+    pages_per_shard,
+)
+from jaxpar.engine._kv_budget import MEMORY_FRACTION as KV_MEMORY_FRACTION
+from jaxpar.engine._kv_budget import PAGE_SIZE as KV_PAGE_SIZE
 from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._load import engine_from_hf
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
-from jaxpar.engine._sampling import RowSampling, Sampling
-from jaxpar.engine._slots import Slots, SlotSteps
+from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
+from jaxpar.engine._slots import FirstTokens, Inserted, Slots, SlotSteps
 from jaxpar.engine._steps import Steps
+from jaxpar.engine._vocab import mask_padded
 
 __all__ = [
+    "CPU_KV_TOKENS",
     "FINISH_REASONS",
+    "KV_MEMORY_FRACTION",
+    "KV_PAGE_SIZE",
+    "FirstTokens",
+    "Inserted",
     "AbstractEngine",
     "BatcherStats",
     "ContinuousBatcher",
@@ -39,7 +52,11 @@ __all__ = [
     "SlotSteps",
     "Slots",
     "Steps",
+    "batch_shards",
     "engine_from_hf",
+    "mask_padded",
+    "pages_per_shard",
+    "select_rows",
     "initialize_distributed",
     "peer_failures",
     "pipeline",

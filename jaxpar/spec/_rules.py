@@ -52,6 +52,9 @@ def _resolve(
                 axes[role.carries].append(primitive.value)
     if kv_replicated:
         axes["kv_heads"] = [a for a in axes["kv_heads"] if a != Primitive.TP.value]
+    for follows in table.follows:
+        if follows.module is module and phase in follows.phases:
+            axes[follows.axis] = list(axes[follows.follows])
     # Token groups of an expert-sharded dispatch tensor: the batch axes that do not hold experts.
     axes["expert_batch"] += [a for a in axes["batch"] if a not in axes["experts"]]
     order = {name: i for i, name in enumerate(MESH_AXES)}

@@ -23,6 +23,7 @@ _ENTRY_KEYS = {"prefill", "decode", "applies_to", "splits", "may_split", "sync",
 _ENTRY_REQUIRED = {"prefill", "decode", "applies_to", "splits", "sync", "row"}
 _RULE_KEYS = {"id", "text", "sources", "section", "enforced_by"}
 _ROLE_KEYS = {"axis", "phases", "carries", "when", "why"}
+_FOLLOWS_KEYS = {"axis", "follows", "module", "phases", "why"}
 _ENFORCERS = {"validator", "model", "inspect", "tests"}
 _PLACEMENTS = {"first_stage", "last_stage"}
 
@@ -71,6 +72,18 @@ class Role:
     why: str
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Follows:
+    """A logical axis split exactly as another in one module's phases (a paged cache's
+    ``pages`` as its ``batch``)."""
+
+    axis: str
+    follows: str
+    module: Module
+    phases: tuple[Phase, ...]
+    why: str
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # identity hash: tables key caches
 class SpecTable:
     """All tables and rules, queryable by (module, primitive, phase)."""
@@ -79,6 +92,7 @@ class SpecTable:
     rules: Mapping[str, Rule]
     roles: tuple[Role, ...]
     directory: Path
+    follows: tuple[Follows, ...] = ()
 
     def entry(self, module: Module | str, primitive: Primitive | str) -> Entry:
         return self.entries[Module.coerce(module), Primitive.coerce(primitive)]
@@ -118,14 +132,18 @@ def load_spec_table(directory: str | Path) -> SpecTable:
     for module in Module:
         path = directory / f"{module.value}.toml"
         entries.update(_load_module(path, module))
-    rules, roles = _load_rules(directory / "rules.toml", _display(directory) + "/rules.toml")
+    rules, roles, follows = _load_rules(
+        directory / "rules.toml", _display(directory) + "/rules.toml"
+    )
     extra = {p.stem for p in directory.glob("*.toml")} - {m.value for m in Module} - {"rules"}
     if extra:
         raise SpecFileError(
             f"{directory}: unknown table file(s) {sorted(extra)}; modules are "
             f"{[m.value for m in Module]} plus rules.toml"
         )
-    return SpecTable(entries=entries, rules=rules, roles=roles, directory=directory)
+    return SpecTable(
+        entries=entries, rules=rules, roles=roles, directory=directory, follows=follows
+    )
 
 
 def _display(directory: Path) -> str:
@@ -239,10 +257,14 @@ def _entry(
     )
 
 
-def _load_rules(path: Path, shown: str) -> tuple[dict[str, Rule], tuple[Role, ...]]:
+def _load_rules(
+    path: Path, shown: str
+) -> tuple[dict[str, Rule], tuple[Role, ...], tuple[Follows, ...]]:
     data = _read(path)
-    if unknown := set(data) - {"rule", "role"}:
-        raise SpecFileError(f"{path}: unknown key(s) {sorted(unknown)}; known: ['role', 'rule']")
+    if unknown := set(data) - {"rule", "role", "follows"}:
+        raise SpecFileError(
+            f"{path}: unknown key(s) {sorted(unknown)}; known: ['follows', 'role', 'rule']"
+        )
     rules: dict[str, Rule] = {}
     for i, raw in enumerate(data.get("rule", [])):
         rule = _load_rule(path, shown, f"{path}: rule[{i}]", raw)
@@ -250,7 +272,10 @@ def _load_rules(path: Path, shown: str) -> tuple[dict[str, Rule], tuple[Role, ..
             raise SpecFileError(f"{path}: rule[{i}].id: duplicate rule id {rule.id!r}")
         rules[rule.id] = rule
     roles = [_load_role(f"{path}: role[{i}]", raw) for i, raw in enumerate(data.get("role", []))]
-    return rules, tuple(roles)
+    follows = [
+        _load_follows(f"{path}: follows[{i}]", raw) for i, raw in enumerate(data.get("follows", []))
+    ]
+    return rules, tuple(roles), tuple(follows)
 
 
 def _load_rule(path: Path, shown: str, where: str, raw: dict[str, Any]) -> Rule:
@@ -285,3 +310,19 @@ def _load_role(where: str, raw: dict[str, Any]) -> Role:
     if raw["when"] not in {"always", "not_allowed"}:
         raise SpecFileError(f"{where}.when: {raw['when']!r} not in ['always', 'not_allowed']")
     return Role(axis=axis, phases=phases, carries=raw["carries"], when=raw["when"], why=raw["why"])
+
+
+def _load_follows(where: str, raw: dict[str, Any]) -> Follows:
+    if set(raw) != _FOLLOWS_KEYS:
+        raise SpecFileError(f"{where}: keys must be {sorted(_FOLLOWS_KEYS)}, got {sorted(raw)}")
+    for key in ("axis", "follows"):
+        if raw[key] not in LOGICAL_AXES:
+            raise SpecFileError(f"{where}.{key}: unknown logical axis {raw[key]!r}")
+    try:
+        module = Module(raw["module"])
+        phases = tuple(Phase(p) for p in raw["phases"])
+    except ValueError as e:
+        raise SpecFileError(f"{where}: {e}") from None
+    return Follows(
+        axis=raw["axis"], follows=raw["follows"], module=module, phases=phases, why=raw["why"]
+    )
