@@ -10,6 +10,7 @@ from jaxpar.cli._common import (
     DEFAULT_CPU_DEVICES,
     DEMO_STRATEGIES,
     DTYPES,
+    add_context_arg,
     add_degree_args,
     add_model_args,
     join_option_values,
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--system", default=None, help="with --chat: a system message first")
     run.add_argument("--max-new-tokens", type=int, default=32)
     run.add_argument("--max-seq-len", type=int, default=256)
+    add_context_arg(run)
     run.add_argument(
         "--batch",
         type=int,

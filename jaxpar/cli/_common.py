@@ -138,8 +138,9 @@ def degrees_given(args: argparse.Namespace) -> bool:
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     """The degrees on the command line; those not given are 1."""
+    given = {axis: getattr(args, axis) for axis in DEGREES}
     return ParallelConfig(
-        **{axis: getattr(args, axis) or 1 for axis in DEGREES},
+        **{axis: 1 if value is None else value for axis, value in given.items()},
         microbatches=args.microbatches,
         decode_groups=args.decode_groups,
     )
@@ -147,6 +148,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
 def model_config(args: argparse.Namespace):
     """The model's configuration from ``--model`` or ``--hf`` (config.json only), in ``--dtype``."""
+    from jaxpar.engine import compute_dtype
     from jaxpar.models import config_from_hf, preset
 
     if args.hf is None:
@@ -156,12 +158,37 @@ def model_config(args: argparse.Namespace):
         return _with_capacity(config, args)
     path = Path(args.hf) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: missing (--hf needs a Hugging Face checkpoint directory)")
+        hint = ""
+        if not Path(args.hf).exists() and str(args.hf).count("/") == 1:
+            hint = (
+                f"; {args.hf} looks like a Hugging Face hub id: download it first, e.g. "
+                f"`huggingface-cli download {args.hf} --local-dir {Path(str(args.hf)).name}`, "
+                "and pass that directory"
+            )
+        raise ConfigError(f"{path}: missing (--hf needs a Hugging Face checkpoint directory){hint}")
     try:
         hf = json.loads(path.read_text())
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON: {e}") from e
-    return _with_capacity(config_from_hf(hf, dtype=args.dtype, source=str(path)), args)
+    dtype = compute_dtype(hf, args.dtype)
+    return _with_capacity(config_from_hf(hf, dtype=dtype, source=str(path)), args)
+
+
+def dtype_note(args: argparse.Namespace) -> str:
+    """What the start line says when a half-precision checkpoint runs in float32 on CPU
+    (empty otherwise)."""
+    from jaxpar.engine import compute_dtype
+
+    if args.hf is None or args.dtype is not None:
+        return ""
+    hf = json.loads((Path(args.hf) / "config.json").read_text())
+    if compute_dtype(hf, None) is None:
+        return ""
+    stored = hf.get("dtype") or hf.get("torch_dtype")
+    return (
+        f"; its {stored} weights compute in float32 on CPU (XLA:CPU has no fast {stored} "
+        f"path; --dtype {stored} keeps them)"
+    )
 
 
 def _with_capacity(config, args: argparse.Namespace):
@@ -190,7 +217,8 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
             advance()
             return device
 
-        config, params = load_hf_checkpoint(args.hf, dtype=args.dtype, shardings=on_device)
+        dtype = config.dtype if args.dtype is None else args.dtype
+        config, params = load_hf_checkpoint(args.hf, dtype=dtype, shardings=on_device)
     return config, params
 
 
@@ -207,3 +235,26 @@ def join_option_values(argv: list[str], options: tuple[str, ...] = ("--prompt",)
             out.append(argv[i])
             i += 1
     return out
+
+
+def add_context_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-long-max-seq-len",
+        action="store_true",
+        help="accept --max-seq-len beyond the checkpoint's max_position_embeddings with "
+        "unscaled RoPE (positions it was never trained on)",
+    )
+
+
+def check_context(args: argparse.Namespace, config, max_seq_len: int) -> None:
+    """Refuses, before loading, a ``--max-seq-len`` past a checkpoint's trained positions
+    when its RoPE is not scaled (``--allow-long-max-seq-len`` overrides)."""
+    if args.hf is None or getattr(args, "allow_long_max_seq_len", False):
+        return
+    trained = config.max_position_embeddings
+    if config.positional == "rope" and config.rope_scaling is None and max_seq_len > trained:
+        raise ConfigError(
+            f"--max-seq-len {max_seq_len} exceeds the {trained} positions {args.hf} was "
+            f"trained on (max_position_embeddings, unscaled RoPE): use --max-seq-len {trained} "
+            "or less, or --allow-long-max-seq-len to run past them anyway"
+        )

@@ -11,7 +11,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxpar.cli._common import (
+    check_context,
     describe_devices,
+    dtype_note,
     load_model,
     model_config,
     parallel_config,
@@ -156,9 +158,11 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     batch = args.batch or _padded_batch(len(args.prompt), multiple)
     # Refuses an illegal strategy before anything is read, initialised or compiled.
     validate(config, parallel, n_devices=parallel.size, batch=batch, max_seq_len=args.max_seq_len)
+    check_context(args, config, args.max_seq_len)
     console.print(
         f"[bold]jaxpar run[/]: {args.hf or args.model or args.default_model} "
-        f"({config.arch}, {config.dtype}) on {describe_devices()}, strategy {parallel}",
+        f"({config.arch}, {config.dtype}{dtype_note(args)}) on {describe_devices()}, "
+        f"strategy {parallel}",
         soft_wrap=True,
     )
     devices = select_devices(parallel, console)

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from jaxpar.cli._common import describe_devices, model_config, parallel_config
+from jaxpar.cli._common import (
+    add_context_arg,
+    check_context,
+    describe_devices,
+    dtype_note,
+    model_config,
+    parallel_config,
+)
 from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
@@ -79,6 +86,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache size in tokens, all batch shards together (instead of a memory fraction)",
     )
+    add_context_arg(serve)
     serve.add_argument(
         "--page-size",
         type=int,
@@ -148,8 +156,11 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
             "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
             "schedule): use pp=1, with dp, sp, ep or tp instead"
         )
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     slots = args.max_num_seqs or _round_up(DEFAULT_MAX_NUM_SEQS, batch_multiple(config, decode))
     max_seq_len = _max_seq_len(args, config)
+    check_context(args, config, max_seq_len)
     # Refuses illegal strategies before anything is read or compiled.
     validate(config, decode, n_devices=decode.size, batch=slots, max_seq_len=max_seq_len)
     budget = KVBudget(
@@ -199,6 +210,17 @@ def served_model(args: argparse.Namespace):
     )
 
 
+def _devices(batcher: ContinuousBatcher) -> str:
+    """``device 0 of 8`` / ``devices 0-3 of 8``: what decode (and prefill) run on."""
+    import jax
+
+    used = sorted(d.id for d in batcher.engine.devices)
+    if batcher.disaggregated:
+        used = sorted({*used, *(d.id for d in batcher.prefill_engine.devices)})
+    span = f"device {used[0]}" if len(used) == 1 else f"devices {used[0]}-{used[-1]}"
+    return f"{span} of {jax.device_count()}"
+
+
 def _server_class():
     import uvicorn
 
@@ -231,14 +253,16 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")
     model = served_model(args)
     console.print(
-        f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} on {describe_devices()}",
+        f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} ({model_config(args).dtype}"
+        f"{dtype_note(args)}) on {describe_devices()}",
         soft_wrap=True,
     )
     batcher = build_batcher(args, console)
     where = f"prefill {batcher.prefill_engine.parallel_config}, " if batcher.disaggregated else ""
     console.print(batcher.describe_cache(), soft_wrap=True)
     console.print(
-        f"{where}decode {batcher.engine.parallel_config}, up to {batcher.slots} sequences, "
+        f"{where}decode {batcher.engine.parallel_config} on {_devices(batcher)}, up to "
+        f"{batcher.slots} sequences, "
         f"max_seq_len {batcher.max_seq_len}, queue {args.max_queue}; "
         f"http://{args.host}:{args.port} (GET /health is 200 once warmed up)",
         soft_wrap=True,

@@ -19,7 +19,7 @@ from jaxpar.engine._kv_budget import (
 from jaxpar.engine._kv_budget import MEMORY_FRACTION as KV_MEMORY_FRACTION
 from jaxpar.engine._kv_budget import PAGE_SIZE as KV_PAGE_SIZE
 from jaxpar.engine._layouts import Layouts
-from jaxpar.engine._load import engine_from_hf
+from jaxpar.engine._load import compute_dtype, engine_from_hf
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
@@ -53,6 +53,7 @@ __all__ = [
     "Slots",
     "Steps",
     "batch_shards",
+    "compute_dtype",
     "engine_from_hf",
     "mask_padded",
     "pages_per_shard",

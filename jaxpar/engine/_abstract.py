@@ -25,7 +25,7 @@ from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_config
 from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, ModelConfig, abstract_model
-from jaxpar.spec import ParallelConfig, Phase, Plan, canonical_mesh, make_mesh, validate
+from jaxpar.spec import ParallelConfig, Phase, Plan, canonical_mesh, default_mesh, validate
 
 
 def layer_loop_for(model_config: ModelConfig, parallel: ParallelConfig) -> str:
@@ -92,7 +92,7 @@ class AbstractEngine:
             parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
             max_batch: sequences per step.
             max_seq_len: KV cache length per sequence.
-            mesh: default ``make_mesh(parallel_config)`` over every device.
+            mesh: default ``default_mesh(parallel_config)`` (the first devices it needs).
             platform: lower for this platform (``"cuda"``, ``"tpu"``) instead of the mesh
                 devices' own: kernels are chosen for it, and :meth:`lower` emits its
                 StableHLO (which only that platform's compiler can compile). For TPU, a
@@ -104,7 +104,7 @@ class AbstractEngine:
         plan = validate(
             config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
         )
-        mesh = canonical_mesh(mesh) if mesh is not None else make_mesh(parallel)
+        mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
         if parallel.pp > 1 and config.moe_capacity_factor is not None:
             raise ConfigError(
                 f"moe_capacity_factor={config.moe_capacity_factor} with pp={parallel.pp}: the "

@@ -79,7 +79,8 @@ class InferenceEngine:
         max_batch: sequences per step; prompts are padded up to it.
         max_seq_len: KV cache length per sequence (prompt + new tokens - 1: the last new
             token is returned, never cached).
-        mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``make_mesh(parallel_config)``.
+        mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``default_mesh(parallel_config)``:
+            the first devices the strategy needs (every device under ``jax.distributed``).
     """
 
     def __init__(
@@ -103,6 +104,10 @@ class InferenceEngine:
         )
         self.plan: Plan = self.program.plan
         self.mesh = self.program.mesh
+        #: The devices it runs on (without ``mesh=``, the first ``parallel_config.size``).
+        self.devices: tuple[jax.Device, ...] = tuple(
+            sorted(self.mesh.devices.flat, key=lambda d: d.id)
+        )
         self.model_config = model_config
         self.parallel_config = config
         self.max_batch = max_batch

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.engine._engine import InferenceEngine
@@ -16,10 +17,25 @@ from jaxpar.models import config_from_hf, load_hf_checkpoint
 from jaxpar.spec import (
     ParallelConfig,
     canonical_mesh,
-    make_mesh,
+    default_mesh,
     param_partition_spec,
     validate,
 )
+
+#: Checkpoint dtypes that run in float32 on CPU unless a dtype is given.
+_HALF_PRECISION = ("bfloat16", "float16")
+
+
+def compute_dtype(hf: Mapping[str, Any], dtype: Any = None, platform: str | None = None) -> Any:
+    """The dtype a checkpoint runs in: ``dtype`` when given; on CPU (``platform``, default
+    JAX's default backend) a half-precision checkpoint runs in float32, since XLA:CPU has no
+    fast bfloat16 or float16 path; else None (the checkpoint's own)."""
+    if dtype is not None:
+        return dtype
+    stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    if (platform or jax.default_backend()) == "cpu" and stored in _HALF_PRECISION:
+        return "float32"
+    return None
 
 
 def engine_from_hf(
@@ -37,6 +53,8 @@ def engine_from_hf(
     safetensors files, so no device ever holds a full copy of a split weight.
 
     ``on_tensor(name)`` is called before each parameter tensor is read (for progress).
+    ``dtype`` None: the checkpoint's own, except that a half-precision checkpoint runs in
+    float32 on CPU (:func:`compute_dtype`).
 
     Raises:
         IllegalStrategyError: before any tensor is read.
@@ -48,13 +66,15 @@ def engine_from_hf(
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{source}: cannot read the model config: {e}") from e
     parallel = parallel_config or ParallelConfig()
+    platform = mesh.devices.flat[0].platform if mesh is not None else None
+    dtype = compute_dtype(hf, dtype, platform)
     # Pipelined engines run stacked layers (one block per stage): load them stacked.
     layer_loop = "scan" if parallel.pp > 1 else "unrolled"
     config = config_from_hf(hf, dtype=dtype, source=str(source), layer_loop=layer_loop)
     devices = mesh.devices.size if mesh is not None else parallel.size
     padded = padded_config(config, parallel.tp)
     validate(padded, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
-    mesh = canonical_mesh(mesh) if mesh is not None else make_mesh(parallel)
+    mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
 
     def sharding(path_: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
         if on_tensor is not None:

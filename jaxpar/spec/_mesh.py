@@ -54,6 +54,23 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
     return canonical_mesh(mesh)
 
 
+def default_mesh(config: ParallelConfig) -> Mesh:
+    """The mesh an engine builds when it is given none: over the first ``config.size``
+    devices, as the command line does (a one-device strategy on an 8-device host runs on
+    device 0); over every device when the strategy uses them all, and always under
+    ``jax.distributed`` (the first devices would all be process 0's, leaving the other
+    processes out of the programs they must run).
+
+    Raises:
+        MeshError: the strategy needs more devices than there are, or fewer than every
+            device of a multi-process job.
+    """
+    available = jax.devices()
+    if config.size >= len(available) or jax.process_count() > 1:
+        return make_mesh(config)
+    return make_mesh(config, available[: config.size])
+
+
 def canonical_mesh(mesh: Mesh) -> Mesh:
     """``mesh`` with its axes named in :data:`MESH_NAME_ORDER`, each over the same devices.
 

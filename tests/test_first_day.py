@@ -1,0 +1,98 @@
+"""A user's first day: the engine on the first devices it needs, float32 on CPU.
+
+* ``InferenceEngine`` / ``engine_from_hf`` without ``mesh=`` run on the first devices the
+  strategy needs (as the command line does), and say which (``engine.devices``).
+* A half-precision checkpoint computes in float32 on CPU unless ``--dtype`` / ``dtype=``
+  says otherwise, and the start line says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar.cli import main
+from jaxpar.engine import compute_dtype, engine_from_hf
+from jaxpar.spec import default_mesh
+
+HF_LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
+CONFIG = jaxpar.preset("tiny-gqa")
+
+
+def test_an_engine_without_a_mesh_runs_on_the_first_devices_it_needs():
+    params = jaxpar.init_params(CONFIG)
+    one = jaxpar.InferenceEngine(CONFIG, params, max_batch=2, max_seq_len=32)
+    assert one.devices == (jax.devices()[0],)
+    two = jaxpar.InferenceEngine(
+        CONFIG, params, jaxpar.ParallelConfig(tp=2), max_batch=2, max_seq_len=32
+    )
+    assert two.devices == tuple(jax.devices()[:2])
+    prompts = [[1, 2, 3], [4, 5]]
+    assert one.generate(prompts, 4).tokens == two.generate(prompts, 4).tokens
+    every = jaxpar.ParallelConfig(dp=2, tp=4)
+    assert default_mesh(every).devices.size == len(jax.devices())
+    with pytest.raises(jaxpar.MeshError, match="needs 16 devices"):
+        default_mesh(jaxpar.ParallelConfig(dp=2, tp=8))
+
+
+def test_engine_from_hf_without_a_mesh():
+    engine = engine_from_hf(HF_LLAMA, jaxpar.ParallelConfig(tp=2), max_batch=1, max_seq_len=32)
+    assert engine.devices == tuple(jax.devices()[:2])
+
+
+def _bf16_checkpoint(tmp_path: Path) -> Path:
+    """The llama fixture, its config saying bfloat16 (as most hub checkpoints do)."""
+    path = tmp_path / "llama_bf16"
+    shutil.copytree(HF_LLAMA, path)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("dtype", None)
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return path
+
+
+def test_half_precision_checkpoints_compute_in_float32_on_cpu(tmp_path, capsys):
+    assert compute_dtype({"torch_dtype": "bfloat16"}, None, "cpu") == "float32"
+    assert compute_dtype({"dtype": "float16"}, None, "cpu") == "float32"
+    assert compute_dtype({"torch_dtype": "bfloat16"}, None, "gpu") is None
+    assert compute_dtype({"torch_dtype": "bfloat16"}, "bfloat16", "cpu") == "bfloat16"
+    assert compute_dtype({"torch_dtype": "float32"}, None, "cpu") is None
+    path = _bf16_checkpoint(tmp_path)
+    engine = engine_from_hf(path, max_batch=1, max_seq_len=32)
+    assert engine.model_config.dtype == np.dtype("float32")
+    kept = engine_from_hf(path, max_batch=1, max_seq_len=32, dtype="bfloat16")
+    assert kept.model_config.dtype == jax.numpy.bfloat16
+    args = ["run", "--hf", str(path), "--prompt", "5,6,7", "--max-new-tokens", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "(llama, float32; its bfloat16 weights compute in float32 on CPU" in out
+    assert "--dtype bfloat16 keeps them" in out
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "(llama, bfloat16)" in out and "compute in float32" not in out
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    return " ".join((captured.out + captured.err).split())
+
+
+def test_loose_command_line_values_are_refused(capsys):
+    out = _error(capsys, ["run", "--model", "tiny-dense", "--tp", "0", "--prompt", "1,2"])
+    assert "ParallelConfig.tp must be an int >= 1, got 0" in out
+    out = _error(capsys, ["serve", "--hf", str(HF_LLAMA), "--max-num-seqs", "0"])
+    assert "--max-num-seqs must be >= 1, got 0" in out
+    out = _error(capsys, ["run", "--hf", "HuggingFaceTB/SmolLM2-135M", "--prompt", "1"])
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M --local-dir SmolLM2-135M" in out
+    # The llama fixture was trained on 256 positions, with unscaled RoPE.
+    long = ["run", "--hf", str(HF_LLAMA), "--prompt", "5,6", "--max-new-tokens", "1"]
+    out = _error(capsys, [*long, "--max-seq-len", "512"])
+    assert "--max-seq-len 512 exceeds the 256 positions" in out
+    assert "--allow-long-max-seq-len" in out
+    assert main([*long, "--max-seq-len", "512", "--allow-long-max-seq-len"]) == 0
