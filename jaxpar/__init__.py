@@ -56,6 +56,7 @@ _LAZY = {
     "Generation": "jaxpar.engine",
     "ContinuousBatcher": "jaxpar.engine",
     "KVBudget": "jaxpar.engine",
+    "Tokenizer": "jaxpar.engine",
     "RequestStream": "jaxpar.engine",
     "Sampling": "jaxpar.engine",
     "engine_from_hf": "jaxpar.engine",

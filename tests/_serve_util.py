@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import jax
 
-from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
 from jaxpar.engine import Sampling, engine_from_hf
+from jaxpar.engine._text import chat_template, generation_defaults, load_tokenizer
 from jaxpar.spec import ParallelConfig, make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ class Offline:
         return self
 
     def _greedy_run(self, prompt: tuple[int, ...]) -> list[int]:
-        return self.engine.generate([list(prompt)], REFERENCE_TOKENS).tokens[0]
+        return self.engine.generate([list(prompt)], REFERENCE_TOKENS, stop_tokens=()).tokens[0]
 
     def greedy(self, prompt: list[int], n: int, *, eos: bool = True) -> list[int]:
         """The first ``n`` greedy tokens (ending at the first EOS when ``eos``)."""

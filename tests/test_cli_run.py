@@ -18,7 +18,7 @@ import jaxpar
 from jaxpar.cli import _parser, main
 from jaxpar.cli._common import join_option_values, setup_devices
 from jaxpar.cli._run import choose_sampling, encode_prompts, warm_up
-from jaxpar.cli._text import (
+from jaxpar.engine._text import (
     GenerationDefaults,
     chat_template,
     generation_defaults,
@@ -289,7 +289,7 @@ def test_generation_stops_at_eos_by_default(tmp_path, capsys):
             max_seq_len=32,
             mesh=jaxpar.make_mesh(jaxpar.ParallelConfig(), jax.devices()[:1]),
         )
-        .generate([[5, 6, 7]], 6)
+        .generate([[5, 6, 7]], 6, stop_tokens=())
         .tokens[0]
     )
     k = next(i for i in range(1, len(free) - 1) if free[i] not in free[:i] and free[i] != 2)

@@ -96,3 +96,51 @@ def test_loose_command_line_values_are_refused(capsys):
     assert "--max-seq-len 512 exceeds the 256 positions" in out
     assert "--allow-long-max-seq-len" in out
     assert main([*long, "--max-seq-len", "512", "--allow-long-max-seq-len"]) == 0
+
+
+CHAT = Path(__file__).parent / "fixtures" / "llama_chat"
+
+
+def test_tokenizer_is_public_and_agrees_with_the_command_line():
+    from jaxpar.engine import chat_template, encode, generation_defaults, load_tokenizer
+
+    tok = jaxpar.Tokenizer.from_dir(CHAT)
+    raw = load_tokenizer(CHAT)
+    assert tok.encode("hello world") == encode(raw, "hello world").ids
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    assert tok.eos_token_ids == generation_defaults(CHAT).eos_token_ids == (2, 6)
+    messages = [{"role": "user", "content": "how are you ?"}]
+    text = chat_template(CHAT, raw, generation_defaults(CHAT)).render(messages)
+    assert tok.apply_chat_template(messages, tokenize=False) == text
+    assert tok.apply_chat_template(messages) == encode(raw, text, add_special_tokens=False).ids
+    with pytest.raises(jaxpar.ConfigError, match="tokenizer.json"):
+        jaxpar.Tokenizer.from_dir(CHAT.parent)
+
+
+def test_generate_from_hf_stops_at_the_checkpoints_eos_and_text_round_trips(tmp_path):
+    # A copy of the llama fixture whose EOS is a token its greedy run emits mid-way.
+    free = engine_from_hf(HF_LLAMA, max_batch=1, max_seq_len=32).generate(
+        [[5, 6, 7]], 8, stop_tokens=()
+    )
+    run = free.tokens[0]
+    k = next(i for i in range(1, len(run) - 1) if run[i] not in run[:i])
+    path = tmp_path / "llama_eos"
+    shutil.copytree(HF_LLAMA, path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": run[k]}))
+    engine = engine_from_hf(path, max_batch=1, max_seq_len=32)
+    assert engine.generation_defaults.eos_token_ids == (run[k],)
+    assert engine.generate([[5, 6, 7]], 8).tokens[0] == run[: k + 1]  # stops at EOS
+    assert engine.generate([[5, 6, 7]], 8, stop_tokens=()).tokens[0] == run  # unless told
+
+    chat = engine_from_hf(CHAT, max_batch=2, max_seq_len=64)
+    tok = chat.tokenizer
+    ids = tok.encode("hello world")
+    want = tok.decode(chat.generate([ids], 8).tokens[0])
+    assert chat.generate_text("hello world", 8) == [want]
+    messages = [{"role": "user", "content": "how are you ?"}]
+    both = chat.generate_text(["hello world", messages], 8)
+    assert both[0] == want
+    assert both[1] == tok.decode(chat.generate([tok.apply_chat_template(messages)], 8).tokens[0])
+    bare = jaxpar.InferenceEngine(CONFIG, jaxpar.init_params(CONFIG), max_batch=1, max_seq_len=16)
+    with pytest.raises(jaxpar.ConfigError, match="needs a tokenizer"):
+        bare.generate_text("hello", 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,9 @@ def test_readme_python_block_runs(index, tmp_path):
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     script = tmp_path / f"readme_block_{index}.py"
     script.write_text(BLOCKS[index])
+    # Blocks name checkpoint directories as seen from the repository root.
+    for fixture in set(re.findall(r'"(tests/fixtures/[\w/]+)"', BLOCKS[index])):
+        shutil.copytree(README.parent / fixture, tmp_path / fixture)
     proc = subprocess.run(
         [sys.executable, "-W", "error::UserWarning", str(script)],
         cwd=tmp_path,

@@ -107,7 +107,7 @@ def test_hf_checkpoint_with_a_vocabulary_tp_does_not_divide(tmp_path):
         tokens, lengths = eng.pad_prompts(prompts)
         out[parallel] = (
             np.asarray(eng.prefill_logits(tokens, lengths)),
-            eng.generate(prompts, 8).tokens,
+            eng.generate(prompts, 8, stop_tokens=()).tokens,
         )
     (ref_logits, ref_tokens), (logits, tokens) = out.values()
     assert logits.shape[-1] == 253

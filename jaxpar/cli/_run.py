@@ -20,14 +20,17 @@ from jaxpar.cli._common import (
     select_devices,
 )
 from jaxpar.cli._progress import stage, tensor_count
-from jaxpar.cli._text import (
+from jaxpar.engine import (
+    Generation,
     GenerationDefaults,
+    InferenceEngine,
+    Sampling,
     chat_template,
     encode,
+    engine_from_hf,
     generation_defaults,
     load_tokenizer,
 )
-from jaxpar.engine import Generation, InferenceEngine, Sampling, engine_from_hf
 from jaxpar.errors import CacheOverflowError, ConfigError
 from jaxpar.spec import batch_multiple, make_mesh, validate
 

@@ -27,7 +27,6 @@ from jaxpar.cli._common import (
 )
 from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
-from jaxpar.cli._text import chat_template, generation_defaults, load_tokenizer
 from jaxpar.engine import (
     CPU_KV_TOKENS,
     KV_MEMORY_FRACTION,
@@ -35,7 +34,10 @@ from jaxpar.engine import (
     ContinuousBatcher,
     InferenceEngine,
     KVBudget,
+    chat_template,
     engine_from_hf,
+    generation_defaults,
+    load_tokenizer,
 )
 from jaxpar.errors import ConfigError
 from jaxpar.spec import Phase, batch_multiple, validate

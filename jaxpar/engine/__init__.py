@@ -26,6 +26,16 @@ from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._slots import FirstTokens, Inserted, Slots, SlotSteps
 from jaxpar.engine._steps import Steps
+from jaxpar.engine._text import (
+    ChatTemplate,
+    Encoded,
+    GenerationDefaults,
+    Tokenizer,
+    chat_template,
+    encode,
+    generation_defaults,
+    load_tokenizer,
+)
 from jaxpar.engine._vocab import mask_padded
 
 __all__ = [
@@ -33,7 +43,10 @@ __all__ = [
     "FINISH_REASONS",
     "KV_MEMORY_FRACTION",
     "KV_PAGE_SIZE",
+    "ChatTemplate",
+    "Encoded",
     "FirstTokens",
+    "GenerationDefaults",
     "Inserted",
     "AbstractEngine",
     "BatcherStats",
@@ -52,9 +65,14 @@ __all__ = [
     "SlotSteps",
     "Slots",
     "Steps",
+    "Tokenizer",
     "batch_shards",
+    "chat_template",
     "compute_dtype",
+    "encode",
     "engine_from_hf",
+    "generation_defaults",
+    "load_tokenizer",
     "mask_padded",
     "pages_per_shard",
     "select_rows",

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
+from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
 from jaxpar.models import KVCache, ModelConfig, abstract_model, with_layer_loop
@@ -122,6 +123,10 @@ class InferenceEngine:
         self.steps = self.program.steps
         self.params = jax.tree.map(place, params, self.layouts.params)
         self._core = None  # the serving core of generate (built on first use)
+        #: EOS ids and default sampling of ``generate`` (a checkpoint's, from engine_from_hf).
+        self.generation_defaults = GenerationDefaults()
+        #: The checkpoint's text side (engine_from_hf, when it has a tokenizer.json).
+        self.tokenizer: Tokenizer | None = None
 
     def lower(self, phase: str, *, prompt_len: int) -> Any:
         """The ``jax.stages.Lowered`` prefill or decode step over this engine's parameters
@@ -244,7 +249,7 @@ class InferenceEngine:
         *,
         sampling: Sampling | None = None,
         seed: int = 0,
-        stop_tokens: Sequence[int] = (),
+        stop_tokens: Sequence[int] | None = None,
         callback: Callable[[int, np.ndarray], None] | None = None,
     ) -> Generation:
         """Generates up to ``max_new_tokens`` for each prompt.
@@ -252,9 +257,12 @@ class InferenceEngine:
         Args:
             prompts: token-id lists of different lengths (at most ``max_batch``).
             max_new_tokens: new tokens per prompt, counting the stop token.
-            sampling: greedy by default; temperature / top-k / top-p otherwise.
+            sampling: default: the checkpoint's (``generation_config.json``; engines from
+                :func:`engine_from_hf`), else greedy; temperature / top-k / top-p otherwise.
             seed: sampling seed; the same seed gives bitwise-identical tokens.
-            stop_tokens: a sequence finishes after emitting one of these.
+            stop_tokens: a sequence finishes after emitting one of these; default the
+                checkpoint's EOS ids (none for an engine built from parameters); ``()``
+                runs every row to ``max_new_tokens``.
             callback: streaming: called as ``callback(step, tokens_B)`` after every token.
                 ``tokens_B`` (int32, all ``max_batch`` rows) holds each row's token of this
                 step, or ``-1`` for padding rows and for rows that finished at an earlier step.
@@ -265,7 +273,9 @@ class InferenceEngine:
         contiguous cache, all decode steps in one compiled ``while_loop`` unless streaming.
         """
         self._check_prompts(prompts, max_new_tokens)
-        sampling = sampling or Sampling()
+        sampling = sampling or self.generation_defaults.sampling
+        if stop_tokens is None:
+            stop_tokens = self.generation_defaults.eos_token_ids
         tokens_BT, lengths_B = self.pad_prompts(prompts)
         n = len(prompts)
         if self.parallel_config.pp == 1:
@@ -310,6 +320,39 @@ class InferenceEngine:
             new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
             moe_dropped=dropped,
         )
+
+    def generate_text(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[dict[str, str]]],
+        max_new_tokens: int,
+        **kwargs: Any,
+    ) -> list[str]:
+        """Text in, text out, through the checkpoint's tokenizer (:attr:`tokenizer`).
+
+        ``prompts``: a string, a list of strings, or a list of conversations (each a list
+        of ``{"role", "content"}`` messages, rendered by the chat template). Stops at the
+        checkpoint's EOS ids and samples as its ``generation_config.json`` says unless
+        ``stop_tokens`` / ``sampling`` (any :meth:`generate` keyword) say otherwise.
+
+        Raises:
+            ConfigError: the engine has no tokenizer (build it with :func:`engine_from_hf`
+                from a directory with a ``tokenizer.json``), or no chat template for
+                conversations.
+        """
+        if self.tokenizer is None:
+            raise ConfigError(
+                "generate_text needs a tokenizer: build the engine with engine_from_hf from a "
+                "checkpoint directory that has a tokenizer.json"
+            )
+        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [
+            self.tokenizer.encode(p)
+            if isinstance(p, str)
+            else self.tokenizer.apply_chat_template(list(p))
+            for p in items
+        ]
+        out = self.generate(ids, max_new_tokens, **kwargs)
+        return [self.tokenizer.decode(tokens) for tokens in out.tokens]
 
     def compile_generate(self, prompt_len: int, max_new_tokens: int) -> None:
         """Compiles every decode step a ``generate`` of prompts of up to ``prompt_len``

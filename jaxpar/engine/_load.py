@@ -11,6 +11,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._text import Tokenizer, generation_defaults, load_tokenizer
 from jaxpar.engine._vocab import padded_config, unsplit_vocab
 from jaxpar.errors import CheckpointError
 from jaxpar.models import config_from_hf, load_hf_checkpoint
@@ -87,6 +88,11 @@ def engine_from_hf(
     config, params = load_hf_checkpoint(
         path, dtype=dtype, shardings=sharding, layer_loop=layer_loop
     )
-    return InferenceEngine(
+    engine = InferenceEngine(
         config, params, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
     )
+    # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
+    engine.generation_defaults = generation_defaults(path)
+    if load_tokenizer(path) is not None:
+        engine.tokenizer = Tokenizer.from_dir(path)
+    return engine

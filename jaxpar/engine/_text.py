@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxpar.engine import Sampling
+from jaxpar.engine._sampling import Sampling
 from jaxpar.errors import ConfigError
 
 # transformers' GenerationConfig defaults, used where do_sample is true and a key is absent.
@@ -246,3 +246,66 @@ def chat_template(directory: str | Path, tokenizer, defaults: GenerationDefaults
     special.setdefault("bos_token", "")
     special.setdefault("eos_token", "")
     return ChatTemplate(template, special, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    """A checkpoint directory's text side, as ``transformers`` reads it: ``tokenizer.json``,
+    the generation defaults (EOS ids, sampling) and the chat template.
+
+    ``Tokenizer.from_dir(path)``; ``encode`` / ``decode`` text, and
+    ``apply_chat_template(messages)`` renders and encodes a conversation.
+    """
+
+    directory: Path
+    tokenizer: Any  # tokenizers.Tokenizer
+    defaults: GenerationDefaults
+    template: ChatTemplate | None  # None: the directory has no chat template
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
+        """Reads the directory's tokenizer, generation defaults and chat template.
+
+        Raises:
+            ConfigError: no (readable) ``tokenizer.json``.
+        """
+        directory = Path(directory)
+        tokenizer = load_tokenizer(directory)
+        if tokenizer is None:
+            raise ConfigError(f"{directory / 'tokenizer.json'}: missing (text needs a tokenizer)")
+        defaults = generation_defaults(directory)
+        try:
+            template = chat_template(directory, tokenizer, defaults)
+        except ConfigError:
+            template = None
+        return cls(directory, tokenizer, defaults, template)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.defaults.eos_token_ids
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the special tokens the model expects (e.g. BOS)."""
+        return encode(self.tokenizer, text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (EOS and other special tokens left out by default)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """``messages`` rendered by the chat template: token ids, or the text.
+
+        Raises:
+            ConfigError: the directory has no chat template.
+        """
+        if self.template is None:
+            raise ConfigError(f"{self.directory}: no chat template; encode plain text instead")
+        text = self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        # The rendered text holds its special tokens already.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
