@@ -144,3 +144,20 @@ def test_generate_from_hf_stops_at_the_checkpoints_eos_and_text_round_trips(tmp_
     bare = jaxpar.InferenceEngine(CONFIG, jaxpar.init_params(CONFIG), max_batch=1, max_seq_len=16)
     with pytest.raises(jaxpar.ConfigError, match="needs a tokenizer"):
         bare.generate_text("hello", 2)
+
+
+def test_kv_heads_under_tp_need_the_models_kv_head_count():
+    from jaxpar.spec import LOGICAL_AXES, param_partition_spec, partition_spec
+
+    tp4 = jaxpar.ParallelConfig(tp=4)
+    with pytest.raises(jaxpar.ConfigError, match="'kv_heads' and tp=4: pass dims="):
+        param_partition_spec(("embed", None, "kv_heads", "head_dim"), tp4)
+    with pytest.raises(jaxpar.ConfigError, match="n_kv_heads"):
+        partition_spec(("batch", "kv_heads"), "attention", "decode", tp4)
+    gqa = jaxpar.preset("tiny-gqa")  # 2 kv heads < tp=4: replicated, not split
+    assert param_partition_spec(("embed", None, "kv_heads", "head_dim"), tp4, dims=gqa) == (
+        jax.sharding.PartitionSpec(None, None, None, None)
+    )
+    assert param_partition_spec(("embed", "mlp"), tp4) == jax.sharding.PartitionSpec(None, "tp")
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert all(f"`{name}` {key}" in readme for name, key in LOGICAL_AXES.items())

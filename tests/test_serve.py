@@ -211,6 +211,16 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+        },
+        "response_format",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": {}}, "guided_json"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),

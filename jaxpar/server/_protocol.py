@@ -1,8 +1,8 @@
 """The OpenAI request bodies this server accepts (pydantic, strict types).
 
 Fields OpenAI defines that this server cannot honour (``n`` > 1, ``logprobs``, ``echo``,
-penalties, ``logit_bias`` ...) are refused with a 400 naming the field rather than
-ignored. Extensions, as vLLM spells them: ``top_k``, ``ignore_eos`` and
+penalties, ``logit_bias``, ``response_format`` other than text and vLLM's ``guided_*``
+structured output ...) are refused with a 400 naming the field rather than ignored. Extensions, as vLLM spells them: ``top_k``, ``ignore_eos`` and
 ``return_token_ids`` (the prompt's and the completion's token ids in each choice).
 """
 
@@ -23,6 +23,13 @@ _UNSUPPORTED = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    # Structured output is not implemented: a schema asked for is never silently ignored.
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_grammar": (None,),
+    "repetition_penalty": (None, 1, 1.0),
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from jax.sharding import PartitionSpec
 
-from jaxpar.errors import IllegalStrategyError, JaxparError
+from jaxpar.errors import ConfigError, IllegalStrategyError, JaxparError
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._dims import ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
@@ -24,6 +24,20 @@ from jaxpar.spec._tables import SpecTable, spec_table
 SPLITTING = frozenset({Status.ALLOWED, Status.LAYER_ONLY, Status.ONLY_IF_MOE})
 
 MeshAxes = tuple[str, ...]
+
+
+def _require_dims(
+    logical_axes: Sequence[str | None], config: ParallelConfig, dims: ModelDims | None
+) -> None:
+    """``kv_heads`` under tp > 1 is split or replicated by the model's KV-head count: without
+    ``dims`` there is no telling which, and a wrong guess fails later inside JAX."""
+    if dims is None and config.tp > 1 and "kv_heads" in logical_axes:
+        raise ConfigError(
+            f"logical axes {tuple(logical_axes)} hold 'kv_heads' and tp={config.tp}: pass "
+            "dims= (any object with n_kv_heads, e.g. jaxpar.Dims or your ModelConfig). KV heads "
+            "split over tp when tp divides n_kv_heads and are replicated when n_kv_heads < tp; "
+            "without the count the spec may split heads that do not divide"
+        )
 
 
 def _kv_heads_replicated(config: ParallelConfig, dims: ModelDims | None) -> bool:
@@ -117,7 +131,10 @@ def partition_spec(
 
     Raises:
         JaxparError: an unknown logical name, or two dimensions that would need one mesh axis.
+        ConfigError: ``kv_heads`` under tp > 1 without ``dims`` (whether they split or are
+            replicated depends on the model's KV-head count).
     """
+    _require_dims(logical_axes, config, dims)
     resolved = mesh_axes(module, phase, config, dims=dims, table=table)
     used: dict[str, str] = {}
     out = []
@@ -191,6 +208,7 @@ def param_partition_spec(
     ``layers`` as in the layer stack); the tables must agree across modules and phases,
     so weights are placed once and never move between phases.
     """
+    _require_dims(logical_axes, config, dims)
     rules = _param_rules(config, _kv_heads_replicated(config, dims), table or spec_table())
     out = []
     for name in logical_axes:
