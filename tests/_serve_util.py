@@ -42,14 +42,23 @@ def free_port() -> int:
 class ServerProcess:
     """``jaxpar [--cpu-devices N] serve --hf CHECKPOINT ... --port P`` in a subprocess."""
 
-    def __init__(self, serve_args: list[str], *, cpu_devices: int, log_dir: Path):
+    def __init__(
+        self,
+        serve_args: list[str],
+        *,
+        cpu_devices: int,
+        log_dir: Path,
+        global_args: tuple[str, ...] = (),
+        log_level: str = "warning",
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
         env.pop("XLA_FLAGS", None)  # --cpu-devices sets the device count
         command = [sys.executable, "-m", "jaxpar.cli", "--cpu-devices", str(cpu_devices)]
-        command += ["serve", *serve_args, "--port", str(self.port), "--log-level", "warning"]
+        command += [*global_args, "serve", *serve_args, "--port", str(self.port)]
+        command += ["--log-level", log_level]
         self.command = command
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(

@@ -35,6 +35,8 @@ def pytest_configure(config) -> None:
         path = tempfile.mkdtemp(prefix="jaxpar-test-xla-")
         atexit.register(shutil.rmtree, path, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", path)
+    # Processes the tests start (jaxpar serve, jaxpar demo) use it too, not the user's cache.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

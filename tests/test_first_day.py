@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -161,3 +162,37 @@ def test_kv_heads_under_tp_need_the_models_kv_head_count():
     assert param_partition_spec(("embed", "mlp"), tp4) == jax.sharding.PartitionSpec(None, "tp")
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
     assert all(f"`{name}` {key}" in readme for name, key in LOGICAL_AXES.items())
+
+
+def test_a_warm_restart_of_serve_compiles_nothing(tmp_path):
+    """Two starts of ``jaxpar serve`` over one compile cache: the first compiles every
+    program, the second loads them all and compiles none (counted from JAX's events)."""
+    from tests._serve_util import ServerProcess
+
+    cache = ("--compile-cache", str(tmp_path / "xla"))
+    args = ["--hf", str(CHAT), "--max-seq-len", "64", "--max-num-seqs", "4"]
+    done = []
+    for start in ("cold", "warm"):
+        server = ServerProcess(
+            args, cpu_devices=1, log_dir=tmp_path, global_args=cache, log_level="info"
+        )
+        try:
+            server.wait_ready()
+        finally:
+            server.stop()
+        log = server.log_path.read_text()
+        assert "warm-up 1/" in log, log  # progress per bucket
+        lines = [line for line in log.splitlines() if "warm-up done" in line]
+        assert len(lines) == 1, (start, log)
+        done.append(lines[0])
+    hits, compiled = (
+        [
+            int(x)
+            for x in re.search(
+                r"(\d+) program\(s\) from the compile cache, (\d+) compiled", line
+            ).groups()
+        ]
+        for line in done
+    )
+    assert compiled[0] > 0 and hits[0] == 0, done[0]  # a fresh cache
+    assert compiled[1] == 0 and hits[1] == compiled[0], done[1]

@@ -31,6 +31,7 @@ def test_readme_has_python_blocks():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs(index, tmp_path):
     env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # blocks run as a user's would, cache-less
     env["JAX_PLATFORMS"] = "cpu"
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()

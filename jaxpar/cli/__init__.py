@@ -44,6 +44,19 @@ def _parser() -> argparse.ArgumentParser:
         "platform (GPU or TPU when present), and on the CPU "
         f"{DEFAULT_CPU_DEVICES} simulated devices",
     )
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache: a restart with the same model and flags "
+        "loads its programs from here instead of compiling them (default "
+        "$XDG_CACHE_HOME/jaxpar/xla, else ~/.cache/jaxpar/xla)",
+    )
+    cache.add_argument(
+        "--no-compile-cache", action="store_true", help="compile every program afresh"
+    )
     dist = parser.add_argument_group("several processes (jax.distributed)")
     dist.add_argument(
         "--distributed",
@@ -194,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         if not distributed:
             setup_devices(args.cpu_devices)  # before JAX starts its backends
 
-        from jaxpar.engine import initialize_distributed, peer_failures
+        from jaxpar.engine import enable_compile_cache, initialize_distributed, peer_failures
+
+        if not args.no_compile_cache:
+            enable_compile_cache(args.compile_cache)
 
         if distributed:
             cpu_devices = args.cpu_devices

@@ -212,6 +212,33 @@ def served_model(args: argparse.Namespace):
     )
 
 
+def _warmup(batcher: ContinuousBatcher):
+    """The batcher's warm-up, logging each bucket, then how many programs the persistent
+    compile cache served and how many were compiled."""
+    import logging
+    import time
+
+    from jaxpar.engine import CompileCount
+
+    log = logging.getLogger("uvicorn.error")
+
+    def run() -> None:
+        start, count = time.perf_counter(), CompileCount().start()
+
+        def progress(done: int, total: int, what: str) -> None:
+            log.info("warm-up %d/%d: %s", done, total, what)
+
+        batcher.warmup(progress=progress)
+        log.info(
+            "warm-up done in %.1f s: %d program(s) from the compile cache, %d compiled",
+            time.perf_counter() - start,
+            count.hits,
+            count.misses,
+        )
+
+    return run
+
+
 def _devices(batcher: ContinuousBatcher) -> str:
     """``device 0 of 8`` / ``devices 0-3 of 8``: what decode (and prefill) run on."""
     import jax
@@ -270,7 +297,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         soft_wrap=True,
     )
     app = create_app(
-        Service(batcher, model), warmup=batcher.warmup, drain_timeout=args.shutdown_timeout
+        Service(batcher, model), warmup=_warmup(batcher), drain_timeout=args.shutdown_timeout
     )
     config = uvicorn.Config(
         app,

@@ -7,6 +7,11 @@ and continuous batching over a paged KV cache (``ContinuousBatcher``, sized by `
 from jaxpar.engine import _pipeline as pipeline
 from jaxpar.engine._abstract import AbstractEngine, run_form
 from jaxpar.engine._batching import BatcherStats, ContinuousBatcher
+from jaxpar.engine._compile_cache import (
+    CompileCount,
+    default_compile_cache,
+    enable_compile_cache,
+)
 from jaxpar.engine._distributed import ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._engine import Generation, InferenceEngine
@@ -44,6 +49,7 @@ __all__ = [
     "KV_MEMORY_FRACTION",
     "KV_PAGE_SIZE",
     "ChatTemplate",
+    "CompileCount",
     "Encoded",
     "FirstTokens",
     "GenerationDefaults",
@@ -69,6 +75,8 @@ __all__ = [
     "batch_shards",
     "chat_template",
     "compute_dtype",
+    "default_compile_cache",
+    "enable_compile_cache",
     "encode",
     "engine_from_hf",
     "generation_defaults",

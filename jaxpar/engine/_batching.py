@@ -24,7 +24,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -278,15 +278,21 @@ class ContinuousBatcher:
     def _rows(self, n: int) -> int:
         return next(r for r in self.row_buckets() if r >= n)
 
-    def warmup(self, prompt_lens: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    def warmup(
+        self,
+        prompt_lens: Iterable[int] | None = None,
+        progress: Callable[[int, int, str], None] | None = None,
+    ) -> list[tuple[int, int]]:
         """Compiles every program before the first request: prefill and insert for each
-        (rows, prompt-length bucket), then the decode step. Nothing runs.
+        (rows, prompt-length bucket), then the decode step for each (rows, block-table
+        width). Nothing runs.
 
         Args:
             prompt_lens: the prompt lengths to cover (default: all up to ``max_seq_len``).
+            progress: called as ``progress(done, total, what)`` after each bucket.
 
         Returns:
-            The (rows, length) buckets compiled.
+            The (rows, length) prefill buckets compiled.
         """
         lens = prompt_lens or range(1, self.max_prompt_len + 1)
         buckets = [
@@ -294,15 +300,22 @@ class ContinuousBatcher:
             for rows in self.row_buckets()
             for length in sorted({self.prefill_engine.bucket(n) for n in lens})
         ]
+        steps = [
+            (rows, width) for rows in self.slot_steps.row_buckets() for width in self.table_widths()
+        ]
+        total = len(buckets) + len(steps)
+        report = progress or (lambda done, total, what: None)
         eng = self.prefill_engine
-        for rows, length in buckets:
+        for i, (rows, length) in enumerate(buckets):
             logits, k, v = eng.steps.compile_prefill(eng.params, rows, length)
             self.first_tokens.compile(logits)
             row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
             self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
-        for rows in self.slot_steps.row_buckets():
-            for width in self.table_widths():
-                self.slot_steps.compile_step(self.engine.params, width, rows)
+            report(i + 1, total, f"prefill and insert of {rows} x {length} tokens")
+        for i, (rows, width) in enumerate(steps):
+            self.slot_steps.compile_step(self.engine.params, width, rows)
+            pages = width * self.pool.page_size
+            report(len(buckets) + i + 1, total, f"decode step of {rows} rows x {pages} tokens")
         return buckets
 
     def table_widths(self) -> list[int]:
