@@ -67,7 +67,7 @@ class FailingBatcher:
 
     def __init__(self):
         self.engine = _Engine()
-        self.max_prompt_len = 64
+        self.max_prompt_len = self.max_seq_len = 64
         self.slots, self.active, self.queued = 1, 0, 0
         self.stats = BatcherStats()
         self.failure = None

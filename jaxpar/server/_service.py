@@ -203,7 +203,7 @@ class Service:
                 param,
                 "context_length_exceeded",
             )
-        fits = self.batcher.engine.max_seq_len + 1 - len(prompt)
+        fits = self.batcher.max_seq_len + 1 - len(prompt)
         wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if wanted is None:
             return fits
@@ -211,7 +211,7 @@ class Service:
             name = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
             raise bad_request(
                 f"{name}={wanted}: the prompt ({len(prompt)} tokens) leaves room for at most "
-                f"{fits} new tokens (max_seq_len={self.batcher.engine.max_seq_len})",
+                f"{fits} new tokens (max_seq_len={self.batcher.max_seq_len})",
                 name,
                 "context_length_exceeded",
             )
