@@ -170,8 +170,15 @@ def model_config(args: argparse.Namespace):
         hf = json.loads(path.read_text())
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON: {e}") from e
-    dtype = compute_dtype(hf, args.dtype)
+    # Commands that run the model here take its dtype for this host (float32 on CPU for a
+    # half-precision checkpoint); plan and explain keep the checkpoint's, for the target.
+    runs_here = getattr(args, "command", None) in RUNS_HERE
+    dtype = compute_dtype(hf, args.dtype) if runs_here else args.dtype
     return _with_capacity(config_from_hf(hf, dtype=dtype, source=str(path)), args)
+
+
+#: Commands that run the model on this host's devices.
+RUNS_HERE = ("run", "serve", "demo")
 
 
 def dtype_note(args: argparse.Namespace) -> str:
