@@ -121,6 +121,45 @@ def test_sampled_completion_equals_offline_generate(ready, offline):
     assert tokens == offline.sampled(prompt, 16, sampling, seed=7)
 
 
+def test_n_choices_and_a_list_of_prompts(ready, offline):
+    """n choices of a seeded prompt sample with seed, seed + 1, ...; a list of prompts gets
+    a choice each, in order; usage counts each prompt once and every choice's tokens."""
+    prompt = [1, 30, 31, 32]
+    sampled = {"temperature": 0.9, "top_k": 40, "seed": 7, "return_token_ids": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 2, **sampled}
+    out = _post(ready, "/v1/completions", body).json()
+    sampling = Sampling(temperature=0.9, top_k=40)
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert [c["token_ids"] for c in out["choices"]] == [
+        offline.sampled(prompt, 8, sampling, seed=7),
+        offline.sampled(prompt, 8, sampling, seed=8),
+    ]
+    completion = sum(len(c["token_ids"]) for c in out["choices"])
+    assert out["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": completion,
+        "total_tokens": len(prompt) + completion,
+    }
+    prompts = [[1, 40, 41], "hello world"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 6, "ignore_eos": True}
+    out = _post(ready, "/v1/completions", body | {"return_token_ids": True}).json()
+    ids = [prompts[0], offline.encode(prompts[1])]
+    assert [c["token_ids"] for c in out["choices"]] == [
+        offline.greedy(p, 6, eos=False) for p in ids
+    ]
+    assert out["usage"]["prompt_tokens"] == sum(map(len, ids))
+    # Streamed: each chunk names its choice; put together, the same texts.
+    with httpx.stream(
+        "POST", f"{ready.url}/v1/completions", json=body | {"stream": True}, timeout=60
+    ) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    texts = ["", ""]
+    for chunk in map(json.loads, lines):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in out["choices"]]
+
+
 def test_stream_is_the_completion_in_pieces(ready, client, offline):
     prompt = [1, 20, 21, 22, 23, 24]
     chunks = list(
@@ -209,7 +248,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_k": -3}, "top_k"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 65}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 33, "n": 2}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs"),
     (
         "/v1/chat/completions",
@@ -225,7 +266,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 999]}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     (

@@ -38,6 +38,7 @@ class _Format:
         self.kind, self.id_prefix, self.chat = kind, id_prefix, chat
 
     def head(self, job: Job, model: str, obj: str, choices: list) -> dict[str, Any]:
+        """The envelope; a request's choices share its first job's id and time."""
         return {
             "id": f"{self.id_prefix}{job.id}",
             "object": obj,
@@ -46,20 +47,27 @@ class _Format:
             "choices": choices,
         }
 
-    def whole(self, job: Job, model: str, text: str, body: _Generate) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": job.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if body.return_token_ids:
-            choice |= {"prompt_token_ids": job.prompt, "token_ids": job.tokens}
-        out = self.head(job, model, self.kind, [choice])
-        out["usage"] = job.usage()
-        return out
+    def whole(self, jobs: list[Job], model: str, texts: list[str], body: _Generate) -> dict:
+        choices = []
+        for index, (job, text) in enumerate(zip(jobs, texts, strict=True)):
+            choice: dict[str, Any] = {
+                "index": index,
+                "logprobs": None,
+                "finish_reason": job.finish_reason,
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            if body.return_token_ids:
+                choice |= {"prompt_token_ids": job.prompt, "token_ids": job.tokens}
+            choices.append(choice)
+        return self.head(jobs[0], model, self.kind, choices) | {"usage": _usage(jobs, body)}
 
-    def chunk(self, job: Job, model: str, text: str | None, ids: list[int], finish) -> dict:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+    def chunk(
+        self, job: Job, index: int, model: str, text: str | None, ids: list[int], finish
+    ) -> dict:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
         if self.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
@@ -77,59 +85,103 @@ COMPLETIONS = _Format("text_completion", "cmpl-", chat=False)
 CHAT = _Format("chat.completion", "chatcmpl-", chat=True)
 
 
+def _usage(jobs: list[Job], body: _Generate) -> dict[str, int]:
+    """Each prompt counted once (its ``n`` choices share it), every choice's tokens."""
+    prompt = sum(len(job.prompt) for job in jobs[:: body.n])
+    new = sum(len(job.tokens) for job in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+
 def _data(payload: dict | str) -> str:
     text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {text}\n\n"
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    while not job.stream.done:
+async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
+    while not all(job.stream.done for job in jobs):
         if await request.is_disconnected():
-            job.stream.cancel()
+            for job in jobs:
+                job.stream.cancel()
             return
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _events(
-    service: Service, job: Job, body: _Generate, fmt: _Format, request: Request
-) -> AsyncIterator[str]:
+async def _choice_chunks(
+    service: Service, job: Job, index: int, body: _Generate, fmt: _Format, out: asyncio.Queue
+) -> None:
+    """One choice's stream chunks into ``out`` (its role first, its finish last)."""
     name = service.model.name
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    if fmt.chat:
+        first = fmt.chunk(job, index, name, "", [], None)
+        first["choices"][0]["delta"]["role"] = "assistant"
+        await out.put(first)
+    async for text, ids in service.pieces(job):
+        chunk = fmt.chunk(job, index, name, text, ids if body.return_token_ids else [], None)
+        await out.put(chunk)
+    await out.put(fmt.chunk(job, index, name, None if fmt.chat else "", [], job.finish_reason))
+
+
+async def _events(
+    service: Service, jobs: list[Job], body: _Generate, fmt: _Format, request: Request
+) -> AsyncIterator[str]:
+    """Server-sent events: every choice's chunks as they come (each names its index),
+    then the usage if asked for, then ``[DONE]``."""
+    watcher = asyncio.create_task(_watch_disconnect(request, jobs))
+    out: asyncio.Queue = asyncio.Queue()
+    tasks = [
+        asyncio.create_task(_choice_chunks(service, job, i, body, fmt, out))
+        for i, job in enumerate(jobs)
+    ]
     try:
-        if fmt.chat:
-            first = fmt.chunk(job, name, "", [], None)
-            first["choices"][0]["delta"]["role"] = "assistant"
-            yield _data(first)
         try:
-            async for text, ids in service.pieces(job):
-                yield _data(fmt.chunk(job, name, text, ids if body.return_token_ids else [], None))
-            yield _data(fmt.chunk(job, name, None if fmt.chat else "", [], job.finish_reason))
+            while any(not t.done() for t in tasks) or not out.empty():
+                getter = asyncio.ensure_future(out.get())
+                running = [t for t in tasks if not t.done()]
+                await asyncio.wait([getter, *running], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield _data(getter.result())
+                else:
+                    getter.cancel()
+                failed = [t for t in tasks if t.done() and t.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield _data(fmt.head(job, name, fmt.chunk_kind, []) | {"usage": job.usage()})
+                head = fmt.head(jobs[0], service.model.name, fmt.chunk_kind, [])
+                yield _data(head | {"usage": _usage(jobs, body)})
         except APIError as e:  # the status line is sent: report it in the stream
             yield _data(e.body())
         yield _data("[DONE]")
     finally:
         watcher.cancel()
-        if not job.stream.done:
-            job.stream.cancel()
+        for task in tasks:
+            task.cancel()
+        for job in jobs:
+            if not job.stream.done:
+                job.stream.cancel()
+
+
+async def _text(service: Service, job: Job) -> str:
+    return "".join([piece async for piece, _ in service.pieces(job)])
 
 
 async def _answer(
-    service: Service, job: Job, body: _Generate, fmt: _Format, request: Request
+    service: Service, jobs: list[Job], body: _Generate, fmt: _Format, request: Request
 ) -> Any:
     if body.stream:
         return StreamingResponse(
-            _events(service, job, body, fmt, request),
+            _events(service, jobs, body, fmt, request),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    watcher = asyncio.create_task(_watch_disconnect(request, jobs))
     try:
-        text = "".join([piece async for piece, _ in service.pieces(job)])
+        texts = await asyncio.gather(*(_text(service, job) for job in jobs))
     finally:
         watcher.cancel()
-    return fmt.whole(job, service.model.name, text, body)
+        for job in jobs:
+            if not job.stream.done:
+                job.stream.cancel()
+    return fmt.whole(jobs, service.model.name, list(texts), body)
 
 
 def create_app(
@@ -202,14 +254,14 @@ def _routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         service.check_model(body)
-        job = service.submit(body, service.completion_prompt(body), param="prompt")
-        return await _answer(service, job, body, COMPLETIONS, request)
+        jobs = service.submit(body, service.completion_prompts(body), param="prompt")
+        return await _answer(service, jobs, body, COMPLETIONS, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         service.check_model(body)
-        job = service.submit(body, service.chat_prompt(body), param="messages")
-        return await _answer(service, job, body, CHAT, request)
+        jobs = service.submit(body, [service.chat_prompt(body)], param="messages")
+        return await _answer(service, jobs, body, CHAT, request)
 
 
 def _model_card(service: Service) -> dict[str, Any]:

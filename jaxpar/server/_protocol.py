@@ -1,6 +1,8 @@
 """The OpenAI request bodies this server accepts (pydantic, strict types).
 
-Fields OpenAI defines that this server cannot honour (``n`` > 1, ``logprobs``, ``echo``,
+``n`` choices per prompt, and a list of prompts in ``/v1/completions``, are separate
+requests in the batcher (choice ``i`` of a seeded request samples with ``seed + i``).
+Fields OpenAI defines that this server cannot honour (``logprobs``, ``echo``,
 penalties, ``logit_bias``, ``response_format`` other than text and vLLM's ``guided_*``
 structured output ...) are refused with a 400 naming the field rather than ignored. Extensions, as vLLM spells them: ``top_k``, ``ignore_eos`` and
 ``return_token_ids`` (the prompt's and the completion's token ids in each choice).
@@ -10,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
+
+#: The most choices one request asks for (``n`` x prompts).
+MAX_CHOICES = 64
 
 #: Fields accepted only at their "off" value: name -> the values that mean off.
 _UNSUPPORTED = {
@@ -53,17 +58,10 @@ class _Generate(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False
     return_token_ids: bool = False
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n={n}: this server returns one choice per request; n must be 1")
-        return n
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
@@ -80,7 +78,7 @@ class _Generate(BaseModel):
 
 
 class CompletionRequest(_Generate):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: a prompt, or a list of prompts, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
 

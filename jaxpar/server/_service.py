@@ -19,7 +19,7 @@ from jaxpar.engine import ContinuousBatcher, RequestStream, Sampling
 from jaxpar.errors import ConfigError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
-from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
+from jaxpar.server._protocol import MAX_CHOICES, ChatRequest, CompletionRequest, _Generate
 
 #: Seconds a client is told to wait (``Retry-After``) when the queue is full.
 RETRY_AFTER_S = 1
@@ -101,15 +101,20 @@ class Service:
 
     # --- prompts -------------------------------------------------------------------------
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The request's prompts: one, or each of a list (text or token ids)."""
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
+            if len(prompt) * body.n > MAX_CHOICES:
                 raise bad_request(
-                    f"prompt: {len(prompt)} prompts given; this server takes one per request",
+                    f"prompt: {len(prompt)} prompts x n={body.n} choices; at most "
+                    f"{MAX_CHOICES} choices per request",
                     "prompt",
                 )
-            prompt = prompt[0]
+            return [self._one_prompt(p) for p in prompt]
+        return [self._one_prompt(prompt)]
+
+    def _one_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             if not prompt:
                 raise bad_request("prompt: empty; give text or at least one token id", "prompt")
@@ -158,22 +163,41 @@ class Service:
                 "unsupported",
             )
 
-    def submit(self, body: _Generate, prompt: list[int], *, param: str) -> Job:
-        """Queues a checked request.
+    def submit(self, body: _Generate, prompts: list[list[int]], *, param: str) -> list[Job]:
+        """Queues ``body.n`` choices of each of ``prompts``, checked first; choice ``i`` of a
+        prompt samples with ``seed + i``. All are queued or none (a refusal cancels the ones
+        already queued).
 
         Raises:
             APIError: 400 (a bad field), 429 (queue full), 503 (warming up, shutting
                 down, or the batcher failed).
         """
         self.check_available()
-        max_tokens = self._max_tokens(body, prompt, param)
+        limits = [self._max_tokens(body, prompt, param) for prompt in prompts]
+        seed = secrets.randbelow(2**31) if body.seed is None else body.seed
+        jobs: list[Job] = []
+        try:
+            for prompt, max_tokens in zip(prompts, limits, strict=True):
+                for i in range(body.n):
+                    jobs.append(
+                        self._submit_one(body, prompt, max_tokens, (seed + i) % 2**32, param)
+                    )
+        except APIError:
+            for job in jobs:
+                job.stream.cancel()
+            raise
+        return jobs
+
+    def _submit_one(
+        self, body: _Generate, prompt: list[int], max_tokens: int, seed: int, param: str
+    ) -> Job:
         stop_ids = () if body.ignore_eos else self.model.stop_token_ids
         try:
             stream = self.batcher.submit(
                 prompt,
                 max_tokens=max_tokens,
                 sampling=self.sampling(body),
-                seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+                seed=seed,
                 stop_tokens=stop_ids,
             )
         except QueueFullError as e:
