@@ -140,10 +140,10 @@ def test_n_choices_and_a_list_of_prompts(ready, offline):
         "completion_tokens": completion,
         "total_tokens": len(prompt) + completion,
     }
-    prompts = [[1, 40, 41], "hello world"]
+    prompts = ["hello world", "how are you ?"]
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 6, "ignore_eos": True}
     out = _post(ready, "/v1/completions", body | {"return_token_ids": True}).json()
-    ids = [prompts[0], offline.encode(prompts[1])]
+    ids = [offline.encode(p) for p in prompts]
     assert [c["token_ids"] for c in out["choices"]] == [
         offline.greedy(p, 6, eos=False) for p in ids
     ]
