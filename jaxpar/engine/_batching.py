@@ -42,8 +42,6 @@ from jaxpar.models import KVCache
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
 #: side fed without prefilling far ahead of it.
 READY_BATCHES = 2
-#: The fewest positions per row a decode step reads (its narrowest block table).
-MIN_STEP_TOKENS = 64
 
 
 @dataclasses.dataclass
@@ -320,11 +318,9 @@ class ContinuousBatcher:
 
     def table_widths(self) -> list[int]:
         """The block-table widths a decode step compiles for (powers of two)."""
-        floor = self.pool.pages_for(MIN_STEP_TOKENS)
-        widths = {
-            self.pages.width(t, floor) for t in range(1, self.max_seq_len + 1, self.pool.page_size)
-        }
-        return sorted(widths | {self.pages.width(self.max_seq_len, floor)})
+        lengths = range(1, self.max_seq_len + 1, self.pool.page_size)
+        widths = {self.pages.width(t) for t in lengths}
+        return sorted(widths | {self.pages.width(self.max_seq_len)})
 
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops taking requests, then ends the loops.
@@ -624,7 +620,7 @@ class ContinuousBatcher:
         rows), as wide as the longest needs; placed again only when they change."""
         live = np.array([s is not None for s in owners])
         longest = int(self._lengths[live].max()) + 1
-        width = self.pages.width(longest, self.pool.pages_for(MIN_STEP_TOKENS))
+        width = self.pages.width(longest)
         rows = self.slot_steps.rows_for(live)
         key = (self.pages.version, width, rows)
         if self._tables is None or self._tables[0] != key:

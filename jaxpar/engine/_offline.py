@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxpar.engine._kv_budget import PAGE_SIZE, batch_shards
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling, Sampling
@@ -29,11 +30,6 @@ from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 
 if TYPE_CHECKING:
     from jaxpar.engine._engine import InferenceEngine
-
-#: Tokens per page of offline generation's pool.
-PAGE_SIZE = 16
-#: The fewest positions per row a step reads (its narrowest block table).
-MIN_STEP_TOKENS = 64
 
 
 @dataclasses.dataclass
@@ -45,8 +41,6 @@ class OfflineCore:
 
     @classmethod
     def build(cls, engine: InferenceEngine) -> OfflineCore:
-        from jaxpar.engine._kv_budget import batch_shards
-
         program = engine.program
         shards = batch_shards(engine.parallel_config, program.model_config)
         page_size = min(PAGE_SIZE, engine.max_seq_len)
@@ -67,8 +61,8 @@ class OfflineCore:
 
     def widths(self, tokens: int) -> list[int]:
         """The block-table widths steps over rows of up to ``tokens`` tokens use."""
-        table, floor = PageTable(self.pool), self.pool.pages_for(MIN_STEP_TOKENS)
-        return sorted({table.width(t, floor) for t in range(1, tokens + 1)})
+        table = PageTable(self.pool)
+        return sorted({table.width(t) for t in range(1, tokens + 1)})
 
 
 @dataclasses.dataclass
@@ -168,8 +162,7 @@ def _step(engine, core, table, slots, cached, done, release):
     running = np.nonzero(~done)[0]
     for row in running:
         table.grow(row, int(cached[row]) + 1)
-    floor = core.pool.pages_for(MIN_STEP_TOKENS)
-    width = table.width(int(cached[running].max()) + 1, floor)
+    width = table.width(int(cached[running].max()) + 1)
     rows = core.slot_steps.rows_for(~done)
     tables = core.slot_steps.tables(table.tables_BN[:, :width], rows)
     out = core.slot_steps.step(engine.params, slots, release, tables)

@@ -21,6 +21,9 @@ import numpy as np
 from jaxpar.errors import ConfigError
 from jaxpar.models import SCRATCH_PAGE
 
+#: The fewest positions per row a decode step reads (its narrowest block table).
+MIN_STEP_TOKENS = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class PagePool:
@@ -175,8 +178,9 @@ class PageTable:
                     f"partition its {len(want)} pages"
                 )
 
-    def width(self, tokens: int, floor: int) -> int:
+    def width(self, tokens: int) -> int:
         """Block-table columns a step reads for rows of up to ``tokens`` tokens: a power
-        of two (at least ``floor`` pages), at most ``pages_per_row``; few step compiles."""
-        need = max(self.pool.pages_for(tokens), floor, 1)
+        of two of pages covering at least :data:`MIN_STEP_TOKENS`, at most
+        ``pages_per_row``; few step compiles."""
+        need = max(self.pool.pages_for(tokens), self.pool.pages_for(MIN_STEP_TOKENS), 1)
         return min(1 << (need - 1).bit_length(), self.pool.pages_per_row)
