@@ -185,7 +185,7 @@ def test_a_warm_restart_of_serve_compiles_nothing(tmp_path):
         lines = [line for line in log.splitlines() if "warm-up done" in line]
         assert len(lines) == 1, (start, log)
         done.append(lines[0])
-    hits, compiled = (
+    (cold_hits, cold_compiled), (warm_hits, warm_compiled) = (
         [
             int(x)
             for x in re.search(
@@ -194,5 +194,7 @@ def test_a_warm_restart_of_serve_compiles_nothing(tmp_path):
         ]
         for line in done
     )
-    assert compiled[0] > 0 and hits[0] == 0, done[0]  # a fresh cache
-    assert compiled[1] == 0 and hits[1] == compiled[0], done[1]
+    assert cold_compiled > 0 and cold_hits == 0, done[0]  # a fresh cache
+    # Warm: nothing compiled, everything loaded (on jax 0.12 the cold start counted one
+    # compile more than the warm start's loads, 29 against 28: not one for one).
+    assert warm_compiled == 0 and 0 < warm_hits <= cold_compiled, done[1]
