@@ -13,8 +13,10 @@ as a pool that slowly fills up.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -85,7 +87,14 @@ class PagePool:
 
 
 class PageTable:
-    """Free pages per shard and the pages each row holds (host side)."""
+    """Pages per shard, the pages each row holds, and the prefix cache over them (host side).
+
+    A page is *free*, *held* (by one or more rows: ``refs`` counts them) or *cached*: held
+    by none but indexed by the prefix key of the tokens it holds (:mod:`._prefix`), kept
+    for a later request that starts with those tokens, and evicted least recently used
+    when a shard needs room. Only full pages are indexed, and a row only ever writes past
+    its context, so a page shared by several rows is never written.
+    """
 
     def __init__(self, pool: PagePool):
         self.pool = pool
@@ -97,6 +106,15 @@ class PageTable:
         ]
         self._is_free = np.ones((pool.shards, pool.pages_per_shard), bool)
         self._is_free[:, SCRATCH_PAGE] = False
+        self.refs = np.zeros((pool.shards, pool.pages_per_shard), np.int32)
+        # Prefix index per shard: key -> page, page -> key, and the unheld indexed pages in
+        # least-recently-used order (evicted first).
+        self._index: list[dict[bytes, int]] = [{} for _ in range(pool.shards)]
+        self._key_of: list[dict[int, bytes]] = [{} for _ in range(pool.shards)]
+        self._lru: list[collections.OrderedDict[int, None]] = [
+            collections.OrderedDict() for _ in range(pool.shards)
+        ]
+        self.evictions = 0
         self.version = 0  # bumped on every change of tables_BN
 
     @property
@@ -107,11 +125,18 @@ class PageTable:
         return row // self.rows_per_shard
 
     def free_pages(self, shard: int) -> int:
-        return len(self._free[shard])
+        """Pages a row of ``shard`` can take: free ones, and cached ones nobody holds."""
+        return len(self._free[shard]) + len(self._lru[shard])
 
     @property
     def used_pages(self) -> int:
-        return int(self.held_B.sum())
+        """Pages held by at least one row."""
+        return int((self.refs > 0).sum())
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages kept for the prefix cache that no row holds (evictable)."""
+        return sum(len(lru) for lru in self._lru)
 
     @property
     def usage(self) -> float:
@@ -121,6 +146,17 @@ class PageTable:
     def can_grow(self, row: int, tokens: int) -> bool:
         need = self.pool.pages_for(tokens) - int(self.held_B[row])
         return need <= self.free_pages(self.shard(row))
+
+    def _take(self, shard: int) -> int:
+        """A page for a row: a free one, else the least recently used cached one."""
+        if self._free[shard]:
+            page = self._free[shard].pop()
+            self._is_free[shard, page] = False
+            return page
+        page, _ = self._lru[shard].popitem(last=False)
+        del self._index[shard][self._key_of[shard].pop(page)]
+        self.evictions += 1
+        return page
 
     def grow(self, row: int, tokens: int) -> bool:
         """Gives ``row`` pages for ``tokens`` tokens; False (nothing taken) if its shard
@@ -132,24 +168,72 @@ class PageTable:
             return True
         if not self.can_grow(row, tokens):
             return False
-        free, taken = self._free[self.shard(row)], []
-        for _ in range(want - held):
-            taken.append(free.pop())
-        self._is_free[self.shard(row), taken] = False
+        shard = self.shard(row)
+        taken = [self._take(shard) for _ in range(want - held)]
+        self.refs[shard, taken] = 1
         self.tables_BN[row, held:want] = taken
         self.held_B[row] = want
         self.version += 1
         return True
 
-    def release(self, row: int) -> int:
-        """Gives back every page of ``row``; returns how many."""
-        held = int(self.held_B[row])
-        pages = self.tables_BN[row, :held]
+    def lookup(self, shard: int, keys: Sequence[bytes]) -> list[int]:
+        """The cached pages of ``shard`` holding the longest run of ``keys`` from the first."""
+        index, pages = self._index[shard], []
+        for key in keys:
+            page = index.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def reusable(self, shard: int, pages: Sequence[int]) -> int:
+        """How many of ``pages`` are cached and unheld (sharing them takes them off the
+        evictable list)."""
+        return sum(p in self._lru[shard] for p in pages)
+
+    def share(self, row: int, pages: Sequence[int]) -> None:
+        """Gives an empty ``row`` the cached ``pages`` (from :meth:`lookup`) as its first."""
+        if self.held_B[row]:
+            raise RuntimeError(f"row {row} already holds pages; shared pages come first")
         shard = self.shard(row)
-        if self._is_free[shard, pages].any() or len(set(pages.tolist())) != held:
-            raise RuntimeError(f"row {row} frees page(s) {pages.tolist()} that are already free")
-        self._is_free[shard, pages] = True
-        self._free[shard].extend(int(p) for p in pages[::-1])
+        for page in pages:
+            if page not in self._key_of[shard]:
+                raise RuntimeError(f"page {page} of shard {shard} is not in the prefix cache")
+            self._lru[shard].pop(page, None)
+        n = len(pages)
+        self.refs[shard, list(pages)] += 1
+        self.tables_BN[row, :n] = pages
+        self.held_B[row] = n
+        if n:
+            self.version += 1
+
+    def register(self, row: int, keys: Sequence[bytes]) -> None:
+        """Indexes ``row``'s first pages under ``keys`` (full pages it has written): later
+        requests starting with those tokens reuse them. A key already cached keeps its page."""
+        shard = self.shard(row)
+        index, key_of = self._index[shard], self._key_of[shard]
+        for page, key in zip(self.tables_BN[row, : len(keys)].tolist(), keys, strict=True):
+            if key not in index and page not in key_of:
+                index[key] = page
+                key_of[page] = key
+
+    def release(self, row: int) -> int:
+        """Gives back every page of ``row``; returns how many. A page no row holds any
+        more stays cached if it is indexed (most recently used), else it becomes free."""
+        held = int(self.held_B[row])
+        pages = self.tables_BN[row, :held].tolist()
+        shard = self.shard(row)
+        if len(set(pages)) != held or (self.refs[shard, pages] < 1).any():
+            raise RuntimeError(f"row {row} frees page(s) {pages} that are already free")
+        for page in pages:
+            self.refs[shard, page] -= 1
+            if self.refs[shard, page]:
+                continue
+            if page in self._key_of[shard]:
+                self._lru[shard][page] = None
+            else:
+                self._is_free[shard, page] = True
+                self._free[shard].append(page)
         self.tables_BN[row] = SCRATCH_PAGE
         self.held_B[row] = 0
         if held:
@@ -165,18 +249,28 @@ class PageTable:
         return ids
 
     def check(self) -> None:
-        """Every page is free or held by exactly one row (raises otherwise)."""
+        """Every page is free, cached or held; a held page's count is the rows holding it;
+        an indexed page is held or cached (raises otherwise)."""
         for shard in range(self.pool.shards):
             rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
-            held = [int(p) for r in rows for p in self.tables_BN[r, : self.held_B[r]]]
-            free = self._free[shard]
-            every = sorted(held + free)
-            want = [p for p in range(self.pool.pages_per_shard) if p != SCRATCH_PAGE]
-            if every != want:
-                raise RuntimeError(
-                    f"shard {shard}: pages held {sorted(held)} and free {sorted(free)} do not "
-                    f"partition its {len(want)} pages"
-                )
+            counts = collections.Counter(
+                int(p) for r in rows for p in self.tables_BN[r, : self.held_B[r]]
+            )
+            for page in range(self.pool.pages_per_shard):
+                if page == SCRATCH_PAGE:
+                    continue
+                held, refs = counts.get(page, 0), int(self.refs[shard, page])
+                free = bool(self._is_free[shard, page])
+                cached = page in self._lru[shard]
+                indexed = page in self._key_of[shard]
+                states = (held > 0) + free + cached
+                if refs != held or states != 1 or (cached and not indexed) or (free and indexed):
+                    raise RuntimeError(
+                        f"shard {shard} page {page}: held by {held} row(s) with count {refs}, "
+                        f"free={free}, cached={cached}, indexed={indexed}"
+                    )
+            if sorted(self._free[shard]) != sorted(np.nonzero(self._is_free[shard])[0].tolist()):
+                raise RuntimeError(f"shard {shard}: the free list and free flags disagree")
 
     def width(self, tokens: int) -> int:
         """Block-table columns a step reads for rows of up to ``tokens`` tokens: a power

@@ -46,8 +46,8 @@ class Pick:
 class Unpipelined:
     """The model's own prefill and decode (``pp = 1``); results are ``[B, ...]``."""
 
-    def prefill(self, model: Decoder, tokens_BT, lengths_B, all_logits: bool):
-        return model.prefill(tokens_BT, lengths_B, all_logits=all_logits)
+    def prefill(self, model: Decoder, tokens_BT, lengths_B, all_logits: bool, context=None):
+        return model.prefill(tokens_BT, lengths_B, all_logits=all_logits, context=context)
 
     def first_tokens(self, logits_BV: jax.Array, pick: Pick) -> jax.Array:
         return pick(logits_BV)

@@ -42,6 +42,7 @@ from jaxpar.models import (
     ModelConfig,
     PagedKVCache,
     count_dropped,
+    read_pages,
     total_dropped,
     write_prompts,
 )
@@ -160,9 +161,11 @@ class SlotSteps:
 
     # --- traced bodies -------------------------------------------------------------------
 
-    def _insert(self, slots: Slots, new: Inserted, slot_P, pages_PN, step_P, sampling_P):
+    def _insert(self, slots: Slots, new: Inserted, slot_P, pages_PN, step_P, sampling_P, start_P):
         """Writes new rows ``slot_P`` (``>= B``: a padding row, dropped) and their pages
-        ``pages_PN`` (global ids; ``>= A``: dropped); ``step_P``: each row's draws so far."""
+        ``pages_PN`` (global ids; ``>= A``: dropped); ``step_P``: each row's draws so far;
+        ``start_P``: tokens each row had cached before these (its pages ``pages_PN`` start
+        at that position, a page boundary)."""
         with self.steps._context(DECODE):
 
             def put(x_B, x_P):
@@ -171,7 +174,7 @@ class SlotSteps:
             return Slots(
                 k=write_prompts(slots.k, new.k, pages_PN),
                 v=write_prompts(slots.v, new.v, pages_PN),
-                lengths_B=put(slots.lengths_B, new.lengths_P),
+                lengths_B=put(slots.lengths_B, new.lengths_P + start_P),
                 tokens_B=put(slots.tokens_B, new.first_P),
                 active_B=put(slots.active_B, jnp.ones_like(slot_P, bool)),
                 step_B=put(slots.step_B, step_P + 1),
@@ -243,7 +246,7 @@ class SlotSteps:
             "insert",
             (jax.tree.map(jnp.shape, new.k), self._pool_key),
             self._insert,
-            (self.layout, inserted, rep, rep, rep, sampling),
+            (self.layout, inserted, rep, rep, rep, sampling, rep),
             self.layout,
             (slots, new, *rows),
             donate_argnums=(0,),
@@ -257,15 +260,24 @@ class SlotSteps:
         pages_PN: np.ndarray,
         step_P: np.ndarray,
         sampling_P: RowSampling,
+        start_P: np.ndarray | None = None,
     ) -> Slots:
         """Writes ``new`` into rows ``slot_P`` and pages ``pages_PN`` (donates ``slots``).
 
         ``slot_P >= B`` and page ids ``>= A`` are not written; ``step_P``: tokens each
-        request has drawn before this one (0, or more for a preempted request resumed)."""
+        request has drawn before this one (0, or more for a preempted request resumed);
+        ``start_P``: tokens already cached before ``new`` (default 0): ``pages_PN`` are
+        the pages from that position on, and a row's length becomes start + new. A chunk
+        of a longer prompt writes its pages only (``slot_P >= B``)."""
         rep = self.steps.layouts.replicated
-        rows = [put_global(np.asarray(x, np.int32), rep) for x in (slot_P, pages_PN, step_P)]
+        if start_P is None:
+            start_P = np.zeros(len(slot_P), np.int32)
+        host = (slot_P, pages_PN, step_P)
+        rows = [put_global(np.asarray(x, np.int32), rep) for x in host]
+        start = put_global(np.asarray(start_P, np.int32), rep)
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
-        return self._insert_program(slots, new, *rows, sampling_P)(slots, new, *rows, sampling_P)
+        args = (slots, new, *rows, sampling_P, start)
+        return self._insert_program(*args)(*args)
 
     def compile_insert(self, new: Inserted) -> None:
         """Compiles ``insert`` for prefill results shaped like ``new`` (``ShapeDtypeStruct``
@@ -288,8 +300,39 @@ class SlotSteps:
         pages = jax.ShapeDtypeStruct((rows, self.pool.pages_for(t)), np.int32, sharding=rep)
         row_ints = spec(np.zeros(rows, np.int32))
         self._insert_program(
-            self.abstract(), new, row_ints, pages, row_ints, jax.tree.map(spec, host)
+            self.abstract(), new, row_ints, pages, row_ints, jax.tree.map(spec, host), row_ints
         )
+
+    # --- prefill context -----------------------------------------------------------------
+
+    def _gather(self, slots: Slots, pages_PN):
+        with self.steps._context(DECODE):
+            return read_pages(slots.k, pages_PN), read_pages(slots.v, pages_PN)
+
+    def _context_program(self, slots, pages_PN, out_layout):
+        rep = self.steps.layouts.replicated
+        return self.steps._compile(
+            "context",
+            (pages_PN.shape, self._pool_key),
+            self._gather,
+            (self.layout, rep),
+            (out_layout, out_layout),
+            (slots, pages_PN),
+        )
+
+    def context(self, slots: Slots, pages_PN: np.ndarray, out_layout: Any) -> tuple[Any, Any]:
+        """The K and V of ``pages_PN`` (global ids; ``>= A``: zeros) per row, laid out as
+        prefill's K/V (``out_layout``, the prefill engine's ``kv_prefill`` on these
+        devices): the cached context a prefill with context continues. Reads ``slots``
+        (not donated). One compile per ``pages_PN`` shape."""
+        pages = put_global(np.asarray(pages_PN, np.int32), self.steps.layouts.replicated)
+        return self._context_program(slots, pages, out_layout)(slots, pages)
+
+    def compile_context(self, rows: int, n_pages: int, out_layout: Any) -> None:
+        """Compiles :meth:`context` for ``[rows, n_pages]`` page ids ahead of its first call."""
+        rep = self.steps.layouts.replicated
+        pages = jax.ShapeDtypeStruct((rows, n_pages), np.int32, sharding=rep)
+        self._context_program(self.abstract(), pages, out_layout)
 
     def _step_program(self, params, slots, release, tables):
         return self.steps._compile(

@@ -31,6 +31,7 @@ from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
+from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, count_dropped, total_dropped
 from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
 
@@ -114,6 +115,12 @@ class Steps:
     def _prefill(self, params, tokens_BT, lengths_B, all_logits=False):
         with self._context(PREFILL), count_dropped() as drops:
             out = self.schedule.prefill(self._model(params), tokens_BT, lengths_B, all_logits)
+            return self._counted(out, drops)
+
+    def _prefill_context(self, params, tokens_BT, lengths_B, start_B, ctx_k, ctx_v):
+        with self._context(PREFILL), count_dropped() as drops:
+            context = (ctx_k, ctx_v, start_B)
+            out = self.schedule.prefill(self._model(params), tokens_BT, lengths_B, False, context)
             return self._counted(out, drops)
 
     def _handoff(self, k, v, lengths_B, logits, key, sampling):
@@ -208,6 +215,52 @@ class Steps:
         jitted = self._jit_prefill(all_logits)
         out = self._aot("prefill", (tokens_BT.shape, all_logits), jitted, args)(*args)
         return self._strip("prefill", out)
+
+    def _prefill_context_program(self, args):
+        lay = self.layouts
+        if self.config.pp > 1:
+            raise ConfigError(
+                f"prefill with context (chunked prefill, prefix caching) runs unpipelined "
+                f"strategies; {self.config} has pp={self.config.pp}"
+            )
+        tokens, ctx_k = args[1], args[4]
+        return self._compile(
+            "prefill_context",
+            (tokens.shape, jax.tree.leaves(ctx_k)[0].shape),
+            self._prefill_context,
+            (lay.params, lay.tokens_BT, *(lay.lengths_prefill_B,) * 2, *(lay.kv_prefill,) * 2),
+            self._with_drops((lay.logits_prefill, lay.kv_prefill, lay.kv_prefill)),
+            args,
+        )
+
+    def prefill_context(self, params, tokens_BT, lengths_B, start_B, ctx_k, ctx_v):
+        """Prefill of new tokens that continue cached ones (``Decoder.prefill``'s
+        ``context``): row b's ``lengths_B[b]`` tokens at positions ``start_B[b] + 0..T-1``
+        attend to its ``start_B[b]`` cached keys in ``ctx_k``/``ctx_v`` (prefill layout,
+        ``[B, C, K, H]`` per layer) too. One compile per (rows, T, C).
+
+        Returns:
+            (logits at each row's last new token, the new tokens' k, v), as :meth:`prefill`.
+        """
+        args = (params, tokens_BT, lengths_B, start_B, ctx_k, ctx_v)
+        return self._strip("prefill", self._prefill_context_program(args)(*args))
+
+    def compile_prefill_context(self, params, rows: int, length: int, context: int) -> None:
+        """Compiles :meth:`prefill_context` for ``[rows, length]`` new tokens over
+        ``context`` cached positions ahead of its first call."""
+        lay = self.layouts
+
+        def spec(shape, dtype, sharding):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        k_shape = (rows, context, self.dims.n_kv_heads, self.dims.head_dim)
+        if self.dims.layer_loop == "scan":
+            kv = spec((self.dims.n_layers, *k_shape), self.dims.dtype, lay.kv_prefill)
+        else:
+            kv = tuple(spec(k_shape, self.dims.dtype, s) for s in lay.kv_prefill)
+        lengths = spec((rows,), jnp.int32, lay.lengths_prefill_B)
+        tokens = spec((rows, length), jnp.int32, lay.tokens_BT)
+        self._prefill_context_program((params, tokens, lengths, lengths, kv, kv))
 
     def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts

@@ -46,6 +46,7 @@ from jaxpar.models._paged import (
     STACKED_PAGE_AXES,
     PagedKVCache,
     PagedLayer,
+    read_pages,
     write_prompts,
 )
 from jaxpar.models._rope import apply_rope, rope_inv_freq
@@ -76,6 +77,7 @@ __all__ = [
     "STACKED_PAGE_AXES",
     "PagedKVCache",
     "PagedLayer",
+    "read_pages",
     "write_prompts",
     "LMHead",
     "LayerNorm",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,6 +10,7 @@ from flax import nnx
 from jaxpar.models._attention_ops import (
     KV_SCORE_AXES,
     Q_AXES,
+    context_prefill_attention,
     decode_attention,
     prefill_attention,
 )
@@ -19,6 +21,16 @@ from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 from jaxpar.spec import Module, constrain
+
+
+@flax.struct.dataclass
+class Context:
+    """One layer's cached keys and values ``[B, C, K, H]`` that new tokens continue;
+    row b holds ``start_B[b]`` of them (positions ``0..start-1``)."""
+
+    k_BCKH: jax.Array
+    v_BCKH: jax.Array
+    start_B: jax.Array
 
 
 class Attention(nnx.Module):
@@ -85,17 +97,24 @@ class Attention(nnx.Module):
         return constrain(y_BTD, BTD, Module.ATTENTION)
 
     def prefill(
-        self, x_BTD: jax.Array, pos_BT: jax.Array, lengths_B: jax.Array
+        self,
+        x_BTD: jax.Array,
+        pos_BT: jax.Array,
+        lengths_B: jax.Array,
+        context: Context | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Attention over a right-padded prompt.
+        """Attention over a right-padded prompt, or over new tokens continuing cached ones.
 
         Args:
             x_BTD: Normalised hidden states.
-            pos_BT: Positions 0..T-1 of every row.
-            lengths_B: Real tokens per row; keys at positions >= length are padding.
+            pos_BT: Absolute positions of every row's tokens (0..T-1 without context).
+            lengths_B: Real new tokens per row; keys past them are padding.
+            context: This layer's cached keys and values and how many each row has
+                (``start_B``): the new tokens sit at positions ``start_B + 0..T-1``.
 
         Returns:
-            (y [B, T, D], k [B, T, K, H], v [B, T, K, H]); k/v are what the cache keeps.
+            (y [B, T, D], k [B, T, K, H], v [B, T, K, H]); k/v are what the cache keeps
+            (the new tokens' only).
         """
         with jax.named_scope(Module.ATTENTION.value):
             x_BTD = constrain(x_BTD, BTD, Module.ATTENTION)
@@ -104,6 +123,19 @@ class Attention(nnx.Module):
             v_cache = constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
             v_BSKH = constrain(v_BTKH, KV_SCORE_AXES, Module.ATTENTION)
+            if context is not None:
+                # Under sp each shard's queries need every earlier key: cached keys too.
+                out_BTNH = context_prefill_attention(
+                    q_BTNH,
+                    k_BSKH,
+                    v_BSKH,
+                    constrain(context.k_BCKH, KV_SCORE_AXES, Module.ATTENTION),
+                    constrain(context.v_BCKH, KV_SCORE_AXES, Module.ATTENTION),
+                    start_B=context.start_B,
+                    lengths_B=lengths_B,
+                    window=self.window,
+                )
+                return self._output(out_BTNH), k_cache, v_cache
             out_BTNH = prefill_attention(
                 q_BTNH,
                 k_BSKH,

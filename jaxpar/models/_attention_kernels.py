@@ -30,15 +30,17 @@ def key_mask(
     """Keys each query may see: causal, valid (not padding), inside the window.
 
     Hugging Face window semantics: key j is visible from query i iff ``i - window < j <= i``.
+    ``k_pos_S`` is ``[S]``, or ``[B, S]`` when rows' keys sit at different positions.
 
     Returns:
         Boolean [B, T, S].
     """
     q_BT1 = q_pos_BT[:, :, None]
-    k_11S = k_pos_S[None, None, :]
-    mask_BTS = (k_11S <= q_BT1) & k_valid_BS[:, None, :]
+    # Key positions shared by every row ([S]) or per row ([B, S]: cached keys, then new).
+    k_x1S = k_pos_S[None, None, :] if k_pos_S.ndim == 1 else k_pos_S[:, None, :]
+    mask_BTS = (k_x1S <= q_BT1) & k_valid_BS[:, None, :]
     if window is not None:
-        mask_BTS &= k_11S > q_BT1 - window
+        mask_BTS &= k_x1S > q_BT1 - window
     return mask_BTS
 
 

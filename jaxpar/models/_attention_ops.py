@@ -48,6 +48,7 @@ __all__ = [
     "DECODE_IMPLS",
     "PREFILL_IMPLS",
     "attention_impls",
+    "context_prefill_attention",
     "decode_attention",
     "interpret_kernels",
     "key_mask",
@@ -125,15 +126,22 @@ def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype) -> str:
 
 def prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window):
     """Grouped-einsum prefill attention (see :func:`prefill_attention`)."""
+    k_pos_S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)
+    valid_BS = k_pos_S[None, :] < lengths_B[:, None]
+    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window)
+
+
+def attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window):
+    """Grouped-einsum attention of queries at ``q_pos_BT`` over keys at ``k_pos_S``
+    (``[S]`` or per row ``[B, S]``), of which ``valid_BS`` may be seen (causal, windowed)."""
     b, t, n, h = q_BTNH.shape
-    s, k_heads = k_BSKH.shape[1], k_BSKH.shape[2]
+    k_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, k_heads, n // k_heads, h)
     k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
     s_BKGTS = jnp.einsum(
         "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
     ) * (h**-0.5)
-    k_pos_S = jnp.arange(s, dtype=jnp.int32)
-    mask_BTS = key_mask(q_pos_BT, k_pos_S, k_pos_S[None, :] < lengths_B[:, None], window)
+    mask_BTS = key_mask(q_pos_BT, k_pos_S, valid_BS, window)
     s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, MASKED)
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(q_BTNH.dtype)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v_BSKH)
@@ -252,6 +260,44 @@ def _splash_checked(q_BTNH, *args, t_global: int, **kwargs):
             f"splash prefill: {q_BTNH.shape[1]} local queries (of {t_global}) fit no q block"
         )
     return kern.prefill_splash(q_BTNH, *args, **kwargs)
+
+
+def context_prefill_attention(
+    q_BTNH: jax.Array,
+    k_BTKH: jax.Array,
+    v_BTKH: jax.Array,
+    k_ctx_BCKH: jax.Array,
+    v_ctx_BCKH: jax.Array,
+    *,
+    start_B: jax.Array,
+    lengths_B: jax.Array,
+    window: int | None,
+) -> jax.Array:
+    """Causal attention of new tokens that continue cached ones (prefill with context).
+
+    Row b's ``start_B[b]`` cached keys (``k_ctx_BCKH[b, :start]``, positions ``0..start-1``;
+    the rest of ``C`` is padding) come before its new tokens, at positions
+    ``start + 0..T-1`` of which ``lengths_B[b]`` are real. Each new query sees the cached
+    keys and the new keys up to itself, as if the whole sequence were prefilled at once.
+
+    Always the exact XLA path: the fused kernels take queries at positions ``0..T-1`` over
+    keys of the same length (a prompt from its start), which a continuation is not.
+
+    Returns:
+        out_BTNH in q's dtype.
+    """
+    b, t = q_BTNH.shape[:2]
+    c = k_ctx_BCKH.shape[1]
+    new_T = jnp.arange(t, dtype=jnp.int32)
+    ctx_C = jnp.arange(c, dtype=jnp.int32)
+    q_pos_BT = start_B[:, None] + new_T[None, :]
+    k_pos_BS = jnp.concatenate([jnp.broadcast_to(ctx_C, (b, c)), q_pos_BT], axis=1)
+    valid_BS = jnp.concatenate(
+        [ctx_C[None, :] < start_B[:, None], new_T[None, :] < lengths_B[:, None]], axis=1
+    )
+    k_BSKH = jnp.concatenate([k_ctx_BCKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
+    v_BSKH = jnp.concatenate([v_ctx_BCKH.astype(v_BTKH.dtype), v_BTKH], axis=1)
+    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, valid_BS, window)
 
 
 def decode_attention(

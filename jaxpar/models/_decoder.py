@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models._attention import Attention
+from jaxpar.models._attention import Attention, Context
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
@@ -29,10 +29,17 @@ class DecoderLayer(nnx.Module):
         self.ffn = MoE(config, rngs=rngs) if config.is_moe else FFN(config, rngs=rngs)
 
     def prefill(
-        self, x_BTD: jax.Array, pos_BT: jax.Array, lengths_B: jax.Array
+        self,
+        x_BTD: jax.Array,
+        pos_BT: jax.Array,
+        lengths_B: jax.Array,
+        context: Context | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Returns (x [B,T,D], k [B,T,K,H], v [B,T,K,H])."""
-        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(self.attn_norm(x_BTD), pos_BT, lengths_B)
+        """Returns (x [B,T,D], k [B,T,K,H], v [B,T,K,H]); ``context``: this layer's cached
+        keys and values the new tokens continue (see :meth:`Attention.prefill`)."""
+        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(
+            self.attn_norm(x_BTD), pos_BT, lengths_B, context
+        )
         x_BTD = x_BTD + y_BTD
         return x_BTD + self.ffn(self.ffn_norm(x_BTD)), k_BTKH, v_BTKH
 
@@ -108,31 +115,48 @@ class Decoder(nnx.Module):
         return self.lm_head(self.final_norm(x_BxD), tied)
 
     def prefill(
-        self, tokens_BT: jax.Array, lengths_B: jax.Array, *, all_logits: bool = False
+        self,
+        tokens_BT: jax.Array,
+        lengths_B: jax.Array,
+        *,
+        all_logits: bool = False,
+        context: tuple[Any, Any, jax.Array] | None = None,
     ) -> tuple[jax.Array, Any, Any]:
-        """Runs whole right-padded prompts.
+        """Runs whole right-padded prompts, or new tokens that continue cached ones.
 
         Args:
             tokens_BT: Prompt tokens, int32; positions >= lengths_B[b] are padding.
             lengths_B: Real prompt length per row, in [1, T].
             all_logits: Return logits at every position instead of the last real one.
+            context: ``(k, v, start_B)``: every layer's cached keys and values (as prefill
+                returns them, ``[B, C, K, H]`` per layer or stacked ``[L, B, C, K, H]``)
+                of which row b has ``start_B[b]``; the tokens then sit at positions
+                ``start_B + 0..T-1`` and attend to the cached keys as well (chunked
+                prefill, prefix caching). The result equals a prefill of the whole
+                sequence at those positions.
 
         Returns:
             (logits, k, v): logits float32 [B, V] at position lengths_B - 1, or [B, T, V]
             if ``all_logits``; k and v a tuple of per-layer [B, T, K, H] arrays (stacked
-            [L, B, T, K, H] under ``layer_loop="scan"``). Hand them to
+            [L, B, T, K, H] under ``layer_loop="scan"``) of the new tokens. Hand them to
             :meth:`KVCache.from_prefill` to start decoding.
         """
         b, t = tokens_BT.shape
         lengths_B = lengths_B.astype(jnp.int32)
         pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if context is not None:
+            ctx_k, ctx_v, start_B = context
+            start_B = start_B.astype(jnp.int32)
+            pos_BT = pos_BT + start_B[:, None]
         x_BTD = self.embed(tokens_BT, pos_BT)
         if self.scanned:
-            x_BTD, k, v = self._prefill_scan(x_BTD, pos_BT, lengths_B)
+            layer_ctx = None if context is None else (ctx_k, ctx_v, start_B)
+            x_BTD, k, v = self._prefill_scan(x_BTD, pos_BT, lengths_B, layer_ctx)
         else:
             ks, vs = [], []
-            for layer in self.layers:
-                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B)
+            for i, layer in enumerate(self.layers):
+                ctx = None if context is None else Context(ctx_k[i], ctx_v[i], start_B)
+                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B, ctx)
                 ks.append(k_BTKH)
                 vs.append(v_BTKH)
             k, v = tuple(ks), tuple(vs)
@@ -143,17 +167,23 @@ class Decoder(nnx.Module):
             x_BTD = jnp.take_along_axis(x_BTD, last_B11, axis=1)[:, 0]  # -> x_BD
         return self.logits(x_BTD), k, v
 
-    def _prefill_scan(self, x_BTD: jax.Array, pos_BT: jax.Array, lengths_B: jax.Array):
+    def _prefill_scan(self, x_BTD, pos_BT, lengths_B, context=None):
         graphdef, layers_state = nnx.split(self.layers)
+        # Cached keys and values ride along the scan, one layer per step.
+        ctx_xs = None if context is None else (context[0], context[1])
 
-        def body(x_BTD: jax.Array, layer_state: nnx.State):
+        def body(x_BTD: jax.Array, xs):
+            layer_state, kv = xs
+            ctx = None if kv is None else Context(kv[0], kv[1], context[2])
             with count_dropped() as drops:  # a layer's MoE drops leave the scan as outputs
                 x_BTD, k_BTKH, v_BTKH = nnx.merge(graphdef, layer_state).prefill(
-                    x_BTD, pos_BT, lengths_B
+                    x_BTD, pos_BT, lengths_B, ctx
                 )
             return x_BTD, (k_BTKH, v_BTKH, self._layer_drops(drops))
 
-        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(body, x_BTD, layers_state)
+        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(
+            body, x_BTD, (layers_state, ctx_xs)
+        )
         self._record(dropped_L)
         return x_BTD, k_LBTKH, v_LBTKH
 

@@ -136,7 +136,9 @@ class Embedding(nnx.Module):
         with jax.named_scope(Module.EMBEDDING.value):
             x_BTD = jnp.take(self.token_table[...], tokens_BT, axis=0).astype(self.dtype)
             if self.position_table is not None:
-                pos_BTD = jnp.take(self.position_table[...], positions_BT, axis=0)
+                # Padding may sit past the table (a chunk near the end): clamp, never NaN.
+                last = self.position_table.shape[0] - 1
+                pos_BTD = jnp.take(self.position_table[...], jnp.minimum(positions_BT, last), axis=0)
                 x_BTD = x_BTD + pos_BTD.astype(self.dtype)
             return constrain(x_BTD, BTD, Module.EMBEDDING)
 

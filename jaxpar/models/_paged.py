@@ -205,3 +205,25 @@ def write_prompts(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
         layer.at[:, pages_PN].set(paged(x).astype(layer.dtype), mode="drop")
         for layer, x in zip(pool, new, strict=True)
     )
+
+
+def read_pages(pool: Any, pages_PN: jax.Array) -> Any:
+    """The K or V of ``N`` pages per row as prefill lays them out: per layer
+    ``[P, N * Z, K, H]`` (stacked ``[L, P, N * Z, K, H]``); the inverse of
+    :func:`write_prompts`.
+
+    ``pages_PN`` are *global* page ids; ids ``>= A`` (rows or columns with no page) read
+    zeros. Traced in the decode layout, where the pool's pages split over batch shards:
+    XLA gathers each page on the shard that holds it (a masked local gather and a sum
+    over shards), so only the pages read move, never the pool.
+    """
+    stacked = not isinstance(pool, tuple)
+
+    def rows(x: jax.Array) -> jax.Array:  # [(L,) K, P, N, Z, H] -> [(L,) P, N * Z, K, H]
+        *lead, k, p, n, z, h = x.shape
+        x = jnp.moveaxis(x, len(lead), -2)
+        return x.reshape(*lead, p, n * z, k, h)
+
+    if stacked:
+        return rows(pool.at[:, :, pages_PN].get(mode="fill", fill_value=0))
+    return tuple(rows(layer.at[:, pages_PN].get(mode="fill", fill_value=0)) for layer in pool)
