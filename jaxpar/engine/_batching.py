@@ -33,6 +33,7 @@ from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
 from jaxpar.engine._pages import PageTable
 from jaxpar.engine._placement import put_global
+from jaxpar.engine._prefix import cache_salt, page_keys
 from jaxpar.engine._requests import Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
@@ -59,11 +60,32 @@ class BatcherStats:
     insert_seconds: float = 0.0  # wall time dispatching inserts
     moe_dropped: int = 0  # expert assignments dropped (capacity-limited MoE), prefill + decode
     preemptions: int = 0  # running requests whose pages were taken back (recomputed later)
+    prefix_queries: int = 0  # context tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found cached (not computed)
+    prompt_tokens_cached: int = 0  # requests' prompt tokens served from the cache
+    prefill_chunks: int = 0  # chunks of long prompts prefilled (the last one included)
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """A request admitted for prefill: its decode row and pages are taken (colocated), and
+    ``done`` tokens of its context are already in its pages (a prefix hit, then chunks)."""
+
+    stream: RequestStream
+    row: int | None
+    context: list[int]  # what its pages will hold: the prompt, and tokens drawn before
+    keys: list[bytes]  # prefix keys of the context's full pages
+    done: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.context) - self.done
 
 
 @dataclasses.dataclass
 class _Batch:
-    """Requests prefilled together, with their prefill results on the decode devices.
+    """Requests prefilled together (whole, or one chunk of one long prompt), with their
+    prefill results on the decode devices.
 
     ``streams[i]`` is row i's request, or None once it finished at its first token.
     """
@@ -71,9 +93,12 @@ class _Batch:
     streams: list[RequestStream | None]
     inserted: Inserted
     sampling_P: RowSampling
-    contexts: list[int]  # tokens each row's prefill cached (prompt + tokens drawn before)
+    contexts: list[int]  # tokens each row has cached after this batch
     steps_P: np.ndarray  # tokens each row had drawn before its prefill (preempted: > 0)
     rows: list[int | None]  # decode rows taken at admission (None: placed at insert)
+    starts_P: np.ndarray  # tokens each row had cached before this batch (page-aligned)
+    final: bool = True  # False: a chunk that leaves more of its prompt to prefill
+    works: list[_Prefill] | None = None  # colocated: the admitted requests
 
     @property
     def live(self) -> list[tuple[int, RequestStream]]:
@@ -96,6 +121,12 @@ class ContinuousBatcher:
         kv_budget: the paged KV cache's page size and size (a token budget or a fraction
             of free device memory); default :class:`KVBudget`. ``engine.max_seq_len``
             bounds one request, capped by what one batch shard's pages hold.
+        prefix_caching: reuse the K/V pages of earlier requests' prompts that a new
+            prompt starts with (colocated prefill).
+        max_prefill_tokens: prefill tokens (padded) run between two decode steps while
+            requests are decoding; a prompt longer than a chunk is prefilled in chunks
+            of about that many tokens, with decode steps in between. Default:
+            :func:`default_max_prefill_tokens`.
     """
 
     def __init__(
@@ -106,6 +137,8 @@ class ContinuousBatcher:
         prefill_batch: int | None = None,
         max_queue: int = 256,
         kv_budget: KVBudget | None = None,
+        prefix_caching: bool = True,
+        max_prefill_tokens: int | None = None,
     ):
         if jax.process_count() > 1:
             raise ConfigError(
@@ -139,6 +172,21 @@ class ContinuousBatcher:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
         self.max_prompt_len = min(self.max_seq_len, self.prefill_engine.max_seq_len)
+        # Prefix caching reads cached pages into the prefill: colocated only (a
+        # disaggregated prefill group has no pages of its own yet).
+        self.prefix_caching = prefix_caching and not self.disaggregated
+        self._salt = cache_salt(program.model_config)
+        self.max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(
+            engine.mesh.devices.flat[0].platform, self.pool.page_size
+        )
+        if self.max_prefill_tokens < 1:
+            raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        #: Tokens of one chunk of a long prompt: what fits ``max_prefill_tokens`` in the
+        #: smallest prefill row bucket, in whole pages (chunks start on a page boundary).
+        self.chunk_tokens = max(
+            self.max_prefill_tokens // self.row_buckets()[0] // self.pool.page_size, 1
+        ) * self.pool.page_size
+        self._chunking: _Prefill | None = None  # a long prompt between two of its chunks
         self.stats = BatcherStats()
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestStream] = collections.deque()
@@ -370,7 +418,9 @@ class ContinuousBatcher:
 
     def _end_all(self, reason: str, error: BaseException | None = None) -> None:
         with self._cond:
-            streams = [*self._queue, *(s for b in self._ready for s in b.streams)]
+            streams = [*self._queue, *(s for b in self._ready for s in b.streams if s)]
+            if self._chunking is not None:
+                streams.append(self._chunking.stream)
             self._queue.clear()
             self._ready.clear()
         for stream in [*streams, *self._owners_snapshot()]:
@@ -381,61 +431,138 @@ class ContinuousBatcher:
 
     # --- prefill -------------------------------------------------------------------------
 
-    def _take(self, n: int, place: bool = False) -> tuple[list[RequestStream], list[int | None]]:
-        """Up to ``n`` queued requests that are still wanted, in order (call with the lock
-        held). With ``place``, each also gets a free decode row and the pages of its
-        context and first new token, and taking stops at the first that does not fit."""
-        taken, rows = [], []
-        while self._queue and len(taken) < n:
+    def _wanted(self) -> RequestStream | None:
+        """The first queued request that is still wanted (call with the lock held)."""
+        while self._queue:
             stream = self._queue[0]
-            if stream.cancel_requested:
-                self._queue.popleft()
-                stream.finish(stream.cancel_reason)
-                self.stats.finished += 1
-                self._cond.notify_all()
-                continue
-            row = self._place(_context_len(stream) + 1, rows) if place else None
-            if place and row is None:
-                break
-            taken.append(self._queue.popleft())
-            rows.append(row)
-        return taken, rows
+            if not stream.cancel_requested:
+                return stream
+            self._queue.popleft()
+            stream.finish(stream.cancel_reason)
+            self.stats.finished += 1
+            self._cond.notify_all()
+        return None
 
-    def _place(self, tokens: int, taken: list[int | None]) -> int | None:
-        """A free decode row whose shard has pages for ``tokens`` tokens (the shard with the
-        most free pages); its pages are taken. None if no shard has room."""
-        best = None
+    def _take(self, n: int) -> list[_Prefill]:
+        """Up to ``n`` queued requests that are still wanted, in order, unplaced
+        (disaggregated prefill; call with the lock held)."""
+        taken = []
+        while len(taken) < n and (stream := self._wanted()) is not None:
+            self._queue.popleft()
+            context = _context(stream)
+            taken.append(_Prefill(stream, None, context, []))
+        return taken
+
+    def _admit_work(self, budget: int | None) -> list[_Prefill]:
+        """The next prefill of the colocated loop (call with the lock held): the next chunk
+        of a long prompt, or queued requests placed in free rows with their pages (the
+        cached ones of their prefix shared), in order, while their pages fit, their padded
+        tokens stay within ``budget`` (None: no bound), and each fits one chunk. A request
+        longer than a chunk is prefilled alone, chunk by chunk."""
+        if self._chunking is not None:
+            work = self._chunking
+            cost = self._cost(1, min(work.remaining, self.chunk_tokens))
+            return [work] if budget is None or cost <= budget else []
+        works: list[_Prefill] = []
+        while len(works) < self.prefill_batch and (stream := self._wanted()) is not None:
+            work = self._place(stream, [w.row for w in works])
+            if work is None:
+                break
+            long = work.remaining > self.chunk_tokens
+            longest = max(w.remaining for w in [*works, work])
+            cost = self._cost(len(works) + 1, min(longest, self.chunk_tokens))
+            if (works and long) or (budget is not None and works and cost > budget):
+                self.pages.release(work.row)  # it waits for the next prefill
+                break
+            self._queue.popleft()
+            self._count_hit(work)
+            works.append(work)
+            if long:
+                self._chunking = work
+                break
+        return works
+
+    def _cost(self, n: int, longest: int) -> int:
+        """Padded tokens of a prefill of ``n`` rows of up to ``longest`` new tokens."""
+        return self._rows(n) * self.prefill_engine.bucket(longest)
+
+    def _place(
+        self, stream: RequestStream, taken: list[int | None], context: list[int] | None = None
+    ) -> _Prefill | None:
+        """A free decode row, its shard's cached pages of the request's prefix, and pages for
+        the rest of its context and its first new token: in the shard with the longest
+        cached prefix (then the most free pages). None if no shard has room."""
+        context = _context(stream) if context is None else context
+        z, n = self.pool.page_size, len(context)
+        keys = page_keys(context, z, self._salt) if self.prefix_caching else []
+        # At least one token is computed: its logits draw the first new one.
+        lookup_keys = keys[: (n - 1) // z]
+        tokens = min(n + 1, self.max_seq_len)
+        best, seen = None, set()
         for row, owner in enumerate(self._owners):
-            if owner is not None or row in taken or self.pages.held_B[row]:
-                continue
-            if not self.pages.can_grow(row, tokens):
-                continue
             shard = self.pages.shard(row)
-            if best is None or self.pages.free_pages(shard) > self.pages.free_pages(best[1]):
-                best = (row, shard)
+            if owner is not None or row in taken or self.pages.held_B[row] or shard in seen:
+                continue
+            seen.add(shard)
+            hit = self.pages.lookup(shard, lookup_keys)
+            room = self.pages.free_pages(shard) - self.pages.reusable(shard, hit)
+            if self.pool.pages_for(tokens) - len(hit) > room:
+                continue
+            score = (len(hit), self.pages.free_pages(shard))
+            if best is None or score > best[0]:
+                best = (score, row, hit)
         if best is None:
             return None
-        self.pages.grow(best[0], tokens)
-        return best[0]
+        _, row, hit = best
+        self.pages.share(row, hit)
+        self.pages.grow(row, tokens)
+        return _Prefill(stream, row, context, keys, done=len(hit) * z)
 
-    def _prefill(self, streams: list[RequestStream], placed: list[int | None]) -> _Batch:
-        """Prefills ``streams`` together and draws their first tokens (sent to the clients
-        at once); the results laid out for the decode engine. A preempted request is
+    def _count_hit(self, work: _Prefill) -> None:
+        """Prefix-cache counters, and the request's ``cached_tokens`` on its first
+        admission (call with the lock held)."""
+        if not self.prefix_caching:
+            return
+        self.stats.prefix_queries += len(work.context)
+        self.stats.prefix_hits += work.done
+        stream = work.stream
+        if not stream.tokens:  # not a preempted request coming back
+            stream.cached_tokens = min(work.done, len(stream.request.prompt))
+            self.stats.prompt_tokens_cached += stream.cached_tokens
+
+    def _prefill(self, works: list[_Prefill], slots=None) -> _Batch:
+        """Prefills ``works`` together (or the next chunk of one long prompt) and, for those
+        it completes, draws their first tokens (sent to the clients at once); the results
+        laid out for the decode engine. A request with cached tokens (a prefix hit, earlier
+        chunks) attends to them, read from ``slots``' pages. A preempted request is
         prefilled with the tokens it drew, and draws its next one at its own step."""
-        eng, rows = self.prefill_engine, self._rows(len(streams))
+        eng, rows = self.prefill_engine, self._rows(len(works))
         start = time.perf_counter()
-        contexts = [[*s.request.prompt, *s.tokens] for s in streams]
+        takes = [min(w.remaining, self.chunk_tokens) for w in works]
+        final = all(t == w.remaining for t, w in zip(takes, works, strict=True))
+        streams = [w.stream for w in works]
         steps_P = np.zeros(rows, np.int32)
-        steps_P[: len(streams)] = [len(s.tokens) for s in streams]
-        tokens_PT = np.zeros((rows, eng.bucket(max(map(len, contexts)))), np.int32)
+        steps_P[: len(works)] = [len(s.tokens) for s in streams]
+        starts_P = np.zeros(rows, np.int32)
+        starts_P[: len(works)] = [w.done for w in works]
+        tokens_PT = np.zeros((rows, eng.bucket(max(takes))), np.int32)
         lengths_P = np.ones(rows, np.int32)
-        for i, context in enumerate(contexts):
-            tokens_PT[i, : len(context)] = context
-            lengths_P[i] = len(context)
+        for i, (work, take) in enumerate(zip(works, takes, strict=True)):
+            tokens_PT[i, :take] = work.context[work.done : work.done + take]
+            lengths_P[i] = take
         lay = eng.layouts
         tokens = put_global(tokens_PT, lay.tokens_BT)
         lengths = put_global(lengths_P, lay.lengths_prefill_B)
-        logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
+        if starts_P.any():
+            ctx_k, ctx_v = self.slot_steps.context(
+                slots, self._context_pages(works, rows), lay.kv_prefill
+            )
+            starts = put_global(starts_P, lay.lengths_prefill_B)
+            logits_PV, k, v = eng.steps.prefill_context(
+                eng.params, tokens, lengths, starts, ctx_k, ctx_v
+            )
+        else:
+            logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
         if eng.steps.counts_drops:
             dropped = int(eng.steps.last_dropped["prefill"])
             with self._cond:
@@ -443,27 +570,43 @@ class ContinuousBatcher:
         requests = [s.request for s in streams]
         requests += [requests[0]] * (rows - len(streams))
         sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
-        first_P = self.first_tokens(logits_PV, sampling_P, steps_P)
-        first = np.asarray(jax.device_get(first_P))
-        self.stats.prefill_batches += 1
-        live = [
-            self._first(stream, int(token), row)
-            for stream, token, row in zip(streams, first[: len(streams)], placed, strict=True)
-        ]
+        live: list[RequestStream | None] = list(streams)
+        if final:
+            first_P = self.first_tokens(logits_PV, sampling_P, steps_P)
+            first = np.asarray(jax.device_get(first_P))
+            self.stats.prefill_batches += 1
+            live = [self._first(s, int(t)) for s, t in zip(streams, first, strict=False)]
+        else:
+            first_P = put_global(np.zeros(rows, np.int32), eng.layouts.replicated)
+        if self._chunking is not None and works[0] is self._chunking:
+            self.stats.prefill_chunks += 1
         inserted = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
         if self.disaggregated:
             inserted = self._transfer(inserted)
         jax.block_until_ready(inserted)
         self.stats.prefill_seconds += time.perf_counter() - start
-        return _Batch(live, inserted, sampling_P, list(map(len, contexts)), steps_P, placed)
+        contexts = [w.done + t for w, t in zip(works, takes, strict=True)]
+        placed = [w.row for w in works]
+        # Disaggregated rows are placed when the batch reaches the decode loop.
+        colocated = None if self.disaggregated else works
+        return _Batch(live, inserted, sampling_P, contexts, steps_P, placed, starts_P, final, colocated)
 
-    def _first(self, stream: RequestStream, token: int, row: int | None) -> RequestStream | None:
-        """Sends a request its first token; None if that finished it (it takes no row, and
-        the pages taken for it at admission go back)."""
+    def _context_pages(self, works: list[_Prefill], rows: int) -> np.ndarray:
+        """Global ids of each row's cached pages, as many columns as the longest needs
+        (a power of two: few compiles); out of range past a row's cached pages."""
+        need = max(self.pool.pages_for(w.done) for w in works)
+        n = 1 << (need - 1).bit_length()
+        pages_PN = np.full((rows, n), self.pool.pages, np.int32)
+        for i, work in enumerate(works):
+            held = self.pool.pages_for(work.done)
+            pages_PN[i, :held] = self.pages.global_ids(work.row, held)
+        return pages_PN
+
+    def _first(self, stream: RequestStream, token: int) -> RequestStream | None:
+        """Sends a request its first token; None if that finished it (its row then only
+        keeps its prompt's pages for the prefix cache, and is freed at insert)."""
         if stream.emit(token) is None:
             return stream
-        if row is not None:
-            self.pages.release(row)
         with self._cond:
             self.stats.finished += 1
             self._cond.notify_all()
@@ -491,48 +634,55 @@ class ContinuousBatcher:
                 )
                 if self._stopping:
                     return
-                streams, placed = self._take(self.prefill_batch)
-            if not streams:
+                works = self._take(self.prefill_batch)
+            if not works:
                 continue
-            batch = self._prefill(streams, placed)
+            batch = self._prefill(works)
             with self._cond:
                 self._ready.append(batch)
                 self._cond.notify_all()
 
     # --- decode --------------------------------------------------------------------------
 
-    def _next_batches(self) -> list[_Batch]:
-        """Requests admitted into free rows while their pages fit, in order: prefilled now,
-        or (disaggregated) the prefilled batches whose requests all fit."""
-        if self.disaggregated:
+    def _admit(self, slots, owners, release_B):
+        """Colocated: prefills queued requests (and chunks of a long prompt) and writes them
+        into their rows and pages. While requests are decoding, at most about
+        ``max_prefill_tokens`` padded tokens (one dispatch at least) run before the next
+        decode step; otherwise everything that fits."""
+        budget = self.max_prefill_tokens if any(owners) else None
+        while budget is None or budget > 0:
             with self._cond:
-                batches = []
-                while self._ready and self._fits(self._ready[0]):
-                    batches.append(self._ready.popleft())
-                self._cond.notify_all()
-            return batches
-        batches = []
-        while True:
-            free = sum(s is None for s in self._owners) - sum(
-                r is not None for b in batches for r in b.rows
-            )
-            with self._cond:
-                streams, placed = self._take(min(free, self.prefill_batch), place=True)
-            if not streams:
+                works = self._admit_work(budget)
+            if not works:
                 break
-            batches.append(self._prefill(streams, placed))
+            batch = self._prefill(works, slots)
+            slots = self._insert(slots, batch, owners, release_B)
+            if budget is not None:
+                budget -= batch.inserted.lengths_P.shape[0] * jax.tree.leaves(
+                    batch.inserted.k
+                )[0].shape[-3]
+        return slots
+
+    def _ready_batches(self) -> list[_Batch]:
+        """Disaggregated: the prefilled batches whose requests all fit, in order."""
+        with self._cond:
+            batches = []
+            while self._ready and self._fits(self._ready[0]):
+                batches.append(self._ready.popleft())
+            self._cond.notify_all()
         return batches
 
     def _fits(self, batch: _Batch) -> bool:
         """Places a prefilled batch's live requests (rows and pages), all or none."""
-        rows: list[int | None] = []
-        for i, _ in batch.live:
-            row = self._place(batch.contexts[i] + 1, rows)
-            if row is None:
+        rows: list[int] = []
+        for i, stream in batch.live:
+            # Its prefill's context (the stream already holds its first new token).
+            work = self._place(stream, rows, _context(stream)[: batch.contexts[i]])
+            if work is None:
                 for taken in rows:
                     self.pages.release(taken)
                 return False
-            rows.append(row)
+            rows.append(work.row)
         placed = iter(rows)
         batch.rows = [next(placed) if s is not None else None for s in batch.streams]
         return True
@@ -559,10 +709,13 @@ class ContinuousBatcher:
         owners = self._owners
         release_B = np.zeros(b, bool)
         pending = None  # the last step's tokens (on device) and who held each row then
-        while self._wait_for_work(any(owners) or pending is not None):
+        while self._wait_for_work(any(owners) or pending is not None or bool(self._chunking)):
             self._release_cancelled(owners, release_B)
-            for batch in self._next_batches():
-                slots = self._insert(slots, batch, owners, release_B)
+            if self.disaggregated:
+                for batch in self._ready_batches():
+                    slots = self._insert(slots, batch, owners, release_B)
+            else:
+                slots = self._admit(slots, owners, release_B)
             if any(owners) and not self._reserve(owners):
                 # A shard is out of pages: read the step in flight (it may end requests),
                 # then preempt until every running row has its next page.
@@ -645,31 +798,52 @@ class ContinuousBatcher:
                 self._free(owners, release_B, i)
 
     def _insert(self, slots, batch: _Batch, owners, release_B):
-        """Writes a batch's live requests into their rows and pages (the others' rows are
-        dropped)."""
-        live = batch.live
-        if not live:
-            return slots
+        """Writes a batch's K/V into its rows' pages, from where each row's cache ends, and
+        starts decoding the requests it completes. The full pages written join the prefix
+        cache; a request that finished at its first token keeps no row (its pages are
+        written for the cache, then released)."""
         rows = batch.inserted.lengths_P.shape[0]  # the row bucket: padding rows are dropped
         n_pages = self.pool.pages_for(jax.tree.leaves(batch.inserted.k)[0].shape[-3])
         slot_P = np.full(rows, self.engine.max_batch, np.int32)
         pages_PN = np.full((rows, n_pages), self.pool.pages, np.int32)
-        for i, stream in live:
-            slot = batch.rows[i]
-            slot_P[i] = slot
-            pages_PN[i] = self.pages.global_ids(slot, n_pages)
-            owners[slot] = stream
-            release_B[slot] = False
-            self._lengths[slot] = batch.contexts[i]
-            self._admissions += 1
-            self._admitted[slot] = self._admissions
-        with self._cond:
-            self._active += len(live)
-        start = time.perf_counter()
-        slots = self.slot_steps.insert(
-            slots, batch.inserted, slot_P, pages_PN, batch.steps_P, batch.sampling_P
-        )
-        self.stats.insert_seconds += time.perf_counter() - start
+        started = 0
+        for i, row in enumerate(batch.rows):
+            if row is None:  # disaggregated: finished at its first token, never placed
+                continue
+            first = int(batch.starts_P[i]) // self.pool.page_size
+            pages_PN[i] = self.pages.global_ids(row, n_pages, first)
+            stream = batch.streams[i]
+            if batch.final and stream is not None:
+                slot_P[i] = row
+                owners[row] = stream
+                release_B[row] = False
+                self._lengths[row] = batch.contexts[i]
+                self._admissions += 1
+                self._admitted[row] = self._admissions
+                started += 1
+        if (pages_PN < self.pool.pages).any():
+            with self._cond:
+                self._active += started
+            start = time.perf_counter()
+            slots = self.slot_steps.insert(
+                slots,
+                batch.inserted,
+                slot_P,
+                pages_PN,
+                batch.steps_P,
+                batch.sampling_P,
+                batch.starts_P,
+            )
+            self.stats.insert_seconds += time.perf_counter() - start
+        for i, work in enumerate(batch.works or []):
+            work.done = batch.contexts[i]
+            if self.prefix_caching:
+                self.pages.register(work.row, work.keys[: work.done // self.pool.page_size])
+            if batch.final:
+                if batch.streams[i] is None:
+                    self.pages.release(work.row)
+                if self._chunking is work:
+                    self._chunking = None
         return slots
 
     def _release_cancelled(self, owners, release_B) -> None:
@@ -677,6 +851,14 @@ class ContinuousBatcher:
             if stream is not None and stream.cancel_requested:
                 stream.finish(stream.cancel_reason)
                 self._free(owners, release_B, i)
+        work = self._chunking
+        if work is not None and work.stream.cancel_requested:
+            self._chunking = None
+            self.pages.release(work.row)
+            work.stream.finish(work.stream.cancel_reason)
+            with self._cond:
+                self.stats.finished += 1
+                self._cond.notify_all()
 
     def _free(self, owners, release_B, i: int) -> None:
         with self._cond:
@@ -688,9 +870,27 @@ class ContinuousBatcher:
         self.pages.release(i)
 
 
-def _context_len(stream: RequestStream) -> int:
+def _context(stream: RequestStream) -> list[int]:
     """Tokens a request's prefill caches: its prompt and what it drew before a preemption."""
-    return len(stream.request.prompt) + len(stream.tokens)
+    return [*stream.request.prompt, *stream.tokens]
+
+
+#: Prefill tokens a decode step's time could compute on an accelerator: decode reads
+#: every weight once per step (bandwidth-bound), prefill is compute-bound, so one step
+#: costs about as much as prefilling the machine balance (peak flops / bandwidth) in
+#: tokens: ~240 for bf16 on TPU v5e, ~300 on H100.
+ACCELERATOR_STEP_TOKENS = 256
+#: The same on CPU, where a decode step is compute-bound too: about the rows it computes
+#: (at least 8 per batch shard), plus its dispatch.
+CPU_STEP_TOKENS = 32
+
+
+def default_max_prefill_tokens(platform: str, page_size: int) -> int:
+    """Prefill tokens between two decode steps by default: about two decode steps' worth,
+    so a running request waits at most about three steps' time for its next token (the
+    rule the long-prompt benchmark checks), in whole pages."""
+    step = CPU_STEP_TOKENS if platform == "cpu" else ACCELERATOR_STEP_TOKENS
+    return max(2 * step // page_size, 1) * page_size
 
 
 def _step_temp_bytes(engine: InferenceEngine) -> int:

@@ -240,12 +240,14 @@ class PageTable:
             self.version += 1
         return held
 
-    def global_ids(self, row: int, n: int) -> np.ndarray:
-        """The first ``n`` pages of ``row`` as ids into the whole pool (shard-major);
-        columns past what it holds are ``pages`` (out of range: a write there is dropped)."""
+    def global_ids(self, row: int, n: int, first: int = 0) -> np.ndarray:
+        """``n`` pages of ``row`` from its page ``first`` on, as ids into the whole pool
+        (shard-major); columns past what it holds are ``pages`` (out of range: a write
+        there is dropped, a read gives zeros)."""
         ids = np.full(n, self.pool.pages, np.int32)
-        held = min(int(self.held_B[row]), n)
-        ids[:held] = self.tables_BN[row, :held] + self.shard(row) * self.pool.pages_per_shard
+        held = max(min(int(self.held_B[row]) - first, n), 0)
+        local = self.tables_BN[row, first : first + held]
+        ids[:held] = local + self.shard(row) * self.pool.pages_per_shard
         return ids
 
     def check(self) -> None:

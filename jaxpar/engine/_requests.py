@@ -40,6 +40,8 @@ class RequestStream:
         self.request = request
         self.submitted_at = time.perf_counter()
         self.token_times: list[float] = []  # perf_counter() when each token reached the host
+        #: Prompt tokens whose K/V came from the prefix cache (set before the first token).
+        self.cached_tokens = 0
         self._tokens: list[int] = []
         self._finish_reason: str | None = None
         self._cancel_reason: str | None = None
