@@ -1,0 +1,114 @@
+"""Prefix caching and chunked prefill: every request still equals its own offline run.
+
+A request whose prompt starts with pages another request cached prefills only the rest
+(attending to the cached K/V), and a prompt longer than a chunk is prefilled chunk by
+chunk with decode steps in between; either way its tokens must be those of
+``engine.generate([prompt], ...)`` alone, greedy and seeded, token for token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpar import ParallelConfig
+from jaxpar.engine import ContinuousBatcher, Sampling
+from jaxpar.engine._kv_budget import KVBudget
+from tests.test_batching import CONFIG, SAMPLED, _engine, _offline
+from tests.test_paged_serving import _balanced
+
+PAGE = 4
+
+
+def _shared_prefix_requests() -> list[dict]:
+    """Prompts over one 10-token system prefix (two full pages and half of one), then
+    diverging; one repeats a prompt whole; plus long prompts for the chunks."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, CONFIG.vocab_size, 10).tolist()
+    out = []
+    for i, (suffix, n) in enumerate([(3, 6), (7, 4), (1, 5), (12, 3), (0, 4), (5, 1)]):
+        prompt = system + rng.integers(1, CONFIG.vocab_size, suffix).tolist()
+        sampling = SAMPLED if i % 2 else Sampling()
+        out.append(dict(prompt=prompt, max_tokens=n, sampling=sampling, seed=i))
+    out.append(dict(out[0], seed=9))  # the same prompt again: all but its last page cached
+    for length, n in [(24, 4), (27, 3)]:  # 8-token chunks that do and do not divide it
+        prompt = rng.integers(1, CONFIG.vocab_size, length).tolist()
+        out.append(dict(prompt=prompt, max_tokens=n, sampling=Sampling(), seed=0))
+    return out
+
+
+def _serve_and_check(batcher: ContinuousBatcher, reference, requests, sequential: int = 2):
+    """Submits the first ``sequential`` requests one by one (so later ones find their pages
+    cached), then the rest at once; every result must equal its offline run."""
+    expected = [_offline(reference, r) for r in requests]
+    streams = []
+    for r in requests[:sequential]:
+        streams.append(batcher.submit(**r))
+        streams[-1].result(timeout=120)
+    streams += [batcher.submit(**r) for r in requests[sequential:]]
+    got = [s.result(timeout=120) for s in streams]
+    assert got == expected
+    return streams
+
+
+@pytest.mark.parametrize(
+    "parallel,layer_loop",
+    [
+        (ParallelConfig(), "unrolled"),
+        (ParallelConfig(dp=2, tp=2), "scan"),
+        (ParallelConfig(sp=2), "unrolled"),
+    ],
+    ids=["single", "dp2-tp2-scan", "sp2"],
+)
+def test_prefix_hits_and_chunks_equal_offline(parallel, layer_loop):
+    engine = _engine(parallel, layer_loop=layer_loop)
+    budget = KVBudget(page_size=PAGE, tokens=256 * parallel.dp)
+    batcher = ContinuousBatcher(
+        engine, prefill_batch=2 * parallel.dp, kv_budget=budget, max_prefill_tokens=8
+    )
+    assert batcher.chunk_tokens == max(8 // parallel.dp // PAGE, 1) * PAGE
+    requests = _shared_prefix_requests()
+    with batcher:
+        streams = _serve_and_check(batcher, engine, requests)
+        stats = batcher.stats
+        # The second request found the first's two full prefix pages; the repeat found
+        # every full page of its prompt but the one holding its last token.
+        assert streams[0].cached_tokens == 0
+        assert streams[1].cached_tokens == 2 * PAGE
+        whole = (len(requests[6]["prompt"]) - 1) // PAGE * PAGE
+        if batcher.pool.shards == 1:
+            assert streams[6].cached_tokens == whole
+        else:  # its pages may be in a shard with no free row then: the other has the prefix
+            assert 2 * PAGE <= streams[6].cached_tokens <= whole
+        assert stats.prefix_hits >= stats.prompt_tokens_cached > 0
+        assert stats.prefill_chunks >= 2  # the two long prompts, in chunks
+    _balanced(batcher)
+    assert batcher.pages.cached_pages > 0  # prompts' pages stay cached for later requests
+
+
+def test_no_prefix_caching_computes_every_token():
+    engine = _engine(ParallelConfig())
+    batcher = ContinuousBatcher(
+        engine, kv_budget=KVBudget(page_size=PAGE, tokens=256), prefix_caching=False
+    )
+    requests = _shared_prefix_requests()[:3]
+    with batcher:
+        streams = _serve_and_check(batcher, engine, requests)
+    assert [s.cached_tokens for s in streams] == [0, 0, 0]
+    assert batcher.stats.prefix_hits == batcher.stats.prefix_queries == 0
+    assert batcher.pages.cached_pages == 0
+
+
+def test_eviction_under_a_tiny_pool_keeps_requests_exact():
+    """Eleven usable pages: cached prefixes are evicted (least recently used first) to
+    admit new prompts, and preempted requests come back through the cache."""
+    engine = _engine(ParallelConfig())
+    batcher = ContinuousBatcher(
+        engine, prefill_batch=2, kv_budget=KVBudget(page_size=PAGE, tokens=44),
+        max_prefill_tokens=8,
+    )
+    requests = _shared_prefix_requests()
+    with batcher:
+        _serve_and_check(batcher, engine, requests, sequential=4)
+        assert batcher.pages.evictions > 0
+    _balanced(batcher)
