@@ -86,6 +86,29 @@ def test_prefix_hits_and_chunks_equal_offline(parallel, layer_loop):
     assert batcher.pages.cached_pages > 0  # prompts' pages stay cached for later requests
 
 
+def test_disaggregated_chunks_and_hits_on_the_prefill_group():
+    """Prefill sp=2 on devices 0-1 with its own pages (prefix cache, chunks); decode tp=2
+    on devices 2-3 gets each finished prompt whole."""
+    prefill = _engine(ParallelConfig(sp=2), 0, max_batch=2)
+    decode = _engine(ParallelConfig(tp=2), 2)
+    batcher = ContinuousBatcher(
+        decode,
+        prefill_engine=prefill,
+        kv_budget=KVBudget(page_size=PAGE, tokens=256),
+        max_prefill_tokens=8,
+    )
+    requests = _shared_prefix_requests()
+    with batcher:
+        streams = _serve_and_check(batcher, decode, requests)
+        stats = batcher.stats
+    assert streams[1].cached_tokens == 2 * PAGE
+    assert stats.prefix_hits > 0 and stats.prefill_chunks >= 2
+    assert stats.transfers == stats.prefill_batches
+    _balanced(batcher)
+    batcher._side.pages.check()
+    assert batcher._side.pages.used_pages == 0  # the prefill group holds no row after
+
+
 def test_no_prefix_caching_computes_every_token():
     engine = _engine(ParallelConfig())
     batcher = ContinuousBatcher(

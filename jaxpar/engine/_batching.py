@@ -83,6 +83,18 @@ class _Prefill:
 
 
 @dataclasses.dataclass
+class _Side:
+    """Pages a prefill reads its context from and writes its K/V into: the decode rows'
+    own (colocated), or the prefill group's (disaggregated: its own pool on its devices,
+    which also holds its prefix cache; finished prompts move to the decode group whole)."""
+
+    pages: PageTable
+    slot_steps: SlotSteps
+    owners: list[RequestStream | None]  # decoding rows (colocated); None: free or prefilling
+    caching: bool  # prefix caching on these pages
+
+
+@dataclasses.dataclass
 class _Batch:
     """Requests prefilled together (whole, or one chunk of one long prompt), with their
     prefill results on the decode devices.
@@ -172,9 +184,7 @@ class ContinuousBatcher:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
         self.max_prompt_len = min(self.max_seq_len, self.prefill_engine.max_seq_len)
-        # Prefix caching reads cached pages into the prefill: colocated only (a
-        # disaggregated prefill group has no pages of its own yet).
-        self.prefix_caching = prefix_caching and not self.disaggregated
+        self.prefix_caching = prefix_caching
         self._salt = cache_salt(program.model_config)
         self.max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(
             engine.mesh.devices.flat[0].platform, self.pool.page_size
@@ -196,6 +206,14 @@ class ContinuousBatcher:
         self._closing = False
         self._stopping = False
         self._owners: list[RequestStream | None] = [None] * engine.max_batch
+        decode_side = _Side(self.pages, self.slot_steps, self._owners, False)
+        if self.disaggregated:
+            self._decode_side = decode_side
+            self._side = self._prefill_side(kv_budget or KVBudget())
+        else:
+            self._decode_side = self._side = dataclasses.replace(
+                decode_side, caching=prefix_caching
+            )
         self._lengths = np.zeros(engine.max_batch, np.int64)  # tokens cached per row (host)
         self._admitted = np.zeros(engine.max_batch, np.int64)  # admission order per row
         self._admissions = 0
@@ -203,6 +221,22 @@ class ContinuousBatcher:
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
         self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
+
+    def _prefill_side(self, budget: KVBudget) -> _Side:
+        """The prefill group's pages (disaggregated): ``budget`` sized on its devices, for
+        its ``max_batch`` rows, the decode cache's page size."""
+        eng = self.prefill_engine
+        pool = size_pool(
+            dataclasses.replace(budget, page_size=self.pool.page_size),
+            config=eng.parallel_config,
+            mesh=eng.mesh,
+            dims=eng.program.model_config,
+            rows=eng.max_batch,
+            max_seq_len=self.max_prompt_len,
+            step_temp_bytes=lambda: 0,  # no decode step runs there
+        )
+        slot_steps = SlotSteps(eng.steps, eng.program.model_config, pool)
+        return _Side(PageTable(pool), slot_steps, [None] * eng.max_batch, self.prefix_caching)
 
     # --- clients -------------------------------------------------------------------------
 
@@ -453,7 +487,7 @@ class ContinuousBatcher:
             taken.append(_Prefill(stream, None, context, []))
         return taken
 
-    def _admit_work(self, budget: int | None) -> list[_Prefill]:
+    def _admit_work(self, budget: int | None, side: _Side) -> list[_Prefill]:
         """The next prefill of the colocated loop (call with the lock held): the next chunk
         of a long prompt, or queued requests placed in free rows with their pages (the
         cached ones of their prefix shared), in order, while their pages fit, their padded
@@ -465,17 +499,17 @@ class ContinuousBatcher:
             return [work] if budget is None or cost <= budget else []
         works: list[_Prefill] = []
         while len(works) < self.prefill_batch and (stream := self._wanted()) is not None:
-            work = self._place(stream, [w.row for w in works])
+            work = self._place(stream, [w.row for w in works], side=side)
             if work is None:
                 break
             long = work.remaining > self.chunk_tokens
             longest = max(w.remaining for w in [*works, work])
             cost = self._cost(len(works) + 1, min(longest, self.chunk_tokens))
             if (works and long) or (budget is not None and works and cost > budget):
-                self.pages.release(work.row)  # it waits for the next prefill
+                side.pages.release(work.row)  # it waits for the next prefill
                 break
             self._queue.popleft()
-            self._count_hit(work)
+            self._count_hit(work, side)
             works.append(work)
             if long:
                 self._chunking = work
@@ -487,41 +521,47 @@ class ContinuousBatcher:
         return self._rows(n) * self.prefill_engine.bucket(longest)
 
     def _place(
-        self, stream: RequestStream, taken: list[int | None], context: list[int] | None = None
+        self,
+        stream: RequestStream,
+        taken: list[int | None],
+        context: list[int] | None = None,
+        side: _Side | None = None,
     ) -> _Prefill | None:
         """A free decode row, its shard's cached pages of the request's prefix, and pages for
         the rest of its context and its first new token: in the shard with the longest
         cached prefix (then the most free pages). None if no shard has room."""
+        side = side or self._decode_side
+        pages = side.pages
         context = _context(stream) if context is None else context
         z, n = self.pool.page_size, len(context)
-        keys = page_keys(context, z, self._salt) if self.prefix_caching else []
+        keys = page_keys(context, z, self._salt) if side.caching else []
         # At least one token is computed: its logits draw the first new one.
         lookup_keys = keys[: (n - 1) // z]
-        tokens = min(n + 1, self.max_seq_len)
+        tokens = min(n + 1, pages.pool.max_seq_len)
         best, seen = None, set()
-        for row, owner in enumerate(self._owners):
-            shard = self.pages.shard(row)
-            if owner is not None or row in taken or self.pages.held_B[row] or shard in seen:
+        for row, owner in enumerate(side.owners):
+            shard = pages.shard(row)
+            if owner is not None or row in taken or pages.held_B[row] or shard in seen:
                 continue
             seen.add(shard)
-            hit = self.pages.lookup(shard, lookup_keys)
-            room = self.pages.free_pages(shard) - self.pages.reusable(shard, hit)
-            if self.pool.pages_for(tokens) - len(hit) > room:
+            hit = pages.lookup(shard, lookup_keys)
+            room = pages.free_pages(shard) - pages.reusable(shard, hit)
+            if pages.pool.pages_for(tokens) - len(hit) > room:
                 continue
-            score = (len(hit), self.pages.free_pages(shard))
+            score = (len(hit), pages.free_pages(shard))
             if best is None or score > best[0]:
                 best = (score, row, hit)
         if best is None:
             return None
         _, row, hit = best
-        self.pages.share(row, hit)
-        self.pages.grow(row, tokens)
+        pages.share(row, hit)
+        pages.grow(row, tokens)
         return _Prefill(stream, row, context, keys, done=len(hit) * z)
 
-    def _count_hit(self, work: _Prefill) -> None:
+    def _count_hit(self, work: _Prefill, side: _Side) -> None:
         """Prefix-cache counters, and the request's ``cached_tokens`` on its first
         admission (call with the lock held)."""
-        if not self.prefix_caching:
+        if not side.caching:
             return
         self.stats.prefix_queries += len(work.context)
         self.stats.prefix_hits += work.done
@@ -530,7 +570,7 @@ class ContinuousBatcher:
             stream.cached_tokens = min(work.done, len(stream.request.prompt))
             self.stats.prompt_tokens_cached += stream.cached_tokens
 
-    def _prefill(self, works: list[_Prefill], slots=None) -> _Batch:
+    def _prefill(self, works: list[_Prefill], slots, side: _Side) -> _Batch:
         """Prefills ``works`` together (or the next chunk of one long prompt) and, for those
         it completes, draws their first tokens (sent to the clients at once); the results
         laid out for the decode engine. A request with cached tokens (a prefix hit, earlier
@@ -554,8 +594,8 @@ class ContinuousBatcher:
         tokens = put_global(tokens_PT, lay.tokens_BT)
         lengths = put_global(lengths_P, lay.lengths_prefill_B)
         if starts_P.any():
-            ctx_k, ctx_v = self.slot_steps.context(
-                slots, self._context_pages(works, rows), lay.kv_prefill
+            ctx_k, ctx_v = side.slot_steps.context(
+                slots, self._context_pages(works, rows, side), lay.kv_prefill
             )
             starts = put_global(starts_P, lay.lengths_prefill_B)
             logits_PV, k, v = eng.steps.prefill_context(
@@ -581,25 +621,20 @@ class ContinuousBatcher:
         if self._chunking is not None and works[0] is self._chunking:
             self.stats.prefill_chunks += 1
         inserted = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
-        if self.disaggregated:
-            inserted = self._transfer(inserted)
-        jax.block_until_ready(inserted)
         self.stats.prefill_seconds += time.perf_counter() - start
         contexts = [w.done + t for w, t in zip(works, takes, strict=True)]
         placed = [w.row for w in works]
-        # Disaggregated rows are placed when the batch reaches the decode loop.
-        colocated = None if self.disaggregated else works
-        return _Batch(live, inserted, sampling_P, contexts, steps_P, placed, starts_P, final, colocated)
+        return _Batch(live, inserted, sampling_P, contexts, steps_P, placed, starts_P, final, works)
 
-    def _context_pages(self, works: list[_Prefill], rows: int) -> np.ndarray:
+    def _context_pages(self, works: list[_Prefill], rows: int, side: _Side) -> np.ndarray:
         """Global ids of each row's cached pages, as many columns as the longest needs
         (a power of two: few compiles); out of range past a row's cached pages."""
         need = max(self.pool.pages_for(w.done) for w in works)
         n = 1 << (need - 1).bit_length()
-        pages_PN = np.full((rows, n), self.pool.pages, np.int32)
+        pages_PN = np.full((rows, n), side.pages.pool.pages, np.int32)
         for i, work in enumerate(works):
             held = self.pool.pages_for(work.done)
-            pages_PN[i, :held] = self.pages.global_ids(work.row, held)
+            pages_PN[i, :held] = side.pages.global_ids(work.row, held)
         return pages_PN
 
     def _first(self, stream: RequestStream, token: int) -> RequestStream | None:
@@ -626,20 +661,75 @@ class ContinuousBatcher:
         return moved
 
     def _prefill_loop(self) -> None:
-        """Disaggregated: prefill queued requests on the prefill devices, ahead of decode."""
+        """Disaggregated: prefill queued requests on the prefill devices, ahead of decode.
+
+        Prefills read and write the prefill group's own pages (prefix hits, chunks); each
+        finished batch moves to the decode devices whole, once."""
+        side = self._side
+        slots = side.slot_steps.empty()
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._stopping or (self._queue and len(self._ready) < READY_BATCHES)
+                    lambda: self._stopping
+                    or ((self._queue or self._chunking) and len(self._ready) < READY_BATCHES)
                 )
                 if self._stopping:
                     return
-                works = self._take(self.prefill_batch)
-            if not works:
+                self._drop_cancelled_chunk(side)
+                works = self._admit_work(None, side)
+                if not works:  # nothing fits its pool yet (it frees at every batch's end)
+                    self._cond.wait(0.01)
+                    continue
+            batch = self._prefill(works, slots, side)
+            slots = self._insert(slots, batch, side)
+            if not batch.final:
                 continue
-            batch = self._prefill(works)
+            start = time.perf_counter()
+            moved = self._transfer(self._whole(batch, slots, side))
+            for work in works:  # its pages stay cached for later prompts
+                side.pages.release(work.row)
+            jax.block_until_ready(moved)
+            self.stats.prefill_seconds += time.perf_counter() - start
+            ready = _Batch(
+                batch.streams,
+                moved,
+                batch.sampling_P,
+                batch.contexts,
+                batch.steps_P,
+                [None] * len(batch.streams),
+                np.zeros_like(batch.starts_P),
+            )
             with self._cond:
-                self._ready.append(batch)
+                self._ready.append(ready)
+                self._cond.notify_all()
+
+    def _whole(self, batch: _Batch, slots, side: _Side) -> Inserted:
+        """A finished batch's K/V from the first token on: its own if it cached nothing
+        before, else read back from the prefill group's pages (context and new tokens)."""
+        if not batch.starts_P.any():
+            return batch.inserted
+        eng = self.prefill_engine
+        rows = batch.inserted.lengths_P.shape[0]
+        length = eng.bucket(max(batch.contexts))
+        n = side.pages.pool.pages_for(length)
+        pages_PN = np.full((rows, n), side.pages.pool.pages, np.int32)
+        lengths_P = np.ones(rows, np.int32)
+        for i, row in enumerate(batch.rows):
+            pages_PN[i] = side.pages.global_ids(row, n)
+            lengths_P[i] = batch.contexts[i]
+        k, v = side.slot_steps.context(slots, pages_PN, eng.layouts.kv_prefill, length)
+        lengths = put_global(lengths_P, eng.layouts.lengths_prefill_B)
+        return Inserted(k=k, v=v, lengths_P=lengths, first_P=batch.inserted.first_P)
+
+    def _drop_cancelled_chunk(self, side: _Side) -> None:
+        """Ends the long prompt between its chunks if its client cancelled it."""
+        work = self._chunking
+        if work is not None and work.stream.cancel_requested:
+            self._chunking = None
+            side.pages.release(work.row)
+            work.stream.finish(work.stream.cancel_reason)
+            with self._cond:
+                self.stats.finished += 1
                 self._cond.notify_all()
 
     # --- decode --------------------------------------------------------------------------
@@ -652,11 +742,11 @@ class ContinuousBatcher:
         budget = self.max_prefill_tokens if any(owners) else None
         while budget is None or budget > 0:
             with self._cond:
-                works = self._admit_work(budget)
+                works = self._admit_work(budget, self._side)
             if not works:
                 break
-            batch = self._prefill(works, slots)
-            slots = self._insert(slots, batch, owners, release_B)
+            batch = self._prefill(works, slots, self._side)
+            slots = self._insert(slots, batch, self._side, release_B)
             if budget is not None:
                 budget -= batch.inserted.lengths_P.shape[0] * jax.tree.leaves(
                     batch.inserted.k
@@ -709,11 +799,12 @@ class ContinuousBatcher:
         owners = self._owners
         release_B = np.zeros(b, bool)
         pending = None  # the last step's tokens (on device) and who held each row then
-        while self._wait_for_work(any(owners) or pending is not None or bool(self._chunking)):
+        chunking = lambda: not self.disaggregated and self._chunking is not None  # noqa: E731
+        while self._wait_for_work(any(owners) or pending is not None or chunking()):
             self._release_cancelled(owners, release_B)
             if self.disaggregated:
                 for batch in self._ready_batches():
-                    slots = self._insert(slots, batch, owners, release_B)
+                    slots = self._insert(slots, batch, self._decode_side, release_B)
             else:
                 slots = self._admit(slots, owners, release_B)
             if any(owners) and not self._reserve(owners):
@@ -797,35 +888,38 @@ class ContinuousBatcher:
             if stream.emit(int(tokens_B[i])) is not None:
                 self._free(owners, release_B, i)
 
-    def _insert(self, slots, batch: _Batch, owners, release_B):
-        """Writes a batch's K/V into its rows' pages, from where each row's cache ends, and
-        starts decoding the requests it completes. The full pages written join the prefix
-        cache; a request that finished at its first token keeps no row (its pages are
-        written for the cache, then released)."""
+    def _insert(self, slots, batch: _Batch, side: _Side, release_B=None):
+        """Writes a batch's K/V into its rows' pages on ``side``, from where each row's
+        cache ends, and (where those rows decode) starts decoding the requests it
+        completes. The full pages written join the prefix cache; a request that finished
+        at its first token keeps no row (its pages are written for the cache, then
+        released). On a prefill group's pages the caller releases the rows."""
+        pages, pool = side.pages, side.pages.pool
+        decodes = side.owners is self._owners  # rows that decode here (else: prefill group)
         rows = batch.inserted.lengths_P.shape[0]  # the row bucket: padding rows are dropped
-        n_pages = self.pool.pages_for(jax.tree.leaves(batch.inserted.k)[0].shape[-3])
-        slot_P = np.full(rows, self.engine.max_batch, np.int32)
-        pages_PN = np.full((rows, n_pages), self.pool.pages, np.int32)
+        n_pages = pool.pages_for(jax.tree.leaves(batch.inserted.k)[0].shape[-3])
+        slot_P = np.full(rows, pool.rows, np.int32)
+        pages_PN = np.full((rows, n_pages), pool.pages, np.int32)
         started = 0
         for i, row in enumerate(batch.rows):
             if row is None:  # disaggregated: finished at its first token, never placed
                 continue
-            first = int(batch.starts_P[i]) // self.pool.page_size
-            pages_PN[i] = self.pages.global_ids(row, n_pages, first)
+            first = int(batch.starts_P[i]) // pool.page_size
+            pages_PN[i] = pages.global_ids(row, n_pages, first)
             stream = batch.streams[i]
-            if batch.final and stream is not None:
+            if decodes and batch.final and stream is not None:
                 slot_P[i] = row
-                owners[row] = stream
+                side.owners[row] = stream
                 release_B[row] = False
                 self._lengths[row] = batch.contexts[i]
                 self._admissions += 1
                 self._admitted[row] = self._admissions
                 started += 1
-        if (pages_PN < self.pool.pages).any():
+        if (pages_PN < pool.pages).any():
             with self._cond:
                 self._active += started
             start = time.perf_counter()
-            slots = self.slot_steps.insert(
+            slots = side.slot_steps.insert(
                 slots,
                 batch.inserted,
                 slot_P,
@@ -837,11 +931,11 @@ class ContinuousBatcher:
             self.stats.insert_seconds += time.perf_counter() - start
         for i, work in enumerate(batch.works or []):
             work.done = batch.contexts[i]
-            if self.prefix_caching:
-                self.pages.register(work.row, work.keys[: work.done // self.pool.page_size])
+            if side.caching:
+                pages.register(work.row, work.keys[: work.done // pool.page_size])
             if batch.final:
-                if batch.streams[i] is None:
-                    self.pages.release(work.row)
+                if decodes and batch.streams[i] is None:
+                    pages.release(work.row)
                 if self._chunking is work:
                     self._chunking = None
         return slots
@@ -851,14 +945,8 @@ class ContinuousBatcher:
             if stream is not None and stream.cancel_requested:
                 stream.finish(stream.cancel_reason)
                 self._free(owners, release_B, i)
-        work = self._chunking
-        if work is not None and work.stream.cancel_requested:
-            self._chunking = None
-            self.pages.release(work.row)
-            work.stream.finish(work.stream.cancel_reason)
-            with self._cond:
-                self.stats.finished += 1
-                self._cond.notify_all()
+        if not self.disaggregated:
+            self._drop_cancelled_chunk(self._side)
 
     def _free(self, owners, release_B, i: int) -> None:
         with self._cond:

@@ -23,6 +23,7 @@ Sampling parameters are arrays (:class:`RowSampling`), so no request ever recomp
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -305,34 +306,44 @@ class SlotSteps:
 
     # --- prefill context -----------------------------------------------------------------
 
-    def _gather(self, slots: Slots, pages_PN):
+    def _gather(self, slots: Slots, pages_PN, length: int | None):
         with self.steps._context(DECODE):
-            return read_pages(slots.k, pages_PN), read_pages(slots.v, pages_PN)
 
-    def _context_program(self, slots, pages_PN, out_layout):
+            def read(pool):
+                x = read_pages(pool, pages_PN)  # [(L,) P, N * Z, K, H]
+                return jax.tree.map(lambda a: a[..., :length, :, :], x)
+
+            return read(slots.k), read(slots.v)
+
+    def _context_program(self, slots, pages_PN, out_layout, length):
         rep = self.steps.layouts.replicated
         return self.steps._compile(
             "context",
-            (pages_PN.shape, self._pool_key),
-            self._gather,
+            (pages_PN.shape, length, self._pool_key),
+            functools.partial(self._gather, length=length),
             (self.layout, rep),
             (out_layout, out_layout),
             (slots, pages_PN),
         )
 
-    def context(self, slots: Slots, pages_PN: np.ndarray, out_layout: Any) -> tuple[Any, Any]:
+    def context(
+        self, slots: Slots, pages_PN: np.ndarray, out_layout: Any, length: int | None = None
+    ) -> tuple[Any, Any]:
         """The K and V of ``pages_PN`` (global ids; ``>= A``: zeros) per row, laid out as
         prefill's K/V (``out_layout``, the prefill engine's ``kv_prefill`` on these
-        devices): the cached context a prefill with context continues. Reads ``slots``
-        (not donated). One compile per ``pages_PN`` shape."""
+        devices; the first ``length`` positions, default all): the cached context a
+        prefill with context continues. Reads ``slots`` (not donated). One compile per
+        ``pages_PN`` shape and length."""
         pages = put_global(np.asarray(pages_PN, np.int32), self.steps.layouts.replicated)
-        return self._context_program(slots, pages, out_layout)(slots, pages)
+        return self._context_program(slots, pages, out_layout, length)(slots, pages)
 
-    def compile_context(self, rows: int, n_pages: int, out_layout: Any) -> None:
+    def compile_context(
+        self, rows: int, n_pages: int, out_layout: Any, length: int | None = None
+    ) -> None:
         """Compiles :meth:`context` for ``[rows, n_pages]`` page ids ahead of its first call."""
         rep = self.steps.layouts.replicated
         pages = jax.ShapeDtypeStruct((rows, n_pages), np.int32, sharding=rep)
-        self._context_program(self.abstract(), pages, out_layout)
+        self._context_program(self.abstract(), pages, out_layout, length)
 
     def _step_program(self, params, slots, release, tables):
         return self.steps._compile(
