@@ -127,7 +127,9 @@ def test_eviction_under_a_tiny_pool_keeps_requests_exact():
     admit new prompts, and preempted requests come back through the cache."""
     engine = _engine(ParallelConfig())
     batcher = ContinuousBatcher(
-        engine, prefill_batch=2, kv_budget=KVBudget(page_size=PAGE, tokens=44),
+        engine,
+        prefill_batch=2,
+        kv_budget=KVBudget(page_size=PAGE, tokens=44),
         max_prefill_tokens=8,
     )
     requests = _shared_prefix_requests()

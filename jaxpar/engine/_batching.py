@@ -193,9 +193,10 @@ class ContinuousBatcher:
             raise ConfigError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         #: Tokens of one chunk of a long prompt: what fits ``max_prefill_tokens`` in the
         #: smallest prefill row bucket, in whole pages (chunks start on a page boundary).
-        self.chunk_tokens = max(
-            self.max_prefill_tokens // self.row_buckets()[0] // self.pool.page_size, 1
-        ) * self.pool.page_size
+        self.chunk_tokens = (
+            max(self.max_prefill_tokens // self.row_buckets()[0] // self.pool.page_size, 1)
+            * self.pool.page_size
+        )
         self._chunking: _Prefill | None = None  # a long prompt between two of its chunks
         self.stats = BatcherStats()
         self._cond = threading.Condition()
@@ -670,8 +671,10 @@ class ContinuousBatcher:
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._stopping
-                    or ((self._queue or self._chunking) and len(self._ready) < READY_BATCHES)
+                    lambda: (
+                        self._stopping
+                        or ((self._queue or self._chunking) and len(self._ready) < READY_BATCHES)
+                    )
                 )
                 if self._stopping:
                     return
@@ -748,9 +751,10 @@ class ContinuousBatcher:
             batch = self._prefill(works, slots, self._side)
             slots = self._insert(slots, batch, self._side, release_B)
             if budget is not None:
-                budget -= batch.inserted.lengths_P.shape[0] * jax.tree.leaves(
-                    batch.inserted.k
-                )[0].shape[-3]
+                budget -= (
+                    batch.inserted.lengths_P.shape[0]
+                    * jax.tree.leaves(batch.inserted.k)[0].shape[-3]
+                )
         return slots
 
     def _ready_batches(self) -> list[_Batch]:

@@ -37,9 +37,7 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns (x [B,T,D], k [B,T,K,H], v [B,T,K,H]); ``context``: this layer's cached
         keys and values the new tokens continue (see :meth:`Attention.prefill`)."""
-        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(
-            self.attn_norm(x_BTD), pos_BT, lengths_B, context
-        )
+        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(self.attn_norm(x_BTD), pos_BT, lengths_B, context)
         x_BTD = x_BTD + y_BTD
         return x_BTD + self.ffn(self.ffn_norm(x_BTD)), k_BTKH, v_BTKH
 
@@ -181,9 +179,7 @@ class Decoder(nnx.Module):
                 )
             return x_BTD, (k_BTKH, v_BTKH, self._layer_drops(drops))
 
-        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(
-            body, x_BTD, (layers_state, ctx_xs)
-        )
+        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(body, x_BTD, (layers_state, ctx_xs))
         self._record(dropped_L)
         return x_BTD, k_LBTKH, v_LBTKH
 

@@ -138,7 +138,9 @@ class Embedding(nnx.Module):
             if self.position_table is not None:
                 # Padding may sit past the table (a chunk near the end): clamp, never NaN.
                 last = self.position_table.shape[0] - 1
-                pos_BTD = jnp.take(self.position_table[...], jnp.minimum(positions_BT, last), axis=0)
+                pos_BTD = jnp.take(
+                    self.position_table[...], jnp.minimum(positions_BT, last), axis=0
+                )
                 x_BTD = x_BTD + pos_BTD.astype(self.dtype)
             return constrain(x_BTD, BTD, Module.EMBEDDING)
 
