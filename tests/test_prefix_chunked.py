@@ -37,10 +37,9 @@ def _shared_prefix_requests() -> list[dict]:
     return out
 
 
-def _serve_and_check(batcher: ContinuousBatcher, reference, requests, sequential: int = 2):
+def _serve_and_check(batcher: ContinuousBatcher, expected, requests, sequential: int = 2):
     """Submits the first ``sequential`` requests one by one (so later ones find their pages
-    cached), then the rest at once; every result must equal its offline run."""
-    expected = [_offline(reference, r) for r in requests]
+    cached), then the rest at once; every result must equal its offline run (``expected``)."""
     streams = []
     for r in requests[:sequential]:
         streams.append(batcher.submit(**r))
@@ -68,8 +67,12 @@ def test_prefix_hits_and_chunks_equal_offline(parallel, layer_loop):
     )
     assert batcher.chunk_tokens == max(8 // parallel.dp // PAGE, 1) * PAGE
     requests = _shared_prefix_requests()
+    expected = [_offline(engine, r) for r in requests]
     with batcher:
-        streams = _serve_and_check(batcher, engine, requests)
+        batcher.warmup(range(1, 28))
+        compiled = set(engine.steps._compiled)
+        streams = _serve_and_check(batcher, expected, requests)
+        assert set(engine.steps._compiled) == compiled  # hits and chunks: all warmed up
         stats = batcher.stats
         # The second request found the first's two full prefix pages; the repeat found
         # every full page of its prompt but the one holding its last token.
@@ -98,8 +101,12 @@ def test_disaggregated_chunks_and_hits_on_the_prefill_group():
         max_prefill_tokens=8,
     )
     requests = _shared_prefix_requests()
+    expected = [_offline(decode, r) for r in requests]
     with batcher:
-        streams = _serve_and_check(batcher, decode, requests)
+        batcher.warmup(range(1, 28))
+        compiled = set(prefill.steps._compiled), set(decode.steps._compiled)
+        streams = _serve_and_check(batcher, expected, requests)
+        assert (set(prefill.steps._compiled), set(decode.steps._compiled)) == compiled
         stats = batcher.stats
     assert streams[1].cached_tokens == 2 * PAGE
     assert stats.prefix_hits > 0 and stats.prefill_chunks >= 2
@@ -115,8 +122,9 @@ def test_no_prefix_caching_computes_every_token():
         engine, kv_budget=KVBudget(page_size=PAGE, tokens=256), prefix_caching=False
     )
     requests = _shared_prefix_requests()[:3]
+    expected = [_offline(engine, r) for r in requests]
     with batcher:
-        streams = _serve_and_check(batcher, engine, requests)
+        streams = _serve_and_check(batcher, expected, requests)
     assert [s.cached_tokens for s in streams] == [0, 0, 0]
     assert batcher.stats.prefix_hits == batcher.stats.prefix_queries == 0
     assert batcher.pages.cached_pages == 0
@@ -133,7 +141,8 @@ def test_eviction_under_a_tiny_pool_keeps_requests_exact():
         max_prefill_tokens=8,
     )
     requests = _shared_prefix_requests()
+    expected = [_offline(engine, r) for r in requests]
     with batcher:
-        _serve_and_check(batcher, engine, requests, sequential=4)
+        _serve_and_check(batcher, expected, requests, sequential=4)
         assert batcher.pages.evictions > 0
     _balanced(batcher)

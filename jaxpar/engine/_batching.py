@@ -375,29 +375,72 @@ class ContinuousBatcher:
         Returns:
             The (rows, length) prefill buckets compiled.
         """
-        lens = prompt_lens or range(1, self.max_prompt_len + 1)
-        buckets = [
-            (rows, length)
-            for rows in self.row_buckets()
-            for length in sorted({self.prefill_engine.bucket(n) for n in lens})
-        ]
+        lens = list(prompt_lens or range(1, self.max_prompt_len + 1))
+        eng = self.prefill_engine
+        lengths = sorted({eng.bucket(n) for n in lens})
+        buckets = [(rows, length) for rows in self.row_buckets() for length in lengths]
+        contexts = self._context_buckets(max(lens))
         steps = [
             (rows, width) for rows in self.slot_steps.row_buckets() for width in self.table_widths()
         ]
-        total = len(buckets) + len(steps)
+        total = len(buckets) + len(contexts) + len(steps)
         report = progress or (lambda done, total, what: None)
-        eng = self.prefill_engine
-        for i, (rows, length) in enumerate(buckets):
-            logits, k, v = eng.steps.compile_prefill(eng.params, rows, length)
-            self.first_tokens.compile(logits)
-            row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
-            self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
-            report(i + 1, total, f"prefill and insert of {rows} x {length} tokens")
-        for i, (rows, width) in enumerate(steps):
+        done = 0
+        for rows, length in buckets:
+            self._compile_prefill(rows, length)
+            done += 1
+            report(done, total, f"prefill and insert of {rows} x {length} tokens")
+        for rows, length, n_pages in contexts:
+            self._compile_prefill(rows, length, n_pages)
+            done += 1
+            context = n_pages * self.pool.page_size
+            report(done, total, f"prefill of {rows} x {length} tokens after {context} cached")
+        for rows, width in steps:
             self.slot_steps.compile_step(self.engine.params, width, rows)
+            done += 1
             pages = width * self.pool.page_size
-            report(len(buckets) + i + 1, total, f"decode step of {rows} rows x {pages} tokens")
+            report(done, total, f"decode step of {rows} rows x {pages} tokens")
         return buckets
+
+    def _compile_prefill(self, rows: int, length: int, n_pages: int = 0) -> None:
+        """Compiles a prefill of ``[rows, length]`` tokens (after ``n_pages`` cached pages)
+        and what follows it: the first tokens' draw, the insert into pages (and, on a
+        disaggregated prefill group, the read of whole prompts back from its pages)."""
+        eng, side = self.prefill_engine, self._side
+        logits, k, v = eng.steps.compile_prefill(eng.params, rows, length)
+        if n_pages:
+            context = n_pages * self.pool.page_size
+            side.slot_steps.compile_context(rows, n_pages, eng.layouts.kv_prefill)
+            eng.steps.compile_prefill_context(eng.params, rows, length, context)
+        self.first_tokens.compile(logits)
+        row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
+        side.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
+        if self.disaggregated:
+            self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
+            whole = side.pages.pool.pages_for(length)
+            side.slot_steps.compile_context(rows, whole, eng.layouts.kv_prefill, length)
+
+    def _context_buckets(self, longest: int) -> list[tuple[int, int, int]]:
+        """(rows, new tokens, cached pages) of every prefill with context for prompts of
+        up to ``longest`` tokens: chunks of long prompts (one row bucket), and with
+        prefix caching, prefix hits (every row bucket)."""
+        z = self.pool.page_size
+        if longest <= self.chunk_tokens and not self.prefix_caching:
+            return []
+        # Cached tokens are whole pages, and at least one token of a prompt is computed.
+        n_pages = {1 << (n - 1).bit_length() for n in range(1, (longest - 1) // z + 1)}
+        rows = self.row_buckets() if self.prefix_caching else self.row_buckets()[:1]
+        return [(r, t, n) for r in rows for t in self._context_lengths() for n in sorted(n_pages)]
+
+    def _context_lengths(self) -> list[int]:
+        """New-token buckets of a prefill with context: powers of two from a quarter of a
+        chunk's bucket up to it (a short suffix pads to the smallest: few compiles)."""
+        top = self.prefill_engine.bucket(self.chunk_tokens)
+        out, t = [], top
+        while t >= max(8, top // 4) and len(out) < 3:
+            out.append(t)
+            t //= 2
+        return sorted(out)
 
     def table_widths(self) -> list[int]:
         """The block-table widths a decode step compiles for (powers of two)."""
@@ -586,7 +629,11 @@ class ContinuousBatcher:
         steps_P[: len(works)] = [len(s.tokens) for s in streams]
         starts_P = np.zeros(rows, np.int32)
         starts_P[: len(works)] = [w.done for w in works]
-        tokens_PT = np.zeros((rows, eng.bucket(max(takes))), np.int32)
+        with_context = bool(starts_P.any())
+        length = eng.bucket(max(takes))
+        if with_context:  # pads to the fewer buckets of a prefill with context
+            length = next((t for t in self._context_lengths() if t >= length), length)
+        tokens_PT = np.zeros((rows, length), np.int32)
         lengths_P = np.ones(rows, np.int32)
         for i, (work, take) in enumerate(zip(works, takes, strict=True)):
             tokens_PT[i, :take] = work.context[work.done : work.done + take]
@@ -594,7 +641,7 @@ class ContinuousBatcher:
         lay = eng.layouts
         tokens = put_global(tokens_PT, lay.tokens_BT)
         lengths = put_global(lengths_P, lay.lengths_prefill_B)
-        if starts_P.any():
+        if with_context:
             ctx_k, ctx_v = side.slot_steps.context(
                 slots, self._context_pages(works, rows, side), lay.kv_prefill
             )
