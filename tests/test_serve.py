@@ -70,6 +70,7 @@ def test_health_and_models(ready, client):
     assert status["status"] == "ok" and status["slots"] == 2
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert "prefix caching on" in ready.log()  # the start line: on by default
 
 
 def test_greedy_completions_equal_offline_generate(ready, client, offline):
@@ -179,6 +180,44 @@ def test_stream_is_the_completion_in_pieces(ready, client, offline):
     assert "".join(p.text for p in pieces) == offline.text(expected)
     assert [p.finish_reason for p in pieces][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 20
+
+
+def _cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(ready, client, offline):
+    """``usage.prompt_tokens_details.cached_tokens`` as OpenAI reports it: a prompt sent
+    again reuses the K/V its first run cached (short of its last token, which prefill
+    computes for the first token's logits), and draws the same tokens."""
+    prompt = [1] + [250 - i for i in range(39)]  # 40 tokens no other test starts with
+    expected = offline.greedy(prompt, 6, eos=False)
+    runs = [
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        for _ in range(2)
+    ]
+    assert [run.choices[0].model_extra["token_ids"] for run in runs] == [expected] * 2
+    assert [run.usage.prompt_tokens for run in runs] == [40, 40]
+    assert _cached(runs[0].usage) == 0
+    assert 0 < _cached(runs[1].usage) < 40
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert _cached(streamed[-1].usage) == _cached(runs[1].usage)
+    messages = [{"role": "user", "content": "hello , how are you ?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert 0 <= _cached(chat.usage) < chat.usage.prompt_tokens
 
 
 def test_stop_string_trims_the_text(ready, client, offline):
