@@ -136,6 +136,7 @@ def test_n_choices_and_a_list_of_prompts(ready, offline):
         offline.sampled(prompt, 8, sampling, seed=8),
     ]
     completion = sum(len(c["token_ids"]) for c in out["choices"])
+    assert 0 <= out["usage"].pop("prompt_tokens_details")["cached_tokens"] < len(prompt)
     assert out["usage"] == {
         "prompt_tokens": len(prompt),
         "completion_tokens": completion,
@@ -403,14 +404,34 @@ def test_disconnect_mid_stream_frees_the_slot(ready, offline):
     assert steps < 59 + 3, f"the disconnected request ran on ({steps} decode steps)"
 
 
-def test_readme_examples_run_against_the_server(ready, tmp_path):
-    blocks = {lang: body for lang, body in SERVE_BLOCKS if not body.startswith("jaxpar serve")}
-    curl = blocks["bash"].replace(README_PORT, str(ready.port))
+def _run_curl_block(block: str, port: int) -> list[dict]:
+    """A README ``bash serve`` block run against the server: the responses it printed."""
+    curl = block.replace(README_PORT, str(port))
     out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_readme_examples_run_against_the_server(ready, tmp_path):
+    blocks = [(lang, body) for lang, body in SERVE_BLOCKS if not body.startswith("jaxpar serve")]
+    completion, repeated = [_run_curl_block(b, ready.port) for lang, b in blocks if lang == "bash"]
+    for response in [*completion, *repeated]:
+        assert response["choices"][0]["finish_reason"] in ("stop", "length")
+    # The same prompt twice: the second reuses the K/V the first cached, as the README shows.
+    usages = [response["usage"] for response in repeated]
+    shown = re.search(r'```json\n(\{"id".*"cached_tokens":)(N|\d+)(\}\}\})\n```', README)
+    assert shown, "README.md lost the response of the repeated prompt"
+    figure = shown.group(2)  # N until a real run's figure is filled in
+    shown_usage = json.loads(shown.group(1) + figure.replace("N", "0") + shown.group(3))["usage"]
+    assert usages[1].keys() == shown_usage.keys()
+    assert usages[1]["prompt_tokens"] == shown_usage["prompt_tokens"]
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < usages[1]["prompt_tokens"]
+    assert figure in ("N", str(cached)), f"the README shows {figure} cached tokens, a run {cached}"
     script = tmp_path / "readme_openai.py"
-    script.write_text(blocks["python"].replace(README_PORT, str(ready.port)))
+    python = next(body for lang, body in blocks if lang == "python")
+    script.write_text(python.replace(README_PORT, str(ready.port)))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "completion_tokens=" in run.stdout
