@@ -277,7 +277,7 @@ def _devices(batcher: ContinuousBatcher) -> str:
 
 
 def _prefill_note(batcher: ContinuousBatcher) -> str:
-    """``prefill <= 512 tokens at a time, prefix caching on``: the start line's say on
+    """``prefill <= N tokens at a time, prefix caching on``: the start line's say on
     how prompts are prefilled."""
     caching = "on" if batcher.prefix_caching else "off"
     return f"prefill <= {batcher.max_prefill_tokens} tokens at a time, prefix caching {caching}"
