@@ -72,7 +72,7 @@ def _serve_args(*flags: str):
 
 def test_serve_prefill_flags_reach_the_batcher():
     """``--no-prefix-caching`` and ``--max-prefill-tokens`` reach the batcher, disaggregated
-    too; without them prefix caching is on and the batcher picks the chunk size."""
+    too; without them prefix caching is on (colocated) and the batcher picks the budget."""
     from rich.console import Console
 
     from jaxpar.cli._serve import _prefill_note, build_batcher
@@ -82,6 +82,8 @@ def test_serve_prefill_flags_reach_the_batcher():
     assert default.prefix_caching is True
     assert isinstance(default.max_prefill_tokens, int) and default.max_prefill_tokens >= 1
     assert _prefill_note(default).endswith("prefix caching on")
+    disaggregated = build_batcher(_serve_args("--tp", "4", "--prefill", "sp=4"), quiet)
+    assert not disaggregated.prefix_caching  # the prefill devices hold no pages
     flags = ("--no-prefix-caching", "--max-prefill-tokens", "8")
     for layout in [(), ("--tp", "4", "--prefill", "sp=4")]:
         batcher = build_batcher(_serve_args(*flags, *layout), quiet)

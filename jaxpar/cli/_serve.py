@@ -114,16 +114,17 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         dest="prefix_caching",
         action="store_false",
         help="prefill every prompt in full (default: a prompt that starts as an earlier one "
-        "did reuses that prefix's cached K/V and prefills only the rest)",
+        "did reuses the K/V pages of that prefix still cached and prefills only the rest; "
+        "with --prefill, prefix caching is off)",
     )
     serve.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=None,
         metavar="N",
-        help="the most prompt tokens prefilled at a time: a longer prompt is prefilled in "
-        "chunks between decode steps, so running requests keep streaming (default: the "
-        "batcher's rule; the start line says what it chose)",
+        help="the most prefill tokens (padded) run between two decode steps while requests "
+        "decode: a longer prompt is prefilled in chunks, so running requests keep streaming "
+        "(default: about two decode steps' worth, the start line says how many)",
     )
     serve.add_argument(
         "--served-model-name",
