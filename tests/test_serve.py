@@ -419,16 +419,11 @@ def test_readme_examples_run_against_the_server(ready, tmp_path):
         assert response["choices"][0]["finish_reason"] in ("stop", "length")
     # The same prompt twice: the second reuses the K/V the first cached, as the README shows.
     usages = [response["usage"] for response in repeated]
-    shown = re.search(r'```json\n(\{"id".*"cached_tokens":)(N|\d+)(\}\}\})\n```', README)
+    shown = re.search(r'```json\n(\{"id".*"cached_tokens":\d+\}\}\})\n```', README)
     assert shown, "README.md lost the response of the repeated prompt"
-    figure = shown.group(2)  # N until a real run's figure is filled in
-    shown_usage = json.loads(shown.group(1) + figure.replace("N", "0") + shown.group(3))["usage"]
-    assert usages[1].keys() == shown_usage.keys()
-    assert usages[1]["prompt_tokens"] == shown_usage["prompt_tokens"]
+    assert usages[1] == json.loads(shown.group(1))["usage"]
     assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
-    cached = usages[1]["prompt_tokens_details"]["cached_tokens"]
-    assert 0 < cached < usages[1]["prompt_tokens"]
-    assert figure in ("N", str(cached)), f"the README shows {figure} cached tokens, a run {cached}"
+    assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]
     script = tmp_path / "readme_openai.py"
     python = next(body for lang, body in blocks if lang == "python")
     script.write_text(python.replace(README_PORT, str(ready.port)))
