@@ -1,15 +1,18 @@
 """``GET /metrics``: Prometheus metrics read from the live batcher.
 
 In-process, a stand-in batcher with known values checks the names, labels and format (and
-that two apps in one process keep their own registries). Then a real ``jaxpar serve``
-(2 slots) is scraped idle, while streamed requests run and queue, and after them: the
-gauges follow the batcher, and the token and request counters add up exactly.
+that two apps in one process keep their own registries), and one whose tokens arrive at
+set times the histogram of each request's longest wait between two tokens. Then a real
+``jaxpar serve`` (2 slots) is scraped idle, while streamed requests run and queue, and
+after them: the gauges follow the batcher, and the token and request counters add up
+exactly; a prompt sent twice moves the prefix cache's counters as its usage says.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 
@@ -19,7 +22,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpar.engine import BatcherStats
+from jaxpar.engine import BatcherStats, Request, RequestStream
 from jaxpar.server import ServedModel, Service, create_app
 from tests._serve_util import MODEL, Offline, ServerProcess
 
@@ -31,6 +34,10 @@ PROMPT_TOKENS = "jaxpar:prompt_tokens_total"
 GENERATION_TOKENS = "jaxpar:generation_tokens_total"
 SUCCESS_LENGTH = "jaxpar:request_success_total{finished_reason=length}"
 SUCCESS_STOP = "jaxpar:request_success_total{finished_reason=stop}"
+QUERIES = "jaxpar:prefix_cache_queries_total"
+HITS = "jaxpar:prefix_cache_hits_total"
+CACHED = "jaxpar:prompt_tokens_cached_total"
+GAP = "jaxpar:request_max_inter_token_latency_seconds"
 
 SLOTS = 2
 
@@ -47,6 +54,13 @@ def _parse(text: str, model: str) -> dict[str, float]:
     return out
 
 
+def _gap(values: dict[str, float]) -> tuple[dict[str, float], float, float]:
+    """The token-gap histogram's samples: (count per ``le`` bound, count, sum)."""
+    head = GAP + "_bucket{le="
+    buckets = {k.removeprefix(head)[:-1]: v for k, v in values.items() if k.startswith(head)}
+    return buckets, values[GAP + "_count"], values[GAP + "_sum"]
+
+
 def _check_response(response) -> str:
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == CONTENT_TYPE_LATEST
@@ -58,19 +72,33 @@ def _check_response(response) -> str:
 
 @dataclasses.dataclass
 class _Batcher:
-    """What /metrics reads of a batcher, with set values."""
+    """What /metrics reads of a batcher, with set values; its requests draw a token more
+    than they have gaps in ``gaps_s`` (one list per request, in order), each token
+    arriving that many seconds after the one before."""
 
+    slots: int = 1
     active: int = 0
     queued: int = 0
     kv_cache_usage: float = 0.0
     stats: BatcherStats = dataclasses.field(default_factory=BatcherStats)
     failure: None = None
+    max_prompt_len: int = 64
+    max_seq_len: int = 64
+    gaps_s: list[list[float]] = dataclasses.field(default_factory=list)
 
     def start(self):
         return self
 
     def close(self, *, drain=False, timeout=None):
         pass
+
+    def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=()):
+        gaps = self.gaps_s.pop(0)
+        stream = RequestStream(0, Request(prompt=tuple(prompt), max_tokens=len(gaps) + 1))
+        for token in range(len(gaps) + 1):
+            stream.emit(token)
+        stream.token_times[:] = itertools.accumulate([100.0, *gaps])
+        return stream
 
 
 def test_metrics_read_the_batcher_at_each_scrape():
@@ -81,23 +109,56 @@ def test_metrics_read_the_batcher_at_each_scrape():
         text = _check_response(http.get("/metrics"))  # 200 while warming up too
         assert "# TYPE jaxpar:num_requests_running gauge" in text
         assert "# TYPE jaxpar:num_preemptions_total counter" in text
+        assert "# TYPE jaxpar:request_max_inter_token_latency_seconds histogram" in text
         values = _parse(text, "a")
-        assert values == {
+        assert {k: v for k, v in values.items() if not k.startswith(GAP)} == {
             RUNNING: 3,
             WAITING: 5,
             USAGE: 0.375,
             PREEMPTIONS: 0,
+            QUERIES: 0,
+            HITS: 0,
+            CACHED: 0,
             PROMPT_TOKENS: 0,
             GENERATION_TOKENS: 0,
             SUCCESS_STOP: 0,
             SUCCESS_LENGTH: 0,
         }
+        buckets, count, total = _gap(values)
+        assert (set(buckets.values()), count, total) == ({0}, 0, 0)
+        assert (min(buckets, key=float), max(buckets, key=float)) == ("0.001", "+Inf")
+        assert "60.0" in buckets
         one.active, one.queued, one.kv_cache_usage = 0, 0, 0.0
         one.stats.preemptions = 4
+        one.stats.prefix_queries, one.stats.prefix_hits = 96, 64
+        one.stats.prompt_tokens_cached = 48
         values = _parse(http.get("/metrics").text, "a")
         assert (values[RUNNING], values[WAITING], values[USAGE]) == (0, 0, 0)
         assert values[PREEMPTIONS] == 4
+        assert (values[QUERIES], values[HITS], values[CACHED]) == (96, 64, 48)
         assert _parse(_check_response(http_other.get("/metrics")), "b")[RUNNING] == 1
+
+
+def _wait_ready(http: TestClient) -> None:
+    for _ in range(100):
+        if http.get("/health").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("not ready")
+
+
+def test_each_request_observes_its_longest_token_gap():
+    """One observation per request with at least two tokens: its longest gap."""
+    batcher = _Batcher(gaps_s=[[], [0.002, 0.0005], [0.25, 3.0, 0.01]])
+    with TestClient(create_app(Service(batcher, ServedModel(name="a")))) as http:
+        _wait_ready(http)
+        for gaps in list(batcher.gaps_s):
+            body = {"model": "a", "prompt": [1, 2], "max_tokens": len(gaps) + 1}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        buckets, count, total = _gap(_parse(http.get("/metrics").text, "a"))
+    assert (count, total) == (2, pytest.approx(3.002))
+    assert (buckets["0.001"], buckets["0.0025"], buckets["2.5"]) == (0, 1, 1)
+    assert (buckets["5.0"], buckets["60.0"], buckets["+Inf"]) == (2, 2, 2)
 
 
 # --- a real server -----------------------------------------------------------------------
@@ -183,6 +244,30 @@ def test_metrics_follow_the_running_server(ready):
     assert after[SUCCESS_LENGTH] - before[SUCCESS_LENGTH] == len(prompts)
     assert after[SUCCESS_STOP] == before[SUCCESS_STOP]
     assert after[PREEMPTIONS] == 0
+    # Each request's longest wait between two of its tokens, once per request.
+    gaps_before, gaps_after = _gap(before), _gap(after)
+    assert gaps_after[1] - gaps_before[1] == len(prompts)
+    assert 0 < gaps_after[2] - gaps_before[2] < 60 * len(prompts)
+    assert after[HITS] <= after[QUERIES] and after[CACHED] <= after[PROMPT_TOKENS]
+
+
+def test_prefix_cache_counters_follow_a_repeated_prompt(ready):
+    """A prompt sent twice: the second reuses what the first cached. The cached-tokens
+    counter moves by what the two usages say; every one of them was looked up and found."""
+    before = _idle(ready)
+    prompt = [1] + [240 - i for i in range(39)]  # 40 tokens no other test starts with
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+    cached = []
+    for _ in range(2):
+        response = httpx.post(f"{ready.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    after = _idle(ready)
+    assert cached[0] == 0 and 0 < cached[1] < len(prompt)
+    assert after[CACHED] - before[CACHED] == sum(cached)
+    hits, queries = after[HITS] - before[HITS], after[QUERIES] - before[QUERIES]
+    assert sum(cached) <= hits <= queries <= 2 * len(prompt)
+    assert _gap(after)[1] - _gap(before)[1] == 2
 
 
 # --- many sequences in a small paged cache -------------------------------------------------

@@ -70,6 +70,7 @@ def test_health_and_models(ready, client):
     assert status["status"] == "ok" and status["slots"] == 2
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert "prefix caching on" in ready.log()  # the start line: on by default
 
 
 def test_greedy_completions_equal_offline_generate(ready, client, offline):
@@ -135,6 +136,7 @@ def test_n_choices_and_a_list_of_prompts(ready, offline):
         offline.sampled(prompt, 8, sampling, seed=8),
     ]
     completion = sum(len(c["token_ids"]) for c in out["choices"])
+    assert 0 <= out["usage"].pop("prompt_tokens_details")["cached_tokens"] < len(prompt)
     assert out["usage"] == {
         "prompt_tokens": len(prompt),
         "completion_tokens": completion,
@@ -179,6 +181,44 @@ def test_stream_is_the_completion_in_pieces(ready, client, offline):
     assert "".join(p.text for p in pieces) == offline.text(expected)
     assert [p.finish_reason for p in pieces][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 20
+
+
+def _cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(ready, client, offline):
+    """``usage.prompt_tokens_details.cached_tokens`` as OpenAI reports it: a prompt sent
+    again reuses the K/V its first run cached (short of its last token, which prefill
+    computes for the first token's logits), and draws the same tokens."""
+    prompt = [1] + [250 - i for i in range(39)]  # 40 tokens no other test starts with
+    expected = offline.greedy(prompt, 6, eos=False)
+    runs = [
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        for _ in range(2)
+    ]
+    assert [run.choices[0].model_extra["token_ids"] for run in runs] == [expected] * 2
+    assert [run.usage.prompt_tokens for run in runs] == [40, 40]
+    assert _cached(runs[0].usage) == 0
+    assert 0 < _cached(runs[1].usage) < 40
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert _cached(streamed[-1].usage) == _cached(runs[1].usage)
+    messages = [{"role": "user", "content": "hello , how are you ?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert 0 <= _cached(chat.usage) < chat.usage.prompt_tokens
 
 
 def test_stop_string_trims_the_text(ready, client, offline):
@@ -364,14 +404,29 @@ def test_disconnect_mid_stream_frees_the_slot(ready, offline):
     assert steps < 59 + 3, f"the disconnected request ran on ({steps} decode steps)"
 
 
-def test_readme_examples_run_against_the_server(ready, tmp_path):
-    blocks = {lang: body for lang, body in SERVE_BLOCKS if not body.startswith("jaxpar serve")}
-    curl = blocks["bash"].replace(README_PORT, str(ready.port))
+def _run_curl_block(block: str, port: int) -> list[dict]:
+    """A README ``bash serve`` block run against the server: the responses it printed."""
+    curl = block.replace(README_PORT, str(port))
     out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_readme_examples_run_against_the_server(ready, tmp_path):
+    blocks = [(lang, body) for lang, body in SERVE_BLOCKS if not body.startswith("jaxpar serve")]
+    completion, repeated = [_run_curl_block(b, ready.port) for lang, b in blocks if lang == "bash"]
+    for response in [*completion, *repeated]:
+        assert response["choices"][0]["finish_reason"] in ("stop", "length")
+    # The same prompt twice: the second reuses the K/V the first cached, as the README shows.
+    usages = [response["usage"] for response in repeated]
+    shown = re.search(r'```json\n(\{"id".*"cached_tokens":\d+\}\}\})\n```', README)
+    assert shown, "README.md lost the response of the repeated prompt"
+    assert usages[1] == json.loads(shown.group(1))["usage"]
+    assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]
     script = tmp_path / "readme_openai.py"
-    script.write_text(blocks["python"].replace(README_PORT, str(ready.port)))
+    python = next(body for lang, body in blocks if lang == "python")
+    script.write_text(python.replace(README_PORT, str(ready.port)))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "completion_tokens=" in run.stdout

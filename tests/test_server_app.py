@@ -1,7 +1,10 @@
-"""The server's pieces in-process: incremental detokenisation, and engine failures.
+"""The server's pieces in-process: incremental detokenisation, engine failures, and the
+prompt tokens ``usage`` says came from the prefix cache.
 
 No JAX here: a byte tokenizer (one token per UTF-8 byte) splits multi-byte characters
-across tokens, and a stand-in batcher fails the way a real one reports a failed step.
+across tokens, a stand-in batcher fails the way a real one reports a failed step, and
+another answers at once with a stand-in prefix cache (the official ``openai`` client
+reads its usage).
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import types
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
@@ -150,3 +155,127 @@ def test_a_body_that_is_not_an_object_is_a_400():
         response = http.post("/v1/completions", json=[1, 2])
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- usage.prompt_tokens_details: the prefix cache's share of the prompt ----------------
+
+
+class _ByteTokenizer:
+    """One token per UTF-8 byte."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> types.SimpleNamespace:
+        return types.SimpleNamespace(ids=list(text.encode()))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return _bytes_decode(ids)
+
+
+def _render_chat(messages: list[dict]) -> str:
+    return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+
+class CachingBatcher(FailingBatcher):
+    """Answers each request at once (``max_tokens`` tokens). Its stand-in prefix cache
+    holds every prompt submitted before, in pages of :attr:`PAGE` tokens: a prompt's
+    cached tokens are the whole pages it shares with one of them, short of its last token
+    (which prefill must compute for the first token's logits)."""
+
+    PAGE = 2
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    def cached(self, prompt: list[int]) -> int:
+        shared = max((_common_prefix(prompt, seen) for seen in self.seen), default=0)
+        shared = min(shared, len(prompt) - 1)
+        return shared - shared % self.PAGE
+
+    def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=()):
+        request = Request(prompt=tuple(prompt), max_tokens=max_tokens, sampling=sampling)
+        stream = RequestStream(len(self.seen), request)
+        stream.cached_tokens = self.cached(prompt)
+        self.seen.append(list(prompt))
+        for i in range(max_tokens):
+            stream.emit(ord("a") + i % 26)  # the last one finishes it ("length")
+        return stream
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture
+def caching():
+    """(the stand-in batcher, an ``openai`` client of its app, the app's test client)."""
+    batcher = CachingBatcher()
+    model = ServedModel(name="m", tokenizer=_ByteTokenizer(), render_chat=_render_chat)
+    with TestClient(create_app(Service(batcher, model))) as http:
+        _ready(http)
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
+        )
+        yield batcher, client, http
+
+
+def _cached(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(caching):
+    _, client, http = caching
+    first = client.completions.create(model="m", prompt="hello world!", max_tokens=3)
+    assert (first.usage.prompt_tokens, _cached(first.usage)) == (12, 0)
+    again = client.completions.create(model="m", prompt="hello world!", max_tokens=3)
+    assert (again.usage.prompt_tokens, _cached(again.usage)) == (12, 10)  # 11 -> whole pages
+    body = {"model": "m", "prompt": "hello there", "max_tokens": 2}
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    assert usage == {  # "hello " is 3 pages of 2
+        "prompt_tokens": 11,
+        "completion_tokens": 2,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 6},
+    }
+    messages = [{"role": "user", "content": "how are you?"}]  # 18 tokens rendered
+    chats = [client.chat.completions.create(model="m", messages=messages) for _ in range(2)]
+    assert [(c.usage.prompt_tokens, _cached(c.usage)) for c in chats] == [(18, 0), (18, 16)]
+
+
+def test_cached_tokens_count_each_prompt_once_as_its_first_choice_saw_it(caching):
+    """As ``prompt_tokens`` does: ``n`` choices share their prompt, counted once (the first
+    choice's), and a list of prompts adds up."""
+    _, client, _ = caching
+    out = client.completions.create(model="m", prompt=["abcdef", "abcxyz"], n=2, max_tokens=1)
+    # In the batcher, in order: abcdef (nothing cached), abcdef again (4 of 6 cached),
+    # abcxyz (2: "ab" of "abc"), abcxyz again (4). The first choices count: 0 and 2.
+    assert (out.usage.prompt_tokens, _cached(out.usage)) == (12, 0 + 2)
+    assert out.usage.completion_tokens == 4
+
+
+def test_the_streamed_usage_chunk_reports_cached_tokens(caching):
+    _, client, _ = caching
+    for _ in range(2):
+        chunks = list(
+            client.completions.create(
+                model="m",
+                prompt=["abcdef", "abcdef"],
+                max_tokens=3,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+    assert not chunks[-1].choices
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, _cached(usage), usage.completion_tokens) == (12, 8, 6)
+    assert all(c.usage is None for c in chunks[:-1])
+    messages = [{"role": "user", "content": "abcdef"}]
+    for _ in range(2):
+        chunks = list(
+            client.chat.completions.create(
+                model="m", messages=messages, stream=True, stream_options={"include_usage": True}
+            )
+        )
+    assert (chunks[-1].usage.prompt_tokens, _cached(chunks[-1].usage)) == (12, 10)

@@ -14,6 +14,7 @@ import contextlib
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -109,6 +110,23 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "prefill strategy's smallest batch)",
     )
     serve.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="prefill every prompt in full (default: a prompt that starts as an earlier one "
+        "did reuses the K/V pages of that prefix still cached and prefills only the rest; "
+        "with --prefill, prefix caching is off)",
+    )
+    serve.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most prefill tokens (padded) run between two decode steps while requests "
+        "decode: a longer prompt is prefilled in chunks, so running requests keep streaming "
+        "(default: about two decode steps' worth, the start line says how many)",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         help="the 'model' clients name (default: the checkpoint directory's name)",
@@ -158,8 +176,10 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
             "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
             "schedule): use pp=1, with dp, sp, ep or tp instead"
         )
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    for flag in ("max_num_seqs", "max_prefill_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     slots = args.max_num_seqs or _round_up(DEFAULT_MAX_NUM_SEQS, batch_multiple(config, decode))
     max_seq_len = _max_seq_len(args, config)
     check_context(args, config, max_seq_len)
@@ -182,14 +202,21 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
         )
     check_devices(groups)
     engine = _engine(args, groups[Phase.DECODE], slots, console, "decode")
+    scheduling = _scheduling(args, budget)
     if prefill is None:
-        return ContinuousBatcher(
-            engine, prefill_batch=args.prefill_batch, max_queue=args.max_queue, kv_budget=budget
-        )
+        return ContinuousBatcher(engine, prefill_batch=args.prefill_batch, **scheduling)
     prefill_engine = _engine(args, groups[Phase.PREFILL], prefill_batch, console, "prefill")
-    return ContinuousBatcher(
-        engine, prefill_engine=prefill_engine, max_queue=args.max_queue, kv_budget=budget
-    )
+    return ContinuousBatcher(engine, prefill_engine=prefill_engine, **scheduling)
+
+
+def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:
+    """The batcher's keyword arguments that do not depend on disaggregation."""
+    return {
+        "max_queue": args.max_queue,
+        "kv_budget": budget,
+        "prefix_caching": args.prefix_caching,
+        "max_prefill_tokens": args.max_prefill_tokens,
+    }
 
 
 def served_model(args: argparse.Namespace):
@@ -250,6 +277,13 @@ def _devices(batcher: ContinuousBatcher) -> str:
     return f"{span} of {jax.device_count()}"
 
 
+def _prefill_note(batcher: ContinuousBatcher) -> str:
+    """``prefill <= N tokens at a time, prefix caching on``: the start line's say on
+    how prompts are prefilled."""
+    caching = "on" if batcher.prefix_caching else "off"
+    return f"prefill <= {batcher.max_prefill_tokens} tokens at a time, prefix caching {caching}"
+
+
 def _server_class():
     import uvicorn
 
@@ -292,7 +326,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"{where}decode {batcher.engine.parallel_config} on {_devices(batcher)}, up to "
         f"{batcher.slots} sequences, "
-        f"max_seq_len {batcher.max_seq_len}, queue {args.max_queue}; "
+        f"max_seq_len {batcher.max_seq_len}, queue {args.max_queue}, {_prefill_note(batcher)}; "
         f"http://{args.host}:{args.port} (GET /health is 200 once warmed up)",
         soft_wrap=True,
     )

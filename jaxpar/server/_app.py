@@ -85,11 +85,20 @@ COMPLETIONS = _Format("text_completion", "cmpl-", chat=False)
 CHAT = _Format("chat.completion", "chatcmpl-", chat=True)
 
 
-def _usage(jobs: list[Job], body: _Generate) -> dict[str, int]:
-    """Each prompt counted once (its ``n`` choices share it), every choice's tokens."""
-    prompt = sum(len(job.prompt) for job in jobs[:: body.n])
+def _usage(jobs: list[Job], body: _Generate) -> dict[str, Any]:
+    """Each prompt counted once, as its first choice saw it (its ``n`` choices share it),
+    and every choice's tokens. ``prompt_tokens_details.cached_tokens``, as OpenAI reports
+    it: of those prompt tokens, the ones whose K/V came from the prefix cache."""
+    firsts = jobs[:: body.n]
+    prompt = sum(len(job.prompt) for job in firsts)
+    cached = sum(job.stream.cached_tokens for job in firsts)
     new = sum(len(job.tokens) for job in jobs)
-    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": new,
+        "total_tokens": prompt + new,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _data(payload: dict | str) -> str:

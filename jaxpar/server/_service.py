@@ -7,8 +7,10 @@ stream of tokens into text deltas (:class:`~jaxpar.server._detokenize.TextStream
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import secrets
 import time
 import uuid
@@ -25,6 +27,24 @@ from jaxpar.server._protocol import MAX_CHOICES, ChatRequest, CompletionRequest,
 RETRY_AFTER_S = 1
 #: The finish reasons of a request that succeeded: a stop token or string, ``max_tokens``.
 SUCCESS_REASONS = ("stop", "length")
+#: Bucket bounds (seconds) of :attr:`ServiceStats.max_token_gap`: 1 ms to 60 s.
+TOKEN_GAP_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +93,33 @@ class Job:
         }
 
 
+class Histogram:
+    """Observations counted into buckets, as Prometheus counts them (a value equal to a
+    bound falls in that bound's bucket); only grows."""
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket; the last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[int]:
+        """Observations <= each bound, then all of them (Prometheus's ``le`` buckets)."""
+        return list(itertools.accumulate(self.counts))
+
+
+def max_gap(times: Sequence[float]) -> float | None:
+    """The longest wait between two consecutive ``times``; None for fewer than two."""
+    if len(times) < 2:
+        return None
+    return max(later - earlier for earlier, later in itertools.pairwise(times))
+
+
 @dataclasses.dataclass
 class ServiceStats:
     """Counters since start over the requests a :class:`Service` followed (they only grow).
@@ -85,6 +132,11 @@ class ServiceStats:
     generation_tokens: int = 0
     #: Requests that finished with each of :data:`SUCCESS_REASONS`.
     succeeded: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    #: Per request followed to its end with at least two tokens (whatever ended it): the
+    #: longest wait between two of its tokens reaching the host, in seconds.
+    max_token_gap: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram(TOKEN_GAP_BUCKETS_S)
+    )
 
 
 class Service:
@@ -286,6 +338,14 @@ class Service:
         finally:
             if not job.stream.done:
                 job.stream.cancel()
+            self._observe_gap(job)
+
+    def _observe_gap(self, job: Job) -> None:
+        """Counts the longest gap between the tokens ``job`` delivered (not those the
+        batcher drew after a stop string or a cancel)."""
+        gap = max_gap(job.stream.token_times[: len(job.tokens)])
+        if gap is not None:
+            self.stats.max_token_gap.observe(gap)
 
 
 def _outcome(stream: RequestStream) -> str:
