@@ -115,7 +115,7 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         action="store_false",
         help="prefill every prompt in full (default: a prompt that starts as an earlier one "
         "did reuses the K/V pages of that prefix still cached and prefills only the rest; "
-        "with --prefill, prefix caching is off)",
+        "with --prefill, in the prefill devices' own pages)",
     )
     serve.add_argument(
         "--max-prefill-tokens",
