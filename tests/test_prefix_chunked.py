@@ -8,12 +8,14 @@ chunk with decode steps in between; either way its tokens must be those of
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from jaxpar import ParallelConfig
 from jaxpar.engine import ContinuousBatcher, Sampling
 from jaxpar.engine._kv_budget import KVBudget
+from jaxpar.inspect import parse_collectives
 from tests.test_batching import CONFIG, SAMPLED, _engine, _offline
 from tests.test_paged_serving import _balanced
 
@@ -146,3 +148,24 @@ def test_eviction_under_a_tiny_pool_keeps_requests_exact():
         _serve_and_check(batcher, expected, requests, sequential=4)
         assert batcher.pages.evictions > 0
     _balanced(batcher)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [ParallelConfig(dp=2, tp=2), ParallelConfig(sp=2), ParallelConfig(dp=4)],
+    ids=["dp2-tp2", "sp2", "dp4"],
+)
+def test_reading_cached_pages_moves_the_context_not_the_pool(parallel):
+    """The pool's pages split over decode's batch shards; reading a prefill's context from
+    them moves those pages once (a gather on the shard that holds each page), never the
+    pool: the compiled read's collectives carry about the context's bytes."""
+    engine = _engine(parallel)
+    batcher = ContinuousBatcher(engine, kv_budget=KVBudget(page_size=PAGE, tokens=4096))
+    steps, rows, n_pages = batcher.slot_steps, batcher.row_buckets()[0], 4
+    pages = jax.ShapeDtypeStruct((rows, n_pages), np.int32, sharding=engine.layouts.replicated)
+    program = steps._context_program(steps.abstract(), pages, engine.layouts.kv_prefill, None)
+    moved = sum(c.bytes for c in parse_collectives(program))
+    c = engine.model_config
+    context = 2 * c.n_layers * rows * n_pages * PAGE * c.n_kv_heads * c.head_dim * 4  # f32 K, V
+    pool = steps.pool_bytes_per_device()
+    assert 0 < moved <= 1.1 * context < pool / 10
