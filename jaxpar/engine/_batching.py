@@ -13,11 +13,24 @@ sampling steps, so its tokens are those it would have drawn anyway). A request n
 waits for another to finish, and nothing recompiles per request: prefill and insert
 compile once per bucket, the decode step once per block-table width.
 
-Disaggregated (``prefill_engine`` given): prefill runs on that engine's devices with its
-own strategy, in a thread of its own, so it overlaps the decode steps; each batch's K/V
-and logits move to the decode devices once (:attr:`BatcherStats.transfer_bytes`).
-"""
+Prefix caching: the full pages a prompt wrote stay indexed by their tokens (a hash chain,
+:mod:`jaxpar.engine._prefix`) after the request ends, until the pool needs them. A new
+request is placed in the batch shard holding the longest cached run of its prefix, shares
+those pages (reference-counted, never written while shared), and prefills only the rest:
+a *prefill with context*, whose tokens also attend to the cached K/V (read from the
+pages into the prefill layout). At least its last token is computed, for its logits.
 
+Chunked prefill: while requests decode, at most ``max_prefill_tokens`` (padded) are
+prefilled between two decode steps. A prompt longer than a chunk is prefilled alone, one
+chunk (whole pages) per step, each a prefill with context over the chunks before it, so
+running requests keep streaming; its row starts decoding after its last chunk.
+
+Disaggregated (``prefill_engine`` given): prefill runs on that engine's devices with its
+own strategy, in a thread of its own, so it overlaps the decode steps. The prefill group
+keeps a page pool of its own for its prefix cache and chunks; each finished batch's K/V
+(read back from its pages when it had context) and logits move to the decode devices
+once (:attr:`BatcherStats.transfer_bytes`).
+"""
 from __future__ import annotations
 
 import collections

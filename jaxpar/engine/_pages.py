@@ -6,9 +6,11 @@ shard and the block table ``[B, N]`` of local page ids that every decode step is
 Local page 0 of each shard is the scratch page free rows write to; it is never handed out.
 
 It is plain Python on the host (no device reads): pages are taken when a request is
-admitted and as it grows, and given back when it ends or is preempted. Freeing a page
-twice, or leaving a page neither free nor held, raises: a leak would otherwise only show
-as a pool that slowly fills up.
+admitted and as it grows, and given back when it ends or is preempted; with the prefix
+cache, full pages stay cached after that until a shard needs room (least recently used
+first), and requests that start with the same tokens share them (reference counts).
+Freeing a page twice, or a page whose count is not the rows holding it, raises: a leak
+would otherwise only show as a pool that slowly fills up.
 """
 
 from __future__ import annotations
