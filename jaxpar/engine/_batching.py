@@ -31,6 +31,7 @@ keeps a page pool of its own for its prefix cache and chunks; each finished batc
 (read back from its pages when it had context) and logits move to the decode devices
 once (:attr:`BatcherStats.transfer_bytes`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -89,6 +90,7 @@ class _Prefill:
     context: list[int]  # what its pages will hold: the prompt, and tokens drawn before
     keys: list[bytes]  # prefix keys of the context's full pages
     done: int = 0
+    chunked: bool = False  # prefilled a chunk at a time (else whole, however long)
 
     @property
     def remaining(self) -> int:
@@ -545,11 +547,12 @@ class ContinuousBatcher:
         return taken
 
     def _admit_work(self, budget: int | None, side: _Side) -> list[_Prefill]:
-        """The next prefill of the colocated loop (call with the lock held): the next chunk
-        of a long prompt, or queued requests placed in free rows with their pages (the
-        cached ones of their prefix shared), in order, while their pages fit, their padded
-        tokens stay within ``budget`` (None: no bound), and each fits one chunk. A request
-        longer than a chunk is prefilled alone, chunk by chunk."""
+        """The next prefill on ``side`` (call with the lock held): the next chunk of a long
+        prompt, or queued requests placed in free rows with their pages (the cached ones
+        of their prefix shared), in order, while their pages fit, their padded tokens stay
+        within ``budget`` (None: no bound), and each fits one chunk. A request longer than
+        a chunk is prefilled alone, chunk by chunk; or whole, if it is colocated, nothing
+        decodes (``budget`` None) and nothing of it is cached."""
         if self._chunking is not None:
             work = self._chunking
             cost = self._cost(1, min(work.remaining, self.chunk_tokens))
@@ -559,7 +562,11 @@ class ContinuousBatcher:
             work = self._place(stream, [w.row for w in works], side=side)
             if work is None:
                 break
+            # Colocated with nothing decoding, a prompt with nothing cached runs whole:
+            # no stream waits for it, and one prefill is faster than chunks.
+            whole = budget is None and not work.done and side.owners is self._owners
             long = work.remaining > self.chunk_tokens
+            work.chunked = long and not whole
             longest = max(w.remaining for w in [*works, work])
             cost = self._cost(len(works) + 1, min(longest, self.chunk_tokens))
             if (works and long) or (budget is not None and works and cost > budget):
@@ -568,8 +575,8 @@ class ContinuousBatcher:
             self._queue.popleft()
             self._count_hit(work, side)
             works.append(work)
-            if long:
-                self._chunking = work
+            if long:  # alone: chunk by chunk, or whole
+                self._chunking = work if work.chunked else None
                 break
         return works
 
@@ -635,7 +642,7 @@ class ContinuousBatcher:
         prefilled with the tokens it drew, and draws its next one at its own step."""
         eng, rows = self.prefill_engine, self._rows(len(works))
         start = time.perf_counter()
-        takes = [min(w.remaining, self.chunk_tokens) for w in works]
+        takes = [min(w.remaining, self.chunk_tokens) if w.chunked else w.remaining for w in works]
         final = all(t == w.remaining for t, w in zip(takes, works, strict=True))
         streams = [w.stream for w in works]
         steps_P = np.zeros(rows, np.int32)
