@@ -83,7 +83,8 @@ def test_serve_prefill_flags_reach_the_batcher():
     assert isinstance(default.max_prefill_tokens, int) and default.max_prefill_tokens >= 1
     assert _prefill_note(default).endswith("prefix caching on")
     disaggregated = build_batcher(_serve_args("--tp", "4", "--prefill", "sp=4"), quiet)
-    assert not disaggregated.prefix_caching  # the prefill devices hold no pages
+    assert disaggregated.prefix_caching  # in the prefill devices' own pages
+    assert disaggregated._side.pages is not disaggregated.pages
     flags = ("--no-prefix-caching", "--max-prefill-tokens", "8")
     for layout in [(), ("--tp", "4", "--prefill", "sp=4")]:
         batcher = build_batcher(_serve_args(*flags, *layout), quiet)

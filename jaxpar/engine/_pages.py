@@ -227,7 +227,9 @@ class PageTable:
         shard = self.shard(row)
         if len(set(pages)) != held or (self.refs[shard, pages] < 1).any():
             raise RuntimeError(f"row {row} frees page(s) {pages} that are already free")
-        for page in pages:
+        # Last page first: a prefix's tail then becomes the least recently used, so
+        # eviction shortens cached prefixes from their end and never strands their tail.
+        for page in reversed(pages):
             self.refs[shard, page] -= 1
             if self.refs[shard, page]:
                 continue
