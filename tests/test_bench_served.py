@@ -101,22 +101,25 @@ def test_prefix_figures():
 
 
 def test_gap_figures():
-    times = [0.0, 0.01, 0.02, 0.03, 0.53, 0.54, 0.55]  # one 500 ms gap among 10 ms ones
-    stats = served._gap_stats(served.Completion(8, -0.1, token_times=times))
+    times = [0.0, 0.01, 0.02, 0.03, 0.53, 0.54, 0.55, 0.58, 0.61]  # 500 ms among 10 and 30 ms
+    stats = served._gap_stats(served.Completion(8, -0.1, token_times=times), long_sent=0.025)
     assert stats["longest_gap_ms"] == pytest.approx(500)
     assert stats["tpot_p50_ms"] == pytest.approx(10)
+    assert stats["steady_tpot_p50_ms"] == pytest.approx(10)  # the gaps up to 0.02
     assert stats["gap_over_tpot"] == pytest.approx(50)
     system = {
         "long_ttft_ms": 900.0,
         "streams": [stats],
         "worst_gap_over_tpot": 50.0,
         "median_gap_over_tpot": 50.0,
+        "worst_gap_over_steady_tpot": 50.0,
         "longest_gap_ms": 500.0,
         "tpot_p50_ms": 10.0,
+        "steady_tpot_p50_ms": 10.0,
     }
     res = {
         "setup": {**dataclasses.asdict(served.CHUNKED), "max_seq_len": 4224},
         "systems": {"chunked": system, "whole": system},
     }
     text = served.chunked_markdown(res)
-    assert "| chunked | 900 | 10.0 | 500 | **50.0** | 50.0 | FAIL |" in text
+    assert "| chunked | 900 | 10.0 | 10.0 | 500 | **50.0** | 50.0 | FAIL | 50.0 |" in text
