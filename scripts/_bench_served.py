@@ -309,10 +309,16 @@ PREFIX = PrefixSetup()
 PREFIX_QUICK = PrefixSetup(system=256, requests=8)
 
 
-def _prefix_prompts(setup: PrefixSetup, vocab: int, seed: int) -> list[list[int]]:
+def _prefix_prompts(
+    setup: PrefixSetup, vocab: int, seed: int, system: list[int] | None = None
+) -> list[list[int]]:
+    """A system prompt (``seed``'s, unless given) and a question per request. The question
+    lengths are the same for every seed: each pass runs the programs the warm-up compiled."""
+    lengths = np.random.default_rng(0).integers(
+        setup.question[0], setup.question[1] + 1, setup.requests
+    )
     rng = np.random.default_rng(seed)
-    system = rng.integers(1, vocab, setup.system).tolist()
-    lengths = rng.integers(setup.question[0], setup.question[1] + 1, setup.requests)
+    system = system or rng.integers(1, vocab, setup.system).tolist()
     return [system + rng.integers(1, vocab, int(n)).tolist() for n in lengths]
 
 
@@ -394,7 +400,8 @@ def prefix_section(
     checkpoint: Path, vocab: int, work_dir: Path, quick: bool = False
 ) -> dict[str, Any]:
     """Two servers, one after the other (prefix caching on, then off): each warmed with a
-    pass over another system prompt, then the measured pass, then a burst."""
+    pass over another system prompt (the same question lengths), then the measured pass,
+    then a burst of new questions twice (the first compiles, the second is measured)."""
     setup = PREFIX_QUICK if quick else PREFIX
     longest = setup.system + setup.question[1] + setup.max_tokens
     max_seq_len = -(-longest // 256) * 256
@@ -404,9 +411,8 @@ def prefix_section(
     ]  # fmt: skip
     warm = _prefix_prompts(setup, vocab, seed=10)
     measured = _prefix_prompts(setup, vocab, seed=11)
-    rng = np.random.default_rng(12)  # the burst: the measured system prompt, new questions
-    burst = [measured[0][: setup.system] + rng.integers(1, vocab, len(p) - setup.system).tolist()
-             for p in measured]  # fmt: skip
+    system = measured[0][: setup.system]  # the bursts: its system prompt, new questions
+    bursts = [_prefix_prompts(setup, vocab, seed, system) for seed in (12, 13)]
     systems: dict[str, Any] = {}
     for name, flags in (("prefix caching", []), ("no prefix caching", ["--no-prefix-caching"])):
         with Server(checkpoint, [*common, *flags], work_dir / "logs", work_dir / "xla") as srv:
@@ -422,7 +428,9 @@ def prefix_section(
                 for k, m in zip(("queries", "hits"), PREFIX_METRICS, strict=True)
             }
             res = summarize_prefix(setup, runs, counters)
-            res["burst"] = _burst(srv, burst, setup.max_tokens)
+            _burst(srv, bursts[0], setup.max_tokens)  # compiles its batches' programs
+            srv.wait_idle()
+            res["burst"] = _burst(srv, bursts[1], setup.max_tokens)
             res["server_start_s"] = srv.start_s
             res["flags"] = " ".join([*common, *flags])
             systems[name] = res
@@ -446,8 +454,9 @@ def prefix_markdown(res: dict) -> str:
         f"completions of token ids). {s['requests']} requests share a {s['system']}-token "
         f"system prompt, each with its own question of {s['question'][0]}..{s['question'][1]} "
         f"tokens; greedy, {s['max_tokens']} new tokens; sent one at a time after a warm-up "
-        f"pass over another system prompt; pages of {s['page_size']} tokens; max_seq_len "
-        f"{s['max_seq_len']}.",
+        f"pass over another system prompt (the same question lengths); pages of "
+        f"{s['page_size']} tokens; max_seq_len {s['max_seq_len']}. Burst: {s['requests']} new "
+        "questions at once after the pass (after a burst that compiles).",
         "",
         "| server | TTFT first ms | TTFT rest p50 ms | cached tokens | computed / suffix "
         "(all) | computed / suffix (rest) | hit rate | burst of "
