@@ -585,12 +585,25 @@ class _Streams:
                 self._headed.notify_all()
 
 
-def _gap_stats(c: Completion, long_sent: float) -> dict[str, float]:
-    """A stream's longest gap and median gap (its TPOT), and the median of its gaps
-    before the long prompt was sent (steady decoding, nothing prefilled in between)."""
+#: Where a stream's gaps fall against the long request: before it was sent, while it was
+#: prefilled (sent to its first token), while it decoded (first to last token), after.
+PHASES = ("before", "prefill", "long decode", "after")
+
+
+def _gap_stats(c: Completion, long: Completion) -> dict[str, Any]:
+    """A stream's longest gap and median gap (its TPOT); its steady TPOT (median gap
+    before the long prompt was sent: nothing prefilled in between); and its longest gap in
+    each of :data:`PHASES` (a gap counts in every phase it overlaps)."""
     times = np.asarray(c.token_times)
-    gaps = np.diff(times)
-    steady = gaps[times[1:] <= long_sent]
+    gaps, start, end = np.diff(times), times[:-1], times[1:]
+    sent, first, last = long.sent, long.token_times[0], long.token_times[-1]
+    steady = gaps[end <= sent]
+    phases = {
+        "before": end <= sent,
+        "prefill": (end > sent) & (start < first),
+        "long decode": (end > first) & (start < last),
+        "after": start >= last,
+    }
     return {
         "tokens": len(times),
         "longest_gap_ms": 1e3 * float(gaps.max()),
@@ -598,6 +611,9 @@ def _gap_stats(c: Completion, long_sent: float) -> dict[str, float]:
         "steady_tpot_p50_ms": _median_ms(steady),
         "gap_over_tpot": float(gaps.max() / np.median(gaps)),
         "gap_over_steady_tpot": float(gaps.max() / np.median(steady)) if len(steady) else np.nan,
+        "longest_gap_ms_by_phase": {
+            k: 1e3 * float(gaps[m].max()) if m.any() else np.nan for k, m in phases.items()
+        },
     }
 
 
@@ -614,7 +630,6 @@ def _long_prompt_among_streams(
         streams = _Streams(client, server.url, prompts, room, setup.head, setup.tail).start()
         try:
             streams.wait_headed()
-            long_sent = time.perf_counter()
             long = stream_completion(client, server.url, long_prompt, setup.long_max_tokens)
         finally:
             done = streams.finish()
@@ -622,7 +637,7 @@ def _long_prompt_among_streams(
         raise RuntimeError("a stream ran out of tokens before the long request ended")
     return {
         "long_ttft_ms": 1e3 * long.ttft,
-        "streams": [_gap_stats(r, long_sent) for r in done],
+        "streams": [_gap_stats(r, long) for r in done],
     }
 
 
@@ -657,6 +672,9 @@ def chunked_section(
                 "median_gap_over_tpot": float(np.median(ratios)),
                 "worst_gap_over_steady_tpot": max(s["gap_over_steady_tpot"] for s in each),
                 "longest_gap_ms": max(s["longest_gap_ms"] for s in each),
+                "longest_gap_ms_by_phase": {
+                    k: max(s["longest_gap_ms_by_phase"][k] for s in each) for k in PHASES
+                },
                 "tpot_p50_ms": float(np.median([s["tpot_p50_ms"] for s in each])),
                 "steady_tpot_p50_ms": float(np.median([s["steady_tpot_p50_ms"] for s in each])),
                 "server_start_s": srv.start_s,
@@ -695,6 +713,18 @@ def chunked_markdown(res: dict) -> str:
     lines += [
         "",
         "TPOT p50 and steady TPOT p50: the median over streams; longest gap: over all of them.",
+        "",
+        "Where the longest gaps fall (ms, over all streams; a gap counts in every phase it "
+        "overlaps): before the long prompt was sent, while it was prefilled (sent to its "
+        "first token), while it decoded (a row of its context in every decode step), after.",
+        "",
+        "| server | " + " | ".join(PHASES) + " |",
+        "|---|" + "---|" * len(PHASES),
+    ]
+    for name, m in res["systems"].items():
+        by = m["longest_gap_ms_by_phase"]
+        lines.append(f"| {name} | " + " | ".join(f"{by[k]:.0f}" for k in PHASES) + " |")
+    lines += [
         "",
         "Per stream (longest gap ms / TPOT p50 ms / steady TPOT p50 ms):",
         "",

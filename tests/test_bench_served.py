@@ -102,7 +102,11 @@ def test_prefix_figures():
 
 def test_gap_figures():
     times = [0.0, 0.01, 0.02, 0.03, 0.53, 0.54, 0.55, 0.58, 0.61]  # 500 ms among 10 and 30 ms
-    stats = served._gap_stats(served.Completion(8, -0.1, token_times=times), long_sent=0.025)
+    long = served.Completion(4096, sent=0.025, token_times=[0.52, 0.55, 0.58])
+    stats = served._gap_stats(served.Completion(8, -0.1, token_times=times), long)
+    assert stats["longest_gap_ms_by_phase"] == pytest.approx(
+        {"before": 10, "prefill": 500, "long decode": 500, "after": 30}
+    )
     assert stats["longest_gap_ms"] == pytest.approx(500)
     assert stats["tpot_p50_ms"] == pytest.approx(10)
     assert stats["steady_tpot_p50_ms"] == pytest.approx(10)  # the gaps up to 0.02
@@ -114,6 +118,7 @@ def test_gap_figures():
         "median_gap_over_tpot": 50.0,
         "worst_gap_over_steady_tpot": 50.0,
         "longest_gap_ms": 500.0,
+        "longest_gap_ms_by_phase": stats["longest_gap_ms_by_phase"],
         "tpot_p50_ms": 10.0,
         "steady_tpot_p50_ms": 10.0,
     }
@@ -123,3 +128,4 @@ def test_gap_figures():
     }
     text = served.chunked_markdown(res)
     assert "| chunked | 900 | 10.0 | 10.0 | 500 | **50.0** | 50.0 | FAIL | 50.0 |" in text
+    assert "| whole | 10 | 500 | 500 | 30 |" in text
