@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark: continuous vs static batching, and the paged KV cache vs the dense one.
+"""Serving benchmark: continuous vs static batching, paged vs dense KV cache, prefix caching, chunked prefill.
 
 Sections (``--sections``, default all):
 
@@ -19,11 +19,22 @@ Sections (``--sections``, default all):
   vs contiguous, same batch and tokens per row, interleaved; how the paged step follows
   the live tokens; and the host's dispatch time as a share of the step (goals: paged /
   dense <= 1.15x, dispatch <= 10%).
+* ``prefix`` (served: ``jaxpar serve`` as a process, an HTTP client; ``_bench_served.py``):
+  32 requests sharing a 1,024-token system prompt, each with its own 16..64-token
+  question, sent one at a time, by a server with the prefix cache and one with
+  ``--no-prefix-caching``: TTFT on a hit / on a miss (goal <= 0.2), prompt tokens computed
+  / the unshared suffixes (goal <= 1.1), hit rate.
+* ``chunked`` (served): 8 requests streaming when a 4,096-token prompt arrives, with
+  chunked prefill (the default ``--max-prefill-tokens``) and with the prompt prefilled
+  whole: each stream's longest gap between tokens / its median time per output token
+  (goal <= 3).
 
-    python scripts/bench_serving.py [--quick] [--sections static,paged,step]
+    python scripts/bench_serving.py [--quick] [--sections static,paged,step,prefix,chunked]
         [--strategy dp=2,tp=2]
 
-``--strategy`` applies to ``static``; ``paged`` and ``step`` run on one device.
+``--strategy`` applies to ``static``; the other sections run on one device. The served
+sections write their checkpoint (this model, random weights, a word-level tokenizer),
+server logs and compile cache under ``bench_out/served/``.
 """
 
 from __future__ import annotations
@@ -800,11 +811,48 @@ def step_markdown(res: dict) -> str:
     )
 
 
+# --- served: prefix caching and chunked prefill (scripts/_bench_served.py) ---------------
+
+#: Where the served sections keep their checkpoint, server logs and compile cache.
+SERVED_DIR = Path("bench_out/served")
+#: Positions the served model is written with: the chunked section's longest request
+#: (4,096 prompt tokens + 128) fits.
+SERVED_POSITIONS = 8192
+
+
+def served_section(name: str, quick: bool = False) -> dict:
+    """``prefix`` or ``chunked``: two ``jaxpar serve`` processes (with and without the
+    feature), one after the other, on :data:`MODEL` written as a checkpoint."""
+    import _bench_served as served
+
+    config = bench_model(max_positions=SERVED_POSITIONS)
+    checkpoint = served.write_checkpoint(SERVED_DIR, config)
+    section = served.prefix_section if name == "prefix" else served.chunked_section
+    res = section(checkpoint, config.vocab_size, SERVED_DIR, quick=quick)
+    res["setup"]["model"] = MODEL
+    return res
+
+
+def _served_markdown(name: str):
+    def render(res: dict) -> str:
+        import _bench_served as served
+
+        md = served.prefix_markdown if name == "prefix" else served.chunked_markdown
+        return f"Model: {res['setup']['model']}. " + md(res)
+
+    return render
+
+
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
     "paged": ("paged vs dense KV cache, same bytes, at saturation", paged_markdown),
     "step": ("one decode step: paged vs contiguous; host dispatch", step_markdown),
+    "prefix": ("prefix caching: a shared system prompt, served", _served_markdown("prefix")),
+    "chunked": (
+        "chunked prefill: a long prompt among streaming requests, served",
+        _served_markdown("chunked"),
+    ),
 }
 
 
@@ -815,8 +863,10 @@ def run_section(name: str, quick: bool, strategy: str = "") -> dict:
         res = serving_section(quick, strategy)
     elif name == "paged":
         res = paged_section(quick)
-    else:
+    elif name == "step":
         res = step_section(quick)
+    else:
+        res = served_section(name, quick)
     res["seconds"] = time.perf_counter() - start
     res["load_average"] = [load, os.getloadavg()[0]]  # 1-minute, before and after
     return res
