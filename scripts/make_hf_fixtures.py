@@ -39,18 +39,22 @@ so that a loader that drops them is caught.
 
 Fixtures (all 2 layers, 4 attention heads, float32):
 
-=================  ==================  ===============================================================
-name               class               notes
-=================  ==================  ===============================================================
-llama              LlamaForCausalLM    GQA 4 q / 2 kv heads, untied, rope_theta 1e4, tokenizer.json
-llama3_rope        LlamaForCausalLM    rope_type llama3 (theta 5e5), tied embeddings, head_dim 16
-llama_sharded      LlamaForCausalLM    like llama, saved in several safetensors shards + index
-qwen2              Qwen2ForCausalLM    q/k/v biases, GQA 4/2, tied embeddings
-mistral            MistralForCausalLM  MHA 4/4, sliding_window 4096 (longer than any sequence here)
-mixtral_fused      MixtralForCausalLM  4 experts top-2, fused expert tensors (transformers 5.x layout)
-mixtral_legacy     MixtralForCausalLM  same weights/reference as mixtral_fused, per-expert w1/w2/w3
-gpt2               GPT2LMHeadModel     n_positions 64, tied, Conv1D weights stored [in, out]
-=================  ==================  ===============================================================
+=================  ===================  ==========================================================
+name               class                notes
+=================  ===================  ==========================================================
+llama              LlamaForCausalLM     GQA 4 q / 2 kv heads, untied, rope_theta 1e4, tokenizer.json
+llama3_rope        LlamaForCausalLM     rope_type llama3 (theta 5e5), tied embeddings, head_dim 16
+llama_sharded      LlamaForCausalLM     like llama, saved in several safetensors shards + index
+qwen2              Qwen2ForCausalLM     q/k/v biases, GQA 4/2, tied embeddings
+qwen3              Qwen3ForCausalLM     q/k norms, head_dim 16 (4 x 16 != hidden 32), GQA 4/2, tied
+mistral            MistralForCausalLM   MHA 4/4, sliding_window 4096 (longer than any sequence)
+mixtral_fused      MixtralForCausalLM   4 experts top-2, fused expert tensors (transformers 5.x)
+mixtral_legacy     MixtralForCausalLM   mixtral_fused's weights and reference, per-expert w1/w2/w3
+qwen3_moe          Qwen3MoeForCausalLM  q/k norms, 64 experts top-8 (width 4), norm_topk_prob; the Hub's
+                                        per-expert mlp.experts.{j}.gate/up/down_proj tensors
+qwen3_moe_fused    Qwen3MoeForCausalLM  16 experts top-4, norm_topk_prob false, tied, fused experts
+gpt2               GPT2LMHeadModel      n_positions 64, tied, Conv1D weights stored [in, out]
+=================  ===================  ==========================================================
 
 Mixtral tensor layouts (checked against transformers 5.23 ``MixtralExperts.forward``, which does
 ``gate, up = linear(x, gate_up_proj[e]).chunk(2, dim=-1)``; ``h = silu(gate) * up``;
@@ -155,7 +159,7 @@ class FixtureSpec:
 
     @property
     def is_moe(self) -> bool:
-        return "num_local_experts" in self.config
+        return "num_local_experts" in self.config or "num_experts" in self.config
 
 
 _COMMON = dict(
@@ -198,6 +202,30 @@ _LLAMA3_ROPE_PARAMETERS = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+# Qwen3-MoE: many small experts (Qwen3-30B-A3B has 128 of width 768, top-8), every layer sparse.
+_QWEN3_MOE = dict(
+    _COMMON,
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,  # the dense MLP's width: unused, every layer is sparse
+    moe_intermediate_size=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=64,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=512,
+    use_sliding_window=False,
+    router_aux_loss_coef=0.0,
+    output_router_logits=False,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
 
 FIXTURES: tuple[FixtureSpec, ...] = (
     FixtureSpec(
@@ -254,6 +282,28 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         notes="q/k/v biases, GQA 4/2, tied embeddings",
     ),
     FixtureSpec(
+        name="qwen3",
+        model_class="Qwen3ForCausalLM",
+        config_class="Qwen3Config",
+        config=dict(
+            _COMMON,
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            head_dim=16,  # independent of hidden_size: q_proj is [64, 32], o_proj [32, 64]
+            max_position_embeddings=256,
+            initializer_range=INIT_RANGE,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            attention_bias=False,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        base_seed=8000,
+        notes="q/k RMS norms per head, head_dim 16 (4 x 16 != hidden 32), GQA 4/2, tied",
+    ),
+    FixtureSpec(
         name="mistral",
         model_class="MistralForCausalLM",
         config_class="MistralConfig",
@@ -305,6 +355,32 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         base_seed=6000,
         legacy_of="mixtral_fused",
         notes="mixtral_fused's weights with per-expert block_sparse_moe.experts.{j}.w1/w2/w3 names",
+    ),
+    FixtureSpec(
+        name="qwen3_moe",
+        model_class="Qwen3MoeForCausalLM",
+        config_class="Qwen3MoeConfig",
+        config=dict(_QWEN3_MOE),
+        base_seed=9000,
+        notes="q/k norms, 64 experts top-8 of width 4, norm_topk_prob, per-expert tensors "
+        "(the Hub's mlp.experts.{j}.gate_proj/up_proj/down_proj)",
+    ),
+    FixtureSpec(
+        name="qwen3_moe_fused",
+        model_class="Qwen3MoeForCausalLM",
+        config_class="Qwen3MoeConfig",
+        config=dict(
+            _QWEN3_MOE,
+            num_experts=16,
+            num_experts_per_tok=4,
+            moe_intermediate_size=8,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+        base_seed=10000,
+        fused_experts=True,
+        notes="16 experts top-4, norm_topk_prob false (weights not renormalised), tied, fused "
+        "gate_up_proj/down_proj tensors",
     ),
     FixtureSpec(
         name="gpt2",
@@ -463,6 +539,13 @@ def load_model(fixture_dir: Path, model_class: str | None = None) -> torch.nn.Mo
         model_class = json.loads((fixture_dir / REFERENCE_JSON).read_text())["model_class"]
     model_cls = getattr(transformers, model_class)
     model = model_cls.from_pretrained(str(fixture_dir), dtype=torch.float32)
+    # The loaded tensors may sit at addresses only 8-byte aligned (views into the file's
+    # buffer), where the CPU's single-row matmul kernel sums in another order than for the
+    # freshly allocated tensors of build_model: decode logits then differ in the last bits
+    # (seen: 2.4e-6 on qwen3). Fresh copies make the reloaded model compute identically.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
     model.eval()
     _use_eager(model)
     return model

@@ -19,6 +19,8 @@ CASES = [
     (["--hf", str(FIXTURES / "llama"), "--dp", "2", "--tp", "2"], "hf-llama"),
     # 4 experts, d_ff 48, vocab 128.
     (["--hf", str(FIXTURES / "mixtral_fused"), "--ep", "4", "--tp", "2"], "hf-mixtral"),
+    # Qwen3-MoE: 64 experts top-8, q/k norms, 4 heads of 16 (N x H = 64 != d_model 32).
+    (["--hf", str(FIXTURES / "qwen3_moe"), "--ep", "4", "--tp", "2"], "hf-qwen3-moe"),
 ]
 
 
@@ -72,6 +74,8 @@ def test_json_holds_per_tensor_specs_and_compiled_collectives(capsys, argv, name
             assert row["compiled_bytes"] >= row["minimum_bytes"] / 1.05, row
         kinds = [s["kind"] for s in d["execution"]]
         assert "comm" in kinds and "compute" in kinds
+        qk_norm = any("per-head q/k norms" in s["text"] for s in d["execution"])
+        assert qk_norm == (name == "hf-qwen3-moe")
 
 
 def test_text_tables_and_dot_file(capsys, tmp_path):

@@ -26,6 +26,13 @@ from jaxpar.models import ModelConfig, init_params, load_hf_checkpoint, preset
 from jaxpar.models._decoder import with_layer_loop
 
 LLAMA_QWEN = dataclasses.replace(preset("tiny-gqa"), arch="qwen2", qkv_bias=True, n_layers=2)
+# Qwen3: q/k norms, head_dim 16 (8 x 16 != d_model 64); the second with attention_bias.
+QWEN3 = dataclasses.replace(preset("tiny-gqa"), arch="qwen3", qk_norm=True, head_dim=16)
+QWEN3_BIAS = dataclasses.replace(QWEN3, n_layers=2, qkv_bias=True, out_bias=True)
+QWEN3_MOE = dataclasses.replace(
+    preset("tiny-moe"), arch="qwen3_moe", qk_norm=True, n_kv_heads=4, head_dim=16, n_layers=2
+)
+QWEN3_MOE_RAW = dataclasses.replace(QWEN3_MOE, norm_topk_prob=False)  # not renormalised
 
 
 def _flat(params: nnx.State) -> dict[str, np.ndarray]:
@@ -48,35 +55,58 @@ def _llama_tensors(c: ModelConfig, p: dict[str, np.ndarray], moe: str) -> dict[s
         pre = f"model.layers.{i}."
         t[pre + "input_layernorm.weight"] = p["layers/attn_norm/scale"][i]
         t[pre + "post_attention_layernorm.weight"] = p["layers/ffn_norm/scale"][i]
-        kv_DCKH = p["layers/attn/kv_kernel"][i]  # K and V fused: [D, 2, K, H]
-        q_DNH, k_DKH, v_DKH = p["layers/attn/q_kernel"][i], kv_DCKH[:, 0], kv_DCKH[:, 1]
-        for n, kernel in zip("qkv", (q_DNH, k_DKH, v_DKH), strict=True):
-            t[pre + f"self_attn.{n}_proj.weight"] = _linear(kernel, 1)
-        if c.qkv_bias:
-            kv_bias = p["layers/attn/kv_bias"][i]
-            for n, bias in zip("qkv", (p["layers/attn/q_bias"][i], *kv_bias), strict=True):
-                t[pre + f"self_attn.{n}_proj.bias"] = bias.reshape(-1)
-        t[pre + "self_attn.o_proj.weight"] = _linear(p["layers/attn/o_kernel"][i], 2)
+        t.update(_attention_tensors(c, p, i, pre + "self_attn."))
         if not c.is_moe:
             gate_up_DCF = p["layers/ffn/gate_up_kernel"][i]  # gate and up fused: [D, 2, F]
             t[pre + "mlp.gate_proj.weight"] = gate_up_DCF[:, 0].T
             t[pre + "mlp.up_proj.weight"] = gate_up_DCF[:, 1].T
             t[pre + "mlp.down_proj.weight"] = p["layers/ffn/down_kernel"][i].T
-            continue
-        gate, up, down = (p[f"layers/ffn/experts/{n}_kernel"][i] for n in ("gate", "up", "down"))
-        router = p["layers/ffn/router/kernel"][i].T
-        if moe == "legacy":
-            t[pre + "block_sparse_moe.gate.weight"] = router
-            for e in range(c.n_experts):
-                ex = pre + f"block_sparse_moe.experts.{e}."
-                t[ex + "w1.weight"], t[ex + "w3.weight"] = gate[e].T, up[e].T
-                t[ex + "w2.weight"] = down[e].T
         else:
-            t[pre + "mlp.gate.weight"] = router
-            t[pre + "mlp.experts.gate_up_proj"] = np.concatenate(
-                [gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=1
-            )
-            t[pre + "mlp.experts.down_proj"] = down.transpose(0, 2, 1)
+            t.update(_expert_tensors(c, p, i, pre, moe))
+    return t
+
+
+def _attention_tensors(c: ModelConfig, p: dict[str, np.ndarray], i: int, pre: str) -> dict:
+    t = {}
+    kv_DCKH = p["layers/attn/kv_kernel"][i]  # K and V fused: [D, 2, K, H]
+    q_DNH, k_DKH, v_DKH = p["layers/attn/q_kernel"][i], kv_DCKH[:, 0], kv_DCKH[:, 1]
+    for n, kernel in zip("qkv", (q_DNH, k_DKH, v_DKH), strict=True):
+        t[pre + f"{n}_proj.weight"] = _linear(kernel, 1)
+    if c.qkv_bias:
+        kv_bias = p["layers/attn/kv_bias"][i]
+        for n, bias in zip("qkv", (p["layers/attn/q_bias"][i], *kv_bias), strict=True):
+            t[pre + f"{n}_proj.bias"] = bias.reshape(-1)
+    t[pre + "o_proj.weight"] = _linear(p["layers/attn/o_kernel"][i], 2)
+    if c.out_bias:
+        t[pre + "o_proj.bias"] = p["layers/attn/o_bias"][i]
+    if c.qk_norm:  # Qwen3: one [H] scale each
+        for n in "qk":
+            t[pre + f"{n}_norm.weight"] = p[f"layers/attn/{n}_norm/scale"][i]
+    return t
+
+
+def _expert_tensors(c: ModelConfig, p: dict[str, np.ndarray], i: int, pre: str, moe: str):
+    t = {}
+    gate, up, down = (p[f"layers/ffn/experts/{n}_kernel"][i] for n in ("gate", "up", "down"))
+    router = p["layers/ffn/router/kernel"][i].T
+    if moe == "legacy":
+        t[pre + "block_sparse_moe.gate.weight"] = router
+        for e in range(c.n_experts):
+            ex = pre + f"block_sparse_moe.experts.{e}."
+            t[ex + "w1.weight"], t[ex + "w3.weight"] = gate[e].T, up[e].T
+            t[ex + "w2.weight"] = down[e].T
+    elif moe == "per_expert":  # Qwen3-MoE on the Hub
+        t[pre + "mlp.gate.weight"] = router
+        for e in range(c.n_experts):
+            ex = pre + f"mlp.experts.{e}."
+            t[ex + "gate_proj.weight"], t[ex + "up_proj.weight"] = gate[e].T, up[e].T
+            t[ex + "down_proj.weight"] = down[e].T
+    else:
+        t[pre + "mlp.gate.weight"] = router
+        t[pre + "mlp.experts.gate_up_proj"] = np.concatenate(
+            [gate.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=1
+        )
+        t[pre + "mlp.experts.down_proj"] = down.transpose(0, 2, 1)
     return t
 
 
@@ -123,7 +153,9 @@ def _hf_config(c: ModelConfig) -> dict:
     cls = {
         "llama": "LlamaForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
         "mixtral": "MixtralForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
     }[c.arch]
     out = dict(
         architectures=[cls],
@@ -140,7 +172,19 @@ def _hf_config(c: ModelConfig) -> dict:
         tie_word_embeddings=c.tie_embeddings,
         hidden_act="silu",
     )
-    if c.is_moe:
+    if c.arch in ("llama", "qwen3", "qwen3_moe"):
+        out["attention_bias"] = c.qkv_bias
+    if c.arch == "qwen3_moe":
+        out.update(
+            num_experts=c.n_experts,
+            num_experts_per_tok=c.top_k,
+            moe_intermediate_size=c.d_ff,
+            intermediate_size=4 * c.d_ff,  # the dense MLP's width, unused: every layer sparse
+            norm_topk_prob=c.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    elif c.is_moe:
         out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k)
     return out
 
@@ -177,6 +221,10 @@ CASES = {
     "mixtral_fused": (preset("tiny-moe"), "fused", 1),
     "mixtral_legacy": (preset("tiny-moe"), "legacy", 2),
     "gpt2": (preset("tiny-gpt2"), "fused", 1),
+    "qwen3": (QWEN3, "fused", 1),
+    "qwen3_bias_sharded": (QWEN3_BIAS, "fused", 2),
+    "qwen3_moe_per_expert": (QWEN3_MOE, "per_expert", 2),
+    "qwen3_moe_fused": (QWEN3_MOE_RAW, "fused", 1),
 }
 
 
@@ -193,7 +241,7 @@ def test_round_trip(tmp_path: Path, case: str) -> None:
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("case", ["llama", "mixtral_legacy", "gpt2"])
+@pytest.mark.parametrize("case", ["llama", "mixtral_legacy", "gpt2", "qwen3_moe_per_expert"])
 def test_round_trip_stacked(tmp_path: Path, case: str) -> None:
     """``layer_loop="scan"`` loads the same weights, stacked ``[L, ...]``."""
     config, moe, shards = CASES[case]
@@ -242,7 +290,13 @@ def _mesh_sharding(mesh: Mesh):
 
 
 @pytest.mark.parametrize(
-    ("case", "loop"), [("mixtral_fused", "scan"), ("mixtral_fused", "unrolled"), ("gpt2", "scan")]
+    ("case", "loop"),
+    [
+        ("mixtral_fused", "scan"),
+        ("mixtral_fused", "unrolled"),
+        ("gpt2", "scan"),
+        ("qwen3_moe_per_expert", "unrolled"),
+    ],
 )
 def test_sharded_placement_reads_slices(tmp_path: Path, case: str, loop: str) -> None:
     config, moe, shards = CASES[case]
@@ -391,3 +445,80 @@ def test_each_device_reads_only_its_slice(tmp_path: Path, monkeypatch) -> None:
     # q_proj tensor exactly once.
     q = [size for name, size in reads if name.endswith("q_proj.weight")]
     assert set(q) == {2 * 8 * 64} and sum(q) == 4 * 64 * 8 * 8
+
+
+# --- Qwen3 / Qwen3-MoE config.json mapping ---------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+_DROP = object()  # a key to take out of config.json
+
+
+def _fixture_config(name: str, **change) -> dict:
+    """A committed fixture's config.json with keys changed (or dropped: ``_DROP``)."""
+    hf = json.loads((FIXTURES / name / "config.json").read_text())
+    hf.update(change)
+    return {k: v for k, v in hf.items() if v is not _DROP}
+
+
+def test_qwen3_config_mapping() -> None:
+    from jaxpar.models import config_from_hf
+
+    c = config_from_hf(_fixture_config("qwen3"), source="qwen3")
+    assert (c.arch, c.qk_norm, c.qkv_bias, c.out_bias, c.head_dim, c.d_model) == (
+        "qwen3",
+        True,
+        False,
+        False,
+        16,
+        32,
+    )
+    assert c.sliding_window is None and c.tie_embeddings and not c.is_moe
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads.
+    assert config_from_hf(_fixture_config("qwen3", head_dim=_DROP), source="x").head_dim == 128
+    biased = config_from_hf(_fixture_config("qwen3", attention_bias=True), source="x")
+    assert biased.qkv_bias and biased.out_bias
+    # use_sliding_window without layer_types: layers from max_window_layers on slide.
+    slide = dict(use_sliding_window=True, sliding_window=8, layer_types=_DROP)
+    every = config_from_hf(_fixture_config("qwen3", max_window_layers=0, **slide), source="x")
+    assert every.sliding_window == 8
+    with pytest.raises(CheckpointError, match="per-layer attention types"):
+        config_from_hf(_fixture_config("qwen3", max_window_layers=1, **slide), source="x")
+
+
+def test_qwen3_moe_config_mapping() -> None:
+    from jaxpar.models import config_from_hf
+
+    c = config_from_hf(_fixture_config("qwen3_moe"), source="qwen3_moe")
+    assert (c.arch, c.n_experts, c.top_k, c.d_ff, c.norm_topk_prob, c.qk_norm) == (
+        "qwen3_moe",
+        64,
+        8,
+        4,  # moe_intermediate_size, not the dense MLP's intermediate_size
+        True,
+        True,
+    )
+    # The Hub's configs say num_experts (transformers 5.x saves num_local_experts), and
+    # transformers' default norm_topk_prob is False.
+    hub = _fixture_config(
+        "qwen3_moe", num_local_experts=_DROP, num_experts=64, norm_topk_prob=_DROP
+    )
+    c = config_from_hf(hub, source="x")
+    assert c.n_experts == 64 and not c.norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\] .*mixed dense and sparse"),
+        (dict(decoder_sparse_step=2), r"decoder_sparse_step=2 .*mixed dense and sparse"),
+        (dict(num_local_experts=0), "num_local_experts=0 makes every layer a dense MLP"),
+        (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=true"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+    ],
+)
+def test_qwen3_moe_unsupported_config_is_named(change: dict, match: str) -> None:
+    from jaxpar.models import config_from_hf
+
+    with pytest.raises(CheckpointError, match=match):
+        config_from_hf(_fixture_config("qwen3_moe", **change), source="config.json")

@@ -81,6 +81,24 @@ def test_expected_axes_of_key_params(layer_loop: str) -> None:
     assert got[("final_norm", "scale")] == ("embed",)
 
 
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_qk_norm_scales_are_per_head_dim(layer_loop: str) -> None:
+    """Qwen3's q/k norms: one ``[H]`` scale each, axis head_dim (split by no strategy),
+    and N x H need not equal D."""
+    config = dataclasses.replace(
+        preset("tiny-gqa"), arch="qwen3", qk_norm=True, head_dim=16, layer_loop=layer_loop
+    )
+    specs = nnx.to_flat_state(param_logical_axes(config))
+    got = {path: tuple(var.get_value()) for path, var in specs}
+    at, lead = (("layers", 0), ()) if layer_loop == "unrolled" else (("layers",), ("layers",))
+    for x in "qk":
+        assert got[(*at, "attn", f"{x}_norm", "scale")] == (*lead, "head_dim")
+    shapes = {p: v.get_value().shape for p, v in nnx.to_flat_state(nnx.state(init_model(config)))}
+    lead_shape = () if layer_loop == "unrolled" else (config.n_layers,)
+    assert shapes[(*at, "attn", "q_norm", "scale")] == (*lead_shape, 16)
+    assert shapes[(*at, "attn", "o_kernel")] == (*lead_shape, 8, 16, 64)  # N x H = 128 != D
+
+
 def test_presets_satisfy_model_dims_and_divide() -> None:
     for name in TINY:
         c = preset(name)
@@ -107,6 +125,9 @@ def test_unknown_preset_lists_names() -> None:
         (dict(head_dim=7), "even head_dim"),
         (dict(sliding_window=0), "sliding_window"),
         (dict(top_k=2), "need n_experts"),
+        (dict(norm_topk_prob=False), "norm_topk_prob.*need n_experts"),
+        (dict(qk_norm=True, norm="layer"), "qk_norm .*norm='rms'"),
+        (dict(arch="qwen3_moe"), "'mixtral' and 'qwen3_moe' are mixtures of experts"),
         (dict(dtype="int32"), "floating"),
         (dict(d_model=0), "d_model must be positive"),
     ],

@@ -426,9 +426,12 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         "token lookup" + (" + learned positions" if config.positional == "learned" else ""),
         "embedding lookup",
     )
+    qk_norm = " + per-head q/k norms" if getattr(config, "qk_norm", False) else ""
     step(
         layer,
-        "attention norm; Q/K/V projections" + (" + RoPE" if config.positional == "rope" else ""),
+        "attention norm; Q/K/V projections"
+        + qk_norm
+        + (" + RoPE" if config.positional == "rope" else ""),
         "K/V gather",
     )
     step(
@@ -439,9 +442,10 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     )
     step(layer, "residual add; FFN norm")
     if config.is_moe:
+        renorm = "" if getattr(config, "norm_topk_prob", True) else " (weights not renormalised)"
         step(
             layer,
-            f"router top-{config.top_k}; sort this device's assignments by expert",
+            f"router top-{config.top_k}{renorm}; sort this device's assignments by expert",
             "dispatch:dispatch + combine",
         )
         step(

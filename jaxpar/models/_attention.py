@@ -16,7 +16,7 @@ from jaxpar.models._attention_ops import (
 )
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
+from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, param
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_inv_freq
@@ -35,6 +35,9 @@ class Context:
 
 class Attention(nnx.Module):
     """Self-attention; Q kernel [D,N,H], fused K/V kernel [D,2,K,H], output kernel [N,H,D].
+
+    ``N x H`` need not equal D (Qwen3). With ``config.qk_norm`` the projected q and k are
+    RMS-normalised per head (scales ``q_norm``/``k_norm`` ``[H]``) before RoPE.
 
     The attention core is :mod:`jaxpar.models._attention_ops`: exact grouped einsums
     (K/V never repeated; head n uses kv head n // G, as Hugging Face's ``repeat_kv``) or the
@@ -64,6 +67,10 @@ class Attention(nnx.Module):
         self.q_bias = bias_init(rngs, (n, h), ("heads", "head_dim"), pd) if qkv else None
         self.kv_bias = bias_init(rngs, (2, k, h), kv_axes[1:], pd) if qkv else None
         self.o_bias = bias_init(rngs, (d,), ("embed",), pd) if c.out_bias else None
+        # Qwen3: each query and key head RMS-normalised over head_dim before RoPE, with one
+        # [H] scale shared by the heads (axis head_dim, never split: no collective under tp).
+        self.q_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
+        self.k_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
 
     def _project(
         self, spec: str, x_BTD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None
@@ -72,10 +79,12 @@ class Attention(nnx.Module):
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def _qkv(self, x_BTD: jax.Array, pos_BT: jax.Array) -> tuple[jax.Array, ...]:
-        """Projected, rotated q [B,T,N,H], k and v [B,T,K,H]."""
+        """Projected (q/k-normalised), rotated q [B,T,N,H], k and v [B,T,K,H]."""
         q_BTNH = self._project("BTD,DNH->BTNH", x_BTD, self.q_kernel, self.q_bias)
         kv_BTCKH = self._project("BTD,DCKH->BTCKH", x_BTD, self.kv_kernel, self.kv_bias)
         k_BTKH, v_BTKH = kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]
+        if self.q_norm is not None:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if self.rope_theta is not None:
             inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
             q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq)

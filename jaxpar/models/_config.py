@@ -12,7 +12,9 @@ import numpy as np
 from jaxpar.errors import ConfigError
 from jaxpar.models._moe_route import capacity_rows
 
-ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "mixtral", "gpt2")
+ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2")
+#: The archs whose feed-forward blocks are mixtures of experts (every layer's).
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe")
 _CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("rms", "layer"),
     "activation": ("silu", "gelu_tanh"),
@@ -91,11 +93,17 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     qkv_bias: bool = False
     out_bias: bool = False
+    #: Qwen3: an RMS norm with its own ``[head_dim]`` scale on every query head and every
+    #: key head (``q_norm``, ``k_norm``), after the projections and before RoPE.
+    qk_norm: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: int | None = None
     n_experts: int = 0
     top_k: int = 0
+    #: Whether a token's top-k routing weights are renormalised to sum to 1 (Hugging Face
+    #: ``norm_topk_prob``; Mixtral always does). False keeps the softmax probabilities.
+    norm_topk_prob: bool = True
     #: None: dropless (every routed token is computed, as in transformers). A factor cf:
     #: each device sends at most ceil(cf * tokens * top_k / ep) rows to each expert peer;
     #: assignments past that are dropped (earlier tokens first) and counted.
@@ -144,6 +152,8 @@ class ModelConfig:
             )
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.qk_norm and self.norm != "rms":
+            raise ConfigError("qk_norm is an RMS norm per head: it needs norm='rms'")
         self._check_positions()
         self._check_moe()
 
@@ -161,14 +171,18 @@ class ModelConfig:
     def _check_moe(self) -> None:
         if self.n_experts < 0:
             raise ConfigError(f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
-        if (self.arch == "mixtral") != self.is_moe:
+        if (self.arch in MOE_ARCHS) != self.is_moe:
             raise ConfigError(
                 f"arch {self.arch!r} with n_experts={self.n_experts}: only "
-                "'mixtral' is a mixture of experts, and it needs n_experts > 0"
+                f"{' and '.join(map(repr, MOE_ARCHS))} are mixtures of experts, and they need "
+                "n_experts > 0"
             )
         if not self.is_moe:
-            if self.top_k or self.moe_capacity_factor is not None or self.moe_dispatch != "auto":
-                raise ConfigError("top_k, moe_capacity_factor, moe_dispatch need n_experts > 0")
+            moe_knobs = (self.top_k, self.moe_capacity_factor is not None, not self.norm_topk_prob)
+            if any(moe_knobs) or self.moe_dispatch != "auto":
+                raise ConfigError(
+                    "top_k, norm_topk_prob, moe_capacity_factor, moe_dispatch need n_experts > 0"
+                )
             return
         if not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")

@@ -29,6 +29,7 @@ from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes,
 #: ``fn(param_path, logical_axes) -> Sharding``.
 ShardingFn = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding]
 # Non-parameter buffers some exporters write: rotary tables, GPT-2's causal-mask buffers.
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 _IGNORED = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 
 
@@ -39,7 +40,7 @@ def load_hf_checkpoint(
     shardings: ShardingFn | Any | None = None,
     layer_loop: str = "unrolled",
 ) -> tuple[ModelConfig, nnx.State]:
-    """Loads a Llama/Mistral/Qwen2/Mixtral/GPT-2 checkpoint directory.
+    """Loads a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE/GPT-2 checkpoint directory.
 
     Args:
         path: Directory with ``config.json`` and ``model.safetensors`` (or shards listed
@@ -174,10 +175,17 @@ def _recipes(
     if hf_arch(hf, str(root)) == "gpt2":
         recipes = gpt2_recipes(config, "transformer." if "wte.weight" not in names else "")
     else:
-        legacy = any(".block_sparse_moe." in n for n in names)
-        moe_layout = ("legacy" if legacy else "fused") if config.is_moe else None
-        recipes = llama_recipes(config, moe_layout)
+        recipes = llama_recipes(config, _moe_layout(names) if config.is_moe else None)
     return recipes if config.layer_loop == "scan" else per_layer(recipes, config.n_layers)
+
+
+def _moe_layout(names: Mapping[str, Any]) -> str:
+    """Where the checkpoint keeps its experts (:data:`~._hf_layout.MOE_LAYOUTS`), by name."""
+    if any(".block_sparse_moe." in n for n in names):
+        return "legacy"  # Mixtral: experts.{j}.w1/w3/w2
+    if any(_PER_EXPERT.search(n) for n in names):
+        return "per_expert"  # Qwen3-MoE on the Hub: mlp.experts.{j}.gate_proj/up_proj/down_proj
+    return "fused"  # transformers 5.x: mlp.experts.gate_up_proj, down_proj
 
 
 def _validate(recipes: Mapping[Any, Recipe | Fused], ckpt: _Checkpoint, tied: bool) -> None:

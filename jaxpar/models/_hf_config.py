@@ -13,7 +13,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2LMHeadModel": "gpt2",
 }
 _MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
@@ -75,7 +77,7 @@ def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        head_dim=hf.get("head_dim") or _default_head_dim(hf, arch),
         d_ff=hf["intermediate_size"],
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
@@ -89,9 +91,60 @@ def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     elif arch == "llama":
         bias = bool(hf.get("attention_bias", False))
         fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+    elif arch in ("qwen3", "qwen3_moe"):
+        # q_norm/k_norm on every head; attention_bias puts biases on q, k, v and o alike.
+        bias = bool(hf.get("attention_bias", False))
+        fields.update(qk_norm=True, qkv_bias=bias, out_bias=bias)
     if arch == "mixtral":
         fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+    elif arch == "qwen3_moe":
+        fields.update(_qwen3_moe_fields(hf, source))
     return fields
+
+
+def _default_head_dim(hf: Mapping[str, Any], arch: str) -> int:
+    """transformers' head_dim when config.json names none (Qwen3Config's default is 128)."""
+    return 128 if arch == "qwen3" else hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def _qwen3_moe_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3-MoE's experts: every layer sparse, ``moe_intermediate_size`` wide.
+
+    Hugging Face makes layer i a dense MLP (``intermediate_size`` wide) when i is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``. jaxpar runs one kind of
+    layer per model (the layers stack under ``scan`` and split evenly into pipeline
+    stages), so a config that mixes dense and sparse layers is refused, naming the field.
+    """
+    # The Hub's configs say num_experts; transformers 5.x saves num_local_experts.
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"
+    n_experts = hf[key]
+    step = hf.get("decoder_sparse_step", 1)
+    dense = sorted(set(hf.get("mlp_only_layers") or ()))
+    if n_experts <= 0:
+        raise CheckpointError(
+            f"{source}: {key}={n_experts} makes every layer a dense MLP; unsupported for "
+            "Qwen3MoeForCausalLM (a dense Qwen3 checkpoint is Qwen3ForCausalLM)"
+        )
+    if dense:
+        raise CheckpointError(
+            f"{source}: mlp_only_layers={dense} makes those layers dense MLPs and the others "
+            "mixtures of experts; jaxpar runs one kind of feed-forward block in every layer, "
+            "so mixed dense and sparse layers are unsupported (mlp_only_layers must be empty)"
+        )
+    if step != 1:
+        raise CheckpointError(
+            f"{source}: decoder_sparse_step={step} makes only every {step}th layer a mixture "
+            "of experts and the others dense MLPs; jaxpar runs one kind of feed-forward block "
+            "in every layer, so mixed dense and sparse layers are unsupported "
+            "(decoder_sparse_step must be 1)"
+        )
+    return dict(
+        d_ff=hf["moe_intermediate_size"],
+        n_experts=n_experts,
+        top_k=hf["num_experts_per_tok"],
+        # transformers' Qwen3MoeConfig defaults to False (Qwen3-30B-A3B's config says true).
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
 
 
 def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:
@@ -111,9 +164,23 @@ def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling 
 
 def _window(hf: Mapping[str, Any], arch: str, source: str) -> int | None:
     window = hf.get("sliding_window")
-    if arch == "qwen2" and not hf.get("use_sliding_window", False):
-        window = None
     kinds = set(hf.get("layer_types") or ())
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+        if not hf.get("use_sliding_window", False):
+            return None
+        if arch == "qwen3_moe":
+            raise CheckpointError(
+                f"{source}: use_sliding_window=true is unsupported for Qwen3MoeForCausalLM "
+                "(transformers releases disagree on which of its layers slide)"
+            )
+        if not kinds and window is not None:
+            # transformers' rule when config.json has no layer_types: layers from
+            # max_window_layers on slide, the ones before attend to everything.
+            first = hf.get("max_window_layers", 28)
+            kinds = {
+                "sliding_attention" if i >= first else "full_attention"
+                for i in range(hf["num_hidden_layers"])
+            }
     if kinds == {"full_attention"}:
         return None
     if kinds - {"sliding_attention"}:

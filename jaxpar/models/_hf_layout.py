@@ -161,10 +161,19 @@ def _plain(
     return Recipe(name, stack, shape, dims_per_axis, perm, select and select[:3])
 
 
+#: Where a checkpoint keeps its experts (see :func:`llama_recipes`).
+MOE_LAYOUTS = ("fused", "legacy", "per_expert")
+
+
 def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe | Fused]:
-    """Recipes for Llama, Mistral, Qwen2 and Mixtral (``moe_layout`` "legacy"/"fused")."""
-    d, n, k, h = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-    f, v, e = c.d_ff, c.vocab_size, c.n_experts
+    """Recipes for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE.
+
+    ``moe_layout`` (MoE only) says where the experts are: ``"fused"`` (transformers 5.x's
+    ``mlp.experts.gate_up_proj`` / ``down_proj``, either family), ``"legacy"`` (Mixtral's
+    ``block_sparse_moe.experts.{j}.w1/w3/w2``) or ``"per_expert"`` (Qwen3-MoE on the Hub:
+    ``mlp.experts.{j}.gate_proj/up_proj/down_proj``).
+    """
+    d, n, k, h, v = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size
     st, lay = (c.n_layers,), "model.layers.{layer}."
     r: dict[Path, Recipe | Fused] = {
         ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
@@ -186,47 +195,77 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
         )
     if c.out_bias:
         r[("layers", "attn", "o_bias")] = _plain(lay + "self_attn.o_proj.bias", ((d,),), st)
+    if c.qk_norm:
+        for x in "qk":
+            r[("layers", "attn", f"{x}_norm", "scale")] = _plain(
+                lay + f"self_attn.{x}_norm.weight", ((h,),), st
+            )
     if not c.tie_embeddings:
         r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
-    if not c.is_moe:
-        r[("layers", "ffn", "gate_up_kernel")] = Fused(
+    r.update(_ffn_recipes(c, lay) if not c.is_moe else _expert_recipes(c, moe_layout, lay))
+    return r
+
+
+def _ffn_recipes(c: ModelConfig, lay: str) -> dict[Path, Recipe | Fused]:
+    """The dense SwiGLU MLP: gate and up joined into our ``[D, 2, F]`` kernel."""
+    d, f, st = c.d_model, c.d_ff, (c.n_layers,)
+    r: dict[Path, Recipe | Fused] = {
+        ("layers", "ffn", "gate_up_kernel"): Fused(
             tuple(_linear(lay + f"mlp.{x}_proj.weight", (f,), (d,), st) for x in ("gate", "up")), 1
+        ),
+        ("layers", "ffn", "down_kernel"): _linear(lay + "mlp.down_proj.weight", (d,), (f,), st),
+    }
+    if c.mlp_bias:
+        r[("layers", "ffn", "gate_up_bias")] = Fused(
+            tuple(_plain(lay + f"mlp.{x}_proj.bias", ((f,),), st) for x in ("gate", "up")), 0
         )
-        r[("layers", "ffn", "down_kernel")] = _linear(lay + "mlp.down_proj.weight", (d,), (f,), st)
-        if c.mlp_bias:
-            r[("layers", "ffn", "gate_up_bias")] = Fused(
-                tuple(_plain(lay + f"mlp.{x}_proj.bias", ((f,),), st) for x in ("gate", "up")), 0
-            )
-            r[("layers", "ffn", "down_bias")] = _plain(lay + "mlp.down_proj.bias", ((d,),), st)
-    elif moe_layout == "legacy":
-        moe, ste = lay + "block_sparse_moe.", (c.n_layers, e)
-        r[("layers", "ffn", "router", "kernel")] = _linear(moe + "gate.weight", (e,), (d,), st)
-        for ours, theirs in (("gate", "w1"), ("up", "w3")):
+        r[("layers", "ffn", "down_bias")] = _plain(lay + "mlp.down_proj.bias", ((d,),), st)
+    return r
+
+
+#: Per-expert layouts: (module, gate, up, down) names of ``{module}experts.{j}.{x}.weight``.
+_PER_EXPERT_NAMES = {
+    "legacy": ("block_sparse_moe.", "w1", "w3", "w2"),
+    "per_expert": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _expert_recipes(c: ModelConfig, moe_layout: str | None, lay: str) -> dict[Path, Recipe]:
+    """The router ``[D, E]`` and the stacked experts gate/up ``[E, D, F]``, down ``[E, F, D]``."""
+    d, f, e, st = c.d_model, c.d_ff, c.n_experts, (c.n_layers,)
+    if moe_layout in _PER_EXPERT_NAMES:
+        module, gate, up, down = _PER_EXPERT_NAMES[moe_layout]
+        moe, ste = lay + module, (c.n_layers, e)
+        r: dict[Path, Recipe] = {
+            ("layers", "ffn", "router", "kernel"): _linear(moe + "gate.weight", (e,), (d,), st)
+        }
+        for ours, theirs in (("gate", gate), ("up", up)):
             r[("layers", "ffn", "experts", f"{ours}_kernel")] = _linear(
                 moe + f"experts.{{expert}}.{theirs}.weight", (f,), (d,), ste
             )
         r[("layers", "ffn", "experts", "down_kernel")] = _linear(
-            moe + "experts.{expert}.w2.weight", (d,), (f,), ste
+            moe + f"experts.{{expert}}.{down}.weight", (d,), (f,), ste
         )
-    else:
-        # transformers 5.x: gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F].
-        r[("layers", "ffn", "router", "kernel")] = _linear(lay + "mlp.gate.weight", (e,), (d,), st)
-        for i, ours in enumerate(("gate", "up")):
-            r[("layers", "ffn", "experts", f"{ours}_kernel")] = Recipe(
-                name=lay + "mlp.experts.gate_up_proj",
-                stack=st,
-                hf_shape=(e, 2 * f, d),
-                split=((e,), (f,), (d,)),
-                perm=(0, 2, 1),
-                select=(1, i * f, (i + 1) * f),
-            )
-        r[("layers", "ffn", "experts", "down_kernel")] = Recipe(
-            name=lay + "mlp.experts.down_proj",
+        return r
+    assert moe_layout == "fused", moe_layout
+    # transformers 5.x: gate_up_proj [E, 2F, D] (gate rows first), down_proj [E, D, F].
+    r = {("layers", "ffn", "router", "kernel"): _linear(lay + "mlp.gate.weight", (e,), (d,), st)}
+    for i, ours in enumerate(("gate", "up")):
+        r[("layers", "ffn", "experts", f"{ours}_kernel")] = Recipe(
+            name=lay + "mlp.experts.gate_up_proj",
             stack=st,
-            hf_shape=(e, d, f),
-            split=((e,), (d,), (f,)),
+            hf_shape=(e, 2 * f, d),
+            split=((e,), (f,), (d,)),
             perm=(0, 2, 1),
+            select=(1, i * f, (i + 1) * f),
         )
+    r[("layers", "ffn", "experts", "down_kernel")] = Recipe(
+        name=lay + "mlp.experts.down_proj",
+        stack=st,
+        hf_shape=(e, d, f),
+        split=((e,), (d,), (f,)),
+        perm=(0, 2, 1),
+    )
     return r
 
 

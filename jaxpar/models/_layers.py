@@ -77,18 +77,25 @@ def bias_init(rngs: nnx.Rngs, shape: Sequence[int], axes: tuple[str | None, ...]
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm with a learned scale, statistics in float32."""
+    """Root-mean-square norm with a learned scale, statistics in float32.
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    By default over the residual stream (scale ``[D]``, axis ``embed``); ``axis="head_dim"``
+    gives Qwen3's per-head q/k norm (scale ``[H]``, shared by every head). Each vector is
+    normalised alone, so a split of the other dimensions (heads over tp, tokens over
+    dp/sp) needs no collective.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, axis: str = "embed"):
         self.eps = config.norm_eps
-        self.scale = param(rngs, ONES, (config.d_model,), ("embed",), config.param_dtype)
+        size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
+        self.scale = param(rngs, ONES, (size,), (axis,), config.param_dtype)
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        """Normalises the last dimension; returns the input dtype."""
-        x = x_BTD.astype(jnp.float32)
+    def __call__(self, x_xD: jax.Array) -> jax.Array:
+        """Normalises the last dimension of ``x [..., D]`` (or ``[..., H]``); returns its dtype."""
+        x = x_xD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
         # Cast before scaling, as Hugging Face does.
-        return x.astype(x_BTD.dtype) * self.scale[...].astype(x_BTD.dtype)
+        return x.astype(x_xD.dtype) * self.scale[...].astype(x_xD.dtype)
 
 
 class LayerNorm(nnx.Module):

@@ -38,17 +38,22 @@ DOWN_AXES = ("experts", "mlp", "embed")  # [E, F, D]
 DROPPED_AXES = ("batch", "seq")  # per-device drop counts, [1, 1] on each device
 
 
-def route_tokens(x_nD: jax.Array, kernel_DE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Mixtral's gate: softmax over experts in float32, top-k, renormalised.
+def route_tokens(
+    x_nD: jax.Array, kernel_DE: jax.Array, top_k: int, normalize: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    """Mixtral's and Qwen3-MoE's gate: softmax over experts in float32, top-k, renormalised
+    (``normalize``, Hugging Face ``norm_topk_prob``) or not.
 
-    Returns (weights [n, k] float32 summing to 1, expert ids [n, k] int32).
+    Returns (weights [n, k] float32, summing to 1 if ``normalize``; expert ids [n, k] int32).
     """
     logits_nE = jnp.einsum(
         "nD,DE->nE", x_nD, kernel_DE.astype(x_nD.dtype), preferred_element_type=jnp.float32
     )
     probs_nE = jax.nn.softmax(logits_nE, axis=-1)
     weights_nk, experts_nk = _top_k(probs_nE, top_k)
-    return weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True), experts_nk
+    if normalize:
+        weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
+    return weights_nk, experts_nk
 
 
 class Router(nnx.Module):
@@ -57,11 +62,11 @@ class Router(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e = config.d_model, config.n_experts
-        self.dtype, self.top_k = config.dtype, config.top_k
+        self.dtype, self.top_k, self.normalize = config.dtype, config.top_k, config.norm_topk_prob
         self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, config.param_dtype)
 
     def __call__(self, x_nD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return route_tokens(x_nD.astype(self.dtype), self.kernel[...], self.top_k)
+        return route_tokens(x_nD.astype(self.dtype), self.kernel[...], self.top_k, self.normalize)
 
 
 def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -92,6 +97,7 @@ class _Local:
 
     n_experts: int
     top_k: int
+    normalize: bool
     capacity_factor: float | None
     path: str
     dtype: jnp.dtype
@@ -102,7 +108,7 @@ class _Local:
     def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD):
         b, t, d = x_btD.shape
         x_nD = x_btD.reshape(b * t, d).astype(self.dtype)
-        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k)
+        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k, self.normalize)
         peers = self.n_experts // gate_EDF.shape[0]
         cap = route.capacity_rows(b * t, self.top_k, self.n_experts, peers, self.capacity_factor)
         plan = route.send_plan(experts_nk, self.n_experts, peers, cap)
@@ -161,6 +167,7 @@ class MoE(nnx.Module):
             local = _Local(
                 n_experts=c.n_experts,
                 top_k=c.top_k,
+                normalize=c.norm_topk_prob,
                 capacity_factor=c.moe_capacity_factor,
                 path="ragged" if c.moe_dispatch == "ragged" else "padded",
                 dtype=c.dtype,
