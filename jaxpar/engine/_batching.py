@@ -124,7 +124,7 @@ class _Batch:
     rows: list[int | None]  # decode rows taken at admission (None: placed at insert)
     starts_P: np.ndarray  # tokens each row had cached before this batch (page-aligned)
     final: bool = True  # False: a chunk that leaves more of its prompt to prefill
-    works: list[_Prefill] | None = None  # colocated: the admitted requests
+    works: list[_Prefill] | None = None  # the admitted requests (None: moved to decode)
 
     @property
     def live(self) -> list[tuple[int, RequestStream]]:
@@ -148,7 +148,7 @@ class ContinuousBatcher:
             of free device memory); default :class:`KVBudget`. ``engine.max_seq_len``
             bounds one request, capped by what one batch shard's pages hold.
         prefix_caching: reuse the K/V pages of earlier requests' prompts that a new
-            prompt starts with (colocated prefill).
+            prompt starts with (disaggregated: in the prefill group's own pages).
         max_prefill_tokens: prefill tokens (padded) run between two decode steps while
             requests are decoding; a prompt longer than a chunk is prefilled in chunks
             of about that many tokens, with decode steps in between. Default:
