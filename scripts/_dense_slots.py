@@ -96,7 +96,7 @@ class DenseSlotSteps:
             tokens_B=row,
             active_B=row,
             step_B=row,
-            sampling=RowSampling(row, row, row, key_row, row),
+            sampling=RowSampling.like(row, key_row),
         )
 
     def empty(self) -> DenseSlots:
@@ -167,7 +167,7 @@ class DenseSlotSteps:
             "dense_insert",
             (self.n_slots, self.max_seq_len, jax.tree.map(jnp.shape, new.k)),
             self._insert,
-            (self.layout, inserted, rep, RowSampling(rep, rep, rep, rep, rep)),
+            (self.layout, inserted, rep, RowSampling.like(rep)),
             self.layout,
             (slots, new, slot_P, sampling_P),
             donate_argnums=(0,),
@@ -410,7 +410,7 @@ class DenseBatcher:
         requests = [s.request for s in streams]
         requests += [requests[0]] * (rows - len(streams))
         sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
-        first_P = self.first_tokens(logits_PV, sampling_P, np.zeros(rows, np.int32))
+        first_P, _ = self.first_tokens(logits_PV, sampling_P, np.zeros(rows, np.int32))
         first = np.asarray(jax.device_get(first_P))
         self.stats.prefill_batches += 1
         live = [self._first(s, int(t)) for s, t in zip(streams, first[: len(streams)], strict=True)]

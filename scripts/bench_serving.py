@@ -653,7 +653,7 @@ class _PagedStep(_TimedStep):
         return slots.replace(lengths_B=self._put(self.lengths_B, self.slot_steps.layout.lengths_B))
 
     def _call(self, slots):
-        slots, tokens_B, _ = self.slot_steps.step(self.params, slots, self.release_B, self.tables)
+        slots, tokens_B, *_ = self.slot_steps.step(self.params, slots, self.release_B, self.tables)
         return slots, tokens_B
 
 

@@ -271,7 +271,7 @@ def _insert(engine, slot_steps: SlotSteps, table: PageTable, prompts, slot_P, sl
         engine.params, put_global(tokens_PT, lay.tokens_BT), lengths
     )
     sampling_P = RowSampling.rows([Sampling()] * rows, [0] * rows)
-    first_P = FirstTokens(engine.steps)(logits_PV, sampling_P)
+    first_P, _ = FirstTokens(engine.steps)(logits_PV, sampling_P)
     new = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
     slots = slot_steps.empty() if slots is None else slots
     rows_P = np.full(rows, slot_steps.n_slots)
@@ -319,7 +319,7 @@ def test_step_frees_released_slots_by_state_and_leaves_the_others():
 
     def step(slots, table, release):
         tables = slot_steps.tables(table.tables_BN)
-        slots, tokens_B, _ = slot_steps.step(engine.params, slots, release, tables)
+        slots, tokens_B, *_ = slot_steps.step(engine.params, slots, release, tables)
         return slots, np.asarray(tokens_B)
 
     def inserted(prompts, slot_P, slots=None, table=None):

@@ -25,7 +25,9 @@ from jaxpar.engine._kv_budget import MEMORY_FRACTION as KV_MEMORY_FRACTION
 from jaxpar.engine._kv_budget import PAGE_SIZE as KV_PAGE_SIZE
 from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._load import compute_dtype, engine_from_hf
+from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 from jaxpar.engine._pages import PagePool, PageTable
+from jaxpar.engine._penalties import History, Seen
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
@@ -48,11 +50,13 @@ __all__ = [
     "FINISH_REASONS",
     "KV_MEMORY_FRACTION",
     "KV_PAGE_SIZE",
+    "MAX_TOP_LOGPROBS",
     "ChatTemplate",
     "CompileCount",
     "Encoded",
     "FirstTokens",
     "GenerationDefaults",
+    "History",
     "Inserted",
     "AbstractEngine",
     "BatcherStats",
@@ -61,6 +65,7 @@ __all__ = [
     "InferenceEngine",
     "KVBudget",
     "Layouts",
+    "Logprobs",
     "PagePool",
     "PageTable",
     "ProcessInfo",
@@ -68,9 +73,11 @@ __all__ = [
     "RequestStream",
     "RowSampling",
     "Sampling",
+    "Seen",
     "SlotSteps",
     "Slots",
     "Steps",
+    "TokenLogprob",
     "Tokenizer",
     "batch_shards",
     "chat_template",

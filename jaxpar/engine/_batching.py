@@ -45,7 +45,9 @@ import numpy as np
 
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
+from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 from jaxpar.engine._pages import PageTable
+from jaxpar.engine._penalties import History
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._prefix import cache_salt, page_keys
 from jaxpar.engine._requests import Request, RequestStream
@@ -125,6 +127,7 @@ class _Batch:
     starts_P: np.ndarray  # tokens each row had cached before this batch (page-aligned)
     final: bool = True  # False: a chunk that leaves more of its prompt to prefill
     works: list[_Prefill] | None = None  # the admitted requests (None: moved to decode)
+    history: History | None = None  # each row's context, for its penalties
 
     @property
     def live(self) -> list[tuple[int, RequestStream]]:
@@ -263,8 +266,10 @@ class ContinuousBatcher:
         sampling: Sampling | None = None,
         seed: int = 0,
         stop_tokens: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> RequestStream:
-        """Queues a request; its stream yields tokens as they are drawn.
+        """Queues a request; its stream yields tokens as they are drawn (and, with
+        ``logprobs``, each token's logprob and that many alternatives).
 
         Raises:
             ShapeError / CacheOverflowError: a bad prompt or one that does not fit.
@@ -277,7 +282,10 @@ class ContinuousBatcher:
             sampling=sampling or Sampling(),
             seed=int(seed),
             stop_tokens=frozenset(int(t) for t in stop_tokens),
+            logprobs=logprobs,
         )
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ShapeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         with self._cond:
             if self._failure is not None:
                 raise QueueFullError(f"the batcher stopped after an error: {self._failure!r}")
@@ -673,13 +681,23 @@ class ContinuousBatcher:
                 self.stats.moe_dropped += dropped
         requests = [s.request for s in streams]
         requests += [requests[0]] * (rows - len(streams))
-        sampling_P = RowSampling.rows([r.sampling for r in requests], [r.seed for r in requests])
+        wants = [r.logprobs is not None for r in requests[: len(streams)]]
+        sampling_P = RowSampling.rows(
+            [r.sampling for r in requests],
+            [r.seed for r in requests],
+            logprobs=wants + [False] * (rows - len(streams)),
+        )
+        history = _history(streams, rows, self.max_seq_len)
         live: list[RequestStream | None] = list(streams)
         if final:
-            first_P = self.first_tokens(logits_PV, sampling_P, steps_P)
+            first_P, logprobs = self.first_tokens(logits_PV, sampling_P, steps_P, history)
             first = np.asarray(jax.device_get(first_P))
+            host_lp = logprobs.host() if any(wants) else None
             self.stats.prefill_batches += 1
-            live = [self._first(s, int(t)) for s, t in zip(streams, first, strict=False)]
+            live = [
+                self._first(s, int(t), _logprob(host_lp, i, int(t), s.request))
+                for i, (s, t) in enumerate(zip(streams, first, strict=False))
+            ]
         else:
             first_P = put_global(np.zeros(rows, np.int32), eng.layouts.replicated)
         if self._chunking is not None and works[0] is self._chunking:
@@ -688,7 +706,9 @@ class ContinuousBatcher:
         self.stats.prefill_seconds += time.perf_counter() - start
         contexts = [w.done + t for w, t in zip(works, takes, strict=True)]
         placed = [w.row for w in works]
-        return _Batch(live, inserted, sampling_P, contexts, steps_P, placed, starts_P, final, works)
+        return _Batch(
+            live, inserted, sampling_P, contexts, steps_P, placed, starts_P, final, works, history
+        )
 
     def _context_pages(self, works: list[_Prefill], rows: int, side: _Side) -> np.ndarray:
         """Global ids of each row's cached pages, as many columns as the longest needs
@@ -701,10 +721,12 @@ class ContinuousBatcher:
             pages_PN[i, :held] = side.pages.global_ids(work.row, held)
         return pages_PN
 
-    def _first(self, stream: RequestStream, token: int) -> RequestStream | None:
+    def _first(
+        self, stream: RequestStream, token: int, logprob: TokenLogprob | None
+    ) -> RequestStream | None:
         """Sends a request its first token; None if that finished it (its row then only
         keeps its prompt's pages for the prefix cache, and is freed at insert)."""
-        if stream.emit(token) is None:
+        if stream.emit(token, logprob) is None:
             return stream
         with self._cond:
             self.stats.finished += 1
@@ -764,6 +786,7 @@ class ContinuousBatcher:
                 batch.steps_P,
                 [None] * len(batch.streams),
                 np.zeros_like(batch.starts_P),
+                history=batch.history,
             )
             with self._cond:
                 self._ready.append(ready)
@@ -939,9 +962,12 @@ class ContinuousBatcher:
             self._tables = (key, tables)
         return self._tables[1]
 
-    def _deliver(self, next_B, dropped, holders, owners, release_B) -> None:
-        """Streams one step's tokens to the requests that held the rows when it ran."""
+    def _deliver(self, next_B, logprobs: Logprobs, dropped, holders, owners, release_B) -> None:
+        """Streams one step's tokens (and logprobs, read only if some request asked) to the
+        requests that held the rows when it ran."""
         tokens_B = np.asarray(jax.device_get(next_B))
+        asked = any(s is not None and s.request.logprobs is not None for s in holders)
+        host_lp = logprobs.host() if asked else None
         if dropped is not None:
             with self._cond:
                 self.stats.moe_dropped += int(dropped)
@@ -952,7 +978,8 @@ class ContinuousBatcher:
         for i, stream in enumerate(holders):
             if stream is None or stream.done or owners[i] is not stream:
                 continue  # ended, or preempted after this step (its token is drawn again)
-            if stream.emit(int(tokens_B[i])) is not None:
+            token = int(tokens_B[i])
+            if stream.emit(token, _logprob(host_lp, i, token, stream.request)) is not None:
                 self._free(owners, release_B, i)
 
     def _insert(self, slots, batch: _Batch, side: _Side, release_B=None):
@@ -994,6 +1021,7 @@ class ContinuousBatcher:
                 batch.steps_P,
                 batch.sampling_P,
                 batch.starts_P,
+                batch.history,
             )
             self.stats.insert_seconds += time.perf_counter() - start
         for i, work in enumerate(batch.works or []):
@@ -1028,6 +1056,21 @@ class ContinuousBatcher:
 def _context(stream: RequestStream) -> list[int]:
     """Tokens a request's prefill caches: its prompt and what it drew before a preemption."""
     return [*stream.request.prompt, *stream.tokens]
+
+
+def _history(streams: list[RequestStream], rows: int, width: int) -> History:
+    """The contexts of a prefill's requests (``rows``: with its padding rows), for their
+    penalties: each prompt, and what it drew before a preemption."""
+    contexts = [(s.request.prompt, s.tokens) for s in streams] + [((), ())] * (rows - len(streams))
+    penalized = [s.request.sampling.penalized for s in streams] + [False] * (rows - len(streams))
+    return History.rows(contexts, penalized, rows, width)
+
+
+def _logprob(host: Logprobs | None, row: int, token: int, request: Request):
+    """Row ``row``'s entry of a step's logprobs on the host, if its request asked."""
+    if host is None or request.logprobs is None:
+        return None
+    return host.entry(row, token, request.logprobs)
 
 
 #: Prefill tokens a decode step's time could compute on an accelerator: decode reads

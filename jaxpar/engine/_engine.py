@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
+from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
@@ -36,6 +37,9 @@ class Generation:
     #: assignments dropped for capacity, summed over layers and devices, per step:
     #: ``[prefill, decode step 1, ...]``. Padding rows route too and count.
     moe_dropped: tuple[int, ...] | None = None
+    #: Per prompt, each new token's logprob and most likely alternatives (``generate``'s
+    #: ``logprobs``; None when not asked for).
+    logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def moe_dropped_total(self) -> int | None:
@@ -123,6 +127,7 @@ class InferenceEngine:
         self.steps = self.program.steps
         self.params = jax.tree.map(place, params, self.layouts.params)
         self._core = None  # the serving core of generate (built on first use)
+        self._scorer = None  # prompt_logprobs' program (built on first use)
         #: EOS ids and default sampling of ``generate`` (a checkpoint's, from engine_from_hf).
         self.generation_defaults = GenerationDefaults()
         #: The checkpoint's text side (engine_from_hf, when it has a tokenizer.json).
@@ -232,6 +237,22 @@ class InferenceEngine:
         logits = self.steps.prefill(self.params, tokens, lengths, all_logits=True)[0]
         return true_vocab(self.steps.to_batch(logits), self.model_config.vocab_size)
 
+    def prompt_logprobs(
+        self, prompts: Sequence[Sequence[int]], top: int = 0
+    ) -> list[list[TokenLogprob | None]]:
+        """Each prompt token's logprob given the tokens before it (None for the first), with
+        the ``top`` most likely tokens at its position (0 to ``MAX_TOP_LOGPROBS``): a
+        prefill with every position's logits, reduced on the devices
+        (:mod:`jaxpar.engine._scoring`). Raw logprobs: ``log_softmax`` of the logits."""
+        from jaxpar.engine._scoring import PromptScorer
+
+        self._check_prompts(prompts, 1)
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        if self._scorer is None:
+            self._scorer = PromptScorer(self)
+        return self._scorer(prompts, top)
+
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
         """One decode step (the cache is donated: do not reuse the argument)."""
         cache.check_room(1)
@@ -251,6 +272,7 @@ class InferenceEngine:
         seed: int = 0,
         stop_tokens: Sequence[int] | None = None,
         callback: Callable[[int, np.ndarray], None] | None = None,
+        logprobs: int | None = None,
     ) -> Generation:
         """Generates up to ``max_new_tokens`` for each prompt.
 
@@ -258,7 +280,8 @@ class InferenceEngine:
             prompts: token-id lists of different lengths (at most ``max_batch``).
             max_new_tokens: new tokens per prompt, counting the stop token.
             sampling: default: the checkpoint's (``generation_config.json``; engines from
-                :func:`engine_from_hf`), else greedy; temperature / top-k / top-p otherwise.
+                :func:`engine_from_hf`), else greedy; temperature / top-k / top-p and the
+                penalties otherwise.
             seed: sampling seed; the same seed gives bitwise-identical tokens.
             stop_tokens: a sequence finishes after emitting one of these; default the
                 checkpoint's EOS ids (none for an engine built from parameters); ``()``
@@ -266,6 +289,9 @@ class InferenceEngine:
             callback: streaming: called as ``callback(step, tokens_B)`` after every token.
                 ``tokens_B`` (int32, all ``max_batch`` rows) holds each row's token of this
                 step, or ``-1`` for padding rows and for rows that finished at an earlier step.
+            logprobs: each new token's logprob with this many most likely alternatives
+                (0 to ``MAX_TOP_LOGPROBS``) in :attr:`Generation.logprobs`: raw, before
+                penalties, temperature, top-k and top-p. None: none.
 
         Unpipelined strategies run the serving core (:mod:`jaxpar.engine._offline`): the
         paged cache, decode step and per-row sampler of :class:`ContinuousBatcher`, one
@@ -276,11 +302,26 @@ class InferenceEngine:
         sampling = sampling or self.generation_defaults.sampling
         if stop_tokens is None:
             stop_tokens = self.generation_defaults.eos_token_ids
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         tokens_BT, lengths_B = self.pad_prompts(prompts)
         n = len(prompts)
         if self.parallel_config.pp == 1:
             return self._generate_on_core(
-                tokens_BT, lengths_B, n, max_new_tokens, sampling, seed, stop_tokens, callback
+                tokens_BT,
+                lengths_B,
+                n,
+                max_new_tokens,
+                sampling,
+                seed,
+                stop_tokens,
+                callback,
+                logprobs,
+            )
+        if logprobs is not None or sampling.penalized:
+            raise ConfigError(
+                "logprobs and penalties run on the serving core (unpipelined strategies); "
+                f"{self.parallel_config} has pp={self.parallel_config.pp}"
             )
         start = time.perf_counter()
         _, cache, first_B = self._prefill(tokens_BT, lengths_B, seed, sampling)
@@ -373,7 +414,16 @@ class InferenceEngine:
         return self._core
 
     def _generate_on_core(
-        self, tokens_BT, lengths_B, n, max_new_tokens, sampling, seed, stop_tokens, callback
+        self,
+        tokens_BT,
+        lengths_B,
+        n,
+        max_new_tokens,
+        sampling,
+        seed,
+        stop_tokens,
+        callback,
+        logprobs,
     ) -> Generation:
         from jaxpar.engine._offline import decode_offline
 
@@ -392,6 +442,7 @@ class InferenceEngine:
             stop_tokens,
             callback,
             on_prefilled=lambda: times.append(time.perf_counter()),
+            logprobs=logprobs,
         )
         end = time.perf_counter()
         tokens = []
@@ -404,6 +455,7 @@ class InferenceEngine:
             prompt_tokens=int(lengths_B[:n].sum()),
             new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
             moe_dropped=decoded.dropped,
+            logprobs=None if decoded.logprobs is None else decoded.logprobs[:n],
         )
 
     def _dropped(self, steps: int) -> tuple[int, ...] | None:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from jaxpar.engine._logprobs import TokenLogprob
 from jaxpar.engine._sampling import Sampling
 
 #: Why a request ended: a stop token, ``max_tokens``, a ``cancel()`` (a client went away,
@@ -18,13 +19,18 @@ FINISH_REASONS = ("stop", "length", "cancelled", "shutdown", "error")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Request:
-    """What a client asks for: a prompt's token ids and how to continue it."""
+    """What a client asks for: a prompt's token ids and how to continue it.
+
+    ``logprobs``: None, or each new token's logprob with that many most likely
+    alternatives (0 to :data:`~jaxpar.engine._logprobs.MAX_TOP_LOGPROBS`).
+    """
 
     prompt: tuple[int, ...]
     max_tokens: int
     sampling: Sampling = Sampling()
     seed: int = 0
     stop_tokens: frozenset[int] = frozenset()
+    logprobs: int | None = None
 
 
 class RequestStream:
@@ -32,7 +38,8 @@ class RequestStream:
 
     Iterate it (``for token in stream``, blocking) or ``async for token in stream`` from
     an event loop; both end when the request finishes. :meth:`cancel` frees its slot.
-    The stop token, when one ends the request, is the last token.
+    The stop token, when one ends the request, is the last token. A request that asked
+    for logprobs has one :class:`TokenLogprob` per token (:attr:`logprobs`).
     """
 
     def __init__(self, request_id: int, request: Request):
@@ -43,6 +50,7 @@ class RequestStream:
         #: Prompt tokens whose K/V came from the prefix cache (set before the first token).
         self.cached_tokens = 0
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._finish_reason: str | None = None
         self._cancel_reason: str | None = None
         self._error: BaseException | None = None
@@ -55,6 +63,12 @@ class RequestStream:
     def tokens(self) -> list[int]:
         with self._cond:
             return list(self._tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Each token's logprob so far (empty unless the request asked for them)."""
+        with self._cond:
+            return list(self._logprobs)
 
     @property
     def finish_reason(self) -> str | None:
@@ -131,11 +145,14 @@ class RequestStream:
     def cancel_reason(self) -> str | None:
         return self._cancel_reason
 
-    def emit(self, token: int) -> str | None:
-        """Appends a token; returns the finish reason if it ends the request."""
+    def emit(self, token: int, logprob: TokenLogprob | None = None) -> str | None:
+        """Appends a token (and its logprob, when the request asked for them); returns the
+        finish reason if it ends the request."""
         now = time.perf_counter()
         request = self.request
         with self._cond:
+            if logprob is not None:
+                self._logprobs.append(logprob)
             self._tokens.append(token)
             self.token_times.append(now)
             n = len(self._tokens)

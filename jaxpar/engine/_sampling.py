@@ -1,20 +1,25 @@
-"""Next-token selection from (possibly vocab-sharded) logits: greedy, temperature, top-k, top-p.
+"""Next-token selection from (possibly vocab-sharded) logits: penalties, greedy, temperature,
+top-k, top-p.
 
 One implementation of the filters and the draw (:func:`_filter_and_draw`), with the
 parameters as per-row arrays (:class:`RowSampling`): changing them never recompiles.
 :func:`select` applies one :class:`Sampling` to a whole batch (the pipelined schedule).
+Penalties (:mod:`jaxpar.engine._penalties`) need each row's token counts, which only the
+serving core keeps: :func:`select_rows` applies them, :func:`select` has none.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.engine._penalties import Seen, penalize
 from jaxpar.errors import ConfigError
 
 
@@ -29,6 +34,13 @@ class Sampling:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    #: OpenAI's: subtracted from the logit of every token generated so far (once).
+    presence_penalty: float = 0.0
+    #: OpenAI's: subtracted once per time a token was generated so far.
+    frequency_penalty: float = 0.0
+    #: HF's and vLLM's (CTRL): the logits of tokens in the prompt or generated so far are
+    #: divided by it where positive, multiplied where negative; 1 is off.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -39,6 +51,20 @@ class Sampling:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
             raise ConfigError("top_k / top_p need temperature > 0 (temperature 0 is greedy)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty is on: the draw depends on the tokens seen so far."""
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (
+            0.0,
+            0.0,
+            1.0,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +79,11 @@ def select(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
     the vocabulary length (a vocabulary padded for tp, padded ids at -inf, samples the
     same tokens as the unpadded one).
     """
+    if sampling.penalized:
+        raise ConfigError(
+            "penalties need each row's token counts, which the serving core keeps "
+            "(unpipelined strategies); this schedule has none"
+        )
     logits_BV = logits_BV.astype(jnp.float32)
     if sampling.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -64,6 +95,10 @@ def select(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
         top_p_B=jnp.full(b, 1.0 if sampling.top_p is None else sampling.top_p, jnp.float32),
         key_B=jnp.zeros((b, 0), jnp.uint32),  # unused: the keys are given
         row_B=row_B,
+        presence_B=jnp.zeros(b, jnp.float32),
+        frequency_B=jnp.zeros(b, jnp.float32),
+        repetition_B=jnp.ones(b, jnp.float32),
+        logprobs_B=jnp.zeros(b, bool),
     )
     keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_B)
     return _filter_and_draw(logits_BV, rows, keys_B)
@@ -79,6 +114,10 @@ class RowSampling:
     :func:`select` with the same seed and step: a served request (row 0) samples the tokens
     ``generate([prompt], seed=seed)`` does, and ``generate(prompts, seed=seed)`` draws
     through these arrays with rows ``0..B-1``.
+
+    ``presence_B``, ``frequency_B`` (0: off) and ``repetition_B`` (1: off) are the
+    penalties (:mod:`jaxpar.engine._penalties`); ``logprobs_B``: the row returns the
+    logprobs of its tokens (:mod:`jaxpar.engine._logprobs`).
     """
 
     temperature_B: jax.Array
@@ -86,6 +125,10 @@ class RowSampling:
     top_p_B: jax.Array
     key_B: jax.Array
     row_B: jax.Array
+    presence_B: jax.Array
+    frequency_B: jax.Array
+    repetition_B: jax.Array
+    logprobs_B: jax.Array
 
     @classmethod
     def rows(
@@ -93,31 +136,51 @@ class RowSampling:
         samplings: Sequence[Sampling],
         seeds: Sequence[int],
         rows: Sequence[int] | None = None,
+        logprobs: Sequence[bool] | None = None,
     ) -> RowSampling:
-        """Host arrays for one :class:`Sampling` and seed (and row, default 0) per row."""
+        """Host arrays for one :class:`Sampling` and seed (and row, default 0; and whether
+        it returns logprobs, default not) per row."""
         keys = [np.asarray(jax.random.key_data(jax.random.key(int(s)))) for s in seeds]
+        n = len(seeds)
         return cls(
             temperature_B=np.array([s.temperature for s in samplings], np.float32),
             top_k_B=np.array([s.top_k or 0 for s in samplings], np.int32),
             top_p_B=np.array([1.0 if s.top_p is None else s.top_p for s in samplings], np.float32),
             key_B=np.stack(keys).astype(np.uint32),
-            row_B=np.zeros(len(seeds), np.int32) if rows is None else np.asarray(rows, np.int32),
+            row_B=np.zeros(n, np.int32) if rows is None else np.asarray(rows, np.int32),
+            presence_B=np.array([s.presence_penalty for s in samplings], np.float32),
+            frequency_B=np.array([s.frequency_penalty for s in samplings], np.float32),
+            repetition_B=np.array([s.repetition_penalty for s in samplings], np.float32),
+            logprobs_B=np.zeros(n, bool) if logprobs is None else np.asarray(logprobs, bool),
         )
 
+    @classmethod
+    def like(cls, sharding: Any, key_sharding: Any = None) -> RowSampling:
+        """Every field laid out as ``sharding`` (the key data as ``key_sharding``, default
+        the same): the layout tree of a :class:`RowSampling`."""
+        fields = {f.name: sharding for f in dataclasses.fields(cls)}
+        return cls(**fields | {"key_B": key_sharding or sharding})
 
-def select_rows(logits_BV: jax.Array, rows: RowSampling, step_B: jax.Array) -> jax.Array:
+
+def select_rows(
+    logits_BV: jax.Array, rows: RowSampling, step_B: jax.Array, seen: Seen | None = None
+) -> jax.Array:
     """The next token per row with that row's own parameters (int32 [B]); traced.
 
     Row ``b`` at its step ``step_B[b]`` draws with
     ``fold_in(fold_in(key_b, step_b), row_b)``: as row ``row_b`` of :func:`select` at that
-    step. The sort the filters need runs only when some row samples.
+    step. ``seen``: the rows' token counts, for their penalties (applied first, to greedy
+    rows too; none without it). The sort the filters need runs only when some row samples.
     """
 
     def key(key_data: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key_data), step), row)
 
     keys_B = jax.vmap(key)(rows.key_B, step_B, rows.row_B)
-    return _filter_and_draw(logits_BV.astype(jnp.float32), rows, keys_B)
+    logits_BV = logits_BV.astype(jnp.float32)
+    if seen is not None:
+        logits_BV = penalize(logits_BV, seen, rows)
+    return _filter_and_draw(logits_BV, rows, keys_B)
 
 
 def _filter_and_draw(logits_BV: jax.Array, rows: RowSampling, keys_B: jax.Array) -> jax.Array:

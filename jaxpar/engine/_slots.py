@@ -4,21 +4,25 @@ two programs.
 A serving engine keeps ``B`` decode rows in the decode layout: the page pool of every
 layer (:class:`~jaxpar.models.PagedKVCache`; which pages a row holds is the host's
 :class:`~jaxpar.engine._pages.PageTable`) plus, per row, its length, the token it feeds
-next, whether it is active, how many tokens it has drawn and its sampling parameters
-(:class:`Slots`). Two compiled programs change it:
+next, whether it is active, how many tokens it has drawn, its sampling parameters and
+the tokens it has seen, for penalties (:class:`Slots`). Two compiled programs change it:
 
 * ``insert``: takes prefill K/V of a few requests (``[P, T, K, H]`` per layer, in the
   prefill layout of this engine's strategy) and their first tokens, and writes them into
-  their pages and rows: scatters into the donated pool, so only the new pages move. One
-  compile per (rows, prompt-length) bucket.
+  their pages and rows: scatters into the donated pool, so only the new pages move; each
+  row's token counts are built from its context (:class:`~jaxpar.engine._penalties.History`).
+  One compile per (rows, prompt-length) bucket.
 * ``step``: one decode step over every row, each with its own length, pages, sampling row
   and step; inactive rows write to their shard's scratch page. The block tables are an
   input of ``N`` columns, a power of two just above the longest live row: the step reads
-  ``N`` pages per row, so its cost follows the live tokens. One compile per ``N``.
+  ``N`` pages per row, so its cost follows the live tokens. One compile per ``N``. It
+  returns each row's token and, where some row asks, their logprobs
+  (:class:`~jaxpar.engine._logprobs.Logprobs`).
 
-:class:`FirstTokens` draws each request's first token from its prefill logits, on the
-prefill devices (one compile per row count), so it reaches the client before the insert.
-Sampling parameters are arrays (:class:`RowSampling`), so no request ever recompiles.
+:class:`FirstTokens` draws each request's first token (and its logprobs) from its prefill
+logits, on the prefill devices (one compile per row count), so it reaches the client
+before the insert. Sampling parameters are arrays (:class:`RowSampling`), so no request
+ever recompiles.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._pages import PagePool
+from jaxpar.engine._penalties import History, Seen
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._steps import Steps
@@ -63,6 +69,7 @@ class Slots:
     active_B: jax.Array  # bool
     step_B: jax.Array  # int32: tokens drawn so far (the sampling key's step)
     sampling: RowSampling
+    seen: Seen  # [B, V]: tokens generated (counts) and in the prompt, for penalties
 
 
 @flax.struct.dataclass
@@ -104,9 +111,11 @@ class SlotSteps:
         self._pool_key = (pool.pages, pool.page_size)
         self._idle_sampling = RowSampling.rows([Sampling()] * pool.rows, [0] * pool.rows)
         self._keep_all: jax.Array | None = None  # release nothing (placed on first use)
+        #: Ids of a row's context an insert takes (:class:`History`): the longest row.
+        self.history_width = pool.max_seq_len
         lay = steps.layouts
         row = lay.tokens_B
-        key_row = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
+        row_x = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
         self.tables_layout = lay.paged.block_tables_BN
         self.layout = Slots(
             k=lay.paged.k,
@@ -115,7 +124,8 @@ class SlotSteps:
             tokens_B=row,
             active_B=row,
             step_B=row,
-            sampling=RowSampling(row, row, row, key_row, row),
+            sampling=RowSampling.like(row, row_x),
+            seen=Seen(row_x, row_x),
         )
 
     # --- state ---------------------------------------------------------------------------
@@ -143,6 +153,7 @@ class SlotSteps:
             active_B=jnp.zeros(b, bool),
             step_B=jnp.zeros(b, jnp.int32),
             sampling=jax.tree.map(jnp.asarray, self._idle_sampling),
+            seen=Seen.zeros(b, self.model_config.vocab_size),
         )
 
     @property
@@ -162,15 +173,21 @@ class SlotSteps:
 
     # --- traced bodies -------------------------------------------------------------------
 
-    def _insert(self, slots: Slots, new: Inserted, slot_P, pages_PN, step_P, sampling_P, start_P):
+    def _insert(
+        self, slots: Slots, new: Inserted, slot_P, pages_PN, step_P, sampling_P, start_P, history
+    ):
         """Writes new rows ``slot_P`` (``>= B``: a padding row, dropped) and their pages
         ``pages_PN`` (global ids; ``>= A``: dropped); ``step_P``: each row's draws so far;
         ``start_P``: tokens each row had cached before these (its pages ``pages_PN`` start
-        at that position, a page boundary)."""
+        at that position, a page boundary); ``history``: each row's context, whose
+        generated tokens and the first new one it counts."""
         with self.steps._context(DECODE):
 
             def put(x_B, x_P):
                 return x_B.at[slot_P].set(x_P.astype(x_B.dtype), mode="drop")
+
+            seen_P = history.seen(self.model_config.vocab_size)
+            seen_P = seen_P.add(new.first_P, jnp.ones_like(slot_P, bool))
 
             return Slots(
                 k=write_prompts(slots.k, new.k, pages_PN),
@@ -180,6 +197,7 @@ class SlotSteps:
                 active_B=put(slots.active_B, jnp.ones_like(slot_P, bool)),
                 step_B=put(slots.step_B, step_P + 1),
                 sampling=jax.tree.map(put, slots.sampling, sampling_P),
+                seen=jax.tree.map(put, slots.seen, seen_P),
             )
 
     def _row_views(self, rows: int):
@@ -203,7 +221,8 @@ class SlotSteps:
     def _step(self, params, slots: Slots, release_B, tables_RN):
         """One decode step over the rows ``tables_RN`` covers (the first ``R / shards`` of
         each batch shard: every live row); returns the tokens ``[B]`` (``-1`` for inactive
-        rows) and, for a capacity-limited MoE, the step's dropped expert assignments."""
+        rows), their logprobs (zeros unless some row asks) and, for a capacity-limited
+        MoE, the step's dropped expert assignments."""
         with self.steps._context(DECODE), count_dropped() as drops:
             take, put = self._row_views(tables_RN.shape[0])
             # Released rows (finished requests) are freed wherever they lie.
@@ -223,7 +242,14 @@ class SlotSteps:
             logits_RV, cache = self.steps._model(params).decode(take(tokens_B), cache)
             logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
             step_R = take(slots.step_B)
-            next_R = select_rows(logits_RV, jax.tree.map(take, slots.sampling), step_R)
+            sampling_R = jax.tree.map(take, slots.sampling)
+            seen_R = jax.tree.map(take, slots.seen)
+            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R)
+            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B & active_R)
+            logprobs_B = jax.tree.map(
+                put, Logprobs.zeros(tokens_B.shape, logits_RV.shape[-1]), logprobs_R
+            )
+            seen_R = seen_R.add(next_R, active_R)
             slots = Slots(
                 k=cache.k,
                 v=cache.v,
@@ -232,22 +258,23 @@ class SlotSteps:
                 active_B=put(active_B, active_R),
                 step_B=put(slots.step_B, step_R + active_R.astype(jnp.int32)),
                 sampling=slots.sampling,
+                seen=jax.tree.map(put, slots.seen, seen_R),
             )
             drawn_B = put(jnp.full_like(tokens_B, -1), jnp.where(active_R, next_R, -1))
-            out = (slots, drawn_B)
+            out = (slots, drawn_B, logprobs_B)
             return (*out, total_dropped(drops)) if self.steps.counts_drops else out
 
     # --- compiled entry points -----------------------------------------------------------
 
     def _insert_program(self, slots, new: Inserted, *rows):
         lay, rep = self.steps.layouts, self.steps.layouts.replicated
-        sampling = RowSampling(rep, rep, rep, rep, rep)
+        sampling = RowSampling.like(rep)
         inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
         return self.steps._compile(
             "insert",
-            (jax.tree.map(jnp.shape, new.k), self._pool_key),
+            (jax.tree.map(jnp.shape, new.k), self._pool_key, self.history_width),
             self._insert,
-            (self.layout, inserted, rep, rep, rep, sampling, rep),
+            (self.layout, inserted, rep, rep, rep, sampling, rep, History(rep, rep, rep)),
             self.layout,
             (slots, new, *rows),
             donate_argnums=(0,),
@@ -262,6 +289,7 @@ class SlotSteps:
         step_P: np.ndarray,
         sampling_P: RowSampling,
         start_P: np.ndarray | None = None,
+        history: History | None = None,
     ) -> Slots:
         """Writes ``new`` into rows ``slot_P`` and pages ``pages_PN`` (donates ``slots``).
 
@@ -269,15 +297,19 @@ class SlotSteps:
         request has drawn before this one (0, or more for a preempted request resumed);
         ``start_P``: tokens already cached before ``new`` (default 0): ``pages_PN`` are
         the pages from that position on, and a row's length becomes start + new. A chunk
-        of a longer prompt writes its pages only (``slot_P >= B``)."""
+        of a longer prompt writes its pages only (``slot_P >= B``). ``history``: the
+        rows' contexts, for their penalties (default: none penalised)."""
         rep = self.steps.layouts.replicated
         if start_P is None:
             start_P = np.zeros(len(slot_P), np.int32)
+        if history is None:
+            history = History.empty(len(slot_P), self.history_width)
         host = (slot_P, pages_PN, step_P)
         rows = [put_global(np.asarray(x, np.int32), rep) for x in host]
         start = put_global(np.asarray(start_P, np.int32), rep)
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
-        args = (slots, new, *rows, sampling_P, start)
+        history = jax.tree.map(lambda x: put_global(x, rep), history.fit(self.history_width))
+        args = (slots, new, *rows, sampling_P, start, history)
         return self._insert_program(*args)(*args)
 
     def compile_insert(self, new: Inserted) -> None:
@@ -300,8 +332,16 @@ class SlotSteps:
         t = jax.tree.leaves(new.k)[0].shape[-3]
         pages = jax.ShapeDtypeStruct((rows, self.pool.pages_for(t)), np.int32, sharding=rep)
         row_ints = spec(np.zeros(rows, np.int32))
+        history = jax.tree.map(spec, History.empty(rows, self.history_width))
         self._insert_program(
-            self.abstract(), new, row_ints, pages, row_ints, jax.tree.map(spec, host), row_ints
+            self.abstract(),
+            new,
+            row_ints,
+            pages,
+            row_ints,
+            jax.tree.map(spec, host),
+            row_ints,
+            history,
         )
 
     # --- prefill context -----------------------------------------------------------------
@@ -351,7 +391,7 @@ class SlotSteps:
             (tables.shape, self._pool_key),
             self._step,
             (self.steps.layouts.params, self.layout, self.layout.active_B, self.tables_layout),
-            self.steps._with_drops((self.layout, self.steps.layouts.replicated)),
+            self.steps._with_drops((self.layout, *(self.steps.layouts.replicated,) * 2)),
             (params, slots, release, tables),
             donate_argnums=(1,),
         )
@@ -384,8 +424,9 @@ class SlotSteps:
         """Donates ``slots``; ``release_B`` frees rows before the step (finished requests);
         ``tables``: the block tables of the rows to compute, from :meth:`tables`.
 
-        Returns the new slots, the tokens ``[B]`` and the step's dropped MoE assignments
-        (an int32 scalar; None unless the model has a capacity factor)."""
+        Returns the new slots, the tokens ``[B]``, their :class:`Logprobs` (zeros unless
+        some row asks for them) and the step's dropped MoE assignments (an int32 scalar;
+        None unless the model has a capacity factor)."""
         if release_B.any():
             release = put_global(np.asarray(release_B, bool), self.layout.active_B)
         else:  # most steps free nothing: no host-to-device copy for them
@@ -408,39 +449,55 @@ class FirstTokens:
     """Draws prefilled requests' first tokens where the prefill ran (``steps``' devices).
 
     ``logits [P, V]`` (the engine's padded vocabulary; padded ids never drawn) and one
-    sampling row per request, at step 0: as ``generate`` draws its first token.
+    sampling row per request, at step 0: as ``generate`` draws its first token. Penalised
+    rows count their context (:class:`History`, ``history_width`` ids: default the
+    engine's ``max_seq_len``); rows that ask get their token's :class:`Logprobs`.
     """
 
-    def __init__(self, steps: Steps):
+    def __init__(self, steps: Steps, history_width: int | None = None):
         self.steps = steps
+        self.history_width = history_width or steps.max_seq_len
 
-    def _draw(self, logits_PV, sampling_P, step_P):
+    def _draw(self, logits_PV, sampling_P, step_P, history):
         with self.steps._context(Phase.PREFILL):
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
-            return select_rows(logits_PV, sampling_P, step_P)
+            seen_P = history.seen(logits_PV.shape[-1])
+            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P)
+            return first_P, Logprobs.for_rows(logits_PV, first_P, sampling_P.logprobs_B)
 
-    def _program(self, logits_PV, sampling_P, step_P):
+    def _program(self, logits_PV, sampling_P, step_P, history):
         lay = self.steps.layouts
         rep = lay.replicated
         return self.steps._compile(
             "first_tokens",
-            (logits_PV.shape,),
+            (logits_PV.shape, self.history_width),
             self._draw,
-            (lay.logits_prefill, RowSampling(rep, rep, rep, rep, rep), rep),
+            (lay.logits_prefill, RowSampling.like(rep), rep, History(rep, rep, rep)),
             rep,
-            (logits_PV, sampling_P, step_P),
+            (logits_PV, sampling_P, step_P, history),
         )
 
     def __call__(
-        self, logits_PV: jax.Array, sampling_P: RowSampling, step_P: np.ndarray | None = None
-    ) -> jax.Array:
-        """Each row's token at its sampling step ``step_P`` (default 0: a first token)."""
+        self,
+        logits_PV: jax.Array,
+        sampling_P: RowSampling,
+        step_P: np.ndarray | None = None,
+        history: History | None = None,
+    ) -> tuple[jax.Array, Logprobs]:
+        """Each row's token at its sampling step ``step_P`` (default 0: a first token) and
+        its logprobs (zeros unless some row asks); ``history``: the rows' contexts, for
+        their penalties (default: none penalised)."""
         rep = self.steps.layouts.replicated
+        rows = logits_PV.shape[0]
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
         if step_P is None:
-            step_P = np.zeros(logits_PV.shape[0], np.int32)
+            step_P = np.zeros(rows, np.int32)
+        if history is None:
+            history = History.empty(rows, self.history_width)
         step = put_global(np.asarray(step_P, np.int32), rep)
-        return self._program(logits_PV, sampling_P, step)(logits_PV, sampling_P, step)
+        history = jax.tree.map(lambda x: put_global(x, rep), history.fit(self.history_width))
+        args = (logits_PV, sampling_P, step, history)
+        return self._program(*args)(*args)
 
     def compile(self, logits_PV: jax.ShapeDtypeStruct) -> None:
         """Compiles the draw for ``logits_PV``'s shape ahead of its first call."""
@@ -450,5 +507,10 @@ class FirstTokens:
         logits = jax.ShapeDtypeStruct(
             logits_PV.shape, logits_PV.dtype, sharding=self.steps.layouts.logits_prefill
         )
-        specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), host)
-        self._program(logits, specs, jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep))
+
+        def spec(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
+
+        history = jax.tree.map(spec, History.empty(rows, self.history_width))
+        step = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
+        self._program(logits, jax.tree.map(spec, host), step, history)

@@ -1,0 +1,91 @@
+"""Prompt log-likelihoods: each prompt token's logprob given the tokens before it.
+
+What OpenAI's ``echo`` with ``logprobs`` returns for the prompt, and what evaluation
+harnesses (lm-eval-harness's ``loglikelihood``) score answers with. One compiled program
+per prompt bucket: a prefill with every position's logits, reduced on the device to the
+next token's logprob and the :data:`~jaxpar.engine._logprobs.MAX_TOP_LOGPROBS` most likely
+tokens at each position, so only ``[B, T, K]`` arrays come back. It takes no decode row
+and no KV pages: nothing is cached. Logprobs are raw, as the decode step's
+(:mod:`jaxpar.engine._logprobs`).
+
+The prefill materialises ``[dp, T, V]`` float32 logits on the devices (one prompt per
+``dp`` shard at a time), the price of scoring every position.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from jaxpar.engine._logprobs import Logprobs, TokenLogprob
+from jaxpar.engine._placement import put_global
+from jaxpar.engine._vocab import mask_padded
+from jaxpar.errors import ConfigError
+from jaxpar.models import count_dropped
+from jaxpar.spec import Phase
+
+if TYPE_CHECKING:
+    from jaxpar.engine._engine import InferenceEngine
+
+
+class PromptScorer:
+    """Scores prompts on one engine's prefill layout; calls are serialised (a lock), so
+    concurrent callers (server threads) hold one batch of logits at a time."""
+
+    def __init__(self, engine: InferenceEngine):
+        if engine.parallel_config.pp > 1:
+            raise ConfigError(
+                f"prompt logprobs run unpipelined strategies; {engine.parallel_config} has "
+                f"pp={engine.parallel_config.pp}"
+            )
+        self.engine = engine
+        self.rows = engine.parallel_config.dp  # one prompt per batch shard of the prefill
+        self._lock = threading.Lock()
+
+    def _score(self, params, tokens_BT, lengths_B):
+        steps = self.engine.steps
+        with steps._context(Phase.PREFILL), count_dropped():
+            model = steps._model(params)
+            logits_BTV = model.prefill(tokens_BT, lengths_B, all_logits=True)[0]
+            logits_BTV = mask_padded(logits_BTV, steps.vocab_size)
+            # Position t predicts token t + 1; the last position predicts nothing here.
+            next_BT = jax.numpy.roll(tokens_BT, -1, axis=1)
+            return Logprobs.of(logits_BTV, next_BT)
+
+    def _program(self, tokens, lengths):
+        steps, lay = self.engine.steps, self.engine.layouts
+        return steps._compile(
+            "prompt_logprobs",
+            (tokens.shape,),
+            self._score,
+            (lay.params, lay.tokens_BT, lay.lengths_prefill_B),
+            lay.replicated,
+            (self.engine.params, tokens, lengths),
+        )
+
+    def __call__(
+        self, prompts: Sequence[Sequence[int]], top: int = 0
+    ) -> list[list[TokenLogprob | None]]:
+        """Per prompt, per token: its logprob given the tokens before it and the ``top``
+        most likely tokens there; None for the first token (nothing comes before it)."""
+        eng = self.engine
+        out: list[list[TokenLogprob | None]] = []
+        for start in range(0, len(prompts), self.rows):
+            group = [list(p) for p in prompts[start : start + self.rows]]
+            tokens_BT = np.zeros((self.rows, eng.bucket(max(map(len, group)))), np.int32)
+            lengths_B = np.ones(self.rows, np.int32)
+            for i, prompt in enumerate(group):
+                tokens_BT[i, : len(prompt)] = prompt
+                lengths_B[i] = len(prompt)
+            tokens = put_global(tokens_BT, eng.layouts.tokens_BT)
+            lengths = put_global(lengths_B, eng.layouts.lengths_prefill_B)
+            with self._lock:
+                host = self._program(tokens, lengths)(eng.params, tokens, lengths).host()
+            for i, prompt in enumerate(group):
+                entries = [host.entry((i, t - 1), prompt[t], top) for t in range(1, len(prompt))]
+                out.append([None, *entries])
+        return out
