@@ -1,5 +1,6 @@
-"""The server's pieces in-process: incremental detokenisation, engine failures, and the
-prompt tokens ``usage`` says came from the prefix cache.
+"""The server's pieces in-process: incremental detokenisation, engine failures, the
+prompt tokens ``usage`` says came from the prefix cache, and logprobs, echo and penalties
+as OpenAI spells them.
 
 No JAX here: a byte tokenizer (one token per UTF-8 byte) splits multi-byte characters
 across tokens, a stand-in batcher fails the way a real one reports a failed step, and
@@ -18,9 +19,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxpar.engine import BatcherStats, Request, RequestStream, Sampling
+from jaxpar.engine import BatcherStats, Request, RequestStream, Sampling, TokenLogprob
 from jaxpar.errors import QueueFullError
 from jaxpar.server import ServedModel, Service, TextStream, create_app
+from jaxpar.server._logprobs import merge
 
 TEXT = "héllo wörld ✓ 日本"
 
@@ -279,3 +281,175 @@ def test_the_streamed_usage_chunk_reports_cached_tokens(caching):
             )
         )
     assert (chunks[-1].usage.prompt_tokens, _cached(chunks[-1].usage)) == (12, 10)
+
+
+# --- logprobs, echo and penalties: the OpenAI spelling of what the engine returns -------
+
+
+def _lp(token: int, i: int, top: int) -> TokenLogprob:
+    """A stand-in logprob: token ``token`` at -(i + 1) / 2, its alternatives below it."""
+    chosen = -(i + 1) / 2
+    alternatives = [(token, chosen)] + [(ord("A") + k, chosen - 1 - k) for k in range(top)]
+    return TokenLogprob(token, chosen, tuple(alternatives[:top]))
+
+
+class LogprobBatcher(CachingBatcher):
+    """Answers at once with the letters a, b, c, ... and stand-in logprobs when asked;
+    keeps what it was asked for (:attr:`requests`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: list[dict] = []
+
+    def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=(), **kw):
+        self.requests.append(dict(prompt=list(prompt), sampling=sampling, **kw))
+        top = kw.get("logprobs")
+        request = Request(prompt=tuple(prompt), max_tokens=max_tokens, logprobs=top)
+        stream = RequestStream(len(self.requests), request)
+        for i in range(max_tokens):
+            token = ord("a") + i % 26
+            stream.emit(token, None if top is None else _lp(token, i, top))
+        return stream
+
+
+def _score(prompts, top):
+    return [[None, *(_lp(t, i, top) for i, t in enumerate(p[1:]))] for p in prompts]
+
+
+@pytest.fixture
+def scoring():
+    """(the stand-in batcher, the app's test client): a byte tokenizer, prompts scored by
+    :func:`_score`."""
+    batcher = LogprobBatcher()
+    model = ServedModel(name="m", tokenizer=_ByteTokenizer(), render_chat=_render_chat)
+    with TestClient(create_app(Service(batcher, model, scorer=_score))) as http:
+        _ready(http)
+        yield batcher, http
+
+
+def _events(http: TestClient, body: dict) -> list[dict]:
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line) for line in lines]
+
+
+def test_completion_logprobs_in_openai_form(scoring):
+    batcher, http = scoring
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "logprobs": 2}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "abc"
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b", "c"],
+        "token_logprobs": [-0.5, -1.0, -1.5],
+        # The 2 most likely, and the chosen token always (here it is the most likely).
+        "top_logprobs": [{"a": -0.5, "A": -1.5}, {"b": -1.0, "A": -2.0}, {"c": -1.5, "A": -2.5}],
+        "text_offset": [0, 1, 2],
+    }
+    assert batcher.requests[-1]["logprobs"] == 2
+    streamed = _events(http, body | {"stream": True})
+    parts = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0]["text"]]
+    assert merge(parts) == choice["logprobs"]
+    plain = http.post("/v1/completions", json=body | {"logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None and "logprobs" not in batcher.requests[-1]
+
+
+def test_chat_logprobs_in_openai_form(scoring):
+    _, http = scoring
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    choice = http.post(
+        "/v1/chat/completions", json=body | {"logprobs": True, "top_logprobs": 1}
+    ).json()["choices"][0]
+    assert choice["logprobs"] == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -0.5,
+                "bytes": [97],
+                "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}],
+            },
+            {
+                "token": "b",
+                "logprob": -1.0,
+                "bytes": [98],
+                "top_logprobs": [{"token": "b", "logprob": -1.0, "bytes": [98]}],
+            },
+        ]
+    }
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert plain["logprobs"] is None
+
+
+def test_echo_returns_the_prompt_and_its_log_likelihoods(scoring):
+    """``max_tokens`` 0 with ``echo``: the prompt alone (what lm-eval's loglikelihood reads),
+    nothing queued; with ``max_tokens`` > 0 the completion follows it, offsets running on."""
+    batcher, http = scoring
+    body = {"model": "m", "prompt": "xyz", "max_tokens": 0, "echo": True, "logprobs": 1}
+    out = http.post("/v1/completions", json=body).json()
+    choice = out["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("xyz", "length")
+    assert choice["logprobs"] == {
+        "tokens": ["x", "y", "z"],
+        "token_logprobs": [None, -0.5, -1.0],
+        "top_logprobs": [None, {"y": -0.5}, {"z": -1.0}],
+        "text_offset": [0, 1, 2],
+    }
+    assert out["usage"]["completion_tokens"] == 0 and not batcher.requests
+    whole = http.post("/v1/completions", json=body | {"max_tokens": 2}).json()["choices"][0]
+    assert whole["text"] == "xyzab"
+    assert whole["logprobs"]["tokens"] == ["x", "y", "z", "a", "b"]
+    assert whole["logprobs"]["token_logprobs"] == [None, -0.5, -1.0, -0.5, -1.0]
+    assert whole["logprobs"]["text_offset"] == [0, 1, 2, 3, 4]
+    streamed = _events(http, body | {"max_tokens": 2, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in streamed) == "xyzab"
+    parts = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0]["logprobs"]]
+    assert merge(parts) == whole["logprobs"]
+    # Without logprobs, the text alone; token ids are echoed as their text.
+    ids = {"model": "m", "prompt": [104, 105], "max_tokens": 1, "echo": True}
+    echoed = http.post("/v1/completions", json=ids).json()["choices"][0]
+    assert (echoed["text"], echoed["logprobs"]) == ("hia", None)
+
+
+def test_penalties_reach_the_sampler(scoring):
+    batcher, http = scoring
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2}
+    for extra in [{}, {"temperature": 0.7}]:
+        assert http.post("/v1/completions", json=body | penalties | extra).status_code == 200
+        sampling = batcher.requests[-1]["sampling"]
+        assert (
+            sampling.presence_penalty,
+            sampling.frequency_penalty,
+            sampling.repetition_penalty,
+        ) == (0.5, -0.25, 1.2)
+        assert sampling.temperature == extra.get("temperature", 0.0)
+
+
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/completions", {"logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+        ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_out_of_range_logprobs_and_penalties_are_400s(scoring, path, extra, param):
+    batcher, http = scoring
+    if path == "/v1/completions":
+        body = {"model": "m", "prompt": "hi"} | extra
+    else:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | extra
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert not batcher.requests

@@ -3,6 +3,8 @@
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ended by
 ``data: [DONE]``. A client that goes away (mid-stream or while waiting for a whole
 completion) has its request cancelled, which frees its decode slot at the next step.
+Logprobs come with the tokens they are of, in each chunk (:mod:`jaxpar.server._logprobs`);
+an echoed prompt comes first, in the first chunk.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpar.server import _errors
 from jaxpar.server._errors import APIError
+from jaxpar.server._logprobs import ChoiceLogprobs, merge
 from jaxpar.server._metrics import metrics_registry
 from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
 from jaxpar.server._service import Job, Service
@@ -47,14 +50,39 @@ class _Format:
             "choices": choices,
         }
 
-    def whole(self, jobs: list[Job], model: str, texts: list[str], body: _Generate) -> dict:
+    def logprobs(self, job: Job, service: Service) -> ChoiceLogprobs | None:
+        """A choice's logprobs, to be added to as its tokens come (None: not asked for)."""
+        if job.top is None:
+            return None
+        model = service.model
+        return ChoiceLogprobs(model.token_name, model.decode, job.top, chat=self.chat)
+
+    def echoed(self, job: Job, logprobs: ChoiceLogprobs | None) -> tuple[str, dict | None]:
+        """An echoing choice's prompt text and its tokens' logprobs ("" and None if it
+        does not echo); the completion's tokens then start a new text."""
+        if job.echo is None:
+            return "", None
+        if logprobs is None or job.echo.logprobs is None:
+            return job.echo.text, None
+        prompt = logprobs.add(job.prompt, job.echo.logprobs)
+        logprobs.restart()
+        logprobs.offset = len(job.echo.text)
+        return job.echo.text, prompt
+
+    def whole(self, jobs: list[Job], service: Service, texts: list[str], body: _Generate) -> dict:
         choices = []
         for index, (job, text) in enumerate(zip(jobs, texts, strict=True)):
+            logprobs = self.logprobs(job, service)
+            echo, prompt_lp = self.echoed(job, logprobs)
+            text = echo + text
             choice: dict[str, Any] = {
                 "index": index,
                 "logprobs": None,
                 "finish_reason": job.finish_reason,
             }
+            if logprobs is not None:
+                new = logprobs.add(job.tokens, job.logprobs(0, len(job.tokens)))
+                choice["logprobs"] = merge([prompt_lp, new]) if prompt_lp else new
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -62,12 +90,20 @@ class _Format:
             if body.return_token_ids:
                 choice |= {"prompt_token_ids": job.prompt, "token_ids": job.tokens}
             choices.append(choice)
-        return self.head(jobs[0], model, self.kind, choices) | {"usage": _usage(jobs, body)}
+        name = service.model.name
+        return self.head(jobs[0], name, self.kind, choices) | {"usage": _usage(jobs, body)}
 
     def chunk(
-        self, job: Job, index: int, model: str, text: str | None, ids: list[int], finish
+        self,
+        job: Job,
+        index: int,
+        model: str,
+        text: str | None,
+        ids: list[int],
+        finish,
+        logprobs: dict | None = None,
     ) -> dict:
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
@@ -118,14 +154,24 @@ async def _watch_disconnect(request: Request, jobs: list[Job]) -> None:
 async def _choice_chunks(
     service: Service, job: Job, index: int, body: _Generate, fmt: _Format, out: asyncio.Queue
 ) -> None:
-    """One choice's stream chunks into ``out`` (its role first, its finish last)."""
+    """One choice's stream chunks into ``out`` (its role or echoed prompt first, its
+    finish last), each with its tokens' logprobs when asked for."""
     name = service.model.name
+    logprobs = fmt.logprobs(job, service)
     if fmt.chat:
         first = fmt.chunk(job, index, name, "", [], None)
         first["choices"][0]["delta"]["role"] = "assistant"
         await out.put(first)
+    elif job.echo is not None:
+        echo, prompt_lp = fmt.echoed(job, logprobs)
+        await out.put(fmt.chunk(job, index, name, echo, [], None, prompt_lp))
+    seen = 0
     async for text, ids in service.pieces(job):
-        chunk = fmt.chunk(job, index, name, text, ids if body.return_token_ids else [], None)
+        lp = None
+        if logprobs is not None:
+            lp = logprobs.add(ids, job.logprobs(seen, seen + len(ids)))
+        seen += len(ids)
+        chunk = fmt.chunk(job, index, name, text, ids if body.return_token_ids else [], None, lp)
         await out.put(chunk)
     await out.put(fmt.chunk(job, index, name, None if fmt.chat else "", [], job.finish_reason))
 
@@ -190,7 +236,7 @@ async def _answer(
         for job in jobs:
             if not job.stream.done:
                 job.stream.cancel()
-    return fmt.whole(jobs, service.model.name, list(texts), body)
+    return fmt.whole(jobs, service, list(texts), body)
 
 
 def create_app(
@@ -263,7 +309,7 @@ def _routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         service.check_model(body)
-        jobs = service.submit(body, service.completion_prompts(body), param="prompt")
+        jobs = await _submit_completions(service, body)
         return await _answer(service, jobs, body, COMPLETIONS, request)
 
     @app.post("/v1/chat/completions")
@@ -271,6 +317,21 @@ def _routes(app: FastAPI, service: Service) -> None:
         service.check_model(body)
         jobs = service.submit(body, [service.chat_prompt(body)], param="messages")
         return await _answer(service, jobs, body, CHAT, request)
+
+
+async def _submit_completions(service: Service, body: CompletionRequest) -> list[Job]:
+    """Queues a completion's choices; echoing ones that ask for logprobs get their prompt's
+    (computed before the answer starts)."""
+    prompts = service.completion_prompts(body)
+    echoes = service.echo_texts(body, prompts) if body.echo else None
+    jobs = service.submit(body, prompts, param="prompt", echoes=echoes)
+    try:
+        await service.score_echoes(jobs)
+    except BaseException:
+        for job in jobs:
+            job.stream.cancel()
+        raise
+    return jobs
 
 
 def _model_card(service: Service) -> dict[str, Any]:

@@ -2,31 +2,32 @@
 
 ``n`` choices per prompt, and a list of prompts in ``/v1/completions``, are separate
 requests in the batcher (choice ``i`` of a seeded request samples with ``seed + i``).
-Fields OpenAI defines that this server cannot honour (``logprobs``, ``echo``,
-penalties, ``logit_bias``, ``response_format`` other than text and vLLM's ``guided_*``
-structured output ...) are refused with a 400 naming the field rather than ignored. Extensions, as vLLM spells them: ``top_k``, ``ignore_eos`` and
-``return_token_ids`` (the prompt's and the completion's token ids in each choice).
+``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
+``top_logprobs``), ``echo`` (completions; with ``max_tokens`` 0: the prompt's
+log-likelihoods alone), ``presence_penalty`` and ``frequency_penalty`` are OpenAI's.
+Fields OpenAI defines that this server cannot honour (``logit_bias``, ``suffix``,
+``response_format`` other than text and vLLM's ``guided_*`` structured output ...) are
+refused with a 400 naming the field rather than ignored. Extensions, as vLLM spells them:
+``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (the prompt's
+and the completion's token ids in each choice).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from jaxpar.engine import MAX_TOP_LOGPROBS, Sampling
 
 #: The most choices one request asks for (``n`` x prompts).
 MAX_CHOICES = 64
 
 #: Fields accepted only at their "off" value: name -> the values that mean off.
 _UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     # Structured output is not implemented: a schema asked for is never silently ignored.
@@ -34,7 +35,6 @@ _UNSUPPORTED = {
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_grammar": (None,),
-    "repetition_penalty": (None, 1, 1.0),
 }
 
 
@@ -59,14 +59,20 @@ class _Generate(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
     return_token_ids: bool = False
     user: str | None = None
 
+    #: Fields of the other endpoint this one refuses (name -> the values that mean off).
+    refused: ClassVar[dict[str, tuple]] = {}
+
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
         extra = self.model_extra or {}
-        for name, off in _UNSUPPORTED.items():
+        for name, off in (_UNSUPPORTED | self.refused).items():
             if name in extra and not any(
                 extra[name] == o and type(extra[name]) is type(o) for o in off
             ):
@@ -76,11 +82,37 @@ class _Generate(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def penalties(self, base: Sampling) -> dict[str, float]:
+        """The penalties asked for, the fields left out at ``base``'s."""
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+        return {
+            name: getattr(base if getattr(self, name) is None else self, name) for name in names
+        }
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per new token (None: no logprobs)."""
+        raise NotImplementedError
+
 
 class CompletionRequest(_Generate):
-    """``POST /v1/completions``: a prompt, or a list of prompts, as text or token ids."""
+    """``POST /v1/completions``: a prompt, or a list of prompts, as text or token ids.
+
+    ``logprobs``: each new token's logprob and this many alternatives; ``echo``: the
+    prompt comes back before the completion (with its tokens' logprobs when ``logprobs``
+    is given); ``max_tokens`` 0 is allowed with ``echo`` only.
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    refused: ClassVar[dict[str, tuple]] = {"top_logprobs": (None,)}  # chat's: say logprobs=N
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -103,10 +135,21 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Generate):
-    """``POST /v1/chat/completions``: messages rendered with the checkpoint's template."""
+    """``POST /v1/chat/completions``: messages rendered with the checkpoint's template.
+
+    ``logprobs``: each new token's logprob, with ``top_logprobs`` alternatives.
+    """
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    refused: ClassVar[dict[str, tuple]] = {"echo": (None, False)}  # completions'
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def rendered_messages(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

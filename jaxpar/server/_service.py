@@ -3,10 +3,14 @@
 :class:`Service` checks a request before anything is queued (each refusal a 400 naming
 its field), submits it to the :class:`~jaxpar.engine.ContinuousBatcher`, and turns the
 stream of tokens into text deltas (:class:`~jaxpar.server._detokenize.TextStream`).
+A prompt's own log-likelihoods (``echo`` with ``logprobs``) come from a prefill with every
+position's logits on the prefill engine (:meth:`InferenceEngine.prompt_logprobs`), in a
+thread, outside the batcher: they take no decode row.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import collections
 import dataclasses
@@ -17,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from jaxpar.engine import ContinuousBatcher, RequestStream, Sampling
+from jaxpar.engine import ContinuousBatcher, Request, RequestStream, Sampling, TokenLogprob
 from jaxpar.errors import ConfigError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
@@ -71,10 +75,29 @@ class ServedModel:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_name(self, token: int) -> str:
+        """A token's text alone (special tokens spelled out); ``token_id:N`` without a
+        tokenizer, as vLLM names them."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+@dataclasses.dataclass
+class Echo:
+    """A prompt as its choice echoes it (``echo``): its text, and its tokens' logprobs
+    (None for the first token) when the request asked for logprobs."""
+
+    text: str
+    logprobs: list[TokenLogprob | None] | None = None
+
 
 @dataclasses.dataclass
 class Job:
-    """One submitted request and what has come of it."""
+    """One submitted request and what has come of it.
+
+    ``top``: alternatives per token when it asked for logprobs (None: it did not).
+    """
 
     id: str
     prompt: list[int]
@@ -83,6 +106,12 @@ class Job:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    top: int | None = None
+    echo: Echo | None = None
+
+    def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
+        """The logprobs of its tokens ``start:end`` (empty unless it asked)."""
+        return self.stream.logprobs[start:end] if self.top is not None else []
 
     def usage(self) -> dict[str, int]:
         n_prompt, n_new = len(self.prompt), len(self.tokens)
@@ -142,9 +171,12 @@ class ServiceStats:
 class Service:
     """Checks, submits and follows requests for one served model."""
 
-    def __init__(self, batcher: ContinuousBatcher, model: ServedModel):
+    def __init__(self, batcher: ContinuousBatcher, model: ServedModel, scorer=None):
+        """``scorer``: prompts, alternatives -> each prompt's token logprobs (default: the
+        batcher's prefill engine's :meth:`~jaxpar.engine.InferenceEngine.prompt_logprobs`)."""
         self.batcher = batcher
         self.model = model
+        self._scorer = scorer
         self.stats = ServiceStats()
         self.started = int(time.time())
         self.ready = False  # set once warmed up
@@ -155,6 +187,9 @@ class Service:
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         """The request's prompts: one, or each of a list (text or token ids)."""
+        return [self._one_prompt(p) for p in self._prompt_items(body)]
+
+    def _prompt_items(self, body: CompletionRequest) -> list[str | list[int]]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) * body.n > MAX_CHOICES:
@@ -163,8 +198,16 @@ class Service:
                     f"{MAX_CHOICES} choices per request",
                     "prompt",
                 )
-            return [self._one_prompt(p) for p in prompt]
-        return [self._one_prompt(prompt)]
+            return list(prompt)
+        return [prompt]
+
+    def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The prompts as ``echo`` returns them: as given, or decoded from token ids."""
+        items = self._prompt_items(body)
+        return [
+            item if isinstance(item, str) else self.model.decode(ids)
+            for item, ids in zip(items, prompts, strict=True)
+        ]
 
     def _one_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -214,11 +257,21 @@ class Service:
                 unsupported,
                 "unsupported",
             )
+        if isinstance(body, ChatRequest) and body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs: needs logprobs: true", "top_logprobs")
 
-    def submit(self, body: _Generate, prompts: list[list[int]], *, param: str) -> list[Job]:
+    def submit(
+        self,
+        body: _Generate,
+        prompts: list[list[int]],
+        *,
+        param: str,
+        echoes: list[str] | None = None,
+    ) -> list[Job]:
         """Queues ``body.n`` choices of each of ``prompts``, checked first; choice ``i`` of a
         prompt samples with ``seed + i``. All are queued or none (a refusal cancels the ones
-        already queued).
+        already queued). ``echoes``: each prompt's text, when its choices echo it (a
+        choice of ``max_tokens`` 0 is not queued: it is its echo alone).
 
         Raises:
             APIError: 400 (a bad field), 429 (queue full), 503 (warming up, shutting
@@ -227,23 +280,48 @@ class Service:
         self.check_available()
         limits = [self._max_tokens(body, prompt, param) for prompt in prompts]
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
+        texts = echoes or [None] * len(prompts)
         jobs: list[Job] = []
         try:
-            for prompt, max_tokens in zip(prompts, limits, strict=True):
+            for prompt, max_tokens, text in zip(prompts, limits, texts, strict=True):
                 for i in range(body.n):
-                    jobs.append(
-                        self._submit_one(body, prompt, max_tokens, (seed + i) % 2**32, param)
-                    )
+                    job = self._submit_one(body, prompt, max_tokens, (seed + i) % 2**32, param)
+                    job.echo = None if text is None else Echo(text)
+                    jobs.append(job)
         except APIError:
             for job in jobs:
                 job.stream.cancel()
             raise
         return jobs
 
+    async def score_echoes(self, jobs: list[Job]) -> None:
+        """Fills in the prompt logprobs of the echoing jobs that asked for logprobs (one
+        scoring per distinct prompt, in a thread)."""
+        wanted = [j for j in jobs if j.echo is not None and j.top is not None]
+        if not wanted:
+            return
+        prompts = list({tuple(j.prompt): None for j in wanted})
+        top = max(j.top for j in wanted)
+        scorer = self._scorer or self.batcher.prefill_engine.prompt_logprobs
+        try:
+            scored = await asyncio.to_thread(scorer, [list(p) for p in prompts], top)
+        except (ConfigError, ShapeError) as e:
+            raise bad_request(f"prompt: {e}", "prompt") from e
+        by_prompt = dict(zip(prompts, scored, strict=True))
+        for job in wanted:
+            job.echo.logprobs = by_prompt[tuple(job.prompt)]
+
     def _submit_one(
         self, body: _Generate, prompt: list[int], max_tokens: int, seed: int, param: str
     ) -> Job:
         stop_ids = () if body.ignore_eos else self.model.stop_token_ids
+        top = body.top_logprobs_asked
+        text = TextStream(self.model.decode, body.stop_strings(), skip=stop_ids)
+        if max_tokens == 0:  # the echo alone: nothing to generate
+            stream = RequestStream(-1, Request(prompt=tuple(prompt), max_tokens=0))
+            stream.finish("length")
+            return Job(id=uuid.uuid4().hex[:24], prompt=prompt, stream=stream, text=text, top=top)
+        extra = {} if top is None else {"logprobs": top}
         try:
             stream = self.batcher.submit(
                 prompt,
@@ -251,6 +329,7 @@ class Service:
                 sampling=self.sampling(body),
                 seed=seed,
                 stop_tokens=stop_ids,
+                **extra,
             )
         except QueueFullError as e:
             if self.closing or self.batcher.failure is not None:
@@ -258,8 +337,7 @@ class Service:
             raise APIError(429, str(e), code="queue_full", retry_after=RETRY_AFTER_S) from e
         except ShapeError as e:
             raise bad_request(f"{param}: {e}", param) from e
-        text = TextStream(self.model.decode, body.stop_strings(), skip=stop_ids)
-        return Job(id=uuid.uuid4().hex[:24], prompt=prompt, stream=stream, text=text)
+        return Job(id=uuid.uuid4().hex[:24], prompt=prompt, stream=stream, text=text, top=top)
 
     def check_available(self) -> None:
         if self.batcher.failure is not None:
@@ -283,6 +361,14 @@ class Service:
         wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if wanted is None:
             return fits
+        if wanted == 0:
+            if not getattr(body, "echo", False):
+                raise bad_request(
+                    "max_tokens=0: generates nothing; allowed with echo only (the prompt's "
+                    "log-likelihoods)",
+                    "max_tokens",
+                )
+            return 0
         if wanted > fits:
             name = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
             raise bad_request(
@@ -296,13 +382,14 @@ class Service:
     def sampling(self, body: _Generate) -> Sampling:
         """The request's sampling; fields it leaves out take the checkpoint's defaults."""
         base = self.model.sampling
+        penalties = body.penalties(base)
         temperature = base.temperature if body.temperature is None else body.temperature
         if temperature == 0:
-            return Sampling()  # greedy: top_k / top_p have nothing to cut
+            return Sampling(**penalties)  # greedy: top_k / top_p have nothing to cut
         top_k = base.top_k if body.top_k is None else (body.top_k if body.top_k > 0 else None)
         top_p = base.top_p if body.top_p is None else body.top_p
         try:
-            return Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+            return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, **penalties)
         except ConfigError as e:
             raise bad_request(str(e), "temperature") from e
 
