@@ -246,7 +246,8 @@ class InferenceEngine:
         (:mod:`jaxpar.engine._scoring`). Raw logprobs: ``log_softmax`` of the logits."""
         from jaxpar.engine._scoring import PromptScorer
 
-        self._check_prompts(prompts, 1)
+        for start in range(0, len(prompts), self.max_batch):  # scored dp at a time: any count
+            self._check_prompts(prompts[start : start + self.max_batch], 1)
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         if self._scorer is None:

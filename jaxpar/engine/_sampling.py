@@ -154,6 +154,16 @@ class RowSampling:
             logprobs_B=np.zeros(n, bool) if logprobs is None else np.asarray(logprobs, bool),
         )
 
+    def live(self, active_B: jax.Array) -> RowSampling:
+        """Penalties and logprobs off in the rows not ``active_B`` (traced): a free row's
+        stale parameters then cost no step anything."""
+        return self.replace(
+            presence_B=jnp.where(active_B, self.presence_B, 0.0),
+            frequency_B=jnp.where(active_B, self.frequency_B, 0.0),
+            repetition_B=jnp.where(active_B, self.repetition_B, 1.0),
+            logprobs_B=self.logprobs_B & active_B,
+        )
+
     @classmethod
     def like(cls, sharding: Any, key_sharding: Any = None) -> RowSampling:
         """Every field laid out as ``sharding`` (the key data as ``key_sharding``, default

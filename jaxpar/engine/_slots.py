@@ -242,10 +242,10 @@ class SlotSteps:
             logits_RV, cache = self.steps._model(params).decode(take(tokens_B), cache)
             logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
             step_R = take(slots.step_B)
-            sampling_R = jax.tree.map(take, slots.sampling)
+            sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             seen_R = jax.tree.map(take, slots.seen)
             next_R = select_rows(logits_RV, sampling_R, step_R, seen_R)
-            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B & active_R)
+            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B)
             logprobs_B = jax.tree.map(
                 put, Logprobs.zeros(tokens_B.shape, logits_RV.shape[-1]), logprobs_R
             )
