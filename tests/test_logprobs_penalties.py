@@ -121,11 +121,12 @@ def test_penalised_greedy_equals_a_numpy_reference(engine, sampling):
 
 
 def _mixed(requests: list[dict]) -> list[dict]:
-    """Penalties on every other request, logprobs on every third (some rows without)."""
+    """Penalties on half the requests (greedy and sampled), logprobs on two in three:
+    rows with and without either share the steps."""
     out = []
     for i, r in enumerate(requests):
         sampling = r["sampling"]
-        if i % 2 == 0:
+        if i % 4 < 2:
             sampling = dataclasses.replace(sampling, **PENALTIES)
         out.append(dict(r, sampling=sampling, logprobs=2 if i % 3 else None))
     return out
@@ -154,8 +155,9 @@ def _check_logprobs(got, want) -> None:
 def test_sharded_generate_equals_one_device(engine):
     """dp=2, tp=2: the token counts split over the batch shards, the logits (and the top
     alternatives' search) over tp; tokens and logprobs as on one device."""
-    requests = _mixed(_shared_prefix_requests())[:4]
-    sharded = _engine(ParallelConfig(dp=2, tp=2), layer_loop="scan")
+    requests = _mixed(_shared_prefix_requests())[:2]  # penalised, greedy and sampled
+    assert requests[1]["sampling"].temperature > 0 and requests[1]["sampling"].penalized
+    sharded = _engine(ParallelConfig(dp=2, tp=2))
     for r in requests:
         tokens, logprobs = _offline(sharded, r | {"logprobs": 2})
         want_tokens, want_logprobs = _offline(engine, r | {"logprobs": 2})
