@@ -15,6 +15,9 @@
 # 3.11's environment is frozen at jax 0.10.2, so only what depends on the release can break
 # there. JAXPAR_TEST_JAX=3.11 or 3.12 runs the whole suite on that Python alone; the
 # interpreters are found on PATH or in pyenv (JAXPAR_PYTHON_3_11 / _3_12 override).
+# The whole suite's environment also gets the `lmeval` extra (lm-eval-harness and the
+# transformers tokenizer its OpenAI client counts tokens with; no torch): a test runs its
+# completions client against `jaxpar serve`.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 source "$(dirname "$0")/_accelerators.sh"
@@ -37,7 +40,7 @@ compat=""
 [ -z "${JAXPAR_TEST_JAX:-}" ] && compat=3.11
 full_python="$(python_for "$full")"
 [ -z "$compat" ] || compat_python="$(python_for "$compat")"
-jaxpar_venv "$(venv_for "$full")" "$full_python"
+jaxpar_venv "$(venv_for "$full")" "$full_python" test,lmeval
 jaxpar_accelerators "$(venv_for "$full")"
 if [ -n "$compat" ]; then
   jaxpar_venv "$(venv_for "$compat")" "$compat_python"

@@ -1,9 +1,10 @@
 """``jaxpar serve`` on one device, as the README starts it, with real clients.
 
 One server for the module (the README's command, plus ``--slots 2 --max-queue 2`` so
-overload is reachable), talked to with the official ``openai`` client and with ``httpx``.
-Every completion is checked token for token against ``InferenceEngine.generate`` run here
-on the same checkpoint (``return_token_ids`` gives the ids).
+overload is reachable), talked to with the official ``openai`` client, with ``httpx`` and
+with lm-eval-harness's completions client. Every completion is checked token for token
+against ``InferenceEngine.generate`` run here on the same checkpoint (``return_token_ids``
+gives the ids), and logprobs against the engine's own.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
 from jaxpar.engine import Sampling
-from tests._serve_util import MAX_SEQ_LEN, MODEL, ROOT, Offline, ServerProcess
+from tests import _lm_eval
+from tests._serve_util import CHECKPOINT, MAX_SEQ_LEN, MODEL, ROOT, Offline, ServerProcess
 
 README = (ROOT / "README.md").read_text()
 SERVE_BLOCKS = re.findall(r"^```(\w+) serve\n(.*?)^```", README, flags=re.M | re.S)
@@ -267,6 +270,85 @@ def test_chat_completion_uses_the_template(ready, client, offline):
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
+def _log_softmax(logits_TV: np.ndarray) -> np.ndarray:
+    x = logits_TV.astype(np.float64) - logits_TV.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _prompt_logprobs(offline: Offline, ids: list[int]) -> np.ndarray:
+    """log_softmax at each position of ``ids`` (the engine's prefill, all logits)."""
+    eng = offline.engine
+    logits = np.asarray(eng.prefill_logits(*eng.pad_prompts([ids])))[0, : len(ids)]
+    return _log_softmax(logits)
+
+
+def test_logprobs_and_penalties_equal_offline(ready, client, offline):
+    """Completion and chat logprobs (raw), with penalties on, equal the offline run's;
+    echo with max_tokens 0 returns the prompt's log-likelihoods."""
+    prompt = [1, 30, 31, 32, 30, 31]
+    penalties = {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 0.3}
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=8,
+        logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True} | penalties,
+    )
+    gen = offline.engine.generate(
+        [prompt], 8, sampling=Sampling(**penalties), stop_tokens=(), logprobs=3
+    )
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == gen.tokens[0]
+    assert gen.tokens[0] != offline.greedy(prompt, 8, eos=False)  # the penalties bite
+    want = gen.logprobs[0]
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, [e.logprob for e in want], atol=1e-5)
+    for top, entry in zip(choice.logprobs.top_logprobs, want, strict=True):
+        assert len(top) in (3, 4)  # the 3 most likely, and the chosen token if not among them
+        assert max(top.values()) == pytest.approx(entry.top[0][1], abs=1e-5)
+    assert "".join(choice.logprobs.tokens) == choice.text
+    messages = [{"role": "user", "content": "hello , how are you ?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    chat_gen = offline.engine.generate(
+        [offline.chat_ids(messages)], 4, stop_tokens=offline.eos, logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    np.testing.assert_allclose(
+        [c.logprob for c in content], [e.logprob for e in chat_gen.logprobs[0]], atol=1e-5
+    )
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    # The prompt's log-likelihoods: no decode row taken, nothing generated.
+    echo = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    )
+    lp_TV = _prompt_logprobs(offline, prompt)
+    got = echo.choices[0].logprobs.token_logprobs
+    assert got[0] is None and echo.usage.completion_tokens == 0
+    np.testing.assert_allclose(
+        got[1:], [lp_TV[t - 1, prompt[t]] for t in range(1, len(prompt))], atol=1e-5
+    )
+
+
+def test_lm_eval_harness_loglikelihoods_equal_offline(ready, offline, tmp_path):
+    """lm-eval-harness's ``local-completions`` (echo, logprobs, max_tokens 1, token ids)
+    on a local loglikelihood task: each document's log-likelihood and is-greedy equal
+    the engine's, from one prefill of context + continuation."""
+    _lm_eval.require_lm_eval()
+    samples = _lm_eval.run(f"{ready.url}/v1/completions", MODEL, CHECKPOINT, tmp_path)
+    assert [s["doc_id"] for s in samples] == list(range(_lm_eval.LIMIT))
+    for sample, (context, continuation) in zip(samples, _lm_eval.DOCS, strict=False):
+        loglikelihood, greedy = sample["resps"][0][0]  # as lm-eval logs them: strings
+        loglikelihood, greedy = float(loglikelihood), str(greedy) == "True"
+        encode = lambda text: offline.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+        ids, n_context = encode(context + continuation), len(encode(context))
+        lp_TV = _prompt_logprobs(offline, ids)
+        positions = range(n_context, len(ids))
+        want = sum(lp_TV[t - 1, ids[t]] for t in positions)
+        assert loglikelihood == pytest.approx(want, abs=1e-4), (context, continuation)
+        assert greedy == all(int(np.argmax(lp_TV[t - 1])) == ids[t] for t in positions)
+
+
 def _long(n: int) -> list[int]:
     return [1] + [10 + i % 200 for i in range(n - 1)]
 
@@ -291,7 +373,34 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 65}, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 33, "n": 2}, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        "top_logprobs",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "echo": True, "max_tokens": -1},
+        "max_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5},
+        "presence_penalty",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "repetition_penalty": 0},
+        "repetition_penalty",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
     (
         "/v1/chat/completions",
         {
