@@ -33,6 +33,7 @@ from jaxpar.spec import make_mesh
 MAX_SEQ_LEN, SLOTS = 32, 4
 CONFIG = preset("tiny-gqa")
 SAMPLED = Sampling(temperature=0.9, top_k=20, top_p=0.9)
+PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.7)
 
 
 @functools.cache
@@ -51,29 +52,35 @@ def _engine(parallel: ParallelConfig, first_device: int = 0, layer_loop="unrolle
 
 def _requests() -> list[dict]:
     """Eight requests for four slots: mixed prompt and output lengths, greedy and sampled
-    rows, one that ends at its first token, two with stop tokens (set from offline runs)."""
+    rows, one that ends at its first token, two with stop tokens (set from offline runs);
+    penalties on a sampled and a greedy row, logprobs on three rows."""
     rng = np.random.default_rng(7)
     out = []
     for i, (length, n) in enumerate([(3, 12), (9, 2), (14, 9), (5, 1), (2, 16), (11, 6)] * 2):
         if i >= 8:
             break
         prompt = rng.integers(1, CONFIG.vocab_size, length).tolist()
-        sampled = i % 3 == 1
-        out.append(
-            dict(prompt=prompt, max_tokens=n, sampling=SAMPLED if sampled else Sampling(), seed=i)
-        )
+        sampling = SAMPLED if i % 3 == 1 else Sampling()
+        if i in (4, 5):
+            sampling = dataclasses.replace(sampling, **PENALTIES)
+        logprobs = 3 if i in (0, 4, 6) else None
+        out.append(dict(prompt=prompt, max_tokens=n, sampling=sampling, seed=i, logprobs=logprobs))
     return out
 
 
 def _offline(engine: InferenceEngine, r: dict, stop_tokens=()) -> list[int]:
-    gen = engine.generate(
+    return _offline_run(engine, r, stop_tokens).tokens[0]
+
+
+def _offline_run(engine: InferenceEngine, r: dict, stop_tokens=()):
+    return engine.generate(
         [r["prompt"]],
         r["max_tokens"],
         sampling=r["sampling"],
         seed=r["seed"],
         stop_tokens=stop_tokens,
+        logprobs=r.get("logprobs"),
     )
-    return gen.tokens[0]
 
 
 def _check_served(batcher: ContinuousBatcher, reference: InferenceEngine) -> None:
@@ -82,11 +89,18 @@ def _check_served(batcher: ContinuousBatcher, reference: InferenceEngine) -> Non
     # 4th token, request 2 at a token it never emits (it runs to max_tokens).
     expected = [_offline(reference, r) for r in requests]
     stops = {0: [expected[0][3]], 2: [CONFIG.vocab_size - 1]}
-    expected[0] = _offline(reference, requests[0], stops[0])
+    runs = [_offline_run(reference, r, stops.get(i, ())) for i, r in enumerate(requests)]
+    expected = [run.tokens[0] for run in runs]
     compiled = len(batcher.engine.steps._compiled)
     streams = [batcher.submit(**r, stop_tokens=stops.get(i, ())) for i, r in enumerate(requests)]
     got = [s.result(timeout=120) for s in streams]
     assert got == expected
+    for stream, run in zip(streams, runs, strict=True):  # logprobs too, where asked for
+        want = [] if run.logprobs is None else run.logprobs[0]
+        assert [e.token for e in stream.logprobs] == [e.token for e in want]
+        np.testing.assert_allclose(
+            [e.logprob for e in stream.logprobs], [e.logprob for e in want], atol=1e-5
+        )
     assert [s.finish_reason for s in streams] == [
         "stop" if i == 0 else "length" for i in range(len(requests))
     ]

@@ -8,8 +8,8 @@
   reference that applies OpenAI's and vLLM's formulas to the prefill's logits step by
   step.
 * Served requests with penalties and logprobs (sampled and greedy, beside rows without
-  them, through prefix hits, chunks, preemption and eviction) equal their offline runs,
-  and nothing compiles per request.
+  them, through prefix hits, chunks, preemption and eviction) equal their offline runs;
+  sharded (dp=2, tp=2) runs equal one device's.
 """
 
 from __future__ import annotations
@@ -167,8 +167,9 @@ def test_sharded_generate_equals_one_device(engine):
 
 def test_served_penalties_and_logprobs_equal_offline(engine):
     """Prefix hits, chunks of long prompts, preemption and eviction (eleven usable
-    pages): each request's tokens and logprobs equal its own offline run, and nothing
-    compiles after warm-up."""
+    pages): each request's tokens and logprobs equal its own offline run (a preempted
+    request resumes with the counts of what it drew). That nothing compiles per request
+    is test_batching's check, whose requests have penalties and logprobs too."""
     requests = _mixed(_shared_prefix_requests())
     expected = [_offline(engine, r) for r in requests]
     batcher = ContinuousBatcher(
@@ -178,8 +179,6 @@ def test_served_penalties_and_logprobs_equal_offline(engine):
         max_prefill_tokens=8,
     )
     with batcher:
-        batcher.warmup(range(1, 28))
-        compiled = set(engine.steps._compiled)
         streams = [batcher.submit(**r) for r in requests[:2]]
         streams[0].result(timeout=120)
         streams += [batcher.submit(**r) for r in requests[2:]]
@@ -190,7 +189,6 @@ def test_served_penalties_and_logprobs_equal_offline(engine):
                 assert stream.logprobs == []
             else:
                 _check_logprobs(stream.logprobs, logprobs)
-        assert set(engine.steps._compiled) == compiled
         assert batcher.stats.preemptions + batcher.pages.evictions > 0
         assert batcher.stats.prefill_chunks >= 2
 
