@@ -65,8 +65,7 @@ class _Format:
         if logprobs is None or job.echo.logprobs is None:
             return job.echo.text, None
         prompt = logprobs.add(job.prompt, job.echo.logprobs)
-        logprobs.restart()
-        logprobs.offset = len(job.echo.text)
+        logprobs.restart(len(job.echo.text))
         return job.echo.text, prompt
 
     def whole(self, jobs: list[Job], service: Service, texts: list[str], body: _Generate) -> dict:

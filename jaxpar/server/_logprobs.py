@@ -47,13 +47,15 @@ class ChoiceLogprobs:
     """
 
     def __init__(self, name: Callable[[int], str], decode, top: int, *, chat: bool):
-        self._name, self._top, self._chat = name, top, chat
+        self._name, self._decode, self._top, self._chat = name, decode, top, chat
         self._pieces = TokenPieces(decode)
         self.offset = 0  # characters of the choice's text before the next token
 
-    def restart(self) -> None:
-        """The next tokens start a new text (the completion after an echoed prompt)."""
-        self._pieces = TokenPieces(self._pieces._decode)
+    def restart(self, offset: int) -> None:
+        """The next tokens start a new text at ``offset`` of the choice's (the completion
+        after an echoed prompt)."""
+        self._pieces = TokenPieces(self._decode)
+        self.offset = offset
 
     def add(self, tokens: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict:
         """The object for ``tokens`` (their ``entries``: None for a first prompt token)."""
