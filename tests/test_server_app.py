@@ -376,6 +376,11 @@ def test_chat_logprobs_in_openai_form(scoring):
             },
         ]
     }
+    asked = body | {"logprobs": True, "top_logprobs": 1, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=asked) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    parts = [c["choices"][0]["logprobs"] for c in map(json.loads, lines)]
+    assert merge([p for p in parts if p]) == choice["logprobs"]
     plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert plain["logprobs"] is None
 
