@@ -13,6 +13,7 @@ from jaxpar.cli._common import (
     add_context_arg,
     add_degree_args,
     add_model_args,
+    add_quantize_arg,
     join_option_values,
     setup_devices,
 )
@@ -189,6 +190,7 @@ def _add_serve(sub) -> None:
     )
     serve.add_argument("--hf", type=Path, required=True, help="Hugging Face checkpoint directory")
     serve.add_argument("--dtype", choices=DTYPES, default=None, help="(default: the model's own)")
+    add_quantize_arg(serve)
     add_degree_args(serve, "1; decode's strategy when --prefill is given")
     add_serve_args(serve)
 

@@ -115,7 +115,44 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
         help="MoE: rows per expert peer = ceil(factor x tokens x top_k / ep); assignments "
         "past it are dropped and counted (default: dropless, as transformers)",
     )
+    add_quantize_arg(parser)
     parser.set_defaults(default_model=default_model)
+
+
+def add_quantize_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "fp8", "int4"),
+        default=None,
+        help="weight-only quantization of the attention and FFN kernels at load time: int8 "
+        "and fp8 per output channel, int4 per group of 128 (embedding, LM head and MoE "
+        "experts stay in --dtype)",
+    )
+
+
+def weights_note(params) -> str:
+    """What the start line says about the weights: bytes per device, and their dtypes."""
+    import jax
+    import numpy as np
+
+    from jaxpar.models import element_bytes
+
+    per_device = 0.0
+    dtypes: dict[str, float] = {}
+    for x in jax.tree.leaves(params):
+        shard = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape
+        nbytes = float(np.prod(shard)) * element_bytes(x.dtype)
+        per_device += nbytes
+        dtypes[str(x.dtype)] = dtypes.get(str(x.dtype), 0.0) + nbytes
+    parts = ", ".join(f"{k} {_size(v)}" for k, v in sorted(dtypes.items(), key=lambda kv: -kv[1]))
+    return f"weights {_size(per_device)} per device ({parts})"
+
+
+def _size(nbytes: float) -> str:
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def add_degree_args(parser: argparse.ArgumentParser, defaults_text: str = "1") -> None:
@@ -200,7 +237,10 @@ def dtype_note(args: argparse.Namespace) -> str:
 
 def _with_capacity(config, args: argparse.Namespace):
     factor = getattr(args, "moe_capacity_factor", None)
-    return config if factor is None else dataclasses.replace(config, moe_capacity_factor=factor)
+    if factor is not None:
+        config = dataclasses.replace(config, moe_capacity_factor=factor)
+    quantize = getattr(args, "quantize", None)
+    return config if quantize is None else dataclasses.replace(config, quantize=quantize)
 
 
 def load_model(args: argparse.Namespace, console, *, seed: int = 0):
@@ -209,12 +249,12 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
     from jax.sharding import SingleDeviceSharding
 
     from jaxpar.cli._progress import stage, tensor_count
-    from jaxpar.models import init_params, load_hf_checkpoint
+    from jaxpar.models import init_params, load_hf_checkpoint, quantize_params
 
     config = model_config(args)
     if args.hf is None:
         with stage(console, f"initialise {args.model or args.default_model} parameters"):
-            params = init_params(config, seed)
+            params = init_params(config, seed)  # quantized when --quantize
             jax.block_until_ready(params)
         return config, params
     device = SingleDeviceSharding(jax.devices()[0])
@@ -226,6 +266,10 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
 
         dtype = config.dtype if args.dtype is None else args.dtype
         config, params = load_hf_checkpoint(args.hf, dtype=dtype, shardings=on_device)
+    quantize = getattr(args, "quantize", None)
+    if quantize is not None:
+        with stage(console, f"quantize the weights ({quantize})"):
+            config, params = quantize_params(config, params, quantize)
     return config, params
 
 

@@ -19,6 +19,7 @@ from jaxpar.cli._common import (
     model_config,
     parallel_config,
     select_devices,
+    weights_note,
 )
 from jaxpar.cli._compare import compare_exact, compare_to_float32, teacher_forced_logits
 from jaxpar.cli._progress import stage
@@ -86,6 +87,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
             max_seq_len=args.max_seq_len,
             mesh=make_mesh(parallel, devices),
         )
+    console.print(f"[dim]{weights_note(engine.params)}[/]", soft_wrap=True)
     for phase in Phase:
         console.print(plan_table(engine.plan, phase))
 

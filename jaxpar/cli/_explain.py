@@ -41,6 +41,7 @@ from jaxpar.models import (
     KVCache,
     ModelConfig,
     abstract_model,
+    element_bytes,
 )
 from jaxpar.spec import (
     Module,
@@ -66,11 +67,11 @@ def _compile_note(args: argparse.Namespace, group: DeviceGroup) -> str | None:
     return None
 
 
-def _per_device(shape, spec, config: ParallelConfig, itemsize: int) -> int:
+def _per_device(shape, spec, config: ParallelConfig, itemsize: float) -> int:
     split = math.prod(
         config.degree(a) for e in spec if e for a in ((e,) if isinstance(e, str) else e)
     )
-    return math.prod(shape) * itemsize // split
+    return int(math.prod(shape) * itemsize // split)
 
 
 def _spec_text(spec) -> str:
@@ -96,7 +97,7 @@ def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[s
         spec = param_partition_spec(axes, parallel, dims=config)
         per_layer = len(path) > 1 and path[0] == "layers" and isinstance(path[1], int)
         name = ".".join(map(str, ("layers", "*", *path[2:]) if per_layer else path))
-        nbytes = _per_device(value.shape, spec, parallel, value.dtype.itemsize)
+        nbytes = _per_device(value.shape, spec, parallel, element_bytes(value.dtype))
         if name in rows:
             rows[name]["count"] += 1
             rows[name]["bytes_per_device"] += nbytes
@@ -104,6 +105,7 @@ def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[s
         rows[name] = {
             "tensor": name,
             "shape": list(value.shape),
+            "dtype": str(value.dtype),
             "count": 1,
             "logical_axes": list(axes),
             "spec": _spec_text(spec),
@@ -434,7 +436,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
         _table(
             "parameters (one layout for both phases)",
             data["parameters"],
-            ["tensor", "count", "shape", "logical_axes", "spec", "bytes_per_device"],
+            ["tensor", "count", "shape", "dtype", "logical_axes", "spec", "bytes_per_device"],
         )
     )
     for phase, d in data["phases"].items():

@@ -18,6 +18,7 @@ from jaxpar.cli._common import (
     model_config,
     parallel_config,
     select_devices,
+    weights_note,
 )
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.engine import (
@@ -206,6 +207,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
                 max_seq_len=args.max_seq_len,
                 mesh=mesh,
                 dtype=args.dtype,
+                quantize=getattr(args, "quantize", None),
                 on_tensor=lambda name: advance(),
             )
     else:
@@ -215,6 +217,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
                 config, params, parallel, max_batch=batch, max_seq_len=args.max_seq_len, mesh=mesh
             )
 
+    console.print(f"[dim]{weights_note(engine.params)}[/]", soft_wrap=True)
     compiled = warm_up(
         engine, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, console=console
     )

@@ -25,6 +25,7 @@ from jaxpar.cli._common import (
     dtype_note,
     model_config,
     parallel_config,
+    weights_note,
 )
 from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
@@ -161,6 +162,7 @@ def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> Inferen
             max_seq_len=_max_seq_len(args, config),
             mesh=group.mesh(),
             dtype=args.dtype,
+            quantize=getattr(args, "quantize", None),
             on_tensor=lambda name: adv(),
         )
 
@@ -317,11 +319,14 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     model = served_model(args)
     console.print(
         f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} ({model_config(args).dtype}"
+        f"{f', {args.quantize} weights' if getattr(args, 'quantize', None) else ''}"
         f"{dtype_note(args)}) on {describe_devices()}",
         soft_wrap=True,
     )
     batcher = build_batcher(args, console)
     where = f"prefill {batcher.prefill_engine.parallel_config}, " if batcher.disaggregated else ""
+    quantized = f" ({args.quantize} kernels)" if getattr(args, "quantize", None) else ""
+    console.print(f"{weights_note(batcher.engine.params)}{quantized}", soft_wrap=True)
     console.print(batcher.describe_cache(), soft_wrap=True)
     console.print(
         f"{where}decode {batcher.engine.parallel_config} on {_devices(batcher)}, up to "

@@ -20,7 +20,7 @@ from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
-from jaxpar.models import KVCache, ModelConfig, abstract_model, with_layer_loop
+from jaxpar.models import KVCache, ModelConfig, abstract_model, quantize_params, with_layer_loop
 from jaxpar.spec import ParallelConfig, Plan
 
 
@@ -86,6 +86,11 @@ class InferenceEngine:
             token is returned, never cached).
         mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``default_mesh(parallel_config)``:
             the first devices the strategy needs (every device under ``jax.distributed``).
+        quantize: weight-only quantization applied here to float parameters (None,
+            "int8", "fp8", "int4"; see :mod:`jaxpar.models._quant`): the attention and
+            dense-FFN kernels become low-precision values with float32 scales, sharded as
+            their kernels. Parameters already quantized (``model_config.quantize`` set,
+            e.g. ``init_params`` of a quantized config) are taken as they are.
     """
 
     def __init__(
@@ -97,8 +102,12 @@ class InferenceEngine:
         max_batch: int,
         max_seq_len: int,
         mesh: Mesh | None = None,
+        quantize: str | None = None,
     ):
         config = parallel_config or ParallelConfig()
+        if quantize is not None:
+            model_config, params = quantize_params(model_config, params, quantize)
+        _check_quantize_backend(model_config)
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         model_config, params = pipeline_layer_form(model_config, params, config)
         # Validated and laid out from shapes; a vocabulary tp does not divide is padded
@@ -499,6 +508,16 @@ def _stop_list(stop_tokens: Sequence[int]) -> np.ndarray:
     out = np.full(max(8, 1 << max(len(stops) - 1, 0).bit_length()), -1, np.int32)
     out[: len(stops)] = stops
     return out
+
+
+def _check_quantize_backend(model_config: ModelConfig) -> None:
+    """int4 weights need jax >= 0.11: jax 0.10's placement of int4 arrays gives a layout
+    its own compiled steps refuse."""
+    if model_config.quantize == "int4" and jax.__version_info__ < (0, 11):
+        raise ConfigError(
+            f"quantize='int4' needs jax >= 0.11 (this is {jax.__version__}); int8 and fp8 "
+            "run on every supported jax"
+        )
 
 
 def _check_params(abstract: nnx.State, params: nnx.State) -> None:

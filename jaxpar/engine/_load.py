@@ -48,6 +48,7 @@ def engine_from_hf(
     mesh: Mesh | None = None,
     dtype: Any = None,
     on_tensor: Callable[[str], None] | None = None,
+    quantize: str | None = None,
 ) -> InferenceEngine:
     """Validates the strategy against the checkpoint's config, then loads every tensor
     directly into its sharding: each device reads only its own slice from the
@@ -55,7 +56,9 @@ def engine_from_hf(
 
     ``on_tensor(name)`` is called before each parameter tensor is read (for progress).
     ``dtype`` None: the checkpoint's own, except that a half-precision checkpoint runs in
-    float32 on CPU (:func:`compute_dtype`).
+    float32 on CPU (:func:`compute_dtype`). ``quantize`` ("int8", "fp8", "int4"):
+    weight-only quantization of the loaded weights, where they lie (see
+    :class:`InferenceEngine`); the float weights are read first, then quantized.
 
     Raises:
         IllegalStrategyError: before any tensor is read.
@@ -89,7 +92,13 @@ def engine_from_hf(
         path, dtype=dtype, shardings=sharding, layer_loop=layer_loop
     )
     engine = InferenceEngine(
-        config, params, parallel, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
+        config,
+        params,
+        parallel,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        mesh=mesh,
+        quantize=quantize,
     )
     # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
     engine.generation_defaults = generation_defaults(path)

@@ -49,6 +49,7 @@ from jaxpar.models._paged import (
     read_pages,
     write_prompts,
 )
+from jaxpar.models._quant import QUANT_DTYPES, element_bytes, param_bytes, quantize_params
 from jaxpar.models._rope import apply_rope, rope_inv_freq
 
 __all__ = [
@@ -99,6 +100,10 @@ __all__ = [
     "init_model",
     "interpret_kernels",
     "init_params",
+    "quantize_params",
+    "QUANT_DTYPES",
+    "param_bytes",
+    "element_bytes",
     "load_hf_checkpoint",
     "param_logical_axes",
     "preset",

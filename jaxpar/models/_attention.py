@@ -16,7 +16,7 @@ from jaxpar.models._attention_ops import (
 )
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, param
+from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, kernel, project
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_inv_freq
@@ -53,14 +53,19 @@ class Attention(nnx.Module):
         self.prefill_impl, self.decode_impl = c.prefill_attention, c.decode_attention
         self.rope_theta = c.rope_theta if c.positional == "rope" else None
         self.rope_scaling = c.rope_scaling
-        self.q_kernel = param(rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), pd)
+        # Quantized (config.quantize): each kernel has a <name>_scale, else None.
+        self.q_kernel, self.q_kernel_scale = kernel(
+            rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), c
+        )
         # K and V in one weight [D, 2, K, H]: one matmul reads both. Q stays its own weight
         # because it splits over tp by query heads while K/V may be replicated
         # (n_kv_heads < tp), which one fused [D, N + 2K, H] weight could not express.
         kv_axes = ("embed", None, "kv_heads", "head_dim")
-        self.kv_kernel = param(rngs, fan_in_normal(d), (d, 2, k, h), kv_axes, pd)
-        self.o_kernel = param(
-            rngs, fan_in_normal(n, h), (n, h, d), ("heads", "head_dim", "embed"), pd
+        self.kv_kernel, self.kv_kernel_scale = kernel(
+            rngs, fan_in_normal(d), (d, 2, k, h), kv_axes, c
+        )
+        self.o_kernel, self.o_kernel_scale = kernel(
+            rngs, fan_in_normal(n, h), (n, h, d), ("heads", "head_dim", "embed"), c, contract=2
         )
         # Optional biases are None (static) when absent: assign each attribute once.
         qkv = c.qkv_bias
@@ -73,15 +78,27 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
 
     def _project(
-        self, spec: str, x_BTD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None
+        self,
+        spec: str,
+        x_BTD: jax.Array,
+        kernel: nnx.Param,
+        bias: nnx.Param | None,
+        scale: nnx.Param | None = None,
     ) -> jax.Array:
-        y = jnp.einsum(spec, x_BTD, kernel[...].astype(self.dtype))
+        if scale is None:
+            y = jnp.einsum(spec, x_BTD, kernel[...].astype(self.dtype))
+        else:
+            y = project(x_BTD, kernel[...], scale[...], self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def _qkv(self, x_BTD: jax.Array, pos_BT: jax.Array) -> tuple[jax.Array, ...]:
         """Projected (q/k-normalised), rotated q [B,T,N,H], k and v [B,T,K,H]."""
-        q_BTNH = self._project("BTD,DNH->BTNH", x_BTD, self.q_kernel, self.q_bias)
-        kv_BTCKH = self._project("BTD,DCKH->BTCKH", x_BTD, self.kv_kernel, self.kv_bias)
+        q_BTNH = self._project(
+            "BTD,DNH->BTNH", x_BTD, self.q_kernel, self.q_bias, self.q_kernel_scale
+        )
+        kv_BTCKH = self._project(
+            "BTD,DCKH->BTCKH", x_BTD, self.kv_kernel, self.kv_bias, self.kv_kernel_scale
+        )
         k_BTKH, v_BTKH = kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
@@ -99,8 +116,14 @@ class Attention(nnx.Module):
         # Heads and head_dim merged into one contracting dim on both sides (free reshapes of
         # row-major arrays): with two contracting dims XLA:CPU re-lays the [N, H, D] kernel
         # out into a copy on every step.
-        o_XD = self.o_kernel[...].astype(self.dtype).reshape(n * h, -1)
-        y_BTD = jnp.einsum("BTX,XD->BTD", out_BTNH.reshape(b, t, n * h), o_XD)
+        if self.o_kernel_scale is None:
+            o_XD = self.o_kernel[...].astype(self.dtype).reshape(n * h, -1)
+            y_BTD = jnp.einsum("BTX,XD->BTD", out_BTNH.reshape(b, t, n * h), o_XD)
+        else:
+            o_XD = self.o_kernel[...].reshape(n * h, -1)
+            y_BTD = project(
+                out_BTNH.reshape(b, t, n * h), o_XD, self.o_kernel_scale[...], self.dtype
+            )
         if self.o_bias is not None:
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return constrain(y_BTD, BTD, Module.ATTENTION)

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.models._moe_route import capacity_rows
+from jaxpar.models._quant import check_quantize
 
 ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2")
 #: The archs whose feed-forward blocks are mixtures of experts (every layer's).
@@ -114,6 +115,11 @@ class ModelConfig:
     moe_dispatch: str = "auto"
     dtype: Any = "float32"
     param_dtype: Any = "float32"
+    #: Weight-only quantization of the attention and dense-FFN kernels (None, "int8",
+    #: "fp8", "int4"): see :mod:`jaxpar.models._quant`. Parameters quantized at load
+    #: time by ``quantize_params``; embedding, LM head and MoE experts stay in
+    #: ``param_dtype``.
+    quantize: str | None = None
     #: How the layers are stored and run. "unrolled": one parameter array per layer and
     #: a Python loop, so no step slices (copies) a weight or a layer's cache out of a stack;
     #: compile time grows with depth. "scan": parameters stacked ``[L, ...]`` under
@@ -152,6 +158,7 @@ class ModelConfig:
             )
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        check_quantize(self.quantize)
         if self.qk_norm and self.norm != "rms":
             raise ConfigError("qk_norm is an RMS norm per head: it needs norm='rms'")
         self._check_positions()

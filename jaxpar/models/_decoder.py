@@ -17,6 +17,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
 from jaxpar.models._moe import MoE
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
+from jaxpar.models._quant import quantize_params
 
 
 class DecoderLayer(nnx.Module):
@@ -231,8 +232,12 @@ def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
 
     Each parameter is drawn from its own :class:`Init` metadata with a generator seeded
     by (seed, parameter path): deterministic, independent of devices and sharding, and
-    free of random-kernel compilation (which dominates small-model start-up).
+    free of random-kernel compilation (which dominates small-model start-up). A quantized
+    config gets the float model's parameters quantized (:func:`quantize_params`).
     """
+    if config.quantize is not None:
+        float_config = dataclasses.replace(config, quantize=None)
+        return quantize_params(float_config, init_params(float_config, seed), config.quantize)[1]
     loaded = []
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
         want = var.get_value()

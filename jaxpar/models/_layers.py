@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._quant import QUANT_DTYPES, qmatmul, scale_layout
 from jaxpar.spec import Module, constrain
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -64,6 +65,37 @@ def param(
     assert len(axes) == len(shape), (shape, axes)
     value = init(rngs.params(), tuple(shape), dtype)
     return nnx.Param(value, out_sharding=axes, init=init, eager_sharding=False)
+
+
+def kernel(
+    rngs: nnx.Rngs,
+    init: Init,
+    shape: Sequence[int],
+    axes: tuple[str | None, ...],
+    config: ModelConfig,
+    *,
+    contract: int = 1,
+) -> tuple[nnx.Param, nnx.Param | None]:
+    """A matmul kernel whose ``contract`` leading dims are contracted, and its scales
+    (None unless ``config.quantize``; see :mod:`jaxpar.models._quant`): the values keep
+    the kernel's logical axes, the scales get axes derived from them."""
+    if config.quantize is None:
+        return param(rngs, init, shape, axes, config.param_dtype), None
+    values = param(rngs, init, shape, axes, QUANT_DTYPES[config.quantize])
+    scale_shape, scale_axes = scale_layout(tuple(shape), axes, contract, config.quantize)
+    return values, param(rngs, ONES, scale_shape, scale_axes, jnp.float32)
+
+
+def project(
+    x_xC: jax.Array, kernel_CO: jax.Array, scale: jax.Array | None, dtype: Any
+) -> jax.Array:
+    """``x [..., C] @ kernel [C, *O]`` in ``dtype``; a quantized kernel (``scale`` given,
+    leading dims ``[g, *O]`` after reshaping with the kernel) through :func:`qmatmul`."""
+    if scale is None:
+        return jax.lax.dot_general(
+            x_xC, kernel_CO.astype(dtype), (((x_xC.ndim - 1,), (0,)), ((), ()))
+        )
+    return qmatmul(x_xC, kernel_CO, scale.reshape(-1, *kernel_CO.shape[1:]), dtype)
 
 
 def fan_in_normal(*in_dims: int) -> Init:
@@ -191,6 +223,14 @@ class LMHead(nnx.Module):
             return constrain(logits, (*lead, "vocab"), Module.LM_HEAD)
 
 
+#: The scale attribute of each FFN projection (by its einsum).
+_SCALES = {
+    "BTD,DF->BTF": "up_kernel_scale",
+    "BTD,DCF->BTCF": "gate_up_kernel_scale",
+    "BTF,FD->BTD": "down_kernel_scale",
+}
+
+
 class FFN(nnx.Module):
     """Dense feed-forward block: SwiGLU (gate and up in one weight, then down) or a plain MLP.
 
@@ -204,19 +244,30 @@ class FFN(nnx.Module):
         self.act = config.activation
         gated, biased = config.gated_ffn, config.mlp_bias
         # Optional parameters are None (static) when absent: assign each attribute once.
-        self.gate_up_kernel = (
-            param(rngs, fan_in_normal(d), (d, 2, f), ("embed", None, "mlp"), pd) if gated else None
+        # Quantized (config.quantize): each kernel has a <name>_scale, else None.
+        self.gate_up_kernel, self.gate_up_kernel_scale = (
+            kernel(rngs, fan_in_normal(d), (d, 2, f), ("embed", None, "mlp"), config)
+            if gated
+            else (None, None)
         )
-        self.up_kernel = (
-            None if gated else param(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), pd)
+        self.up_kernel, self.up_kernel_scale = (
+            (None, None)
+            if gated
+            else kernel(rngs, fan_in_normal(d), (d, f), ("embed", "mlp"), config)
         )
-        self.down_kernel = param(rngs, fan_in_normal(f), (f, d), ("mlp", "embed"), pd)
+        self.down_kernel, self.down_kernel_scale = kernel(
+            rngs, fan_in_normal(f), (f, d), ("mlp", "embed"), config
+        )
         self.gate_up_bias = bias_init(rngs, (2, f), (None, "mlp"), pd) if gated and biased else None
         self.up_bias = bias_init(rngs, (f,), ("mlp",), pd) if biased and not gated else None
         self.down_bias = bias_init(rngs, (d,), ("embed",), pd) if biased else None
 
     def _proj(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, spec: str):
-        y = jnp.einsum(spec, x, kernel[...].astype(self.dtype))
+        scale = getattr(self, _SCALES[spec])
+        if scale is None:
+            y = jnp.einsum(spec, x, kernel[...].astype(self.dtype))
+        else:
+            y = project(x, kernel[...], scale[...], self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:

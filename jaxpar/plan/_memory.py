@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.engine import run_form
-from jaxpar.models import KVCache, ModelConfig, abstract_model
+from jaxpar.models import KVCache, ModelConfig, abstract_model, element_bytes
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, param_partition_spec
 from jaxpar.spec import partition_spec as logical_spec
 
@@ -71,15 +71,16 @@ def _local(shape: Sequence[int], spec: Any, config: ParallelConfig) -> int:
 
 
 @functools.cache
-def _param_leaves(config: ModelConfig) -> tuple[tuple[tuple[int, ...], int, tuple], ...]:
-    """(shape, itemsize, logical names) of every parameter of ``config`` (cached per form)."""
+def _param_leaves(config: ModelConfig) -> tuple[tuple[tuple[int, ...], float, tuple], ...]:
+    """(shape, bytes per element, logical names) of every parameter of ``config`` (cached
+    per form); quantized kernels (``config.quantize``) at their stored size."""
     state = nnx.state(abstract_model(config))
     specs = jax.tree.leaves(
         nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
     )
     values = jax.tree.leaves(state)
     return tuple(
-        (tuple(v.shape), np.dtype(v.dtype).itemsize, tuple(s))
+        (tuple(v.shape), element_bytes(v.dtype), tuple(s))
         for v, s in zip(values, specs, strict=True)
     )
 
@@ -87,9 +88,11 @@ def _param_leaves(config: ModelConfig) -> tuple[tuple[tuple[int, ...], int, tupl
 def param_bytes(model: ModelConfig, config: ParallelConfig) -> int:
     """Parameter bytes on one device under ``config`` (placed once, the same in both phases)."""
     run = run_form(model, config)
-    return sum(
-        _local(shape, param_partition_spec(names, config, dims=run), config) * size
-        for shape, size, names in _param_leaves(run)
+    return int(
+        sum(
+            _local(shape, param_partition_spec(names, config, dims=run), config) * size
+            for shape, size, names in _param_leaves(run)
+        )
     )
 
 
