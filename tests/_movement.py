@@ -50,11 +50,18 @@ def _fraction(compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruc
     """Copies of a weight or of one layer of ``caches`` (per-layer arrays, or stacked
     ``[L, ...]`` ones), over parameter + cache bytes per device."""
     params = jax.tree.leaves(engine.params)
+    # A quantized kernel's scales ([..., 1, ...] or one per group) are left out: they are
+    # tiny (1/group of their kernel) and activations have their sizes by chance.
+    kernels = [
+        p
+        for path, p in jax.tree_util.tree_flatten_with_path(engine.params)[0]
+        if "_scale'" not in jax.tree_util.keystr(path) and p.ndim >= 2
+    ]
     layer_sizes = set(map(shard_buffer, caches))
     if engine.model_config.layer_loop == "scan":  # one layer of the stacked [L, ...] cache
         layers = engine.model_config.n_layers
         layer_sizes = {(e // layers, b // layers) for e, b in layer_sizes}
-    weights = {shard_buffer(p) for p in params if p.ndim >= 2}
+    weights = set(map(shard_buffer, kernels))
     moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
     total = sum(shard_buffer(x)[1] for x in (*params, *caches))
     return moved / total

@@ -37,11 +37,17 @@ CONFIG = preset("tiny-gqa")
 
 @functools.cache
 def _engine(
-    layer_loop: str, parallel: ParallelConfig, batch: int, dtype: str = "float32"
+    layer_loop: str,
+    parallel: ParallelConfig,
+    batch: int,
+    dtype: str = "float32",
+    quantize: str | None = None,
 ) -> AbstractEngine:
     """Only shapes and shardings are read: the engine's layouts and steps, nothing placed
     (the compiled programs are a real engine's, parameters aside)."""
-    config = dataclasses.replace(CONFIG, layer_loop=layer_loop, dtype=dtype, param_dtype=dtype)
+    config = dataclasses.replace(
+        CONFIG, layer_loop=layer_loop, dtype=dtype, param_dtype=dtype, quantize=quantize
+    )
     mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
     return AbstractEngine.build(
         config, parallel, max_batch=batch, max_seq_len=MAX_SEQ_LEN, mesh=mesh
@@ -54,8 +60,9 @@ def _moved_fraction(
     phase: str,
     batch: int = MAX_BATCH,
     dtype: str = "float32",
+    quantize: str | None = None,
 ) -> float:
-    eng = _engine(layer_loop, parallel, batch, dtype)
+    eng = _engine(layer_loop, parallel, batch, dtype, quantize)
     compiled = compile_step(eng, phase, prompt_len=PROMPT_LEN)
     return moved_fraction(compiled, eng, batch, MAX_SEQ_LEN)
 
@@ -88,6 +95,31 @@ BF16_CASES = [
 def test_bf16_unrolled_steps_copy_no_weight_or_layer_cache(parallel, phase):
     fraction = _moved_fraction("unrolled", parallel, phase, MAX_BATCH, "bfloat16")
     assert fraction <= BUDGET, f"{fraction:.1%} of parameter + cache bytes moved per step"
+
+
+# Quantized weights (int8/fp8 per output channel, int4 per group; bf16 compute): decode
+# reads the quantized kernels, dequantized only as the dot's operand with the scales
+# applied to its output. A dequantized weight (cast and scaled) would count as a copy.
+@pytest.mark.parametrize("quantize", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2)], ids=str)
+def test_quantized_decode_copies_no_weight_or_layer_cache(parallel, quantize):
+    fraction = _moved_fraction("unrolled", parallel, "decode", MAX_BATCH, "bfloat16", quantize)
+    assert fraction <= BUDGET, f"{fraction:.1%} of quantized parameter + cache bytes moved"
+
+
+def test_a_dequantized_weight_is_counted():
+    """Scaling the weight before the matmul writes a dequantized copy of it every step
+    (counted); scaling the matmul's output reads the int8 bytes (nothing counted on CPU,
+    where the cast alone is XLA:CPU widening the dot's operand)."""
+    w = jax.ShapeDtypeStruct((256, 128), jnp.int8)
+    scale = jax.ShapeDtypeStruct((1, 128), jnp.float32)
+    x = jax.ShapeDtypeStruct((4, 256), jnp.float32)
+    before = jax.jit(lambda w, s, x: x @ (w.astype(jnp.float32) * s)).lower(w, scale, x)
+    after = jax.jit(lambda w, s, x: (x @ w.astype(jnp.float32)) * s).lower(w, scale, x)
+    weight = (w.size, w.size)  # (elements, bytes) of the int8 weight
+    moved = data_movement(before.compile(), [weight])
+    assert [m.nbytes for m in moved] == [4 * w.size], before.compile().as_text()
+    assert data_movement(after.compile(), [weight]) == []
 
 
 def test_the_check_sees_the_scan_copies():

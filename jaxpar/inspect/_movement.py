@@ -8,8 +8,12 @@ without an accelerator: :func:`data_movement` lists them with how often they run
 A move may carry a dtype cast fused into it (a bf16 cache transposed into f32): it still
 copies the whole buffer, though its output bytes are not the buffer's, so a move also
 counts when an operand of the same element count has one of the sizes. A cast alone is
-not counted: XLA:CPU widens bf16 matmul operands to f32 that way, where an accelerator
-fuses the cast into the matmul.
+not counted: XLA:CPU widens bf16 (and int8, fp8, int4) matmul operands to f32 that way,
+where an accelerator fuses the cast into the matmul.
+
+A dequantization is counted: a fusion that casts a whole buffer and multiplies it (by
+its scales), writing the dequantized weight (``w_q.astype(f32) * scale``) where the
+matmul should have read the quantized bytes and scaled its output.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from jaxpar.inspect._hlo_text import (
 MOVES = frozenset({"copy", "transpose", "slice", "dynamic-slice"})
 #: What a fusion of moves may also do to each element: change its type.
 CASTS = frozenset({"convert"})
+#: What a dequantizing fusion does besides casting: scale (a multiply, a broadcast scale).
+DEQUANTIZE = frozenset({"multiply", "broadcast"})
 # What else a fusion made only of moves may contain: structure, no arithmetic.
 _STRUCTURAL = frozenset(
     {"parameter", "bitcast", "reshape", "constant", "tuple", "get-tuple-element"}
@@ -65,9 +71,22 @@ def _pure_move_fusion(module: HloModuleText, instr: Instruction) -> bool:
     return bool(bodies) and bool(ops & MOVES) and ops <= MOVES | CASTS | _STRUCTURAL
 
 
+def _dequantize_fusion(module: HloModuleText, instr: Instruction) -> bool:
+    """A fusion of casts and multiplies (and structure) alone: a whole-buffer dequantize
+    when its operand is a buffer (checked by size, as for moves)."""
+    bodies = [module.computations.get(c, {}) for c in callees(instr)]
+    ops = {i.opcode for body in bodies for i in body.values()}
+    return (
+        bool(bodies) and {"convert", "multiply"} <= ops and ops <= CASTS | DEQUANTIZE | _STRUCTURAL
+    )
+
+
 def _is_move(module: HloModuleText, instr: Instruction) -> bool:
-    """A move opcode, or a fusion of moves (and casts)."""
-    return instr.opcode in MOVES or (instr.opcode == "fusion" and _pure_move_fusion(module, instr))
+    """A move opcode, or a fusion of moves (and casts), or a dequantizing fusion."""
+    return instr.opcode in MOVES or (
+        instr.opcode == "fusion"
+        and (_pure_move_fusion(module, instr) or _dequantize_fusion(module, instr))
+    )
 
 
 def _elements(shape: Shape) -> int:
@@ -99,8 +118,9 @@ def _matches(
 
 
 def data_movement(program: str | _HasText, sizes: Iterable[Buffer]) -> list[Movement]:
-    """Copies, transposes, slices and fusions made only of them (casts allowed), of one of
-    the buffers' sizes, or whole copies of an operand of one of them.
+    """Copies, transposes, slices and fusions made only of them (casts allowed), and
+    dequantizing fusions (casts and multiplies), of one of the buffers' sizes, or whole
+    copies of an operand of one of them.
 
     Args:
         program: a compiled program (``jax.stages.Compiled``) or its HLO text.

@@ -7,7 +7,8 @@ per output channel) becomes size 1 with no name; every other dim keeps its name,
 the spec layer splits a scale exactly as its kernel (a tp-split column's scales split
 with it) and no mesh axis is named here. int4 groups the last contraction dim into
 groups of :data:`INT4_GROUP` (or the whole dim when shorter): its scale dim is
-``dim // group`` and keeps the dim's name, so groups split with their rows.
+``dim // group`` and keeps the dim's name, so groups split with their rows (a strategy
+must then split the groups evenly: ``dim // group`` divisible by the dim's degree).
 
 The matmul reads the quantized bytes (:func:`qmatmul`): ``dot(x, w_q.astype(dtype))``
 and the per-output-channel scale after the contraction, so the convert is the dot's
@@ -81,9 +82,11 @@ def scale_layout(
     group = min(INT4_GROUP, shape[last])
     if shape[last] % group:
         raise ConfigError(f"int4: group {group} does not divide contraction dim {shape[last]}")
-    reduced = list(shape)
+    reduced, names = list(shape), list(axes)
     reduced[last] = shape[last] // group
-    return tuple(reduced), tuple(axes)
+    if reduced[last] == 1:  # one group: per channel along this dim, nothing to split
+        names[last] = None
+    return tuple(reduced), tuple(names)
 
 
 def _quantize_array(w: jax.Array, scale_shape: tuple[int, ...], mode: str):
