@@ -179,3 +179,15 @@ def test_disaggregated_explains_each_phase_on_its_group_and_the_handoff(capsys):
     assert main(["explain", "--model", "tiny-gqa", "--tp", "4", "--prefill", "sp=4"]) == 0
     text = capsys.readouterr().out
     assert "prefill -> decode handoff" in text and "devices 4-7" in text
+
+
+def test_quantized_parameters_show_their_dtype_bytes_and_scales(capsys):
+    """--quantize int8: kernels int8 at one byte an element, scales float32 split as
+    their kernels (tp splits the q kernel's heads and its scales' heads alike)."""
+    data = run_json(capsys, ["--model", "tiny-gqa", "--tp", "2", "--quantize", "int8"])
+    rows = {r["tensor"]: r for r in data["parameters"]}
+    q, scale = rows["layers.*.attn.q_kernel"], rows["layers.*.attn.q_kernel_scale"]
+    assert (q["dtype"], scale["dtype"]) == ("int8", "float32")
+    assert q["spec"] == scale["spec"] == "P(None, tp, None)"
+    assert q["bytes_per_device"] == 4 * 64 * 8 * 8 // 2  # 4 layers, int8, heads over tp
+    assert rows["embed.token_table"]["dtype"] == "float32"  # not quantized

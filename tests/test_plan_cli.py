@@ -98,3 +98,16 @@ def test_links_follow_the_mesh_order():
     assert hw.link(("tp",), config).name == "NVLink"
     assert hw.link(("dp",), config).name == "InfiniBand"
     assert hw.link(("tp",), ParallelConfig(tp=16)).name == "InfiniBand"
+
+
+def test_quantized_weights_fit_where_bf16_does_not(capsys):
+    """Llama-3-8B (15.0 GiB of bf16 parameters) in 12 GiB of HBM: no plan in bf16; with
+    int8 attention/FFN kernels (embedding and LM head stay bf16) it fits on one device,
+    and the command line it proposes keeps --quantize."""
+    args = ["--hf", str(FIXTURES / "configs" / "llama-3-8b"), "--devices", "1"]
+    args += ["--hardware", "h100", "--hbm-budget", "12", *WORKLOAD]
+    assert main(["plan", *args]) == 2
+    assert "fits nowhere" in capsys.readouterr().out
+    data = _plan_json(capsys, *args, "--quantize", "int8")
+    best = data["plans"][0]
+    assert best["devices"] == 1 and "--quantize int8" in data["command"]

@@ -145,3 +145,17 @@ def test_engine_quantize_sharded_equals_single_device():
     assert scale.sharding.spec == kernel.sharding.spec  # (None, tp, None): heads split
     with pytest.raises(ConfigError, match="already quantized"):
         quantize_params(one.model_config, one.params, "int8")
+
+
+def test_int4_engine_runs_sharded_or_is_refused_clearly():
+    """int4 under tp2 (o_kernel groups split with their heads) generates what int4 on one
+    device does; on jax 0.10, whose int4 placement its own programs refuse, the engine
+    says so before compiling anything."""
+    kw = dict(max_batch=2, max_seq_len=32, quantize="int4")
+    if jax.__version_info__ < (0, 11):
+        with pytest.raises(ConfigError, match="jax >= 0.11"):
+            jaxpar.InferenceEngine(CONFIG, _float_params(), **kw)
+        return
+    one = jaxpar.InferenceEngine(CONFIG, _float_params(), **kw)
+    tp2 = jaxpar.InferenceEngine(CONFIG, _float_params(), ParallelConfig(tp=2), **kw)
+    assert tp2.generate([PROMPT], 8).tokens == one.generate([PROMPT], 8).tokens

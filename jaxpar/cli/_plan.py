@@ -83,7 +83,10 @@ def make_plan(args: argparse.Namespace) -> tuple[Any, Planning]:
 
 
 def source_flag(args: argparse.Namespace) -> str:
-    return f"--hf {args.hf}" if args.hf is not None else f"--model {args.model or 'tiny-dense'}"
+    """The model flags of the plan's command line (with ``--quantize`` when planned so)."""
+    source = f"--hf {args.hf}" if args.hf is not None else f"--model {args.model or 'tiny-dense'}"
+    quantize = getattr(args, "quantize", None)
+    return source if quantize is None else f"{source} --quantize {quantize}"
 
 
 def _unit(seconds: float) -> tuple[float, str]:
