@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -159,3 +160,15 @@ def test_int4_engine_runs_sharded_or_is_refused_clearly():
     one = jaxpar.InferenceEngine(CONFIG, _float_params(), **kw)
     tp2 = jaxpar.InferenceEngine(CONFIG, _float_params(), ParallelConfig(tp=2), **kw)
     assert tp2.generate([PROMPT], 8).tokens == one.generate([PROMPT], 8).tokens
+
+
+def test_engine_from_hf_quantizes_the_sharded_load():
+    """A checkpoint read straight into dp2-tp2 shards, quantized where it lies, generates
+    what the one-device load quantized does."""
+    path = Path(__file__).parent / "fixtures" / "hf" / "llama"
+    kw = dict(max_batch=2, max_seq_len=32, quantize="int8")
+    one = jaxpar.engine_from_hf(path, **kw)
+    sharded = jaxpar.engine_from_hf(path, ParallelConfig(dp=2, tp=2), **kw)
+    prompts = [[1, 2, 3], [4, 5]]
+    assert sharded.generate(prompts, 8).tokens == one.generate(prompts, 8).tokens
+    assert sharded.model_config.quantize == "int8"
