@@ -163,8 +163,8 @@ def test_int4_engine_runs_sharded_or_is_refused_clearly():
 
 
 def test_engine_from_hf_quantizes_the_sharded_load():
-    """A checkpoint read straight into dp2-tp2 shards, quantized where it lies, generates
-    what the one-device load quantized does."""
+    """A checkpoint read straight into dp2-tp2 shards, each kernel quantized where it lies
+    as soon as it is read, generates what the one-device load quantized does."""
     path = Path(__file__).parent / "fixtures" / "hf" / "llama"
     kw = dict(max_batch=2, max_seq_len=32, quantize="int8")
     one = jaxpar.engine_from_hf(path, **kw)
@@ -172,3 +172,8 @@ def test_engine_from_hf_quantizes_the_sharded_load():
     prompts = [[1, 2, 3], [4, 5]]
     assert sharded.generate(prompts, 8).tokens == one.generate(prompts, 8).tokens
     assert sharded.model_config.quantize == "int8"
+    # Quantized tensor by tensor as read: the same as quantizing the whole float load.
+    float_config, float_params = jaxpar.load_hf_checkpoint(path)
+    _, want = quantize_params(float_config, float_params, "int8")
+    for a, b in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

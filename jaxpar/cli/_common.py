@@ -249,7 +249,7 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
     from jax.sharding import SingleDeviceSharding
 
     from jaxpar.cli._progress import stage, tensor_count
-    from jaxpar.models import init_params, load_hf_checkpoint, quantize_params
+    from jaxpar.models import init_params, load_hf_checkpoint
 
     config = model_config(args)
     if args.hf is None:
@@ -265,11 +265,10 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
             return device
 
         dtype = config.dtype if args.dtype is None else args.dtype
-        config, params = load_hf_checkpoint(args.hf, dtype=dtype, shardings=on_device)
-    quantize = getattr(args, "quantize", None)
-    if quantize is not None:
-        with stage(console, f"quantize the weights ({quantize})"):
-            config, params = quantize_params(config, params, quantize)
+        quantize = getattr(args, "quantize", None)  # each kernel as it is read
+        config, params = load_hf_checkpoint(
+            args.hf, dtype=dtype, shardings=on_device, quantize=quantize
+        )
     return config, params
 
 

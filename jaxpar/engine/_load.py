@@ -58,7 +58,8 @@ def engine_from_hf(
     ``dtype`` None: the checkpoint's own, except that a half-precision checkpoint runs in
     float32 on CPU (:func:`compute_dtype`). ``quantize`` ("int8", "fp8", "int4"):
     weight-only quantization of the loaded weights, where they lie (see
-    :class:`InferenceEngine`); the float weights are read first, then quantized.
+    :class:`InferenceEngine`), each kernel as soon as it is read (one float tensor alive
+    at a time: a model that fits only quantized loads).
 
     Raises:
         IllegalStrategyError: before any tensor is read.
@@ -89,7 +90,7 @@ def engine_from_hf(
         return NamedSharding(mesh, spec)
 
     config, params = load_hf_checkpoint(
-        path, dtype=dtype, shardings=sharding, layer_loop=layer_loop
+        path, dtype=dtype, shardings=sharding, layer_loop=layer_loop, quantize=quantize
     )
     engine = InferenceEngine(
         config,
@@ -98,7 +99,6 @@ def engine_from_hf(
         max_batch=max_batch,
         max_seq_len=max_seq_len,
         mesh=mesh,
-        quantize=quantize,
     )
     # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
     engine.generation_defaults = generation_defaults(path)

@@ -7,6 +7,7 @@ for NaN/Inf. Any problem raises :class:`CheckpointError` and nothing is returned
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -25,6 +26,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._decoder import abstract_model
 from jaxpar.models._hf_config import config_from_hf, hf_arch
 from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes, per_layer
+from jaxpar.models._quant import SCALE_SUFFIX, quantize_array
 
 #: ``fn(param_path, logical_axes) -> Sharding``.
 ShardingFn = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding]
@@ -39,6 +41,7 @@ def load_hf_checkpoint(
     dtype: Any = None,
     shardings: ShardingFn | Any | None = None,
     layer_loop: str = "unrolled",
+    quantize: str | None = None,
 ) -> tuple[ModelConfig, nnx.State]:
     """Loads a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE/GPT-2 checkpoint directory.
 
@@ -51,6 +54,10 @@ def load_hf_checkpoint(
             ``(param_path, logical_axes) -> Sharding``. With shardings each device's
             shard is read alone (``jax.make_array_from_callback``).
         layer_loop: ``"unrolled"`` (one array per layer) or ``"scan"`` (stacked ``[L, ...]``).
+        quantize: "int8", "fp8" or "int4": each kernel the quantized model stores with
+            scales is quantized as soon as it is read, where it lies (one float tensor
+            alive at a time, so a model that fits only quantized loads); the returned
+            config has ``quantize`` set (see :mod:`jaxpar.models._quant`).
 
     Returns:
         (config, params): params has exactly the structure of
@@ -71,6 +78,8 @@ def load_hf_checkpoint(
         _validate(recipes, ckpt, config.tie_embeddings)
         flat = nnx.to_flat_state(nnx.state(abstract_model(config)))
         sharding_of = _sharding_lookup(shardings)
+        target = config if quantize is None else dataclasses.replace(config, quantize=quantize)
+        wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
         loaded = []
         for param_path, var in flat:
             recipe, want = recipes[param_path], var.get_value()
@@ -83,8 +92,16 @@ def load_hf_checkpoint(
                 arr = jax.make_array_from_callback(
                     want.shape, sharding, _memo(functools.partial(recipe.read, reader=reader))
                 )
-            loaded.append((param_path, var.replace(arr)))
-    return config, nnx.from_flat_state(loaded)
+            scale_path = (*param_path[:-1], f"{param_path[-1]}{SCALE_SUFFIX}")
+            if quantize is not None and scale_path in wanted:
+                scale = wanted[scale_path]
+                values, scales = quantize_array(arr, scale.get_value().shape, quantize)
+                del arr  # the float tensor goes before the next one is read
+                loaded += [(param_path, wanted[param_path].replace(values))]
+                loaded += [(scale_path, scale.replace(scales))]
+            else:
+                loaded.append((param_path, var.replace(arr)))
+    return target, nnx.from_flat_state(loaded)
 
 
 def _read_json(file: Path) -> dict[str, Any]:
