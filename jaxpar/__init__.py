@@ -51,6 +51,7 @@ _LAZY = {
     "preset": "jaxpar.models",
     "init_params": "jaxpar.models",
     "load_hf_checkpoint": "jaxpar.models",
+    "quantize_params": "jaxpar.models",
     "AbstractEngine": "jaxpar.engine",
     "InferenceEngine": "jaxpar.engine",
     "Generation": "jaxpar.engine",

@@ -212,8 +212,12 @@ def test_run_shows_progress_and_separates_compile_from_throughput(capsys):
     assert compile_line, out
     assert re.search(r"^decode: +\d+ tokens in [\d.]+ s \([\d.]+ tokens/s, steady state", out, re.M)
     assert "incl." not in out
-    assert main(["run", "--model", "tiny-dense", "--prompt", "1,2", "--max-new-tokens", "2"]) == 0
-    assert "done initialise tiny-dense parameters" in _out(capsys)
+    # A preset, quantized: the start lines say what the weights take and in which dtypes.
+    argv = ["run", "--model", "tiny-dense", "--prompt", "1,2", "--max-new-tokens", "2"]
+    assert main([*argv, "--quantize", "int8"]) == 0
+    out = _out(capsys)
+    assert "done initialise tiny-dense parameters" in out
+    assert re.search(r"^weights [\d.]+ [KMG]?i?B per device \(.*int8 ", out, re.M), out
 
 
 # --- item 6: text generation defaults -----------------------------------------------------
