@@ -82,7 +82,12 @@ def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 class Experts(nnx.Module):
-    """E SwiGLU experts with stacked kernels gate/up [E,D,F] and down [E,F,D]."""
+    """E SwiGLU experts with stacked kernels gate/up [E,D,F] and down [E,F,D].
+
+    Not quantized under ``config.quantize`` (they stay in ``param_dtype``): the grouped
+    ``ragged_dot`` would need each row's expert scales gathered after the dot (see
+    :mod:`jaxpar.models._quant`); the attention of a MoE model is quantized.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         e, d, f, pd = config.n_experts, config.d_model, config.d_ff, config.param_dtype

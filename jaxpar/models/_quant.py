@@ -12,8 +12,10 @@ must then split the groups evenly: ``dim // group`` divisible by the dim's degre
 
 The matmul reads the quantized bytes (:func:`qmatmul`): ``dot(x, w_q.astype(dtype))``
 and the per-output-channel scale after the contraction, so the convert is the dot's
-operand (fused into the matmul where the backend fuses it: GPU and TPU) and no
-dequantized weight (``w_q * scale``) is ever formed. Grouped scales apply per group
+operand (fused into the matmul where the backend fuses it: GPU and TPU; XLA:CPU widens
+the operand in a separate cast, as it does bf16 weights; the GPU fusion is not yet
+checked on hardware) and no dequantized weight (``w_q * scale``) is ever formed
+(``tests/test_data_movement.py`` counts one). Grouped scales apply per group
 after a batched contraction over each group, then the groups are summed.
 
 Quantized: every attention and dense-FFN projection kernel. Not quantized: the
@@ -32,7 +34,7 @@ backend fusing that into the dot, which XLA:CPU does not and which puts the scal
 multiply before the contraction rather than after it; (3) its quantized state is nested
 ``qvalue``/``scale`` trees under each parameter, which the engine's placement, the
 checkpoint loader and ``explain`` would all have to learn. What it would have given is
-~60 lines of scale arithmetic, written here instead.
+~60 lines of scale arithmetic, written here instead; qwix is not a dependency.
 """
 
 from __future__ import annotations
