@@ -19,7 +19,7 @@ checked on hardware) and no dequantized weight (``w_q * scale``) is ever formed
 after a batched contraction over each group, then the groups are summed.
 
 Quantized: every attention and dense-FFN projection kernel. Not quantized: the
-embedding and LM head (kept in the model dtype, as the issue asks by default), norms,
+embedding and LM head (kept in the model dtype unless asked: their bytes matter for accuracy more than for speed), norms,
 biases, the MoE router, and the MoE experts (their grouped ``ragged_dot`` paths would
 need per-row scale gathers; left in the model dtype, see :mod:`jaxpar.models._moe`).
 
