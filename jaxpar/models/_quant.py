@@ -18,10 +18,11 @@ checked on hardware) and no dequantized weight (``w_q * scale``) is ever formed
 (``tests/test_data_movement.py`` counts one). Grouped scales apply per group
 after a batched contraction over each group, then the groups are summed.
 
-Quantized: every attention and dense-FFN projection kernel. Not quantized: the
-embedding and LM head (kept in the model dtype unless asked: their bytes matter for accuracy more than for speed), norms,
-biases, the MoE router, and the MoE experts (their grouped ``ragged_dot`` paths would
-need per-row scale gathers; left in the model dtype, see :mod:`jaxpar.models._moe`).
+Quantized: every attention and dense-FFN projection kernel. Not quantized (no option
+yet): the embedding (decode reads one row of it per token) and the LM head (its error
+goes straight into the logits), norms, biases, the MoE router, and the MoE experts (their
+grouped ``ragged_dot`` paths would need per-row scale gathers; left in the model dtype,
+see :mod:`jaxpar.models._moe`).
 
 Why not ``qwix`` (Google's JAX quantization library, evaluated as 0.1.8): its scales
 do inherit the kernel's ``out_sharding`` logical names with reduced dims unnamed, the
