@@ -975,9 +975,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
     parser.add_argument(
         "--sections",
-        default="collectives,compile,decode,pipeline,serving,tpu",
-        help="comma-separated sections: collectives, compile, decode, pipeline, serving, tpu "
-        "(compiled for TPU v5e on this CPU host, with libtpu)",
+        default="collectives,compile,decode,pipeline,serving,lockstep,tpu",
+        help="comma-separated sections: collectives, compile, decode, pipeline, serving, "
+        "lockstep (serving across 2 processes), tpu (compiled for TPU v5e on this CPU host, "
+        "with libtpu)",
     )
     parser.add_argument(
         "--gpu", action="store_true", help="also run the GPU section if a GPU exists"
@@ -1007,25 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                 "date": time.strftime("%Y-%m-%d %H:%M"),
             }
         }
-        sections = args.sections.split(",")
-        if "collectives" in sections:
-            results["collectives"], results["memory"] = collectives_section(
-                QUICK if args.quick else MATRIX
-            )
-            if args.print_documented:
-                print(documented_literal(results["collectives"]))
-        if "compile" in sections:
-            results["compile_time"] = compile_section((1, 4) if args.quick else (1, 4, 16, 32))
-        if "decode" in sections:
-            results["decode"] = decode_section(args.quick)
-        if "pipeline" in sections:
-            results["pipeline"] = _pipeline_subprocess(args.quick)
-        if "serving" in sections:
-            from bench_serving import serving_section
-
-            results["serving"] = serving_section(args.quick)
-        if "tpu" in sections:
-            results["tpu"] = _tpu_noted(args.quick)
+        _cpu_sections(args, results)
         if args.gpu:
             results["gpu"] = _gpu_subprocess(args)
     args.out.write_text(json.dumps(results, indent=1, default=str))
@@ -1033,6 +1016,31 @@ def main(argv: list[str] | None = None) -> int:
     _print_subprocess_sections(results)
     print(f"\nJSON: {args.out}", file=sys.stderr)
     return 0
+
+
+def _cpu_sections(args: argparse.Namespace, results: dict) -> None:
+    """The sections ``--sections`` names, into ``results``."""
+    sections = args.sections.split(",")
+    if "collectives" in sections:
+        results["collectives"], results["memory"] = collectives_section(
+            QUICK if args.quick else MATRIX
+        )
+        if args.print_documented:
+            print(documented_literal(results["collectives"]))
+    if "compile" in sections:
+        results["compile_time"] = compile_section((1, 4) if args.quick else (1, 4, 16, 32))
+    if "decode" in sections:
+        results["decode"] = decode_section(args.quick)
+    if "pipeline" in sections:
+        results["pipeline"] = _pipeline_subprocess(args.quick)
+    if "serving" in sections:
+        from bench_serving import serving_section
+
+        results["serving"] = serving_section(args.quick)
+    if "lockstep" in sections:
+        results["lockstep"] = _script_subprocess("bench_lockstep.py", [])
+    if "tpu" in sections:
+        results["tpu"] = _tpu_noted(args.quick)
 
 
 def _tpu_noted(quick: bool) -> dict:
@@ -1048,11 +1056,25 @@ def _print_subprocess_sections(results: dict) -> None:
     if "pipeline" in results:
         print("\n### Pipeline: prefill bubble vs (p-1)/(m+p-1), decode groups\n")
         print(results["pipeline"])
+    if "lockstep" in results:
+        print("\n### Serving across 2 processes: process 0's messages against the step\n")
+        print(results["lockstep"])
     if "serving" in results:
         from bench_serving import markdown as serving_markdown
 
         print("\n### Serving: continuous vs static batching, Poisson arrivals\n")
         print(serving_markdown(results["serving"]))
+
+
+def _script_subprocess(script: str, argv: list[str]) -> str:
+    """scripts/SCRIPT in its own process (its own device count); its Markdown table (the
+    lines of its output that are one)."""
+    command = [sys.executable, str(Path(__file__).with_name(script)), *argv]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        return f"{script} failed: {done.stderr[-500:]}"
+    return "\n".join(line for line in done.stdout.splitlines() if line.startswith("|"))
 
 
 def _pipeline_subprocess(quick: bool) -> str:

@@ -33,6 +33,7 @@ from jaxpar.engine import (
     CPU_KV_TOKENS,
     KV_MEMORY_FRACTION,
     KV_PAGE_SIZE,
+    PEER_LOST_EXIT_STATUS,
     ContinuousBatcher,
     InferenceEngine,
     KVBudget,
@@ -41,7 +42,7 @@ from jaxpar.engine import (
     generation_defaults,
     load_tokenizer,
 )
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, PeerLostError
 from jaxpar.spec import Phase, batch_multiple, validate
 
 #: Sequences decoded together when ``--max-num-seqs`` is not given (rounded up to what the
@@ -169,15 +170,21 @@ def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> Inferen
 
 def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatcher:
     """The engines (decode, and prefill when disaggregated) and their batcher."""
+    import jax
+
     config = model_config(args)
     groups = device_groups(parallel_config(args), args.prefill)
     decode = groups[Phase.DECODE].parallel
     prefill = groups[Phase.PREFILL].parallel if args.prefill else None
-    if decode.pp > 1 or (prefill is not None and prefill.pp > 1):
+    if args.prefill and jax.process_count() > 1:
         raise ConfigError(
-            "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
-            "schedule): use pp=1, with dp, sp, ep or tp instead"
+            "jaxpar serve --prefill (disaggregated) runs in one process for now; across "
+            "processes, serve colocated: drop --prefill (prefill then runs between decode "
+            "steps, in chunks, on all devices)"
         )
+    for parallel in (decode, prefill):
+        if parallel is not None and parallel.pp > 1:
+            raise ConfigError(_pipeline_refusal(config, parallel))
     for flag in ("max_num_seqs", "max_prefill_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -211,6 +218,32 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
     return ContinuousBatcher(engine, prefill_engine=prefill_engine, **scheduling)
 
 
+def _pipeline_refusal(config, parallel) -> str:
+    """Why ``jaxpar serve`` refuses ``pp > 1``, and the legal strategies on the same
+    devices that fold the pipeline's degree into another axis."""
+    import dataclasses
+
+    from jaxpar.errors import IllegalStrategyError
+
+    plain = dataclasses.replace(parallel, microbatches=1, decode_groups=1)
+    legal = []
+    for axis in ("tp", "dp", "sp", "ep"):
+        folded = dataclasses.replace(plain, pp=1, **{axis: getattr(plain, axis) * plain.pp})
+        try:
+            validate(config, folded, n_devices=folded.size)
+        except (IllegalStrategyError, ConfigError):
+            continue
+        legal.append(str(folded))
+    instead = f"; legal here: {' or '.join(legal)}" if legal else ""
+    return (
+        f"jaxpar serve runs unpipelined strategies; {parallel} has pp={parallel.pp}. "
+        "Continuous batching dispatches each step over every layer in one program (the "
+        "paged decode step, prefill with context, insert into the page pool); a pipeline "
+        "needs its stages scheduled across slot groups and microbatches, which only "
+        f"offline generation (jaxpar run) has. Fold the pipeline into another axis{instead}"
+    )
+
+
 def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:
     """The batcher's keyword arguments that do not depend on disaggregation."""
     return {
@@ -241,15 +274,18 @@ def served_model(args: argparse.Namespace):
     )
 
 
-def _warmup(batcher: ContinuousBatcher):
+def _warmup(batcher: ContinuousBatcher, log=None):
     """The batcher's warm-up, logging each bucket, then how many programs the persistent
-    compile cache served and how many were compiled."""
+    compile cache served and how many were compiled. Process 0 of a multi-process job
+    then waits for the others to finish theirs."""
     import logging
     import time
 
-    from jaxpar.engine import CompileCount
+    import jax
 
-    log = logging.getLogger("uvicorn.error")
+    from jaxpar.engine import CompileCount, wait_ready
+
+    log = log or logging.getLogger("uvicorn.error")
 
     def run() -> None:
         start, count = time.perf_counter(), CompileCount().start()
@@ -264,6 +300,9 @@ def _warmup(batcher: ContinuousBatcher):
             count.hits,
             count.misses,
         )
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            log.info("waiting for processes 1-%d to finish their warm-up", jax.process_count() - 1)
+            wait_ready()
 
     return run
 
@@ -272,6 +311,8 @@ def _devices(batcher: ContinuousBatcher) -> str:
     """``device 0 of 8`` / ``devices 0-3 of 8``: what decode (and prefill) run on."""
     import jax
 
+    if jax.process_count() > 1:  # device ids are not contiguous across processes
+        return f"{jax.device_count()} devices of {jax.process_count()} processes"
     used = sorted(d.id for d in batcher.engine.devices)
     if batcher.disaggregated:
         used = sorted({*used, *(d.id for d in batcher.prefill_engine.devices)})
@@ -310,12 +351,15 @@ def _server_class():
 
 
 def run_serve(args: argparse.Namespace, console: Console) -> int:
+    import jax
     import uvicorn
 
     from jaxpar.server import Service, create_app
 
     if args.hf is None:
         raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")
+    if jax.process_index() != 0:
+        return _replay(args, console)
     model = served_model(args)
     console.print(
         f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} ({model_config(args).dtype}"
@@ -345,5 +389,50 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    _server_class()(config).run()
+    server = _server_class()(config)
+    threading.Thread(target=_stop_on_lost_process, args=(batcher, server), daemon=True).start()
+    server.run()
+    if isinstance(batcher.failure, PeerLostError):
+        console.print(f"[bold red]error[/]: {batcher.failure}", highlight=False, soft_wrap=True)
+        return PEER_LOST_EXIT_STATUS
+    return 0
+
+
+#: Seconds a server that lost a process keeps answering 503 (naming it) before it exits.
+LOST_PROCESS_GRACE_S = 3.0
+
+
+def _stop_on_lost_process(batcher: ContinuousBatcher, server) -> None:
+    """Process 0 of a multi-process job: once a process is lost, every request gets 503
+    naming it (the service does that) for :data:`LOST_PROCESS_GRACE_S`, then the server
+    stops and the process exits with :data:`PEER_LOST_EXIT_STATUS`."""
+    import time
+
+    while not isinstance(batcher.failure, PeerLostError):
+        if server.should_exit:
+            return
+        time.sleep(0.2)
+    time.sleep(LOST_PROCESS_GRACE_S)
+    server.should_exit = True
+
+
+def _replay(args: argparse.Namespace, console: Console) -> int:
+    """A process other than 0: the same engines and warm-up, then it dispatches what
+    process 0's batcher dispatches until process 0 stops (SIGTERM there drains, then
+    stops every process)."""
+    import logging
+
+    import jax
+
+    from jaxpar.engine import announce_ready
+
+    batcher = build_batcher(args, console)
+    log = logging.getLogger("jaxpar.serve")
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    _warmup(batcher, log)()
+    announce_ready()
+    me = jax.process_index()
+    console.print(f"process {me}: warmed up; dispatching process 0's schedule", soft_wrap=True)
+    replayed = batcher.follow()
+    console.print(f"process {me}: process 0 stopped serving ({replayed} commands replayed)")
     return 0

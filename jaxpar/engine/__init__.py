@@ -12,7 +12,7 @@ from jaxpar.engine._compile_cache import (
     default_compile_cache,
     enable_compile_cache,
 )
-from jaxpar.engine._distributed import ProcessInfo, peer_failures
+from jaxpar.engine._distributed import PEER_LOST_EXIT_STATUS, ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._engine import Generation, InferenceEngine
 from jaxpar.engine._kv_budget import (
@@ -25,6 +25,7 @@ from jaxpar.engine._kv_budget import MEMORY_FRACTION as KV_MEMORY_FRACTION
 from jaxpar.engine._kv_budget import PAGE_SIZE as KV_PAGE_SIZE
 from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._load import compute_dtype, engine_from_hf
+from jaxpar.engine._lockstep import announce_ready, wait_ready
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._penalties import History, Seen
@@ -47,6 +48,7 @@ from jaxpar.engine._vocab import mask_padded
 
 __all__ = [
     "CPU_KV_TOKENS",
+    "PEER_LOST_EXIT_STATUS",
     "FINISH_REASONS",
     "KV_MEMORY_FRACTION",
     "KV_PAGE_SIZE",
@@ -91,8 +93,10 @@ __all__ = [
     "mask_padded",
     "pages_per_shard",
     "select_rows",
+    "announce_ready",
     "initialize_distributed",
     "peer_failures",
+    "wait_ready",
     "pipeline",
     "put_global",
     "run_form",

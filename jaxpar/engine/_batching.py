@@ -43,17 +43,32 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from jaxpar.engine._distributed import peer_failures
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._executor import DECODE, PREFILL, Executor
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
+from jaxpar.engine._lockstep import (
+    HEARTBEAT_S,
+    Heartbeat,
+    Leader,
+    Monitor,
+    follow,
+    lost_error,
+)
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 from jaxpar.engine._pages import PageTable
 from jaxpar.engine._penalties import History
-from jaxpar.engine._placement import put_global
 from jaxpar.engine._prefix import cache_salt, page_keys
 from jaxpar.engine._requests import Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
-from jaxpar.errors import CacheOverflowError, ConfigError, QueueFullError, ShapeError
+from jaxpar.errors import (
+    CacheOverflowError,
+    ConfigError,
+    PeerLostError,
+    QueueFullError,
+    ShapeError,
+)
 from jaxpar.models import KVCache
 
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
@@ -104,6 +119,7 @@ class _Side:
     own (colocated), or the prefill group's (disaggregated: its own pool on its devices,
     which also holds its prefix cache; finished prompts move to the decode group whole)."""
 
+    name: str  # the executor's name of these pages (DECODE or PREFILL)
     pages: PageTable
     slot_steps: SlotSteps
     owners: list[RequestStream | None]  # decoding rows (colocated); None: free or prefilling
@@ -112,14 +128,15 @@ class _Side:
 
 @dataclasses.dataclass
 class _Batch:
-    """Requests prefilled together (whole, or one chunk of one long prompt), with their
-    prefill results on the decode devices.
+    """Requests prefilled together (whole, or one chunk of one long prompt); their prefill
+    results are the executor's batch ``handle`` (``shape``: its rows and tokens).
 
     ``streams[i]`` is row i's request, or None once it finished at its first token.
     """
 
     streams: list[RequestStream | None]
-    inserted: Inserted
+    handle: int
+    shape: tuple[int, int]
     sampling_P: RowSampling
     contexts: list[int]  # tokens each row has cached after this batch
     steps_P: np.ndarray  # tokens each row had drawn before its prefill (preempted: > 0)
@@ -127,7 +144,7 @@ class _Batch:
     starts_P: np.ndarray  # tokens each row had cached before this batch (page-aligned)
     final: bool = True  # False: a chunk that leaves more of its prompt to prefill
     works: list[_Prefill] | None = None  # the admitted requests (None: moved to decode)
-    history: History | None = None  # each row's context, for its penalties
+    history: History | None = None  # each row's context, for its penalties (None: none)
 
     @property
     def live(self) -> list[tuple[int, RequestStream]]:
@@ -169,14 +186,10 @@ class ContinuousBatcher:
         prefix_caching: bool = True,
         max_prefill_tokens: int | None = None,
     ):
-        if jax.process_count() > 1:
-            raise ConfigError(
-                "continuous batching schedules requests in one process; under "
-                f"jax.distributed ({jax.process_count()} processes) every process would have "
-                "to make the same scheduling decisions. Serve from one host, or use "
-                "InferenceEngine.generate for multi-host batches"
-            )
         self.engine = engine
+        #: A process other than 0 of a multi-process job: it replays process 0's
+        #: commands (:meth:`follow`) instead of scheduling (:meth:`start`).
+        self.replays = jax.process_index() != 0
         self.prefill_engine = prefill_engine or engine
         self.disaggregated = prefill_engine is not None
         program = engine.program
@@ -215,6 +228,9 @@ class ContinuousBatcher:
             * self.pool.page_size
         )
         self._chunking: _Prefill | None = None  # a long prompt between two of its chunks
+        #: Requests taken from the queue for the prefill in flight, until they decode (or
+        #: their batch is ready): ended with the rest if the batcher fails meanwhile.
+        self._prefilling: list[RequestStream] = []
         self.stats = BatcherStats()
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestStream] = collections.deque()
@@ -224,7 +240,7 @@ class ContinuousBatcher:
         self._closing = False
         self._stopping = False
         self._owners: list[RequestStream | None] = [None] * engine.max_batch
-        decode_side = _Side(self.pages, self.slot_steps, self._owners, False)
+        decode_side = _Side(DECODE, self.pages, self.slot_steps, self._owners, False)
         if self.disaggregated:
             self._decode_side = decode_side
             self._side = self._prefill_side(kv_budget or KVBudget())
@@ -232,10 +248,25 @@ class ContinuousBatcher:
             self._decode_side = self._side = dataclasses.replace(
                 decode_side, caching=prefix_caching
             )
+        #: Dispatches the programs and holds their device state (:mod:`._executor`).
+        self.executor = Executor(
+            engine,
+            self.prefill_engine,
+            self.slot_steps,
+            self._side.slot_steps if self.disaggregated else None,
+            self.first_tokens,
+            keeps_outputs=not self.replays,
+        )
+        #: Process 0 of a multi-process job: sends the executor's commands to the others.
+        self.leader = Leader() if jax.process_count() > 1 and not self.replays else None
+        self.executor.recorder = self.leader
+        self._monitor: Monitor | None = None
+        multi = jax.process_count() > 1
+        self._heartbeat = Heartbeat().start() if multi and self.replays else None
         self._lengths = np.zeros(engine.max_batch, np.int64)  # tokens cached per row (host)
         self._admitted = np.zeros(engine.max_batch, np.int64)  # admission order per row
         self._admissions = 0
-        self._tables: tuple[tuple[int, ...], jax.Array] | None = None  # (version, width, rows)
+        self._tables: tuple[int, ...] | None = None  # (version, width, rows) last placed
         self._threads: list[threading.Thread] = []
         self._failure: BaseException | None = None
         self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
@@ -254,7 +285,8 @@ class ContinuousBatcher:
             step_temp_bytes=lambda: 0,  # no decode step runs there
         )
         slot_steps = SlotSteps(eng.steps, eng.program.model_config, pool)
-        return _Side(PageTable(pool), slot_steps, [None] * eng.max_batch, self.prefix_caching)
+        owners = [None] * eng.max_batch
+        return _Side(PREFILL, PageTable(pool), slot_steps, owners, self.prefix_caching)
 
     # --- clients -------------------------------------------------------------------------
 
@@ -345,6 +377,28 @@ class ContinuousBatcher:
         """One line: the KV cache's pages, tokens, GiB per device, sequences that fit."""
         return describe(self.pool, self.slot_steps.pool_bytes_per_device())
 
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0):
+        """:meth:`InferenceEngine.prompt_logprobs` on the prefill engine, dispatched as a
+        command (so every process of a multi-process server scores too)."""
+        ex = self.executor
+        return self.prefill_engine.prompt_logprobs(
+            prompts, top, run=lambda tokens_BT, lengths_B: ex.scores(ex.score(tokens_BT, lengths_B))
+        )
+
+    def lockstep_stats(self) -> dict[str, float] | None:
+        """Process 0 of a multi-process job: what it sent the others (messages, the
+        commands in them, bytes, seconds in the puts); None otherwise."""
+        if self.leader is None:
+            return None
+        lead = self.leader
+        return {
+            "processes": jax.process_count(),
+            "messages": lead.messages,
+            "commands": lead.commands,
+            "bytes": lead.bytes,
+            "seconds": lead.seconds,
+        }
+
     @property
     def slots(self) -> int:
         return self.engine.max_batch
@@ -360,9 +414,20 @@ class ContinuousBatcher:
     # --- life cycle ----------------------------------------------------------------------
 
     def start(self) -> ContinuousBatcher:
-        """Starts the decode loop (and the prefill loop when disaggregated) in threads."""
+        """Starts the decode loop (and the prefill loop when disaggregated) in threads.
+
+        In a multi-process job, process 0 only; it also watches the other processes'
+        heartbeats and fails every request, naming the process, if one is lost."""
+        if self.replays:
+            raise ConfigError(
+                f"process {jax.process_index()} replays process 0's schedule: call "
+                "follow() there, and start() on process 0"
+            )
         if self._threads:
             return self
+        if self.leader is not None:
+            self._monitor = Monitor(self.fail).start()
+        self.executor.start()
         loops = [self._decode_loop] + ([self._prefill_loop] if self.disaggregated else [])
         for loop in loops:
             thread = threading.Thread(target=self._guard(loop), name=loop.__name__, daemon=True)
@@ -470,6 +535,33 @@ class ContinuousBatcher:
         widths = {self.pages.width(t) for t in lengths}
         return sorted(widths | {self.pages.width(self.max_seq_len)})
 
+    def follow(self) -> int:
+        """A process other than 0 of a multi-process job: replays process 0's commands
+        until its batcher closes (returns the number replayed).
+
+        Raises:
+            PeerLostError: process 0 is gone, or a collective lost another process.
+        """
+        if not self.replays:
+            raise ConfigError("process 0 schedules (start()); follow() is for the others")
+        try:
+            with peer_failures():
+                return follow(self.executor)
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.close()
+
+    def fail(self, error: BaseException) -> None:
+        """Ends every request with finish reason ``"error"`` and ``error``, and stops the
+        loops (the first failure wins): e.g. a lost process of a multi-process job."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._failure = error
+            self._stopping = True
+            self._cond.notify_all()
+        self._end_all("error", error)
+
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops taking requests, then ends the loops.
 
@@ -479,7 +571,7 @@ class ContinuousBatcher:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if drain:
+        if drain and self._failure is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             with self._cond:
                 self._cond.wait_for(self._idle, _remaining(deadline))
@@ -487,9 +579,15 @@ class ContinuousBatcher:
             self._stopping = True
             self._cond.notify_all()
         for thread in self._threads:
-            thread.join()
+            # After a failure a loop may be stuck in a collective with a lost process
+            # (it ends with the process: the loops are daemon threads).
+            thread.join(None if self._failure is None else 1.0)
         self._threads = []
         self._end_all("shutdown")  # what never started (or was never taken) ends too
+        if self._monitor is not None:
+            self._monitor.close()
+        if self.leader is not None and self._failure is None:
+            self.leader.stop()  # the other processes return from follow()
 
     def __enter__(self) -> ContinuousBatcher:
         return self.start()
@@ -506,19 +604,32 @@ class ContinuousBatcher:
 
         def run() -> None:
             try:
-                loop()
+                with peer_failures():
+                    loop()
+            except PeerLostError as e:  # name the process if the heartbeats tell which
+                self.fail(self._lost(e))
             except BaseException as e:  # noqa: BLE001 - reported to every waiting client
-                with self._cond:
-                    self._failure = e
-                    self._stopping = True
-                    self._cond.notify_all()
-                self._end_all("error", e)
+                self.fail(e)
 
         return run
+
+    def _lost(self, error: PeerLostError) -> PeerLostError:
+        """A collective failed for a lost process: the heartbeat monitor's verdict if it
+        comes within its timeout (it names the process), else ``error``."""
+        monitor = self._monitor
+        if monitor is None:
+            return error
+        deadline = time.monotonic() + monitor.lost_after_s + 2 * HEARTBEAT_S
+        while not monitor.lost and time.monotonic() < deadline and self._failure is None:
+            time.sleep(0.1)
+        if monitor.lost:
+            return lost_error(monitor.lost, jax.process_count(), monitor.lost_after_s)
+        return error
 
     def _end_all(self, reason: str, error: BaseException | None = None) -> None:
         with self._cond:
             streams = [*self._queue, *(s for b in self._ready for s in b.streams if s)]
+            streams += self._prefilling
             if self._chunking is not None:
                 streams.append(self._chunking.stream)
             self._queue.clear()
@@ -638,14 +749,16 @@ class ContinuousBatcher:
             stream.cached_tokens = min(work.done, len(stream.request.prompt))
             self.stats.prompt_tokens_cached += stream.cached_tokens
 
-    def _prefill(self, works: list[_Prefill], slots, side: _Side) -> _Batch:
+    def _prefill(self, works: list[_Prefill], side: _Side) -> _Batch:
         """Prefills ``works`` together (or the next chunk of one long prompt) and, for those
         it completes, draws their first tokens (sent to the clients at once); the results
         laid out for the decode engine. A request with cached tokens (a prefix hit, earlier
-        chunks) attends to them, read from ``slots``' pages. A preempted request is
+        chunks) attends to them, read from ``side``'s pages. A preempted request is
         prefilled with the tokens it drew, and draws its next one at its own step."""
         eng, rows = self.prefill_engine, self._rows(len(works))
         start = time.perf_counter()
+        with self._cond:
+            self._prefilling = [w.stream for w in works]
         takes = [min(w.remaining, self.chunk_tokens) for w in works]
         final = all(t == w.remaining for t, w in zip(takes, works, strict=True))
         streams = [w.stream for w in works]
@@ -662,23 +775,6 @@ class ContinuousBatcher:
         for i, (work, take) in enumerate(zip(works, takes, strict=True)):
             tokens_PT[i, :take] = work.context[work.done : work.done + take]
             lengths_P[i] = take
-        lay = eng.layouts
-        tokens = put_global(tokens_PT, lay.tokens_BT)
-        lengths = put_global(lengths_P, lay.lengths_prefill_B)
-        if with_context:
-            ctx_k, ctx_v = side.slot_steps.context(
-                slots, self._context_pages(works, rows, side), lay.kv_prefill
-            )
-            starts = put_global(starts_P, lay.lengths_prefill_B)
-            logits_PV, k, v = eng.steps.prefill_context(
-                eng.params, tokens, lengths, starts, ctx_k, ctx_v
-            )
-        else:
-            logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
-        if eng.steps.counts_drops:
-            dropped = int(eng.steps.last_dropped["prefill"])
-            with self._cond:
-                self.stats.moe_dropped += dropped
         requests = [s.request for s in streams]
         requests += [requests[0]] * (rows - len(streams))
         wants = [r.logprobs is not None for r in requests[: len(streams)]]
@@ -688,26 +784,49 @@ class ContinuousBatcher:
             logprobs=wants + [False] * (rows - len(streams)),
         )
         history = _history(streams, rows, self.max_seq_len)
+        handle = self.executor.prefill(
+            tokens_PT,
+            lengths_P,
+            side=side.name,
+            final=final,
+            sampling_P=sampling_P,
+            steps_P=steps_P,
+            history=history,
+            starts_P=starts_P if with_context else None,
+            pages_PN=self._context_pages(works, rows, side) if with_context else None,
+        )
         live: list[RequestStream | None] = list(streams)
         if final:
-            first_P, logprobs = self.first_tokens(logits_PV, sampling_P, steps_P, history)
-            first = np.asarray(jax.device_get(first_P))
-            host_lp = logprobs.host() if any(wants) else None
+            out = self.executor.tokens(handle, logprobs=any(wants))
             self.stats.prefill_batches += 1
             live = [
-                self._first(s, int(t), _logprob(host_lp, i, int(t), s.request))
-                for i, (s, t) in enumerate(zip(streams, first, strict=False))
+                self._first(s, int(t), _logprob(out.logprobs, i, int(t), s.request))
+                for i, (s, t) in enumerate(zip(streams, out.tokens, strict=False))
             ]
+            dropped = out.dropped
         else:
-            first_P = put_global(np.zeros(rows, np.int32), eng.layouts.replicated)
+            dropped = self.executor.dropped(handle) if eng.steps.counts_drops else 0
+        if dropped:
+            with self._cond:
+                self.stats.moe_dropped += dropped
         if self._chunking is not None and works[0] is self._chunking:
             self.stats.prefill_chunks += 1
-        inserted = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
         self.stats.prefill_seconds += time.perf_counter() - start
         contexts = [w.done + t for w, t in zip(works, takes, strict=True)]
         placed = [w.row for w in works]
+        shape = (rows, length)
         return _Batch(
-            live, inserted, sampling_P, contexts, steps_P, placed, starts_P, final, works, history
+            live,
+            handle,
+            shape,
+            sampling_P,
+            contexts,
+            steps_P,
+            placed,
+            starts_P,
+            final,
+            works,
+            history,
         )
 
     def _context_pages(self, works: list[_Prefill], rows: int, side: _Side) -> np.ndarray:
@@ -733,27 +852,14 @@ class ContinuousBatcher:
             self._cond.notify_all()
         return None
 
-    def _transfer(self, new: Inserted) -> Inserted:
-        """Moves a prefilled batch onto the decode devices, in their prefill layout."""
-        lay = self.engine.layouts
-        moved = Inserted(
-            k=jax.device_put(new.k, lay.kv_prefill),
-            v=jax.device_put(new.v, lay.kv_prefill),
-            lengths_P=jax.device_put(new.lengths_P, lay.lengths_prefill_B),
-            first_P=jax.device_put(new.first_P, lay.replicated),
-        )
-        self.stats.transfer_bytes += moved.nbytes
-        self.stats.transfers += 1
-        return moved
-
     def _prefill_loop(self) -> None:
         """Disaggregated: prefill queued requests on the prefill devices, ahead of decode.
 
         Prefills read and write the prefill group's own pages (prefix hits, chunks); each
         finished batch moves to the decode devices whole, once."""
         side = self._side
-        slots = side.slot_steps.empty()
         while True:
+            self.executor.flush()  # before waiting: the others dispatch what this one did
             with self._cond:
                 self._cond.wait_for(
                     lambda: (
@@ -766,21 +872,25 @@ class ContinuousBatcher:
                 self._drop_cancelled_chunk(side)
                 works = self._admit_work(None, side)
                 if not works:  # nothing fits its pool yet (it frees at every batch's end)
+                    self.executor.flush()
                     self._cond.wait(0.01)
                     continue
-            batch = self._prefill(works, slots, side)
-            slots = self._insert(slots, batch, side)
+            batch = self._prefill(works, side)
+            self._insert(batch, side, keep=batch.final)
             if not batch.final:
                 continue
             start = time.perf_counter()
-            moved = self._transfer(self._whole(batch, slots, side))
+            shape = self._whole(batch, side)
+            self.stats.transfer_bytes += self.executor.transfer(batch.handle)
+            self.stats.transfers += 1
             for work in works:  # its pages stay cached for later prompts
                 side.pages.release(work.row)
-            jax.block_until_ready(moved)
+            self.executor.wait(batch.handle)
             self.stats.prefill_seconds += time.perf_counter() - start
             ready = _Batch(
                 batch.streams,
-                moved,
+                batch.handle,
+                shape,
                 batch.sampling_P,
                 batch.contexts,
                 batch.steps_P,
@@ -790,15 +900,17 @@ class ContinuousBatcher:
             )
             with self._cond:
                 self._ready.append(ready)
+                self._prefilling = []
                 self._cond.notify_all()
 
-    def _whole(self, batch: _Batch, slots, side: _Side) -> Inserted:
-        """A finished batch's K/V from the first token on: its own if it cached nothing
-        before, else read back from the prefill group's pages (context and new tokens)."""
+    def _whole(self, batch: _Batch, side: _Side) -> tuple[int, int]:
+        """Makes a finished batch's K/V whole from the first token on: its own if it cached
+        nothing before, else read back from the prefill group's pages (context and new
+        tokens). Returns its (rows, tokens)."""
         if not batch.starts_P.any():
-            return batch.inserted
+            return batch.shape
         eng = self.prefill_engine
-        rows = batch.inserted.lengths_P.shape[0]
+        rows = batch.shape[0]
         length = eng.bucket(max(batch.contexts))
         n = side.pages.pool.pages_for(length)
         pages_PN = np.full((rows, n), side.pages.pool.pages, np.int32)
@@ -806,9 +918,8 @@ class ContinuousBatcher:
         for i, row in enumerate(batch.rows):
             pages_PN[i] = side.pages.global_ids(row, n)
             lengths_P[i] = batch.contexts[i]
-        k, v = side.slot_steps.context(slots, pages_PN, eng.layouts.kv_prefill, length)
-        lengths = put_global(lengths_P, eng.layouts.lengths_prefill_B)
-        return Inserted(k=k, v=v, lengths_P=lengths, first_P=batch.inserted.first_P)
+        self.executor.read_back(batch.handle, pages_PN, lengths_P, length)
+        return rows, length
 
     def _drop_cancelled_chunk(self, side: _Side) -> None:
         """Ends the long prompt between its chunks if its client cancelled it."""
@@ -823,7 +934,7 @@ class ContinuousBatcher:
 
     # --- decode --------------------------------------------------------------------------
 
-    def _admit(self, slots, owners, release_B):
+    def _admit(self, owners, release_B) -> None:
         """Colocated: prefills queued requests (and chunks of a long prompt) and writes them
         into their rows and pages. While requests are decoding, at most about
         ``max_prefill_tokens`` padded tokens (one dispatch at least) run before the next
@@ -834,14 +945,10 @@ class ContinuousBatcher:
                 works = self._admit_work(budget, self._side)
             if not works:
                 break
-            batch = self._prefill(works, slots, self._side)
-            slots = self._insert(slots, batch, self._side, release_B)
+            batch = self._prefill(works, self._side)
+            self._insert(batch, self._side, release_B=release_B)
             if budget is not None:
-                budget -= (
-                    batch.inserted.lengths_P.shape[0]
-                    * jax.tree.leaves(batch.inserted.k)[0].shape[-3]
-                )
-        return slots
+                budget -= batch.shape[0] * batch.shape[1]
 
     def _ready_batches(self) -> list[_Batch]:
         """Disaggregated: the prefilled batches whose requests all fit, in order."""
@@ -869,6 +976,8 @@ class ContinuousBatcher:
 
     def _wait_for_work(self, busy: bool) -> bool:
         """Blocks while there is nothing to do; False once the loop should end."""
+        if not busy:
+            self.executor.flush()  # the other processes dispatch what this one did
         with self._cond:
             if not busy:
                 self._cond.wait_for(lambda: self._stopping or self._queue or self._ready)
@@ -885,18 +994,17 @@ class ContinuousBatcher:
         state), so pages freed on the host are rewritten only after that extra step.
         """
         b = self.engine.max_batch
-        slots = self.slot_steps.empty()
         owners = self._owners
         release_B = np.zeros(b, bool)
-        pending = None  # the last step's tokens (on device) and who held each row then
+        pending = None  # the last step's handle and who held each row then
         chunking = lambda: not self.disaggregated and self._chunking is not None  # noqa: E731
         while self._wait_for_work(any(owners) or pending is not None or chunking()):
             self._release_cancelled(owners, release_B)
             if self.disaggregated:
                 for batch in self._ready_batches():
-                    slots = self._insert(slots, batch, self._decode_side, release_B)
+                    self._insert(batch, self._decode_side, release_B=release_B)
             else:
-                slots = self._admit(slots, owners, release_B)
+                self._admit(owners, release_B)
             if any(owners) and not self._reserve(owners):
                 # A shard is out of pages: read the step in flight (it may end requests),
                 # then preempt until every running row has its next page.
@@ -906,11 +1014,10 @@ class ContinuousBatcher:
                 self._preempt_for_room(owners, release_B)
             dispatched = None
             if any(owners):
-                tables = self._step_tables(owners)
-                slots, *step = self.slot_steps.step(self.engine.params, slots, release_B, tables)
+                handle = self.executor.step(release_B, self._step_tables(owners))
                 self._lengths += [s is not None for s in owners]
                 release_B[:] = False
-                dispatched = (*step, list(owners))
+                dispatched = (handle, list(owners))
             if pending is not None:
                 self._deliver(*pending, owners, release_B)
             pending = dispatched
@@ -949,28 +1056,29 @@ class ContinuousBatcher:
             self._queue.appendleft(stream)
             self._cond.notify_all()
 
-    def _step_tables(self, owners) -> jax.Array:
+    def _step_tables(self, owners) -> np.ndarray | None:
         """The block tables of the rows a step computes (as many as cover the running
-        rows), as wide as the longest needs; placed again only when they change."""
+        rows), as wide as the longest needs; None while they are those of the last step
+        (placed again only when they change)."""
         live = np.array([s is not None for s in owners])
         longest = int(self._lengths[live].max()) + 1
         width = self.pages.width(longest)
         rows = self.slot_steps.rows_for(live)
         key = (self.pages.version, width, rows)
-        if self._tables is None or self._tables[0] != key:
-            tables = self.slot_steps.tables(self.pages.tables_BN[:, :width], rows)
-            self._tables = (key, tables)
-        return self._tables[1]
+        if self._tables == key:
+            return None
+        self._tables = key
+        return self.slot_steps.table_rows(self.pages.tables_BN[:, :width], rows)
 
-    def _deliver(self, next_B, logprobs: Logprobs, dropped, holders, owners, release_B) -> None:
+    def _deliver(self, handle: int, holders, owners, release_B) -> None:
         """Streams one step's tokens (and logprobs, read only if some request asked) to the
         requests that held the rows when it ran."""
-        tokens_B = np.asarray(jax.device_get(next_B))
         asked = any(s is not None and s.request.logprobs is not None for s in holders)
-        host_lp = logprobs.host() if asked else None
-        if dropped is not None:
+        out = self.executor.tokens(handle, logprobs=asked)
+        tokens_B, host_lp = out.tokens, out.logprobs
+        if out.dropped:
             with self._cond:
-                self.stats.moe_dropped += int(dropped)
+                self.stats.moe_dropped += out.dropped
         now = time.perf_counter()
         self.stats.decode_steps += 1
         self.stats.decode_seconds += now - max(self._last_read, self._loop_started)
@@ -982,16 +1090,17 @@ class ContinuousBatcher:
             if stream.emit(token, _logprob(host_lp, i, token, stream.request)) is not None:
                 self._free(owners, release_B, i)
 
-    def _insert(self, slots, batch: _Batch, side: _Side, release_B=None):
+    def _insert(self, batch: _Batch, side: _Side, *, release_B=None, keep: bool = False) -> None:
         """Writes a batch's K/V into its rows' pages on ``side``, from where each row's
         cache ends, and (where those rows decode) starts decoding the requests it
         completes. The full pages written join the prefix cache; a request that finished
         at its first token keeps no row (its pages are written for the cache, then
-        released). On a prefill group's pages the caller releases the rows."""
+        released). On a prefill group's pages the caller releases the rows; ``keep``: the
+        batch stays with the executor (to move to the decode devices)."""
         pages, pool = side.pages, side.pages.pool
         decodes = side.owners is self._owners  # rows that decode here (else: prefill group)
-        rows = batch.inserted.lengths_P.shape[0]  # the row bucket: padding rows are dropped
-        n_pages = pool.pages_for(jax.tree.leaves(batch.inserted.k)[0].shape[-3])
+        rows = batch.shape[0]  # the row bucket: padding rows are dropped
+        n_pages = pool.pages_for(batch.shape[1])
         slot_P = np.full(rows, pool.rows, np.int32)
         pages_PN = np.full((rows, n_pages), pool.pages, np.int32)
         started = 0
@@ -1013,27 +1122,38 @@ class ContinuousBatcher:
             with self._cond:
                 self._active += started
             start = time.perf_counter()
-            slots = side.slot_steps.insert(
-                slots,
-                batch.inserted,
+            self.executor.insert(
+                batch.handle,
                 slot_P,
                 pages_PN,
-                batch.steps_P,
-                batch.sampling_P,
-                batch.starts_P,
-                batch.history,
+                side=side.name,
+                steps_P=batch.steps_P,
+                sampling_P=batch.sampling_P,
+                starts_P=batch.starts_P,
+                history=batch.history,
+                keep=keep,
             )
             self.stats.insert_seconds += time.perf_counter() - start
+        elif not keep:
+            self.executor.drop(batch.handle)
+        self._inserted(batch, side, decodes)
+        if decodes:
+            with self._cond:
+                self._prefilling = []
+
+    def _inserted(self, batch: _Batch, side: _Side, decodes: bool) -> None:
+        """After an insert: the admitted requests' cached lengths and prefix pages, and
+        the rows of those that finished at their first token (freed) or the long prompt
+        whose last chunk this was."""
         for i, work in enumerate(batch.works or []):
             work.done = batch.contexts[i]
             if side.caching:
-                pages.register(work.row, work.keys[: work.done // pool.page_size])
+                side.pages.register(work.row, work.keys[: work.done // side.pages.pool.page_size])
             if batch.final:
                 if decodes and batch.streams[i] is None:
-                    pages.release(work.row)
+                    side.pages.release(work.row)
                 if self._chunking is work:
                     self._chunking = None
-        return slots
 
     def _release_cancelled(self, owners, release_B) -> None:
         for i, stream in enumerate(owners):
@@ -1058,9 +1178,12 @@ def _context(stream: RequestStream) -> list[int]:
     return [*stream.request.prompt, *stream.tokens]
 
 
-def _history(streams: list[RequestStream], rows: int, width: int) -> History:
+def _history(streams: list[RequestStream], rows: int, width: int) -> History | None:
     """The contexts of a prefill's requests (``rows``: with its padding rows), for their
-    penalties: each prompt, and what it drew before a preemption."""
+    penalties: each prompt, and what it drew before a preemption; None when no request
+    is penalised (nothing to send)."""
+    if not any(s.request.sampling.penalized for s in streams):
+        return None
     contexts = [(s.request.prompt, s.tokens) for s in streams] + [((), ())] * (rows - len(streams))
     penalized = [s.request.sampling.penalized for s in streams] + [False] * (rows - len(streams))
     return History.rows(contexts, penalized, rows, width)

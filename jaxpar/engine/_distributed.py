@@ -202,6 +202,13 @@ def peer_failures() -> Iterator[None]:
         ) from e
 
 
+def mark_peer_lost() -> None:
+    """This process lost a peer: at exit, leave without JAX's shutdown barrier (with
+    :data:`PEER_LOST_EXIT_STATUS`)."""
+    global _peer_lost
+    _peer_lost = True
+
+
 def _exit_after_peer_loss() -> None:
     """At exit after a lost peer: skip JAX's shutdown barrier, which cannot complete.
 

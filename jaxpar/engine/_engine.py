@@ -247,21 +247,27 @@ class InferenceEngine:
         return true_vocab(self.steps.to_batch(logits), self.model_config.vocab_size)
 
     def prompt_logprobs(
-        self, prompts: Sequence[Sequence[int]], top: int = 0
+        self, prompts: Sequence[Sequence[int]], top: int = 0, *, run=None
     ) -> list[list[TokenLogprob | None]]:
         """Each prompt token's logprob given the tokens before it (None for the first), with
         the ``top`` most likely tokens at its position (0 to ``MAX_TOP_LOGPROBS``): a
         prefill with every position's logits, reduced on the devices
-        (:mod:`jaxpar.engine._scoring`). Raw logprobs: ``log_softmax`` of the logits."""
-        from jaxpar.engine._scoring import PromptScorer
-
+        (:mod:`jaxpar.engine._scoring`). Raw logprobs: ``log_softmax`` of the logits.
+        ``run``: how a padded batch is scored (see :class:`PromptScorer`)."""
         for start in range(0, len(prompts), self.max_batch):  # scored dp at a time: any count
             self._check_prompts(prompts[start : start + self.max_batch], 1)
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        return self.scorer(prompts, top, run)
+
+    @property
+    def scorer(self):
+        """The :class:`~jaxpar.engine._scoring.PromptScorer` of this engine (built once)."""
+        from jaxpar.engine._scoring import PromptScorer
+
         if self._scorer is None:
             self._scorer = PromptScorer(self)
-        return self._scorer(prompts, top)
+        return self._scorer
 
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
         """One decode step (the cache is donated: do not reuse the argument)."""

@@ -77,14 +77,26 @@ def page_bytes_per_device(
 
 
 def free_device_bytes(devices) -> int | None:
-    """The least free memory over ``devices`` (None where a device does not report it)."""
+    """The least free memory over ``devices`` (None where a device does not report it).
+
+    A process can read only its own devices' memory; in a multi-process job each reads
+    its share of ``devices`` and every process takes the least of all (so every process
+    sizes the same cache: their programs must be the same)."""
     free = []
     for device in devices:
+        if device.process_index != jax.process_index():
+            continue
         stats = device.memory_stats()
         if not stats or "bytes_limit" not in stats:
-            return None
+            free = [-1]  # not reported: the other processes must learn it too
+            break
         free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(free)
+    least = min(free) if free else -1
+    if jax.process_count() > 1:
+        from jaxpar.engine._lockstep import agree_min
+
+        least = agree_min("free_device_bytes", least)
+    return None if least < 0 else least
 
 
 def size_pool(

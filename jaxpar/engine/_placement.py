@@ -71,9 +71,12 @@ def put_global(value: np.ndarray, target: NamedSharding) -> jax.Array:
     """A host array (identical on every process) placed as one global array.
 
     Each process only materialises the shards of its own devices, so this works the same
-    on one host and after ``jax.distributed.initialize`` on many.
+    on one host and after ``jax.distributed.initialize`` on many. The value is copied
+    first: on CPU a device buffer may alias the host array it came from (zero-copy), and
+    callers reuse theirs (a release mask, block tables) while the step that reads it may
+    still be queued.
     """
-    value = np.asarray(value)
+    value = np.array(value, copy=True)
     return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
 
 

@@ -15,7 +15,7 @@ The prefill materialises ``[dp, T, V]`` float32 logits on the devices (one promp
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -67,12 +67,26 @@ class PromptScorer:
             (self.engine.params, tokens, lengths),
         )
 
+    def dispatch(self, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> Logprobs:
+        """Dispatches the scoring of ``dp`` padded prompts; the device arrays it returns
+        hold each position's next-token logprob and top alternatives."""
+        eng = self.engine
+        tokens = put_global(tokens_BT, eng.layouts.tokens_BT)
+        lengths = put_global(lengths_B, eng.layouts.lengths_prefill_B)
+        return self._program(tokens, lengths)(eng.params, tokens, lengths)
+
     def __call__(
-        self, prompts: Sequence[Sequence[int]], top: int = 0
+        self,
+        prompts: Sequence[Sequence[int]],
+        top: int = 0,
+        run: Callable[[np.ndarray, np.ndarray], Logprobs] | None = None,
     ) -> list[list[TokenLogprob | None]]:
         """Per prompt, per token: its logprob given the tokens before it and the ``top``
-        most likely tokens there; None for the first token (nothing comes before it)."""
+        most likely tokens there; None for the first token (nothing comes before it).
+        ``run``: padded prompts and lengths -> their logprobs on the host (default:
+        :meth:`dispatch`, then read; a multi-process server records it first)."""
         eng = self.engine
+        run = run or (lambda tokens_BT, lengths_B: self.dispatch(tokens_BT, lengths_B).host())
         out: list[list[TokenLogprob | None]] = []
         for start in range(0, len(prompts), self.rows):
             group = [list(p) for p in prompts[start : start + self.rows]]
@@ -81,10 +95,8 @@ class PromptScorer:
             for i, prompt in enumerate(group):
                 tokens_BT[i, : len(prompt)] = prompt
                 lengths_B[i] = len(prompt)
-            tokens = put_global(tokens_BT, eng.layouts.tokens_BT)
-            lengths = put_global(lengths_B, eng.layouts.lengths_prefill_B)
             with self._lock:
-                host = self._program(tokens, lengths)(eng.params, tokens, lengths).host()
+                host = run(tokens_BT, lengths_B)
             for i, prompt in enumerate(group):
                 entries = [host.entry((i, t - 1), prompt[t], top) for t in range(1, len(prompt))]
                 out.append([None, *entries])

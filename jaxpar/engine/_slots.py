@@ -400,10 +400,14 @@ class SlotSteps:
         """Block tables placed for :meth:`step`: those of the first ``rows / shards`` rows
         of every batch shard (default: every row). Place them once while they do not
         change."""
+        return put_global(self.table_rows(tables_BN, rows), self.tables_layout)
+
+    def table_rows(self, tables_BN: np.ndarray, rows: int | None = None) -> np.ndarray:
+        """:meth:`tables` on the host: the first ``rows / shards`` rows of every shard."""
         rows = rows or self.n_slots
         shards, per = self.pool.shards, self.n_slots // self.pool.shards
         tables_RN = tables_BN.reshape(shards, per, -1)[:, : rows // shards].reshape(rows, -1)
-        return put_global(np.ascontiguousarray(tables_RN, np.int32), self.tables_layout)
+        return np.ascontiguousarray(tables_RN, np.int32)
 
     def rows_for(self, live: np.ndarray, floor: int = 8) -> int:
         """The rows a step computes: per batch shard, a power of two (at least ``floor``,

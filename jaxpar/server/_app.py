@@ -257,7 +257,8 @@ def create_app(
         yield
         service.closing = True
         await asyncio.to_thread(service.batcher.close, drain=True, timeout=drain_timeout)
-        await warming
+        if service.batcher.failure is None:  # else it may wait on a lost process: let it be
+            await warming
 
     app = FastAPI(title="jaxpar", lifespan=lifespan)
     _errors.install(app)
@@ -286,7 +287,11 @@ def _routes(app: FastAPI, service: Service) -> None:
             return JSONResponse({"status": e.message}, status_code=503)
         batcher = service.batcher
         status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
-        return JSONResponse(status | {"queued": batcher.queued, "stats": vars(batcher.stats)})
+        status |= {"queued": batcher.queued, "stats": vars(batcher.stats)}
+        lockstep = batcher.lockstep_stats()
+        if lockstep is not None:  # several processes: what process 0 sent the others
+            status["lockstep"] = lockstep
+        return JSONResponse(status)
 
     registry = metrics_registry(service)
 

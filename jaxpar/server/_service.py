@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jaxpar.engine import ContinuousBatcher, Request, RequestStream, Sampling, TokenLogprob
-from jaxpar.errors import ConfigError, QueueFullError, ShapeError
+from jaxpar.errors import ConfigError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
 from jaxpar.server._protocol import MAX_CHOICES, ChatRequest, CompletionRequest, _Generate
@@ -173,7 +173,7 @@ class Service:
 
     def __init__(self, batcher: ContinuousBatcher, model: ServedModel, scorer=None):
         """``scorer``: prompts, alternatives -> each prompt's token logprobs (default: the
-        batcher's prefill engine's :meth:`~jaxpar.engine.InferenceEngine.prompt_logprobs`)."""
+        batcher's :meth:`~jaxpar.engine.ContinuousBatcher.prompt_logprobs`)."""
         self.batcher = batcher
         self.model = model
         self._scorer = scorer
@@ -302,7 +302,7 @@ class Service:
             return
         prompts = list({tuple(j.prompt): None for j in wanted})
         top = max(j.top for j in wanted)
-        scorer = self._scorer or self.batcher.prefill_engine.prompt_logprobs
+        scorer = self._scorer or self.batcher.prompt_logprobs
         try:
             scored = await asyncio.to_thread(scorer, [list(p) for p in prompts], top)
         except (ConfigError, ShapeError) as e:
@@ -340,6 +340,8 @@ class Service:
         return Job(id=uuid.uuid4().hex[:24], prompt=prompt, stream=stream, text=text, top=top)
 
     def check_available(self) -> None:
+        if isinstance(self.batcher.failure, PeerLostError):  # a multi-process job lost one
+            raise APIError(503, str(self.batcher.failure), code="process_lost")
         if self.batcher.failure is not None:
             raise APIError(503, f"the engine failed: {self.batcher.failure!r}", retry_after=60)
         if self.warmup_error is not None:
@@ -439,6 +441,8 @@ def _outcome(stream: RequestStream) -> str:
     reason = stream.finish_reason
     if reason in ("stop", "length"):
         return reason
+    if reason == "error" and isinstance(stream.error, PeerLostError):
+        raise APIError(503, str(stream.error), code="process_lost")
     if reason == "error":
         raise APIError(500, f"generation failed: {stream.error!r}", code="engine_error")
     raise APIError(503, f"request ended early ({reason})", retry_after=RETRY_AFTER_S)

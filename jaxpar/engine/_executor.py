@@ -1,0 +1,323 @@
+"""The continuous batcher's device work, driven by host values only.
+
+:class:`ContinuousBatcher` decides (which requests, rows, pages, sampling rows); an
+:class:`Executor` dispatches the programs those decisions call for and holds what lives
+on the devices: the decode slots (and, disaggregated, the prefill group's own), and the
+prefilled batches between their prefill and their insert, by handle. Its *commands*
+(:meth:`Executor.prefill`, :meth:`~Executor.insert`, :meth:`~Executor.step`, ...) take
+host arrays and ints only, and hand out handles in call order, so running the same
+commands in the same order on another process dispatches the same programs on the same
+inputs and leaves it in the same device state. That is how a multi-process job serves
+(:mod:`jaxpar.engine._lockstep`): process 0 schedules, records each command before it
+runs, and every other process replays the record. Its *reads* (:meth:`~Executor.tokens`)
+bring a command's replicated outputs to the host; only the scheduling process calls
+them (a replaying process keeps no outputs), and in a multi-process job they first send
+the commands recorded so far, since the outputs wait for every process's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._logprobs import Logprobs
+from jaxpar.engine._penalties import History
+from jaxpar.engine._placement import put_global
+from jaxpar.engine._sampling import RowSampling
+from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
+
+#: The two page pools a batcher's commands name: the decode rows' own, and the prefill
+#: group's (disaggregated; colocated, it is the decode pool).
+DECODE, PREFILL = "decode", "prefill"
+
+
+class Recorder:
+    """Where commands go before they run (process 0 of a multi-process job)."""
+
+    def record(self, name: str, args: tuple, kwargs: dict) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Sends what was recorded; called before a read waits for the devices."""
+        raise NotImplementedError
+
+
+def command(method: Callable) -> Callable:
+    """A method that changes device state: recorded before it runs, under the lock that
+    keeps the recorded order the order of dispatch (the decode and prefill loops of a
+    disaggregated batcher both call commands)."""
+
+    @functools.wraps(method)
+    def run(self: Executor, *args, **kwargs):
+        with self._lock:
+            if self.recorder is not None:
+                self.recorder.record(method.__name__, args, kwargs)
+            return method(self, *args, **kwargs)
+
+    run.is_command = True
+    return run
+
+
+def read(method: Callable) -> Callable:
+    """A method that brings outputs to the host: the recorded commands are sent first
+    (their programs cannot finish before every process has dispatched them)."""
+
+    @functools.wraps(method)
+    def run(self: Executor, *args, **kwargs):
+        if not self.keeps_outputs:
+            raise RuntimeError("a replaying executor reads nothing back")
+        if self.recorder is not None:
+            with self._lock:
+                self.recorder.flush()
+        return method(self, *args, **kwargs)
+
+    return run
+
+
+@dataclasses.dataclass
+class StepOutputs:
+    """What one command left to read: tokens ``[rows]``, logprobs, MoE drops (device)."""
+
+    tokens: jax.Array | None
+    logprobs: Logprobs | None
+    dropped: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTokens:
+    """A read: tokens, logprobs (None unless asked) and dropped MoE assignments."""
+
+    tokens: np.ndarray
+    logprobs: Logprobs | None
+    dropped: int
+
+
+class Executor:
+    """Dispatches the batcher's programs and keeps their device state.
+
+    Args:
+        engine: decode (its slots and step).
+        prefill_engine: prefill (the same engine when colocated).
+        slot_steps: the decode rows' programs.
+        prefill_slot_steps: the prefill group's own pages' programs (disaggregated only).
+        first_tokens: the first-token draw on the prefill devices.
+        keeps_outputs: False on a process that replays: outputs are never read there.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        prefill_engine: InferenceEngine,
+        slot_steps: SlotSteps,
+        prefill_slot_steps: SlotSteps | None,
+        first_tokens: FirstTokens,
+        *,
+        keeps_outputs: bool = True,
+    ):
+        self.engine = engine
+        self.prefill_engine = prefill_engine
+        self._slot_steps = {DECODE: slot_steps, PREFILL: prefill_slot_steps or slot_steps}
+        self._shared = prefill_slot_steps is None  # one pool for prefill and decode
+        self.first_tokens = first_tokens
+        self.keeps_outputs = keeps_outputs
+        self.recorder: Recorder | None = None
+        self._lock = threading.RLock()
+        self._slots: dict[str, Any] = {}
+        self._batches: dict[int, Inserted] = {}
+        self._outputs: dict[int, StepOutputs] = {}
+        self._handles = 0
+        self._tables: jax.Array | None = None
+        self._rows_bucket = 0
+
+    def _pool(self, side: str) -> str:
+        return DECODE if self._shared else side
+
+    def _handle(self) -> int:
+        self._handles += 1
+        return self._handles
+
+    # --- commands ------------------------------------------------------------------------
+
+    @command
+    def start(self) -> None:
+        """Every row free and every page zero, on each pool."""
+        for side in (DECODE, PREFILL):
+            if self._pool(side) not in self._slots:
+                self._slots[self._pool(side)] = self._slot_steps[side].empty()
+
+    @command
+    def prefill(
+        self,
+        tokens_PT: np.ndarray,
+        lengths_P: np.ndarray,
+        *,
+        side: str,
+        final: bool,
+        sampling_P: RowSampling,
+        steps_P: np.ndarray,
+        history: History | None,
+        starts_P: np.ndarray | None = None,
+        pages_PN: np.ndarray | None = None,
+    ) -> int:
+        """Prefills ``tokens_PT`` (after the cached context in ``side``'s pages ``pages_PN``
+        from ``starts_P`` on, when given) and, when ``final``, draws each row's first token;
+        returns the batch's handle (its outputs read by :meth:`tokens`)."""
+        eng = self.prefill_engine
+        lay = eng.layouts
+        tokens = put_global(tokens_PT, lay.tokens_BT)
+        lengths = put_global(lengths_P, lay.lengths_prefill_B)
+        if pages_PN is not None:
+            slots = self._slots[self._pool(side)]
+            ctx_k, ctx_v = self._slot_steps[side].context(slots, pages_PN, lay.kv_prefill)
+            starts = put_global(starts_P, lay.lengths_prefill_B)
+            logits_PV, k, v = eng.steps.prefill_context(
+                eng.params, tokens, lengths, starts, ctx_k, ctx_v
+            )
+        else:
+            logits_PV, k, v = eng.steps.prefill(eng.params, tokens, lengths)
+        dropped = eng.steps.last_dropped.get("prefill") if eng.steps.counts_drops else None
+        rows = tokens_PT.shape[0]
+        if final:
+            history = history or History.empty(rows, self.first_tokens.history_width)
+            first_P, logprobs = self.first_tokens(logits_PV, sampling_P, steps_P, history)
+        else:
+            first_P = put_global(np.zeros(rows, np.int32), lay.replicated)
+            logprobs = None
+        handle = self._handle()
+        self._batches[handle] = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
+        if self.keeps_outputs and (final or dropped is not None):
+            self._outputs[handle] = StepOutputs(first_P, logprobs, dropped)
+        return handle
+
+    @command
+    def insert(
+        self,
+        handle: int,
+        slot_P: np.ndarray,
+        pages_PN: np.ndarray,
+        *,
+        side: str,
+        steps_P: np.ndarray,
+        sampling_P: RowSampling,
+        starts_P: np.ndarray,
+        history: History | None,
+        keep: bool = False,
+    ) -> None:
+        """Writes batch ``handle`` into ``side``'s rows ``slot_P`` and pages ``pages_PN``
+        (see :meth:`SlotSteps.insert`); the batch is dropped unless ``keep``."""
+        pool = self._pool(side)
+        batch = self._batches[handle] if keep else self._batches.pop(handle)
+        self._slots[pool] = self._slot_steps[side].insert(
+            self._slots[pool], batch, slot_P, pages_PN, steps_P, sampling_P, starts_P, history
+        )
+
+    @command
+    def read_back(self, handle: int, pages_PN: np.ndarray, lengths_P: np.ndarray, length: int):
+        """Disaggregated: batch ``handle`` becomes its rows' whole K/V from the first token
+        on, read back from the prefill group's pages (context and new tokens)."""
+        eng = self.prefill_engine
+        pool = self._slots[self._pool(PREFILL)]
+        k, v = self._slot_steps[PREFILL].context(pool, pages_PN, eng.layouts.kv_prefill, length)
+        lengths = put_global(lengths_P, eng.layouts.lengths_prefill_B)
+        first_P = self._batches[handle].first_P
+        self._batches[handle] = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
+
+    @command
+    def transfer(self, handle: int) -> int:
+        """Moves batch ``handle`` onto the decode devices (their prefill layout); returns
+        the bytes moved."""
+        lay, new = self.engine.layouts, self._batches[handle]
+        moved = Inserted(
+            k=jax.device_put(new.k, lay.kv_prefill),
+            v=jax.device_put(new.v, lay.kv_prefill),
+            lengths_P=jax.device_put(new.lengths_P, lay.lengths_prefill_B),
+            first_P=jax.device_put(new.first_P, lay.replicated),
+        )
+        self._batches[handle] = moved
+        return moved.nbytes
+
+    @command
+    def drop(self, handle: int) -> None:
+        """Forgets batch ``handle`` (it was never inserted, e.g. all its requests ended)."""
+        self._batches.pop(handle, None)
+        self._outputs.pop(handle, None)
+
+    @command
+    def step(self, release_B: np.ndarray, tables_RN: np.ndarray | None) -> int:
+        """One decode step over the rows: ``release_B`` frees rows first; ``tables_RN``:
+        the block tables of the rows to compute (from :meth:`SlotSteps.tables`'s rows;
+        None: the last ones again). Returns the step's handle for :meth:`tokens`."""
+        steps = self._slot_steps[DECODE]
+        if tables_RN is not None:
+            self._tables = put_global(tables_RN, steps.tables_layout)
+        slots, next_B, logprobs, dropped = steps.step(
+            self.engine.params, self._slots[DECODE], release_B, self._tables
+        )
+        self._slots[DECODE] = slots
+        handle = self._handle()
+        if self.keeps_outputs:
+            self._outputs[handle] = StepOutputs(next_B, logprobs, dropped)
+        return handle
+
+    @command
+    def score(self, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> int:
+        """Scores padded prompts (each position's next-token logprob, on the prefill
+        engine); returns the handle :meth:`scores` reads."""
+        logprobs = self.prefill_engine.scorer.dispatch(tokens_BT, lengths_B)
+        handle = self._handle()
+        if self.keeps_outputs:
+            self._outputs[handle] = StepOutputs(None, logprobs, None)
+        return handle
+
+    # --- reads (the scheduling process only) ---------------------------------------------
+
+    @read
+    def scores(self, handle: int) -> Logprobs:
+        """A :meth:`score`'s logprobs on the host; forgets them."""
+        return self._outputs.pop(handle).logprobs.host()
+
+    @read
+    def tokens(self, handle: int, *, logprobs: bool) -> HostTokens:
+        """A command's tokens (and logprobs if ``logprobs``) on the host; forgets them."""
+        out = self._outputs.pop(handle)
+        tokens = np.asarray(jax.device_get(out.tokens))
+        host_lp = out.logprobs.host() if logprobs and out.logprobs is not None else None
+        dropped = int(out.dropped) if out.dropped is not None else 0
+        return HostTokens(tokens, host_lp, dropped)
+
+    @read
+    def dropped(self, handle: int) -> int:
+        """MoE assignments a prefill chunk (no first tokens) dropped; forgets its outputs."""
+        out = self._outputs.pop(handle)
+        return int(out.dropped) if out.dropped is not None else 0
+
+    @read
+    def wait(self, handle: int) -> None:
+        """Blocks until batch ``handle`` is on its devices (for timing the transfer)."""
+        jax.block_until_ready(self._batches[handle])
+
+    def flush(self) -> None:
+        """Sends the recorded commands now (before this process waits idle: the others
+        must dispatch what it dispatched, or its collectives would wait for them)."""
+        if self.recorder is not None:
+            with self._lock:
+                self.recorder.flush()
+
+    def batch_shape(self, handle: int) -> tuple[int, int]:
+        """(rows, tokens) of batch ``handle``'s K/V (shapes only: no device work)."""
+        batch = self._batches[handle]
+        return batch.lengths_P.shape[0], jax.tree.leaves(batch.k)[0].shape[-3]
+
+    def replay(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Runs one recorded command (on a replaying process)."""
+        method = getattr(type(self), name, None)
+        if not getattr(method, "is_command", False):
+            raise ValueError(f"{name!r} is not an executor command")
+        method(self, *args, **kwargs)
