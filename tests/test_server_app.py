@@ -89,6 +89,9 @@ class FailingBatcher:
     def close(self, *, drain=False, timeout=None):
         pass
 
+    def lockstep_stats(self):  # one process
+        return None
+
     def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=()):
         if self.failure is not None:
             raise QueueFullError(f"the batcher stopped after an error: {self.failure!r}")

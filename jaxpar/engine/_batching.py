@@ -1137,7 +1137,7 @@ class ContinuousBatcher:
         elif not keep:
             self.executor.drop(batch.handle)
         self._inserted(batch, side, decodes)
-        if decodes:
+        if not self.disaggregated:  # (disaggregated: cleared when the batch is ready)
             with self._cond:
                 self._prefilling = []
 
