@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 #: Steps per phase the recent-window gauges cover.
 WINDOW_STEPS = 64
@@ -92,10 +93,18 @@ class StepLog:
         colocated: prefill runs on the decode devices between decode steps, so a decode
             interval less the prefill time in it is the decode step's time.
         window: steps per phase of the recent window.
+        clock: what "now" is when a prefill ends (the batcher's ``time.perf_counter``).
     """
 
-    def __init__(self, *, colocated: bool, window: int = WINDOW_STEPS):
+    def __init__(
+        self,
+        *,
+        colocated: bool,
+        window: int = WINDOW_STEPS,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.colocated = colocated
+        self._clock = clock
         self.decode = PhaseLog(window)
         self.prefill = PhaseLog(window)
         self._lock = threading.Lock()
@@ -147,7 +156,7 @@ class StepLog:
         )
         with self._lock:
             if self.colocated:
-                self._prefills.append((time.perf_counter(), seconds))
+                self._prefills.append((self._clock(), seconds))
             if not final:
                 self._chunks = self._chunks + facts
                 return

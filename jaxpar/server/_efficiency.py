@@ -49,6 +49,7 @@ class PhaseProfile:
 
     Attributes:
         devices: devices the phase runs on.
+        dtype: the model's compute dtype (which peak FLOP/s applies).
         step_bytes: bytes a step reads besides the KV cache.
         kv_bytes_per_position: bytes of one cached position, all layers, K and V.
         flops_per_token: weight FLOPs per real token.
@@ -60,6 +61,7 @@ class PhaseProfile:
     """
 
     devices: int
+    dtype: str
     step_bytes: int
     kv_bytes_per_position: float
     flops_per_token: float
@@ -104,13 +106,13 @@ class Efficiency:
         """Profiles ``batcher``'s compiled programs (after its warm-up: they are cached)."""
         self.profiles = profile_batcher(batcher)
 
-    def peaks(self, phase: str, dtype: Any) -> Peaks | None:
-        """The phase's peaks for its model ``dtype``; None without hardware figures."""
+    def peaks(self, phase: str) -> Peaks | None:
+        """The phase's peaks (its devices, its dtype); None without hardware figures."""
         hw, profile = self.hardware, self.profiles.get(phase)
-        if hw is None or profile is None or np.dtype(dtype).name not in hw.peak_tflops:
+        if hw is None or profile is None or profile.dtype not in hw.peak_tflops:
             return None
         n = profile.devices
-        return Peaks(hw.hbm_gbps * 1e9 * n, hw.peak_flops(np.dtype(dtype).name) * n)
+        return Peaks(hw.hbm_gbps * 1e9 * n, hw.peak_flops(profile.dtype) * n)
 
 
 def resolve_hardware(name: str | None) -> Hardware | None:
@@ -189,6 +191,7 @@ def _profile(eng, phase, compiled, *, step_bytes, kv_bytes, batch, prompt_len, p
     one_token = step_flops(config, Phase.DECODE, batch=1, prompt_len=1, context=0)
     return PhaseProfile(
         devices=eng.mesh.size,
+        dtype=np.dtype(config.dtype).name,
         step_bytes=int(step_bytes),
         kv_bytes_per_position=kv_bytes,
         flops_per_token=one_token - head,
@@ -270,13 +273,12 @@ def read_phase(
 def readings(efficiency: Efficiency, batcher: Any) -> Iterator[tuple[str, PhaseReading]]:
     """(phase, reading) of each profiled phase, from the batcher's step log now."""
     log = batcher.step_log
-    dtype = batcher.engine.model_config.dtype
     for phase in PHASES:
         profile = efficiency.profiles.get(phase)
         if profile is None:
             continue
         phase_log = getattr(log, phase)
-        peaks = efficiency.peaks(phase, dtype)
+        peaks = efficiency.peaks(phase)
         yield phase, read_phase(profile, phase_log.total, phase_log.recent(), peaks)
 
 
