@@ -500,6 +500,12 @@ def test_efficiency_and_latency_metrics_of_the_running_server(ready):
             assert _phase(after, counter, phase) > _phase(before, counter, phase), counter
     steps = _phase(after, "steps_total", "decode") - _phase(before, "steps_total", "decode")
     assert steps >= max(tokens) - 1
+    # The batcher's own counters (GET /health) agree: every decode step is logged once,
+    # and the steps' time is within the batcher's (decode less the prefills between).
+    stats = httpx.get(f"{ready.url}/health", timeout=10).json()["stats"]
+    assert _phase(after, "steps_total", "decode") == stats["decode_steps"]
+    assert _phase(after, "step_seconds_total", "decode") <= stats["decode_seconds"]
+    assert _phase(after, "step_seconds_total", "prefill") <= stats["prefill_seconds"]
     assert _phase(after, "steps_total", "prefill") - _phase(before, "steps_total", "prefill") >= 1
     for name, observed in [(TTFT, len(prompts)), (E2E, len(prompts)), (ITL, sum(tokens) - 2)]:
         assert _gap(after, name)[1] - _gap(before, name)[1] == observed, name
