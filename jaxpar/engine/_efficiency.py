@@ -59,31 +59,50 @@ class StepFacts:
     pairs: int = 0
 
     def __add__(self, other: StepFacts) -> StepFacts:
-        return StepFacts(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
+        return StepFacts(
+            self.steps + other.steps,
+            self.seconds + other.seconds,
+            self.rows + other.rows,
+            self.tokens + other.tokens,
+            self.kv_read + other.kv_read,
+            self.pairs + other.pairs,
+        )
 
-
-def _fields(facts: StepFacts) -> tuple:
-    return dataclasses.astuple(facts)
+    def __sub__(self, other: StepFacts) -> StepFacts:
+        return StepFacts(
+            self.steps - other.steps,
+            max(self.seconds - other.seconds, 0.0),  # rounding never below zero
+            self.rows - other.rows,
+            self.tokens - other.tokens,
+            self.kv_read - other.kv_read,
+            self.pairs - other.pairs,
+        )
 
 
 class PhaseLog:
-    """One phase's steps: their sum since start and over the last ``window`` steps."""
+    """One phase's steps: their sum since start and over the last ``window`` steps (kept
+    as running sums: a scrape reads them without adding up the window)."""
 
     def __init__(self, window: int = WINDOW_STEPS):
         self.total = StepFacts()
-        self._recent: collections.deque[StepFacts] = collections.deque(maxlen=window)
+        self._window = window
+        self._recent: collections.deque[StepFacts] = collections.deque()
+        self._recent_sum = StepFacts()
         self._lock = threading.Lock()
 
     def record(self, facts: StepFacts) -> None:
         with self._lock:
             self.total = self.total + facts
             self._recent.append(facts)
+            recent = self._recent_sum + facts
+            if len(self._recent) > self._window:
+                recent = recent - self._recent.popleft()
+            self._recent_sum = recent
 
     def recent(self) -> StepFacts:
         """The last ``window`` records summed (zeros before the first)."""
         with self._lock:
-            recent = list(self._recent)
-        return sum(recent, StepFacts())
+            return self._recent_sum
 
 
 class StepLog:

@@ -25,7 +25,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from jaxpar.engine import WINDOW_STEPS
 from jaxpar.server._efficiency import PhaseReading, finite, readings
@@ -129,13 +128,6 @@ def _latency(stats, name: str) -> Iterator[Metric]:
         name,
     )
     yield _histogram(
-        "request_time_per_output_token_seconds",
-        "A request's mean wait per token after its first (one observation per request "
-        "with at least two tokens).",
-        stats.request_time_per_output_token,
-        name,
-    )
-    yield _histogram(
         "e2e_request_latency_seconds",
         "From a request's submission to its last token reaching the host.",
         stats.e2e_request_latency,
@@ -234,8 +226,7 @@ _PHASE_COUNTERS: list[tuple[str, str, Callable[[PhaseReading], float]]] = [
 
 def _histogram(metric: str, doc: str, values: Histogram, model: str) -> HistogramMetricFamily:
     family = HistogramMetricFamily(PREFIX + metric, doc, labels=["model_name"])
-    bounds = [*map(floatToGoString, values.bounds), "+Inf"]
-    buckets = list(zip(bounds, values.cumulative(), strict=True))
+    buckets = list(zip(values.labels, values.cumulative(), strict=True))
     family.add_metric([model], buckets, sum_value=values.sum)
     return family
 

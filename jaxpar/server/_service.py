@@ -21,6 +21,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from prometheus_client.utils import floatToGoString
+
 from jaxpar.engine import ContinuousBatcher, Request, RequestStream, Sampling, TokenLogprob
 from jaxpar.errors import ConfigError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
@@ -143,6 +145,8 @@ class Histogram:
 
     def __init__(self, bounds: Sequence[float]):
         self.bounds = tuple(bounds)
+        #: The bounds as Prometheus's ``le`` labels spell them (made once, read per scrape).
+        self.labels = (*map(floatToGoString, self.bounds), "+Inf")
         self.counts = [0] * (len(self.bounds) + 1)  # per bucket; the last: above every bound
         self.sum = 0.0
         self.count = 0
@@ -189,10 +193,6 @@ class ServiceStats:
     #: Every wait between two consecutive tokens a request delivered (one observation
     #: per gap).
     inter_token_latency: Histogram = dataclasses.field(
-        default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS_S)
-    )
-    #: Per request with at least two tokens: its mean wait per token after the first.
-    request_time_per_output_token: Histogram = dataclasses.field(
         default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS_S)
     )
     #: Per request that delivered a token: from its submission to its last token.
@@ -481,7 +481,6 @@ class Service:
         gap = max_gap(times)
         if gap is not None:
             stats.max_token_gap.observe(gap)
-            stats.request_time_per_output_token.observe((times[-1] - times[0]) / (len(times) - 1))
 
 
 def _outcome(stream: RequestStream) -> str:
