@@ -118,6 +118,9 @@ class _Batcher:
     def close(self, *, drain=False, timeout=None):
         pass
 
+    def lockstep_stats(self):
+        return None  # one process
+
     def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=()):
         gaps = self.gaps_s.pop(0)
         stream = RequestStream(0, Request(prompt=tuple(prompt), max_tokens=len(gaps) + 1))
