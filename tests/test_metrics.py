@@ -319,6 +319,7 @@ def test_hardware_of_a_device_kind():
     assert device_hardware("tpu", "TPU v5") == "tpu-v5p"
     assert device_hardware("tpu", "TPU v6 lite") == "tpu-v6e"
     assert device_hardware("gpu", "Tesla T4") is None
+    assert device_hardware("gpu", "NVIDIA H100 PCIe") is None  # not the SXM file's figures
 
 
 def test_serve_refuses_an_unknown_hardware_name(capsys):

@@ -177,8 +177,11 @@ def _override(data: dict[str, Any], text: str) -> None:
 
 
 #: Substrings of ``jax.Device.device_kind`` (lower-cased) -> a kind of :data:`KINDS`; the
-#: first that matches wins, so the more specific come first.
-DEVICE_KINDS = (
+#: first that matches wins, so the more specific come first. None: a variant whose
+#: figures differ from the file's (H100 PCIe and NVL: other HBM bandwidth and FLOP/s).
+DEVICE_KINDS: tuple[tuple[str, str | None], ...] = (
+    ("h100 pcie", None),
+    ("h100 nvl", None),
     ("h200", "h200"),
     ("h100", "h100"),
     ("a100", "a100"),
