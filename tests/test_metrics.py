@@ -14,17 +14,32 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import math
 import time
 
 import httpx
+import jax
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpar.engine import BatcherStats, Request, RequestStream
+from jaxpar.cli import main
+from jaxpar.engine import (
+    BatcherStats,
+    ContinuousBatcher,
+    KVBudget,
+    Request,
+    RequestStream,
+    StepLog,
+    engine_from_hf,
+)
+from jaxpar.inspect import collective_report, communication_model, phase_report
+from jaxpar.plan import KINDS, device_hardware, load_hardware
 from jaxpar.server import ServedModel, Service, create_app
-from tests._serve_util import MODEL, Offline, ServerProcess
+from jaxpar.server._efficiency import Efficiency, PhaseProfile
+from jaxpar.spec import ParallelConfig, make_mesh
+from tests._serve_util import CHECKPOINT, MODEL, Offline, ServerProcess
 
 RUNNING = "jaxpar:num_requests_running"
 WAITING = "jaxpar:num_requests_waiting"
@@ -38,6 +53,11 @@ QUERIES = "jaxpar:prefix_cache_queries_total"
 HITS = "jaxpar:prefix_cache_hits_total"
 CACHED = "jaxpar:prompt_tokens_cached_total"
 GAP = "jaxpar:request_max_inter_token_latency_seconds"
+TTFT = "jaxpar:time_to_first_token_seconds"
+ITL = "jaxpar:inter_token_latency_seconds"
+TPOT = "jaxpar:time_per_output_token_seconds"
+E2E = "jaxpar:e2e_request_latency_seconds"
+HISTOGRAMS = (GAP, TTFT, ITL, TPOT, E2E)
 
 SLOTS = 2
 
@@ -54,11 +74,12 @@ def _parse(text: str, model: str) -> dict[str, float]:
     return out
 
 
-def _gap(values: dict[str, float]) -> tuple[dict[str, float], float, float]:
-    """The token-gap histogram's samples: (count per ``le`` bound, count, sum)."""
-    head = GAP + "_bucket{le="
+def _gap(values: dict[str, float], name: str = GAP) -> tuple[dict[str, float], float, float]:
+    """A histogram's samples (default: the token-gap one): (count per ``le`` bound,
+    count, sum)."""
+    head = name + "_bucket{le="
     buckets = {k.removeprefix(head)[:-1]: v for k, v in values.items() if k.startswith(head)}
-    return buckets, values[GAP + "_count"], values[GAP + "_sum"]
+    return buckets, values[name + "_count"], values[name + "_sum"]
 
 
 def _check_response(response) -> str:
@@ -68,6 +89,10 @@ def _check_response(response) -> str:
 
 
 # --- in-process, a stand-in batcher ------------------------------------------------------
+
+
+#: The stand-in batcher's requests draw their first token this long after submission.
+FIRST_TOKEN_S = 0.07
 
 
 @dataclasses.dataclass
@@ -85,6 +110,7 @@ class _Batcher:
     max_prompt_len: int = 64
     max_seq_len: int = 64
     gaps_s: list[list[float]] = dataclasses.field(default_factory=list)
+    step_log: StepLog = dataclasses.field(default_factory=lambda: StepLog(colocated=True))
 
     def start(self):
         return self
@@ -92,11 +118,15 @@ class _Batcher:
     def close(self, *, drain=False, timeout=None):
         pass
 
+    def lockstep_stats(self):
+        return None  # one process
+
     def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=()):
         gaps = self.gaps_s.pop(0)
         stream = RequestStream(0, Request(prompt=tuple(prompt), max_tokens=len(gaps) + 1))
         for token in range(len(gaps) + 1):
             stream.emit(token)
+        stream.submitted_at = 100.0 - FIRST_TOKEN_S
         stream.token_times[:] = itertools.accumulate([100.0, *gaps])
         return stream
 
@@ -111,7 +141,7 @@ def test_metrics_read_the_batcher_at_each_scrape():
         assert "# TYPE jaxpar:num_preemptions_total counter" in text
         assert "# TYPE jaxpar:request_max_inter_token_latency_seconds histogram" in text
         values = _parse(text, "a")
-        assert {k: v for k, v in values.items() if not k.startswith(GAP)} == {
+        assert {k: v for k, v in values.items() if not k.startswith(HISTOGRAMS)} == {
             RUNNING: 3,
             WAITING: 5,
             USAGE: 0.375,
@@ -128,6 +158,12 @@ def test_metrics_read_the_batcher_at_each_scrape():
         assert (set(buckets.values()), count, total) == ({0}, 0, 0)
         assert (min(buckets, key=float), max(buckets, key=float)) == ("0.001", "+Inf")
         assert "60.0" in buckets
+        # vLLM's bucket bounds: its smallest and largest of each.
+        for name, low, high in [(TTFT, "0.001", "2560.0"), (ITL, "0.01", "80.0"),
+                                (TPOT, "0.01", "80.0"), (E2E, "0.3", "7680.0")]:  # fmt: skip
+            buckets, count, _ = _gap(values, name)
+            assert count == 0 and low in buckets and high in buckets, name
+            assert min((b for b in buckets if b != "+Inf"), key=float) == low, name
         one.active, one.queued, one.kv_cache_usage = 0, 0, 0.0
         one.stats.preemptions = 4
         one.stats.prefix_queries, one.stats.prefix_hits = 96, 64
@@ -159,6 +195,171 @@ def test_each_request_observes_its_longest_token_gap():
     assert (count, total) == (2, pytest.approx(3.002))
     assert (buckets["0.001"], buckets["0.0025"], buckets["2.5"]) == (0, 1, 1)
     assert (buckets["5.0"], buckets["60.0"], buckets["+Inf"]) == (2, 2, 2)
+
+
+def test_latency_histograms_count_each_request_and_gap():
+    """Time to first token and end to end once per request, from its submission; every
+    gap between two tokens once (under vLLM's two names)."""
+    gaps_s = [[], [0.002, 0.0005], [0.25, 3.0, 0.01]]
+    batcher = _Batcher(gaps_s=[list(g) for g in gaps_s])
+    with TestClient(create_app(Service(batcher, ServedModel(name="a")))) as http:
+        _wait_ready(http)
+        for gaps in gaps_s:
+            body = {"model": "a", "prompt": [1, 2], "max_tokens": len(gaps) + 1}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        values = _parse(http.get("/metrics").text, "a")
+    ttft, n, total = _gap(values, TTFT)
+    assert (n, total) == (3, pytest.approx(3 * FIRST_TOKEN_S))
+    assert (ttft["0.06"], ttft["0.08"]) == (0, 3)
+    e2e, n, total = _gap(values, E2E)
+    assert (n, total) == (3, pytest.approx(3 * FIRST_TOKEN_S + sum(map(sum, gaps_s))))
+    assert (e2e["0.3"], e2e["5.0"]) == (2, 3)  # 0.07, 0.0725 and 3.33 s
+    every = [g for gaps in gaps_s for g in gaps]
+    for name in (ITL, TPOT):  # the same observations under vLLM's two names
+        itl, n, total = _gap(values, name)
+        assert (n, total) == (len(every), pytest.approx(sum(every))), name
+        assert (itl["0.025"], itl["0.2"], itl["0.3"], itl["5.0"]) == (3, 3, 4, 5), name
+
+
+def _phase(values: dict[str, float], metric: str, phase: str) -> float:
+    return values[f"jaxpar:{metric}{{phase={phase}}}"]
+
+
+def test_efficiency_gauges_are_the_step_log_over_the_peaks():
+    """Known steps at known times (a fake clock) against a made-up profile on the cpu
+    hardware file: each gauge is bytes (or FLOPs) / seconds / (peak x devices) of the
+    recent window, each counter the sum since start; colocated, a decode interval less
+    the prefill in it is the decode step's time."""
+    now = [0.0]
+    log = StepLog(colocated=True, window=2, clock=lambda: now[0])
+    hardware = load_hardware("cpu")
+    efficiency = Efficiency(hardware)
+    profile = PhaseProfile(
+        devices=2, dtype="float32", step_bytes=1000, kv_bytes_per_position=10.0,
+        flops_per_token=100.0, flops_per_row=50.0, flops_per_pair=2.0,
+        collective_bytes=300, collective_min_bytes=200, program="a step",
+    )  # fmt: skip
+    app = create_app(Service(_Batcher(step_log=log), ServedModel(name="a"), efficiency=efficiency))
+    with TestClient(app) as http:
+        assert "hbm_bytes_per_second" not in http.get("/metrics").text  # not profiled yet
+        efficiency.profiles = {
+            "decode": profile,
+            "prefill": dataclasses.replace(profile, step_bytes=500),
+        }
+        values = _parse(http.get("/metrics").text, "a")
+        assert _phase(values, "steps_total", "decode") == 0
+        assert not any(k.startswith("jaxpar:hbm_bytes_per_second") for k in values)
+        # Two prompts of 3 and 5 new tokens, the second after 8 cached: 0.25 s ending at 1.
+        now[0] = 1.0
+        log.prefill_done([3, 5], [0, 8], 0.25, final=True)
+        # Rows of 4 and 9 tokens, block tables 16 positions wide: tokens 1 s apart.
+        log.decode_dispatched([4, 9], 16)
+        log.decode_delivered(0.5, 1.5)
+        values = _parse(http.get("/metrics").text, "a")
+    peak_bw, peak_flops = 2 * hardware.hbm_gbps * 1e9, 2 * hardware.peak_flops("float32")
+    decode_bytes = 1000 + 10.0 * 2 * 16  # the step's arguments, each row's 16 positions
+    decode_flops = 100.0 * 2 + 50.0 * 2 + 2.0 * (5 + 10)  # 2 tokens, 2 heads, 15 pairs
+    decode_s = 1.0 - 0.25
+    prefill_bytes = 500 + 10.0 * 8
+    prefill_flops = 100.0 * 8 + 50.0 * 2 + 2.0 * (6 + 5 * 8 + 15)
+    expected = {
+        ("hbm_bytes_per_second", "decode"): decode_bytes / decode_s,
+        ("hbm_bandwidth_fraction", "decode"): decode_bytes / decode_s / peak_bw,
+        ("model_flops_per_second", "decode"): decode_flops / decode_s,
+        ("model_flops_utilization", "decode"): decode_flops / decode_s / peak_flops,
+        ("hbm_bytes_per_second", "prefill"): prefill_bytes / 0.25,
+        ("hbm_bandwidth_fraction", "prefill"): prefill_bytes / 0.25 / peak_bw,
+        ("model_flops_utilization", "prefill"): prefill_flops / 0.25 / peak_flops,
+        ("hbm_bytes_read_total", "decode"): decode_bytes,
+        ("model_flops_total", "prefill"): prefill_flops,
+        ("step_seconds_total", "decode"): decode_s,
+        ("steps_total", "prefill"): 1,
+        ("collective_bytes_per_step", "decode"): 300,
+        ("collective_bytes_min_per_step", "prefill"): 200,
+    }
+    for (metric, phase), value in expected.items():
+        assert _phase(values, metric, phase) == pytest.approx(value, rel=1e-12), metric
+    assert values["jaxpar:hardware_info{hardware=cpu}"] == 1
+
+
+def test_step_log_windows_chunks_and_prefill_time():
+    """The window holds the last steps, the totals all of them; a long prompt's chunks
+    join its last one's record; only the prefill time after the previous decode step's
+    tokens comes off a decode interval (colocated), none when disaggregated."""
+    now = [10.0]
+    log = StepLog(colocated=True, window=2, clock=lambda: now[0])
+    for i in range(3):
+        log.decode_dispatched([8], 8)
+        log.decode_delivered(i, i + 0.5 + i)
+    assert (log.decode.total.steps, log.decode.total.seconds) == (3, 0.5 + 1.5 + 2.5)
+    assert (log.decode.recent().steps, log.decode.recent().seconds) == (2, 1.5 + 2.5)
+    log.prefill_done([16], [0], 0.1, final=False)
+    assert log.prefill.total.steps == 0  # waits for the prompt's last chunk
+    log.prefill_done([4], [16], 0.2, final=True)
+    chunks = log.prefill.total
+    assert (chunks.steps, chunks.rows, chunks.tokens, chunks.kv_read) == (2, 1, 20, 16)
+    assert chunks.seconds == pytest.approx(0.3)
+    assert chunks.pairs == 16 * 17 // 2 + 4 * 16 + 4 * 5 // 2
+    log.decode_dispatched([8], 8)
+    log.decode_delivered(10.0, 11.0)  # both prefills ended at 10.0: not after it
+    assert log.decode.recent().seconds == pytest.approx(2.5 + 1.0)
+    apart = StepLog(colocated=False, clock=lambda: now[0])
+    apart.prefill_done([4], [0], 0.5, final=True)
+    apart.decode_dispatched([8], 8)
+    apart.decode_delivered(9.0, 11.0)
+    assert apart.decode.total.seconds == 2.0
+
+
+def test_hardware_of_a_device_kind():
+    assert device_hardware("cpu", "cpu") == "cpu"
+    assert device_hardware("gpu", "NVIDIA H100 80GB HBM3") == "h100"
+    assert device_hardware("gpu", "NVIDIA H200") == "h200"
+    assert device_hardware("gpu", "NVIDIA A100-SXM4-80GB") == "a100"
+    assert device_hardware("tpu", "TPU v5 lite") == "tpu-v5e"
+    assert device_hardware("tpu", "TPU v5") == "tpu-v5p"
+    assert device_hardware("tpu", "TPU v6 lite") == "tpu-v6e"
+    assert device_hardware("gpu", "Tesla T4") is None
+    assert device_hardware("gpu", "NVIDIA H100 PCIe") is None  # not the SXM file's figures
+
+
+def test_serve_refuses_an_unknown_hardware_name(capsys):
+    """Before anything is loaded: the name, and the names it knows."""
+    assert main(["serve", "--hf", str(CHECKPOINT), "--hardware", "h900"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "unknown hardware 'h900'" in out
+    assert all(kind in out for kind in KINDS), out
+
+
+def test_collective_gauges_of_tp2_are_what_inspect_reports():
+    """A tp=2 batcher's served collective bytes per step are jaxpar.inspect's for the
+    same compiled programs: the decode step over every row at the widest block table
+    (its report), and the largest prefill bucket (the engine's own prefill step, compiled
+    apart by phase_report)."""
+    parallel = ParallelConfig(tp=2)
+    mesh = make_mesh(parallel, jax.devices()[:2])
+    engine = engine_from_hf(CHECKPOINT, parallel, max_batch=4, max_seq_len=64, mesh=mesh)
+    batcher = ContinuousBatcher(engine, kv_budget=KVBudget(tokens=256))
+    efficiency = Efficiency(None)  # no hardware: no fractions, the bytes all the same
+    efficiency.measure(batcher)
+    app = create_app(Service(batcher, ServedModel(name="a"), efficiency=efficiency))
+    with TestClient(app) as http:
+        values = _parse(http.get("/metrics").text, "a")
+    assert not any(
+        k.startswith(("jaxpar:hbm_bandwidth_fraction", "jaxpar:hardware")) for k in values
+    )
+    assert (
+        "jaxpar:collective_program_info{phase=prefill,program=prefill of 4 x 64 tokens}" in values
+    )
+    prefill, _ = phase_report(engine, "prefill", prompt_len=64)
+    width, rows = batcher.table_widths()[-1], batcher.slot_steps.row_buckets()[-1]
+    step = batcher.slot_steps.compile_step(engine.params, width, rows)
+    minimum = communication_model(engine.model_config, parallel, "decode", batch=4, prompt_len=1)
+    decode = collective_report(step, mesh, minimum)
+    assert prefill.compiled_bytes > 0 and decode.compiled_bytes > 0
+    assert _phase(values, "collective_bytes_per_step", "prefill") == prefill.compiled_bytes
+    assert _phase(values, "collective_bytes_min_per_step", "prefill") == prefill.minimum_bytes
+    assert _phase(values, "collective_bytes_per_step", "decode") == decode.compiled_bytes
+    assert _phase(values, "collective_bytes_min_per_step", "decode") == decode.minimum_bytes
 
 
 # --- a real server -----------------------------------------------------------------------
@@ -268,6 +469,48 @@ def test_prefix_cache_counters_follow_a_repeated_prompt(ready):
     hits, queries = after[HITS] - before[HITS], after[QUERIES] - before[QUERIES]
     assert sum(cached) <= hits <= queries <= 2 * len(prompt)
     assert _gap(after)[1] - _gap(before)[1] == 2
+
+
+def test_efficiency_and_latency_metrics_of_the_running_server(ready):
+    """After requests: each phase's bandwidth, FLOP/s and their fractions of the cpu
+    hardware file's peaks are there, finite and positive, as the counters they come from;
+    one device moves no collective bytes; each request is one time to first token and one
+    end-to-end latency, each gap between its tokens one inter-token latency."""
+    before = _idle(ready)
+    prompts = [[1, 90, 91, 92], [1, 93]]
+    tokens = []
+    for prompt in prompts:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
+        response = httpx.post(f"{ready.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        tokens.append(response.json()["usage"]["completion_tokens"])
+    after = _idle(ready)
+    assert after["jaxpar:hardware_info{hardware=cpu}"] == 1
+    for phase in ("prefill", "decode"):
+        for metric in (
+            "hbm_bytes_per_second",
+            "hbm_bandwidth_fraction",
+            "model_flops_per_second",
+            "model_flops_utilization",
+        ):
+            value = _phase(after, metric, phase)
+            assert math.isfinite(value) and value > 0, (metric, phase, value)
+        assert _phase(after, "collective_bytes_per_step", phase) == 0
+        assert _phase(after, "collective_bytes_min_per_step", phase) == 0
+        for counter in ("hbm_bytes_read_total", "model_flops_total", "step_seconds_total"):
+            assert _phase(after, counter, phase) > _phase(before, counter, phase), counter
+    steps = _phase(after, "steps_total", "decode") - _phase(before, "steps_total", "decode")
+    assert steps >= max(tokens) - 1
+    # The batcher's own counters (GET /health) agree: every decode step is logged once,
+    # and the steps' time is within the batcher's (decode less the prefills between).
+    stats = httpx.get(f"{ready.url}/health", timeout=10).json()["stats"]
+    assert _phase(after, "steps_total", "decode") == stats["decode_steps"]
+    assert _phase(after, "step_seconds_total", "decode") <= stats["decode_seconds"]
+    assert _phase(after, "step_seconds_total", "prefill") <= stats["prefill_seconds"]
+    assert _phase(after, "steps_total", "prefill") - _phase(before, "steps_total", "prefill") >= 1
+    for name, observed in [(TTFT, len(prompts)), (E2E, len(prompts)), (ITL, sum(tokens) - 2)]:
+        assert _gap(after, name)[1] - _gap(before, name)[1] == observed, name
+    assert _gap(after, E2E)[2] - _gap(before, E2E)[2] > _gap(after, TTFT)[2] - _gap(before, TTFT)[2]
 
 
 # --- many sequences in a small paged cache -------------------------------------------------

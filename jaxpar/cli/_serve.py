@@ -129,6 +129,14 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "(default: about two decode steps' worth, the start line says how many)",
     )
     serve.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME",
+        help="the hardware whose peaks /metrics divides achieved bandwidth and FLOP/s by: "
+        "a planner kind (e.g. h100, tpu-v5e, cpu) or a .toml file (default: from the "
+        "device kind; none reported if it is unknown)",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         help="the 'model' clients name (default: the checkpoint directory's name)",
@@ -274,10 +282,11 @@ def served_model(args: argparse.Namespace):
     )
 
 
-def _warmup(batcher: ContinuousBatcher, log=None):
+def _warmup(batcher: ContinuousBatcher, log=None, efficiency=None):
     """The batcher's warm-up, logging each bucket, then how many programs the persistent
-    compile cache served and how many were compiled. Process 0 of a multi-process job
-    then waits for the others to finish theirs."""
+    compile cache served and how many were compiled; then ``efficiency`` profiles the
+    compiled programs (for /metrics). Process 0 of a multi-process job then waits for the
+    others to finish theirs."""
     import logging
     import time
 
@@ -300,11 +309,31 @@ def _warmup(batcher: ContinuousBatcher, log=None):
             count.hits,
             count.misses,
         )
+        if efficiency is not None:
+            _profile(batcher, efficiency, log)
         if jax.process_count() > 1 and jax.process_index() == 0:
             log.info("waiting for processes 1-%d to finish their warm-up", jax.process_count() - 1)
             wait_ready()
 
     return run
+
+
+def _profile(batcher: ContinuousBatcher, efficiency, log) -> None:
+    """Profiles the compiled steps for /metrics' efficiency metrics, and logs their
+    collective bytes; a failure is logged, and the server serves without them."""
+    try:
+        efficiency.measure(batcher)
+    except Exception:  # noqa: BLE001 - metrics must not keep the server from serving
+        log.exception("profiling the compiled steps failed: /metrics has no efficiency")
+        return
+    for phase, profile in efficiency.profiles.items():
+        log.info(
+            "%s: %s, collectives %d bytes per device (analytic minimum %d)",
+            phase,
+            profile.program,
+            profile.collective_bytes,
+            profile.collective_min_bytes,
+        )
 
 
 def _devices(batcher: ContinuousBatcher) -> str:
@@ -355,9 +384,11 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     import uvicorn
 
     from jaxpar.server import Service, create_app
+    from jaxpar.server._efficiency import Efficiency, resolve_hardware
 
     if args.hf is None:
         raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")
+    efficiency = Efficiency(resolve_hardware(args.hardware))
     if jax.process_index() != 0:
         return _replay(args, console)
     model = served_model(args)
@@ -379,8 +410,17 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         f"http://{args.host}:{args.port} (GET /health is 200 once warmed up)",
         soft_wrap=True,
     )
+    hardware = efficiency.hardware
+    console.print(
+        f"/metrics divides by the peaks of {hardware.name} ({hardware.source})"
+        if hardware is not None
+        else "/metrics reports no fraction of peak: unknown device kind (give --hardware)",
+        soft_wrap=True,
+    )
     app = create_app(
-        Service(batcher, model), warmup=_warmup(batcher), drain_timeout=args.shutdown_timeout
+        Service(batcher, model, efficiency=efficiency),
+        warmup=_warmup(batcher, efficiency=efficiency),
+        drain_timeout=args.shutdown_timeout,
     )
     config = uvicorn.Config(
         app,

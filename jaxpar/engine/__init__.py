@@ -14,6 +14,7 @@ from jaxpar.engine._compile_cache import (
 )
 from jaxpar.engine._distributed import PEER_LOST_EXIT_STATUS, ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
+from jaxpar.engine._efficiency import WINDOW_STEPS, PhaseLog, StepFacts, StepLog
 from jaxpar.engine._engine import Generation, InferenceEngine
 from jaxpar.engine._kv_budget import (
     CPU_KV_TOKENS,
@@ -53,6 +54,7 @@ __all__ = [
     "KV_MEMORY_FRACTION",
     "KV_PAGE_SIZE",
     "MAX_TOP_LOGPROBS",
+    "WINDOW_STEPS",
     "ChatTemplate",
     "CompileCount",
     "Encoded",
@@ -69,6 +71,7 @@ __all__ = [
     "Layouts",
     "Logprobs",
     "PagePool",
+    "PhaseLog",
     "PageTable",
     "ProcessInfo",
     "Request",
@@ -78,6 +81,8 @@ __all__ = [
     "Seen",
     "SlotSteps",
     "Slots",
+    "StepFacts",
+    "StepLog",
     "Steps",
     "TokenLogprob",
     "Tokenizer",

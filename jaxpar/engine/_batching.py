@@ -44,6 +44,7 @@ import jax
 import numpy as np
 
 from jaxpar.engine._distributed import peer_failures
+from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import DECODE, PREFILL, Executor
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
@@ -232,6 +233,8 @@ class ContinuousBatcher:
         #: their batch is ready): ended with the rest if the batcher fails meanwhile.
         self._prefilling: list[RequestStream] = []
         self.stats = BatcherStats()
+        #: Each step's shape facts and time, for efficiency metrics.
+        self.step_log = StepLog(colocated=not self.disaggregated)
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestStream] = collections.deque()
         self._ready: collections.deque[_Batch] = collections.deque()
@@ -402,6 +405,12 @@ class ContinuousBatcher:
     @property
     def slots(self) -> int:
         return self.engine.max_batch
+
+    @property
+    def prefill_slot_steps(self) -> SlotSteps:
+        """The page programs prefill reads its context through (disaggregated: the
+        prefill group's own pages)."""
+        return self._side.slot_steps
 
     @property
     def running(self) -> bool:
@@ -811,7 +820,9 @@ class ContinuousBatcher:
                 self.stats.moe_dropped += dropped
         if self._chunking is not None and works[0] is self._chunking:
             self.stats.prefill_chunks += 1
-        self.stats.prefill_seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.stats.prefill_seconds += took
+        self.step_log.prefill_done(takes, [w.done for w in works], took, final=final)
         contexts = [w.done + t for w, t in zip(works, takes, strict=True)]
         placed = [w.row for w in works]
         shape = (rows, length)
@@ -1015,6 +1026,9 @@ class ContinuousBatcher:
             dispatched = None
             if any(owners):
                 handle = self.executor.step(release_B, self._step_tables(owners))
+                live = [int(n) for n, s in zip(self._lengths, owners, strict=True) if s is not None]
+                width = self._tables[1]  # pages: the block tables this step reads
+                self.step_log.decode_dispatched(live, width * self.pool.page_size)
                 self._lengths += [s is not None for s in owners]
                 release_B[:] = False
                 dispatched = (handle, list(owners))
@@ -1081,7 +1095,9 @@ class ContinuousBatcher:
                 self.stats.moe_dropped += out.dropped
         now = time.perf_counter()
         self.stats.decode_steps += 1
-        self.stats.decode_seconds += now - max(self._last_read, self._loop_started)
+        since = max(self._last_read, self._loop_started)
+        self.stats.decode_seconds += now - since
+        self.step_log.decode_delivered(since, now)
         self._last_read = now
         for i, stream in enumerate(holders):
             if stream is None or stream.done or owners[i] is not stream:

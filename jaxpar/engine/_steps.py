@@ -201,14 +201,17 @@ class Steps:
     def compile_prefill(self, params, rows: int, length: int) -> Any:
         """Compiles the prefill of ``[rows, length]`` prompts ahead of its first call;
         returns its outputs' shapes (``ShapeDtypeStruct`` trees)."""
+        info = self.compiled_prefill(params, rows, length).out_info
+        return info[:-1] if self.counts_drops else info  # as :meth:`prefill` returns them
+
+    def compiled_prefill(self, params, rows: int, length: int) -> Any:
+        """The compiled prefill of ``[rows, length]`` prompts (compiled once, then the same
+        program :meth:`prefill` runs), for inspection."""
         lay = self.layouts
         tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=lay.tokens_BT)
         lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=lay.lengths_prefill_B)
         args = (params, tokens, lengths)
-        info = self._aot(
-            "prefill", ((rows, length), False), self._jit_prefill(False), args
-        ).out_info
-        return info[:-1] if self.counts_drops else info  # as :meth:`prefill` returns them
+        return self._aot("prefill", ((rows, length), False), self._jit_prefill(False), args)
 
     def prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         args = (params, tokens_BT, lengths_B)

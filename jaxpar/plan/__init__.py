@@ -17,7 +17,7 @@ from jaxpar.plan._cost import (
 )
 from jaxpar.plan._disaggregated import disaggregated_plans, kv_transfer_bytes
 from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies, strategies
-from jaxpar.plan._hardware import KINDS, Hardware, Link, load_hardware
+from jaxpar.plan._hardware import KINDS, Hardware, Link, device_hardware, load_hardware
 from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
 from jaxpar.plan._picture import draw_plan
 from jaxpar.plan._planner import OBJECTIVES, Planning, min_devices, plan
@@ -39,6 +39,7 @@ __all__ = [
     "axis_roles",
     "bubble",
     "cache_bytes",
+    "device_hardware",
     "check",
     "collective_seconds",
     "disaggregated_plans",

@@ -174,3 +174,30 @@ def _override(data: dict[str, Any], text: str) -> None:
         raise ConfigError(f"--hw {text!r}: {value!r} is not a {type(old).__name__}") from None
     if isinstance(old, float | int) and not math.isfinite(float(node[parts[-1]])):
         raise ConfigError(f"--hw {text!r}: not a finite number")
+
+
+#: Substrings of ``jax.Device.device_kind`` (lower-cased) -> a kind of :data:`KINDS`; the
+#: first that matches wins, so the more specific come first. None: a variant whose
+#: figures differ from the file's (H100 PCIe and NVL: other HBM bandwidth and FLOP/s).
+DEVICE_KINDS: tuple[tuple[str, str | None], ...] = (
+    ("h100 pcie", None),
+    ("h100 nvl", None),
+    ("h200", "h200"),
+    ("h100", "h100"),
+    ("a100", "a100"),
+    ("v6 lite", "tpu-v6e"),
+    ("v6e", "tpu-v6e"),
+    ("v5 lite", "tpu-v5e"),
+    ("v5e", "tpu-v5e"),
+    ("v5p", "tpu-v5p"),
+    ("tpu v5", "tpu-v5p"),
+)
+
+
+def device_hardware(platform: str, device_kind: str) -> str | None:
+    """The hardware kind of a JAX device (``platform``, ``device_kind``): ``cpu`` for any
+    CPU, else the :data:`DEVICE_KINDS` entry its kind names; None when none does."""
+    if platform == "cpu":
+        return "cpu"
+    kind = device_kind.lower()
+    return next((name for part, name in DEVICE_KINDS if part in kind), None)

@@ -2,8 +2,12 @@
 
 :class:`ServiceCollector` reads the live batcher (running, waiting, KV-cache usage,
 preemptions, the prefix cache's queries and hits) and the service's
-:class:`~jaxpar.server._service.ServiceStats` (tokens, successful requests, each request's
-longest wait between two tokens) at each scrape, so nothing is kept in step with them.
+:class:`~jaxpar.server._service.ServiceStats` (tokens, successful requests, latency
+histograms with vLLM's bucket bounds) at each scrape, so nothing is kept in step with
+them. With an :class:`~jaxpar.server._efficiency.Efficiency` profiled (``jaxpar serve``,
+once warmed up), each phase's achieved HBM bandwidth, model FLOP/s, their fractions of
+the hardware's peaks, and its compiled collective bytes against the minimum, labelled
+``phase`` (:mod:`jaxpar.server._efficiency` says what is counted).
 Each app has a :class:`~prometheus_client.CollectorRegistry` of its own (not the global
 one: several apps in one process never collide). Every series carries ``model_name``, the
 served name.
@@ -11,7 +15,7 @@ served name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -21,8 +25,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
+from jaxpar.engine import WINDOW_STEPS
+from jaxpar.server._efficiency import PhaseReading, finite, readings
 from jaxpar.server._service import SUCCESS_REASONS, Histogram, Service
 
 PREFIX = "jaxpar:"
@@ -101,12 +106,127 @@ class ServiceCollector(Collector):
             stats.max_token_gap,
             name,
         )
+        yield from _latency(stats, name)
+        if self.service.efficiency is not None:
+            yield from _efficiency(self.service, name)
+
+
+def _latency(stats, name: str) -> Iterator[Metric]:
+    """vLLM's request latency histograms (each request: each choice of ``n`` its own)."""
+    yield _histogram(
+        "time_to_first_token_seconds",
+        "From a request's submission to its first token reaching the host.",
+        stats.time_to_first_token,
+        name,
+    )
+    gaps = "Each wait between two consecutive tokens of a request (one observation per gap)"
+    yield _histogram("inter_token_latency_seconds", gaps + ".", stats.inter_token_latency, name)
+    yield _histogram(
+        "time_per_output_token_seconds",
+        gaps + "; vLLM's older name of inter_token_latency_seconds, the same observations.",
+        stats.inter_token_latency,
+        name,
+    )
+    yield _histogram(
+        "e2e_request_latency_seconds",
+        "From a request's submission to its last token reaching the host.",
+        stats.e2e_request_latency,
+        name,
+    )
+
+
+def _efficiency(service: Service, name: str) -> Iterator[Metric]:
+    """Per phase: bandwidth, FLOP/s and their fractions of peak (recent window), the
+    totals they come from, and the compiled collective bytes per step."""
+    phases = list(readings(service.efficiency, service.batcher))
+    if not phases:  # not profiled yet (warming up)
+        return
+    hardware = service.efficiency.hardware
+    if hardware is not None:
+        info = GaugeMetricFamily(
+            PREFIX + "hardware_info",
+            "The hardware whose peaks the fractions divide by (1; its name as a label).",
+            labels=["model_name", "hardware"],
+        )
+        info.add_metric([name, hardware.name], 1)
+        yield info
+    for metric, doc, value in _PHASE_GAUGES:
+        family = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name", "phase"])
+        for phase, reading in phases:
+            v = value(reading)
+            if finite(v):
+                family.add_metric([name, phase], v)
+        if family.samples:
+            yield family
+    program = GaugeMetricFamily(
+        PREFIX + "collective_program_info",
+        "Which compiled step of each phase the collective bytes are of (1; as a label).",
+        labels=["model_name", "phase", "program"],
+    )
+    for phase, reading in phases:
+        program.add_metric([name, phase, reading.profile.program], 1)
+    yield program
+    for metric, doc, value in _PHASE_COUNTERS:
+        family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name", "phase"])
+        for phase, reading in phases:
+            family.add_metric([name, phase], value(reading))
+        yield family
+
+
+_RECENT = f"over the last {WINDOW_STEPS} steps of the phase"
+
+#: (name, help, value of a reading) of the per-phase gauges; absent while None.
+_PHASE_GAUGES: list[tuple[str, str, Callable[[PhaseReading], float | None]]] = [
+    (
+        "hbm_bytes_per_second",
+        f"Achieved HBM bandwidth, all devices of the phase: bytes its steps read (weights "
+        f"and other arguments, and the KV cache read) / their wall time, {_RECENT}.",
+        lambda r: r.bandwidth,
+    ),
+    (
+        "hbm_bandwidth_fraction",
+        f"hbm_bytes_per_second / the hardware's peak HBM bandwidth x the phase's devices, "
+        f"{_RECENT} (0..1).",
+        lambda r: r.bandwidth_fraction,
+    ),
+    (
+        "model_flops_per_second",
+        f"Model FLOPs of the phase's steps (2 x weights per token, LM head per sequence, "
+        f"causal attention) / their wall time, {_RECENT}.",
+        lambda r: r.flops_per_s,
+    ),
+    (
+        "model_flops_utilization",
+        f"MFU: model_flops_per_second / the hardware's peak FLOP/s for the model's dtype x "
+        f"the phase's devices, {_RECENT} (0..1).",
+        lambda r: r.mfu,
+    ),
+    (
+        "collective_bytes_per_step",
+        "Collective bytes per device of one step, read from its compiled program (see "
+        "collective_program_info).",
+        lambda r: r.profile.collective_bytes,
+    ),
+    (
+        "collective_bytes_min_per_step",
+        "The analytic minimum of collective_bytes_per_step for the same step "
+        "(jaxpar.inspect.communication_model).",
+        lambda r: r.profile.collective_min_bytes,
+    ),
+]
+
+#: (name, help, value of a reading) of the per-phase counters (Prometheus adds _total).
+_PHASE_COUNTERS: list[tuple[str, str, Callable[[PhaseReading], float]]] = [
+    ("steps", "Steps run (prefill: a long prompt's chunks each count).", lambda r: r.total.steps),
+    ("step_seconds", "Wall time of the phase's steps, in seconds.", lambda r: r.total.seconds),
+    ("hbm_bytes_read", "Bytes the phase's steps read from HBM.", lambda r: r.total_bytes),
+    ("model_flops", "Model FLOPs of the phase's steps.", lambda r: r.total_flops),
+]
 
 
 def _histogram(metric: str, doc: str, values: Histogram, model: str) -> HistogramMetricFamily:
     family = HistogramMetricFamily(PREFIX + metric, doc, labels=["model_name"])
-    bounds = [*map(floatToGoString, values.bounds), "+Inf"]
-    buckets = list(zip(bounds, values.cumulative(), strict=True))
+    buckets = list(zip(values.labels, values.cumulative(), strict=True))
     family.add_metric([model], buckets, sum_value=values.sum)
     return family
 

@@ -21,6 +21,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from prometheus_client.utils import floatToGoString
+
 from jaxpar.engine import ContinuousBatcher, Request, RequestStream, Sampling, TokenLogprob
 from jaxpar.errors import ConfigError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
@@ -49,6 +51,21 @@ TOKEN_GAP_BUCKETS_S = (
     30.0,
     60.0,
 )
+#: vLLM's bucket bounds (seconds) of its time-to-first-token histogram.
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+#: vLLM's bucket bounds (seconds) of its inter-token latency and time per output token.
+TOKEN_LATENCY_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+#: vLLM's bucket bounds (seconds) of its request latency histograms (end to end).
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +145,8 @@ class Histogram:
 
     def __init__(self, bounds: Sequence[float]):
         self.bounds = tuple(bounds)
+        #: The bounds as Prometheus's ``le`` labels spell them (made once, read per scrape).
+        self.labels = (*map(floatToGoString, self.bounds), "+Inf")
         self.counts = [0] * (len(self.bounds) + 1)  # per bucket; the last: above every bound
         self.sum = 0.0
         self.count = 0
@@ -166,17 +185,36 @@ class ServiceStats:
     max_token_gap: Histogram = dataclasses.field(
         default_factory=lambda: Histogram(TOKEN_GAP_BUCKETS_S)
     )
+    #: Per request that delivered a token: from its submission to its first token
+    #: reaching the host.
+    time_to_first_token: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram(TTFT_BUCKETS_S)
+    )
+    #: Every wait between two consecutive tokens a request delivered (one observation
+    #: per gap).
+    inter_token_latency: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS_S)
+    )
+    #: Per request that delivered a token: from its submission to its last token.
+    e2e_request_latency: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS_S)
+    )
 
 
 class Service:
     """Checks, submits and follows requests for one served model."""
 
-    def __init__(self, batcher: ContinuousBatcher, model: ServedModel, scorer=None):
+    def __init__(
+        self, batcher: ContinuousBatcher, model: ServedModel, scorer=None, efficiency=None
+    ):
         """``scorer``: prompts, alternatives -> each prompt's token logprobs (default: the
-        batcher's :meth:`~jaxpar.engine.ContinuousBatcher.prompt_logprobs`)."""
+        batcher's :meth:`~jaxpar.engine.ContinuousBatcher.prompt_logprobs`).
+        ``efficiency``: an :class:`~jaxpar.server._efficiency.Efficiency` for the
+        efficiency metrics (profiled once warmed up), or None: not reported."""
         self.batcher = batcher
         self.model = model
         self._scorer = scorer
+        self.efficiency = efficiency
         self.stats = ServiceStats()
         self.started = int(time.time())
         self.ready = False  # set once warmed up
@@ -427,14 +465,22 @@ class Service:
         finally:
             if not job.stream.done:
                 job.stream.cancel()
-            self._observe_gap(job)
+            self._observe_latency(job)
 
-    def _observe_gap(self, job: Job) -> None:
-        """Counts the longest gap between the tokens ``job`` delivered (not those the
-        batcher drew after a stop string or a cancel)."""
-        gap = max_gap(job.stream.token_times[: len(job.tokens)])
+    def _observe_latency(self, job: Job) -> None:
+        """Counts the times of the tokens ``job`` delivered (not those the batcher drew
+        after a stop string or a cancel): its first token, its gaps, its end."""
+        times = job.stream.token_times[: len(job.tokens)]
+        if not times:
+            return
+        stats, submitted = self.stats, job.stream.submitted_at
+        stats.time_to_first_token.observe(times[0] - submitted)
+        stats.e2e_request_latency.observe(times[-1] - submitted)
+        for earlier, later in itertools.pairwise(times):
+            stats.inter_token_latency.observe(later - earlier)
+        gap = max_gap(times)
         if gap is not None:
-            self.stats.max_token_gap.observe(gap)
+            stats.max_token_gap.observe(gap)
 
 
 def _outcome(stream: RequestStream) -> str:
