@@ -975,10 +975,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
     parser.add_argument(
         "--sections",
-        default="collectives,compile,decode,pipeline,serving,lockstep,tpu",
-        help="comma-separated sections: collectives, compile, decode, pipeline, serving, "
-        "lockstep (serving across 2 processes), tpu (compiled for TPU v5e on this CPU host, "
-        "with libtpu)",
+        default="collectives,compile,decode,quant,pipeline,serving,lockstep,tpu",
+        help="comma-separated sections: collectives, compile, decode, quant (quantized "
+        "weights vs bf16), pipeline, serving, lockstep (serving across 2 processes), tpu "
+        "(compiled for TPU v5e on this CPU host, with libtpu)",
     )
     parser.add_argument(
         "--gpu", action="store_true", help="also run the GPU section if a GPU exists"
@@ -1031,6 +1031,10 @@ def _cpu_sections(args: argparse.Namespace, results: dict) -> None:
         results["compile_time"] = compile_section((1, 4) if args.quick else (1, 4, 16, 32))
     if "decode" in sections:
         results["decode"] = decode_section(args.quick)
+    if "quant" in sections:
+        from bench_quant import quant_section
+
+        results["quant"] = quant_section(args.quick)
     if "pipeline" in sections:
         results["pipeline"] = _pipeline_subprocess(args.quick)
     if "serving" in sections:
@@ -1056,6 +1060,11 @@ def _print_subprocess_sections(results: dict) -> None:
     if "pipeline" in results:
         print("\n### Pipeline: prefill bubble vs (p-1)/(m+p-1), decode groups\n")
         print(results["pipeline"])
+    if "quant" in results:
+        from bench_quant import markdown as quant_markdown
+
+        print("\n### Quantized weights vs bf16: decode step bytes and CPU time\n")
+        print(quant_markdown(results["quant"]))
     if "lockstep" in results:
         print("\n### Serving across 2 processes: process 0's messages against the step\n")
         print(results["lockstep"])

@@ -1,0 +1,142 @@
+"""Quantized weights against bf16: decode step bytes and CPU step time, batch 1 and 16.
+
+One CPU device, the quantization tests' model (4 layers of D 512, F 2048, bf16 weights and
+compute; its bf16 embedding and LM head stay unquantized). Per weight format and batch:
+the compiled decode step's argument bytes (weights, scales, KV cache, tokens:
+``memory_analysis``) and its median wall time, the formats interleaved in one loop so
+they share the machine's load. Ratios are against bf16 at the same batch; the issue's
+goal: int8 reads <= 0.55x the bytes and takes <= 0.7x the time at batch 1.
+
+    python scripts/bench_quant.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MAX_SEQ_LEN, PROMPT_LEN = 128, 32
+
+
+def _formats() -> list[str | None]:
+    import jax
+
+    major, minor = (int(x) for x in jax.__version__.split(".")[:2])
+    # int4 arrays need jax >= 0.11 to run (jaxpar refuses int4 engines below).
+    return [None, "int8", "int4"] if (major, minor) >= (0, 11) else [None, "int8"]
+
+
+def _engines(batch: int):
+    import jax
+
+    from jaxpar.engine import InferenceEngine
+    from jaxpar.models import init_params, preset
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    config = dataclasses.replace(
+        preset("tiny-gqa"),
+        d_model=512,
+        head_dim=64,
+        d_ff=2048,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    )
+    params = init_params(config, seed=0)
+    mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
+    return {
+        fmt or "bf16": InferenceEngine(
+            config,
+            params,
+            ParallelConfig(),
+            max_batch=batch,
+            max_seq_len=MAX_SEQ_LEN,
+            mesh=mesh,
+            quantize=fmt,
+        )
+        for fmt in _formats()
+    }
+
+
+def measure(batch: int, steps: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Per format: argument bytes and median seconds of the decode step at ``batch``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    engines = _engines(batch)
+    rng = np.random.default_rng(0)
+    tokens_BT = rng.integers(0, 256, (batch, PROMPT_LEN)).astype(np.int32)
+    lengths_B = np.full(batch, PROMPT_LEN, np.int32)
+    starts, first, out = {}, {}, {}
+    for name, eng in engines.items():
+        _, cache, first[name] = eng.prefill(tokens_BT, lengths_B)
+        starts[name] = cache
+        lowered = eng.steps.lower_decode(eng.params, cache, first[name])
+        out[name] = {"bytes": lowered.compile().memory_analysis().argument_size_in_bytes}
+        jax.block_until_ready(
+            eng.steps.decode(eng.params, jax.tree.map(jnp.copy, cache), first[name])
+        )
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, eng in engines.items():
+            cache, tokens = jax.tree.map(jnp.copy, starts[name]), first[name]
+            jax.block_until_ready(cache)
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits, cache = eng.steps.decode(eng.params, cache, tokens)
+            jax.block_until_ready(logits)
+            times[name].append((time.perf_counter() - start) / steps)
+    for name in engines:
+        out[name]["step_s"] = statistics.median(times[name])
+    return out
+
+
+def quant_section(quick: bool = False) -> dict:
+    steps, repeats = (4, 3) if quick else (8, 7)
+    return {str(batch): measure(batch, steps, repeats) for batch in (1, 16)}
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| batch | weights | decode argument bytes | vs bf16 | step ms | vs bf16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch, rows in result.items():
+        base = rows["bf16"]
+        for name, row in rows.items():
+            lines.append(
+                f"| {batch} | {name} | {row['bytes']:,} | {row['bytes'] / base['bytes']:.3f} | "
+                f"{row['step_s'] * 1e3:.2f} | {row['step_s'] / base['step_s']:.2f} |"
+            )
+    int8 = result["1"]["int8"]
+    bf16 = result["1"]["bf16"]
+    bytes_ok = int8["bytes"] / bf16["bytes"] <= 0.55
+    time_ok = int8["step_s"] / bf16["step_s"] <= 0.7
+    lines.append("")
+    lines.append(
+        f"int8 at batch 1: bytes {int8['bytes'] / bf16['bytes']:.3f} of bf16 (goal <= 0.55: "
+        f"{'met' if bytes_ok else 'MISSED'}), time {int8['step_s'] / bf16['step_s']:.2f} "
+        f"(goal <= 0.7: {'met' if time_ok else 'MISSED'})"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    print(markdown(quant_section(args.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
