@@ -26,30 +26,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests._serve_util import ServerProcess, free_port  # noqa: E402
+from tests._serve_util import ServerProcess, process_pair  # noqa: E402
 
 FLAGS = ["--hf", "tests/fixtures/llama_chat", "--max-seq-len", "64", "--prefill-batch", "2"]
 FLAGS += ["--dp", "2", "--sp", "2", "--tp", "2", "--max-num-seqs", "32"]
-
-
-def _pair(log_dir: Path) -> list[ServerProcess]:
-    coordinator = f"127.0.0.1:{free_port()}"
-    return [
-        ServerProcess(
-            FLAGS,
-            cpu_devices=4,
-            log_dir=log_dir,
-            global_args=(
-                "--coordinator",
-                coordinator,
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ),
-        )
-        for i in range(2)
-    ]
 
 
 async def _load(url: str, n: int, max_tokens: int) -> None:
@@ -89,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        pair, single = _pair(Path(tmp)), None
+        pair, single = process_pair(FLAGS, Path(tmp)), None
         try:
             single = ServerProcess(FLAGS, cpu_devices=8, log_dir=Path(tmp))
             pair[0].wait_ready(900)

@@ -109,6 +109,23 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def process_pair(serve_args: list[str], log_dir: Path, log_level: str = "warning"):
+    """``jaxpar serve`` as processes 0 and 1 of one job (jax.distributed on 127.0.0.1),
+    4 simulated CPU devices each: process 0 serves HTTP, process 1 replays."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        ServerProcess(
+            serve_args,
+            cpu_devices=4,
+            log_dir=log_dir,
+            global_args=("--coordinator", coordinator, "--num-processes", "2")
+            + ("--process-id", str(i)),
+            log_level=log_level,
+        )
+        for i in range(2)
+    ]
+
+
 class Offline:
     """``InferenceEngine.generate`` on one device with the served checkpoint."""
 

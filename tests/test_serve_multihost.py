@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from jaxpar.engine import PEER_LOST_EXIT_STATUS
-from tests._serve_util import MODEL, REFERENCE_TOKENS, Offline, ServerProcess, free_port
+from tests._serve_util import MODEL, REFERENCE_TOKENS, Offline, ServerProcess, process_pair
 
 pytestmark = pytest.mark.slow
 
@@ -46,24 +46,7 @@ class Pair:
     """``jaxpar --coordinator ... serve`` as processes 0 and 1, 4 CPU devices each."""
 
     def __init__(self, log_dir):
-        coordinator = f"127.0.0.1:{free_port()}"
-        self.procs = [
-            ServerProcess(
-                FLAGS,
-                cpu_devices=4,
-                log_dir=log_dir,
-                global_args=(
-                    "--coordinator",
-                    coordinator,
-                    "--num-processes",
-                    "2",
-                    "--process-id",
-                    str(i),
-                ),
-                log_level="info",
-            )
-            for i in range(2)
-        ]
+        self.procs = process_pair(FLAGS, log_dir, log_level="info")
 
     @property
     def leader(self) -> ServerProcess:
