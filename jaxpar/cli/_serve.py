@@ -383,8 +383,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     import jax
     import uvicorn
 
-    from jaxpar.server import Service, create_app
-    from jaxpar.server._efficiency import Efficiency, resolve_hardware
+    from jaxpar.server import Efficiency, Service, create_app, resolve_hardware
 
     if args.hf is None:
         raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")

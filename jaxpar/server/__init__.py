@@ -9,7 +9,18 @@ stop strings that streaming uses.
 
 from jaxpar.server._app import create_app
 from jaxpar.server._detokenize import TextStream
+from jaxpar.server._efficiency import Efficiency, resolve_hardware
 from jaxpar.server._errors import APIError
 from jaxpar.server._service import Job, ServedModel, Service, ServiceStats
 
-__all__ = ["APIError", "Job", "ServedModel", "Service", "ServiceStats", "TextStream", "create_app"]
+__all__ = [
+    "APIError",
+    "Efficiency",
+    "Job",
+    "ServedModel",
+    "Service",
+    "ServiceStats",
+    "TextStream",
+    "create_app",
+    "resolve_hardware",
+]
