@@ -210,10 +210,19 @@ def _table(planning: Planning, top: int) -> Table:
             _phase_cell(p.prefill, pre_s),
             _phase_cell(p.decode, dec_s),
             plain(p.comm_bytes / comm_s, 3),
-            f"{_gib(p.memory.total)}: {_gib(p.memory.params)}+{_gib(p.memory.kv_cache)}"
-            f"+{_gib(p.memory.activations + p.memory.prompt_kv + p.memory.inputs)}",
+            _memory_cell(p),
         )
     return table
+
+
+def _memory_cell(p: Prediction) -> str:
+    """``19.7: 7.48+12.0+0.219`` GiB per device (disaggregated: of the decode group)."""
+    m = p.memory
+    if p.disaggregated:
+        total, rest = m.decode_total, m.decode_inputs + m.activations
+    else:
+        total, rest = m.total, m.activations + m.prompt_kv + m.inputs
+    return f"{_gib(total)}: {_gib(m.params)}+{_gib(m.kv_cache)}+{_gib(rest)}"
 
 
 def _phase_cell(cost, scale: float) -> str:

@@ -15,7 +15,7 @@ from jaxpar.plan._enumerate import Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
 from jaxpar.plan._prediction import Prediction, predict
 from jaxpar.plan._serving import NO_BOUNDS, Bounds, prefill_batches, prefill_workload
-from jaxpar.spec import Phase
+from jaxpar.spec import Phase, batch_multiple
 
 MAX_BATCH_GROWTH = 64
 
@@ -29,15 +29,21 @@ def kv_transfer_bytes(model: ModelConfig, workload: Workload) -> int:
     return kv * np.dtype(model.dtype).itemsize + 2 * b * 4
 
 
-def _best_group(model, hardware, count, workload, budget, phase) -> Prediction | None:
+def _best_group(
+    model, hardware, count, workload, budget, phase, serving=False
+) -> Prediction | None:
     """The unpipelined legal strategy on ``count`` devices with the fastest ``phase`` step
     that fits what that group holds (prefill: weights and prompt K/V; decode: weights and
-    the KV cache)."""
+    the KV cache; a serving decode group's activations are those of its own steps, the
+    prefill ones counted at its smallest batch)."""
     best = None
     for config in legal_strategies(model, count, workload)[0]:
         if config.pp > 1:  # disaggregated groups run unpipelined strategies
             continue
-        pred = predict(model, config, workload, hardware, budget=budget)
+        w = workload
+        if serving:
+            w = dataclasses.replace(workload, prefill_batch=batch_multiple(model, config))
+        pred = predict(model, config, w, hardware, budget=budget)
         mem = pred.memory.prefill_total if phase is Phase.PREFILL else pred.memory.decode_total
         cost = pred.prefill if phase is Phase.PREFILL else pred.decode
         if mem <= budget and (best is None or cost.seconds < best[0]):
@@ -116,7 +122,7 @@ def _pair(model, hardware, decode_devices, devices, workload, budget) -> Predict
 def _serving_pair(
     model, hardware, decode_devices, devices, workload, budget, bounds
 ) -> Prediction | None:
-    dec = _best_group(model, hardware, decode_devices, workload, budget, Phase.DECODE)
+    dec = _best_group(model, hardware, decode_devices, workload, budget, Phase.DECODE, True)
     if dec is None:
         return None
     best = None
