@@ -251,3 +251,24 @@ def test_quantizing_a_prequantized_checkpoint_again_is_refused():
         load_hf_checkpoint(FIXTURES / "llama_fp8_channel", quantize="int8")
     config, _ = load_hf_checkpoint(FIXTURES / "llama_fp8_channel", quantize="fp8")
     assert config.quantize == "fp8"
+
+
+def test_plan_counts_the_stored_fp8_bytes():
+    """``jaxpar plan --hf`` on a pre-quantized checkpoint plans fp8 kernels: the projection
+    kernels take a quarter of their float32 bytes (a float32 scale per output channel
+    aside); the embedding and LM head are the same in both."""
+    from jaxpar.models import config_from_hf
+    from jaxpar.plan import param_bytes
+
+    def config(name):
+        path = FIXTURES / name / "config.json"
+        return config_from_hf(json.loads(path.read_text()), source=str(path))
+
+    fp8, f32 = config("llama_fp8_channel"), config("llama")
+    assert (fp8.quantize, f32.quantize) == ("fp8", None)
+    embed_and_head = 2 * 256 * D * 4
+    kernels = 2 * (D * (N + 2 * K) * H + N * H * D + 3 * D * 64)  # q, kv, o, gate/up, down
+    scales = 2 * ((N + 2 * K) * H + D + 2 * 64 + D) * 4
+    norms = (2 * 2 + 1) * D * 4
+    assert param_bytes(f32, ParallelConfig()) == embed_and_head + 4 * kernels + norms
+    assert param_bytes(fp8, ParallelConfig()) == embed_and_head + kernels + scales + norms
