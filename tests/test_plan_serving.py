@@ -150,12 +150,13 @@ def test_printed_serve_command_parses_and_matches_the_plan(model, capsys):
     validate(
         model, decode, n_devices=decode.size, batch=args.max_num_seqs, max_seq_len=args.max_seq_len
     )
+    assert args.max_prefill_tokens == best["prefill_batch"] * 512  # 512: a whole bucket
+    prefill = ParallelConfig.parse(best["prefill_strategy"])
+    assert args.prefill_batch % prefill.dp == 0
     if best["disaggregated"]:
         assert args.prefill == best["prefill_strategy"]
     else:
         assert args.prefill is None
-        assert args.max_prefill_tokens == -(-best["prefill_batch"] * 512 // 16) * 16
-        assert args.prefill_batch % decode.dp == 0
 
 
 def test_disaggregated_serve_command_names_the_prefill_strategy(throughput):
@@ -164,17 +165,27 @@ def test_disaggregated_serve_command_names_the_prefill_strategy(throughput):
     pred = split[0]
     args = _serve_args(serve_flags(pred, f"--hf {LLAMA} --quantize fp8"))
     assert args.prefill == str(pred.prefill_config) and args.quantize == "fp8"
-    assert args.max_prefill_tokens is None  # prefill runs on its own devices
+    assert args.max_prefill_tokens == max_prefill_tokens(pred)  # no chunks there either
     assert args.prefill_batch == pred.workload.prefill_rows
     assert pred.ttft_s == pytest.approx(pred.prefill.seconds + pred.transfer_s)
     assert pred.tpot_s == pred.decode.seconds
 
 
-def test_colocated_max_prefill_tokens_holds_one_prefill_step(throughput):
-    pred = next(p for p in throughput.ranked if not p.disaggregated)
-    tokens = max_prefill_tokens(pred)
-    assert tokens % 16 == 0
-    assert tokens >= pred.workload.prefill_rows * 512 > tokens - 16
+@pytest.mark.parametrize("prompt_len", [20, 512])
+def test_max_prefill_tokens_holds_one_padded_prefill_step_unchunked(model, hw, prompt_len):
+    """The batcher prefills ``prefill_batch`` prompts padded to the engine's bucket while
+    their padded tokens fit ``--max-prefill-tokens``, and chunks a prompt longer than
+    ``max_prefill_tokens // dp`` in whole pages: the planned budget does neither."""
+    from jaxpar.engine import prompt_bucket
+
+    w = Workload(batch=32, prompt_len=prompt_len, gen_len=64)
+    for pred in plan(model, hw, 2, w, objective="throughput").ranked:
+        tokens = max_prefill_tokens(pred)
+        prefill = pred.prefill_config or pred.config
+        padded = prompt_bucket(prompt_len, prefill.sp, w.max_seq_len)
+        assert tokens % 16 == 0 and tokens >= pred.workload.prefill_rows * padded
+        chunk = max(tokens // prefill.dp // 16, 1) * 16  # ContinuousBatcher.chunk_tokens
+        assert chunk >= prompt_len
 
 
 def test_infeasible_batch_names_the_largest_batch_that_fits(model, hw, capsys):

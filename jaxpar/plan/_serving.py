@@ -3,10 +3,10 @@
 The serving model (what :class:`jaxpar.engine.ContinuousBatcher` does, in steady state):
 
 * ``batch`` sequences (the server's slots, ``--max-num-seqs``) decode together; new prompts
-  are prefilled ``prefill_batch`` at a time (``--prefill-batch``). Colocated, one prefill
-  step runs between two decode steps (``--max-prefill-tokens`` = one prefill step's padded
-  tokens, so a prompt is never chunked); disaggregated, the prefill group prefills while
-  the decode group decodes, and each prefilled batch's K/V moves once.
+  are prefilled ``prefill_batch`` at a time (``--prefill-batch``; ``--max-prefill-tokens``
+  = one such step's padded tokens, so no prompt is chunked). Colocated, one prefill step
+  runs between two decode steps; disaggregated, the prefill group prefills while the
+  decode group decodes, and each prefilled batch's K/V moves once.
 * Time to first token (TTFT) = the prefill step of ``prefill_batch`` prompts, plus
   (colocated) the decode step it waits for, or (disaggregated) the K/V transfer.
 * Time per output token (TPOT) = the decode step at ``batch``, plus (colocated) the mean
@@ -26,6 +26,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+from jaxpar.engine import prompt_bucket
 from jaxpar.models import ModelConfig
 from jaxpar.plan._enumerate import Refused, Workload, check
 from jaxpar.plan._hardware import Hardware
@@ -111,10 +112,14 @@ def served(
 
 
 def max_prefill_tokens(pred: Prediction) -> int:
-    """One prefill step's tokens (``prefill_batch x prompt_len``) in whole pages: the
-    batcher then runs one prefill step between two decode steps and chunks no prompt."""
+    """One prefill step's padded tokens (``prefill_batch`` prompts, each padded as the
+    engine pads it: :func:`jaxpar.engine.prompt_bucket`) in whole pages. The batcher then
+    runs one whole prefill step between two decode steps, and its chunk (this budget over
+    the prefill ``dp``, in whole pages) holds a whole prompt: no prompt is chunked."""
     w = pred.workload
-    return math.ceil(w.prefill_rows * w.prompt_len / PAGE_SIZE) * PAGE_SIZE
+    prefill = pred.prefill_config or pred.config
+    padded = prompt_bucket(w.prompt_len, prefill.sp, w.max_seq_len)
+    return math.ceil(w.prefill_rows * padded / PAGE_SIZE) * PAGE_SIZE
 
 
 def serve_flags(pred: Prediction, source: str) -> str:
@@ -131,9 +136,8 @@ def serve_flags(pred: Prediction, source: str) -> str:
         f"--kv-cache-tokens {w.batch * w.max_seq_len}",
         f"--max-seq-len {w.max_seq_len}",
         f"--prefill-batch {w.prefill_rows}",
+        f"--max-prefill-tokens {max_prefill_tokens(pred)}",
     ]
-    if pred.prefill_config is None:  # colocated: prefill between decode steps
-        flags.append(f"--max-prefill-tokens {max_prefill_tokens(pred)}")
     return f"jaxpar serve {source} {' '.join(flags)}"
 
 
