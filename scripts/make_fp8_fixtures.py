@@ -21,14 +21,15 @@ llama_fbgemm_fp8         fbgemm_fp8           ``weight_scale [out, 1]`` and
 Quantization: ``scale = max |w| / 448`` over the reduced dims (a row, or the tensor),
 ``w_fp8 = clip(w / scale, -448, 448)`` rounded to e4m3 (round to nearest even).
 
-``reference.npz`` (``llama_fp8_channel`` only, when transformers can load it: it needs the
-``compressed-tensors`` package), in the layout of ``scripts/make_hf_fixtures.py`` (so
+``reference.npz`` (the compressed-tensors fixtures, when transformers can load them: it
+needs the ``compressed-tensors`` package; fbgemm_fp8 needs ``fbgemm-gpu`` and CUDA), in the layout of ``scripts/make_hf_fixtures.py`` (so
 ``tests/test_hf_fixtures.py`` checks it too): ``tokens_{i}`` as in the llama fixture,
 ``logits_{i}``, ``greedy_{i}`` (16 tokens) and ``greedy_logits_{i}``,
 transformers' float32 logits of the checkpoint as it loads it (each Linear holds the stored
 fp8 weight and ``weight_scale``, checked here bit for bit, and compressed-tensors' forward
 applies them), weight-only: the scheme's fake quantization of the input activations
-(FP8_DYNAMIC rounds each token's activations to fp8) is switched off
+(FP8_DYNAMIC rounds each token's activations to fp8, FP8 all of them with the static
+``input_scale``) is switched off
 (``input_activations = None``), as jaxpar keeps activations in the model dtype.
 ``reference.json`` says what made it.
 
@@ -208,7 +209,7 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
-        if name == "llama_fp8_channel":
+        if FIXTURES[name][1]["quant_method"] == "compressed-tensors":
             try:
                 import compressed_tensors
 

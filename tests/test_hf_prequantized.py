@@ -155,11 +155,13 @@ def test_logits_match_the_dequantized_reference(name, tmp_path):
     assert np.abs(got[0, : len(prompts[0])] - ref["logits_0"]).max() > 100 * BOUND
 
 
-def test_logits_match_transformers_compressed_tensors():
-    """transformers (with compressed-tensors) loaded the per-channel fixture and wrote its
-    float32 logits (scripts/make_fp8_fixtures.py)."""
-    ref = np.load(FIXTURES / "llama_fp8_channel" / "reference.npz")
-    got, prompts, _ = _logits(FIXTURES / "llama_fp8_channel")
+@pytest.mark.parametrize("name", ["llama_fp8_channel", "llama_fp8_tensor"])
+def test_logits_match_transformers_compressed_tensors(name):
+    """transformers (with compressed-tensors, activations left unquantized) loaded the
+    compressed-tensors fixtures and wrote their float32 logits (scripts/make_fp8_fixtures.py;
+    its greedy tokens are checked by tests/test_hf_fixtures.py)."""
+    ref = np.load(FIXTURES / name / "reference.npz")
+    got, prompts, _ = _logits(FIXTURES / name)
     for i, prompt in enumerate(prompts):
         np.testing.assert_allclose(got[i, : len(prompt)], ref[f"logits_{i}"], atol=BOUND, rtol=0)
 
