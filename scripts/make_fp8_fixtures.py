@@ -33,9 +33,13 @@ applies them), weight-only: the scheme's fake quantization of the input activati
 (``input_activations = None``), as jaxpar keeps activations in the model dtype.
 ``reference.json`` says what made it.
 
-Usage (torch, transformers; for the reference also ``compressed-tensors``)::
+Usage (torch, transformers; for the reference also ``compressed-tensors``, which pulls a
+torch of its own unless installed without dependencies: the fixtures were made with
+compressed-tensors 0.20.0, loguru and psutil installed ``--no-deps`` into a directory of
+their own)::
 
-    .venv-hf/bin/python scripts/make_fp8_fixtures.py
+    .venv-hf/bin/pip install --no-deps --target /tmp/ct compressed-tensors loguru psutil
+    PYTHONPATH=/tmp/ct .venv-hf/bin/python scripts/make_fp8_fixtures.py
 """
 
 from __future__ import annotations
