@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from rich.console import Console
@@ -19,6 +20,7 @@ from jaxpar.cli._common import model_config
 from jaxpar.plan import (
     KINDS,
     OBJECTIVES,
+    Bounds,
     Planning,
     Prediction,
     Workload,
@@ -26,6 +28,7 @@ from jaxpar.plan import (
     load_hardware,
     plan,
     run_flags,
+    serve_flags,
     why,
 )
 
@@ -56,7 +59,28 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, required=True, help="sequences per step")
     parser.add_argument("--prompt-len", type=int, required=True, help="padded prompt tokens")
     parser.add_argument("--gen-len", type=int, required=True, help="tokens generated per sequence")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="latency")
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="latency",
+        help="latency: one batch's request time (jaxpar run); throughput: tokens/s of a "
+        "server (jaxpar serve), its batch grown while it fits; cost: device-seconds per token "
+        "(default latency)",
+    )
+    parser.add_argument(
+        "--max-ttft-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="serving: the longest predicted time to first token a plan may have",
+    )
+    parser.add_argument(
+        "--max-tpot-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="serving: the longest predicted time per output token a plan may have",
+    )
     parser.add_argument(
         "--hbm-budget", type=float, default=None, metavar="GiB", help="HBM per device to plan for"
     )
@@ -71,6 +95,10 @@ def make_plan(args: argparse.Namespace) -> tuple[Any, Planning]:
     model = model_config(args)
     hardware = load_hardware(args.hardware, args.hw).with_hosts(args.devices, args.hosts)
     workload = Workload(batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len)
+    bounds = Bounds(
+        max_ttft_s=None if args.max_ttft_ms is None else args.max_ttft_ms / 1e3,
+        max_tpot_s=None if args.max_tpot_ms is None else args.max_tpot_ms / 1e3,
+    )
     planning = plan(
         model,
         hardware,
@@ -78,8 +106,21 @@ def make_plan(args: argparse.Namespace) -> tuple[Any, Planning]:
         workload,
         objective=args.objective,
         hbm_budget_gib=args.hbm_budget,
+        bounds=bounds,
     )
     return model, planning
+
+
+def command(pred: Prediction, args: argparse.Namespace) -> str:
+    """The command line that runs ``pred``: ``jaxpar serve`` for a serving or disaggregated
+    plan (a preset has no checkpoint: ``--hf DIR`` stands for one of its model), else
+    ``jaxpar run``."""
+    source = source_flag(args)
+    if not (pred.workload.serving or pred.disaggregated):
+        return run_flags(pred, source)
+    if args.hf is None:
+        source = source.replace(f"--model {args.model or 'tiny-dense'}", "--hf DIR")
+    return serve_flags(pred, source)
 
 
 def source_flag(args: argparse.Namespace) -> str:
@@ -89,84 +130,129 @@ def source_flag(args: argparse.Namespace) -> str:
     return source if quantize is None else f"{source} --quantize {quantize}"
 
 
-def _unit(seconds: float) -> tuple[float, str]:
-    if seconds < 1e-3:
+def plain(x: float, digits: int = 4) -> str:
+    """``x`` to about ``digits`` significant digits, never in scientific notation:
+    ``104152``, ``19.66``, ``0.002401``."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
+
+
+def time_unit(seconds: list[float]) -> tuple[float, str]:
+    """One unit for a column of durations: that of its largest."""
+    top = max(seconds, default=0.0)
+    if top < 1e-3:
         return 1e6, "us"
-    return (1e3, "ms") if seconds < 1 else (1.0, "s")
+    return (1e3, "ms") if top < 1 else (1.0, "s")
 
 
-def _bytes(n: float) -> str:
+def byte_unit(sizes: list[float]) -> tuple[float, str]:
+    """One unit for a column of byte counts: that of its largest."""
+    top = max(sizes, default=0.0)
     for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
+        if top >= scale:
+            return scale, unit
+    return 1.0, "B"
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g}"
+    return plain(n / 2**30, 3)
 
 
 def _table(planning: Planning, top: int) -> Table:
+    shown = planning.ranked[:top]
+    serving = planning.serving
     table = Table(
-        title=f"top {min(top, len(planning.ranked))} of {len(planning.ranked)} plans "
-        f"({planning.objective})",
+        title=f"top {len(shown)} of {len(planning.ranked)} plans ({planning.objective}"
+        f"{', serving' if serving else ''})",
         title_justify="left",
     )
-    for col in (
+    pre_s, pre_u = time_unit([p.prefill.seconds for p in shown])
+    dec_s, dec_u = time_unit([p.decode.seconds for p in shown])
+    comm_s, comm_u = byte_unit([p.comm_bytes for p in shown])
+    if serving:
+        ttft_s, ttft_u = time_unit([p.ttft_s for p in shown])
+        tpot_s, tpot_u = time_unit([p.tpot_s for p in shown])
+        timing = (f"TTFT ({ttft_u})", f"TPOT ({tpot_u})")
+    else:
+        req_s, req_u = time_unit([p.request_s for p in shown])
+        timing = (f"request ({req_u})",)
+    cols = (
         "#",
         "strategy",
         "dev",
         "batch",
-        "request",
+        *(("prefill batch",) if serving else ()),
+        *timing,
         "tok/s",
-        "prefill: cmp/hbm/comm",
-        "decode: cmp/hbm/comm",
-        "comm/req",
+        f"prefill ({pre_u}): cmp/hbm/comm",
+        f"decode ({dec_u}): cmp/hbm/comm",
+        f"comm/req ({comm_u})",
         "GiB/dev: par+kv+rest",
-    ):
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col == "strategy" else "right")
-    for i, p in enumerate(planning.ranked[:top], 1):
+    for i, p in enumerate(shown, 1):
+        if serving:
+            times = (plain(p.ttft_s * ttft_s), plain(p.tpot_s * tpot_s))
+            batches = (str(p.workload.batch), str(p.workload.prefill_rows))
+        else:
+            times = (plain(p.request_s * req_s),)
+            batches = (str(p.workload.batch),)
         table.add_row(
             str(i),
             p.label,
             str(p.devices),
-            str(p.workload.batch),
-            duration(p.request_s),
-            f"{p.tokens_per_s:.4g}",
-            _phase_cell(p.prefill),
-            _phase_cell(p.decode),
-            _bytes(p.comm_bytes),
-            f"{_gib(p.memory.total)}: {_gib(p.memory.params)}+{_gib(p.memory.kv_cache)}"
-            f"+{_gib(p.memory.activations + p.memory.prompt_kv + p.memory.inputs)}",
+            *batches,
+            *times,
+            f"{p.tokens_per_s:.0f}",
+            _phase_cell(p.prefill, pre_s),
+            _phase_cell(p.decode, dec_s),
+            plain(p.comm_bytes / comm_s, 3),
+            _memory_cell(p),
         )
     return table
 
 
-def _phase_cell(cost) -> str:
-    """``304 ms: 151/2.45/154`` (compute / HBM / communication, in the total's unit)."""
-    scale, unit = _unit(cost.seconds)
-    parts = "/".join(f"{x * scale:.3g}" for x in (cost.compute_s, cost.memory_s, cost.comm_s))
-    return f"{cost.seconds * scale:.3g} {unit}: {parts}"
+def _memory_cell(p: Prediction) -> str:
+    """``19.7: 7.48+12.0+0.219`` GiB per device (disaggregated: of the decode group)."""
+    m = p.memory
+    if p.disaggregated:
+        total, rest = m.decode_total, m.decode_inputs + m.activations
+    else:
+        total, rest = m.total, m.activations + m.prompt_kv + m.inputs
+    return f"{_gib(total)}: {_gib(m.params)}+{_gib(m.kv_cache)}+{_gib(rest)}"
+
+
+def _phase_cell(cost, scale: float) -> str:
+    """``304: 151/2.45/154``: the step, then compute / HBM / communication, in the
+    column's unit."""
+    parts = "/".join(plain(x * scale, 3) for x in (cost.compute_s, cost.memory_s, cost.comm_s))
+    return f"{plain(cost.seconds * scale, 3)}: {parts}"
 
 
 def _collectives(pred: Prediction) -> Table:
     table = Table(title=f"collectives per step of {pred.label}", title_justify="left")
-    for col in ("phase", "step", "kind", "axes", "link", "n", "algo", "runs", "bytes", "time"):
+    rows = [(cost.phase.value, c) for cost in (pred.prefill, pred.decode) for c in cost.comm]
+    b_scale, b_unit = byte_unit([c.bytes for _, c in rows])
+    t_scale, t_unit = time_unit([c.seconds for _, c in rows])
+    cols = ("phase", "step", "kind", "axes", "link", "n", "algo", "runs")
+    for col in (*cols, f"bytes ({b_unit})", f"time ({t_unit})"):
         table.add_column(col, justify="left" if col in ("phase", "step", "kind") else "right")
-    for cost in (pred.prefill, pred.decode):
-        for c in cost.comm:
-            table.add_row(
-                cost.phase.value,
-                c.item.step,
-                c.item.kind,
-                ",".join(c.item.axes),
-                c.link,
-                str(c.group),
-                c.algorithm,
-                str(c.executions),
-                _bytes(c.bytes),
-                duration(c.seconds),
-            )
+    for phase, c in rows:
+        table.add_row(
+            phase,
+            c.item.step,
+            c.item.kind,
+            ",".join(c.item.axes),
+            c.link,
+            str(c.group),
+            c.algorithm,
+            str(c.executions),
+            plain(c.bytes / b_scale, 3),
+            plain(c.seconds * t_scale, 4),
+        )
     return table
 
 
@@ -181,10 +267,16 @@ def to_json(model: Any, planning: Planning, args: argparse.Namespace) -> dict[st
             "gen_len": planning.workload.gen_len,
         },
         "why": why(planning),
-        "command": run_flags(planning.best, source_flag(args)),
+        "command": command(planning.best, args),
+        "serving": planning.serving,
+        "bounds": {
+            "max_ttft_s": planning.bounds.max_ttft_s,
+            "max_tpot_s": planning.bounds.max_tpot_s,
+        },
         "plans": [p.to_dict() for p in planning.ranked[: args.top]],
         "legal": _colocated(planning),
         "fit": len(planning.ranked) - _disaggregated(planning),
+        "missed_bounds": len(planning.missed),
         "disaggregated": _disaggregated(planning),
         "refused": [
             {"strategy": str(r.config), "rule": r.rule, "reason": r.reason}
@@ -199,7 +291,9 @@ def _disaggregated(planning: Planning) -> int:
 
 
 def _colocated(planning: Planning) -> int:
-    return len(planning.ranked) + len(planning.unfit) - _disaggregated(planning)
+    return (
+        len(planning.ranked) + len(planning.unfit) + len(planning.missed) - _disaggregated(planning)
+    )
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
@@ -218,14 +312,32 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         f"[bold]{model.arch}[/] on {planning.devices} x {hw.name} ({hw.source}); "
         f"{w.batch} sequences x ({w.prompt_len} prompt + {w.gen_len} new) tokens; "
         f"{_colocated(planning)} legal strategies ({len(planning.unfit)} do not fit in HBM, "
-        f"{len(planning.refused)} refused by the validator), "
+        + (f"{len(planning.missed)} miss the bounds, " if planning.bounds.given else "")
+        + f"{len(planning.refused)} refused by the validator"
+        + (" or as pipelined: jaxpar serve runs pp=1" if planning.serving else "")
+        + "), "
         f"{_disaggregated(planning)} disaggregated prefill | decode splits",
         highlight=False,
     )
     console.print(_table(planning, args.top))
     console.print(_collectives(planning.best))
     console.print(f"[bold]why[/]: {escape(why(planning))}", highlight=False)
-    console.print(f"[bold]run[/]: {escape(run_flags(planning.best, source_flag(args)))}")
+    best = planning.best
+    if planning.serving:
+        console.print(
+            f"[bold]serving[/]: {best.label}, {best.workload.batch} slots, prefill batch "
+            f"{best.workload.prefill_rows}: TTFT {duration(best.ttft_s)}, TPOT "
+            f"{duration(best.tpot_s)}, {best.tokens_per_s:.0f} tokens/s"
+            + (f" (bounds: {planning.bounds.describe()})" if planning.bounds.given else ""),
+            highlight=False,
+        )
+    verb = "serve" if planning.serving or best.disaggregated else "run"
+    console.print(f"[bold]{verb}[/]: {escape(command(best, args))}", soft_wrap=True)
+    if args.hf is None and verb == "serve":
+        console.print(
+            "[dim]DIR: a checkpoint of this preset's model (jaxpar serve needs --hf)[/]",
+            highlight=False,
+        )
     for note in planning.notes:
         console.print(f"[dim]{escape(note)}[/]", highlight=False)
     if args.picture:

@@ -15,7 +15,7 @@ from jaxpar.engine._compile_cache import (
 from jaxpar.engine._distributed import PEER_LOST_EXIT_STATUS, ProcessInfo, peer_failures
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._efficiency import WINDOW_STEPS, PhaseLog, StepFacts, StepLog
-from jaxpar.engine._engine import Generation, InferenceEngine
+from jaxpar.engine._engine import Generation, InferenceEngine, prompt_bucket
 from jaxpar.engine._kv_budget import (
     CPU_KV_TOKENS,
     KVBudget,
@@ -67,6 +67,7 @@ __all__ = [
     "ContinuousBatcher",
     "Generation",
     "InferenceEngine",
+    "prompt_bucket",
     "KVBudget",
     "Layouts",
     "Logprobs",

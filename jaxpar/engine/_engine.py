@@ -188,10 +188,7 @@ class InferenceEngine:
 
         Few distinct lengths keep the number of prefill compilations small.
         """
-        sp = self.parallel_config.sp
-        length = max(8, 1 << (longest - 1).bit_length())
-        length = -(-length // sp) * sp
-        return min(length, self.max_seq_len)
+        return prompt_bucket(longest, self.parallel_config.sp, self.max_seq_len)
 
     def pad_prompts(self, prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
         """Right-pads prompts into ``tokens [max_batch, T]`` and ``lengths [max_batch]``.
@@ -541,3 +538,11 @@ def _check_params(abstract: nnx.State, params: nnx.State) -> None:
     extra = set(got_paths) - {jax.tree_util.keystr(p) for p, _ in want}
     if extra:
         raise ConfigError(f"unexpected parameter(s) {sorted(extra)[:5]}")
+
+
+def prompt_bucket(longest: int, sp: int, max_seq_len: int) -> int:
+    """:meth:`InferenceEngine.bucket`: a power of two >= 8, a multiple of ``sp``, at most
+    ``max_seq_len`` (the planner pads prompts the same way)."""
+    length = max(8, 1 << (longest - 1).bit_length())
+    length = -(-length // sp) * sp
+    return min(length, max_seq_len)

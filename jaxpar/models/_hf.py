@@ -26,6 +26,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._decoder import abstract_model
 from jaxpar.models._hf_config import config_from_hf, hf_arch
 from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes, per_layer
+from jaxpar.models._hf_quant import UNUSED_SUFFIXES, fp8_array, prequantized, scale_recipe
 from jaxpar.models._quant import SCALE_SUFFIX, quantize_array
 
 #: ``fn(param_path, logical_axes) -> Sharding``.
@@ -70,38 +71,69 @@ def load_hf_checkpoint(
     """
     root = Path(path)
     hf = _read_json(root / "config.json")
-    config = config_from_hf(
-        hf, dtype=dtype, source=str(root / "config.json"), layer_loop=layer_loop
-    )
+    source = str(root / "config.json")
+    prequant = prequantized(hf, source)
+    config = config_from_hf(hf, dtype=dtype, source=source, layer_loop=layer_loop)
+    if prequant is not None and quantize not in (None, prequant.mode):
+        raise CheckpointError(
+            f"{source}: the checkpoint is pre-quantized ({prequant.method}, {prequant.mode} "
+            f"weights); quantize={quantize!r} would quantize it again: omit it (or give "
+            f"{prequant.mode!r})"
+        )
+    float_config = dataclasses.replace(config, quantize=None)
+    target = config if quantize is None else dataclasses.replace(config, quantize=quantize)
     with _Checkpoint(root) as ckpt:
-        recipes = _recipes(config, hf, ckpt.shapes, root)
-        _validate(recipes, ckpt, config.tie_embeddings)
-        flat = nnx.to_flat_state(nnx.state(abstract_model(config)))
-        sharding_of = _sharding_lookup(shardings)
-        target = config if quantize is None else dataclasses.replace(config, quantize=quantize)
+        recipes = _recipes(float_config, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
+        scales = _scale_recipes(recipes, wanted, ckpt.shapes) if prequant else {}
+        _validate({**recipes, **scales}, ckpt, config.tie_embeddings, prequant is not None)
+        flat = nnx.to_flat_state(nnx.state(abstract_model(float_config)))
+        sharding_of = _sharding_lookup(shardings)
         loaded = []
         for param_path, var in flat:
             recipe, want = recipes[param_path], var.get_value()
             assert recipe.shape == want.shape, (param_path, recipe.shape, want.shape)
-            reader = ckpt.reader(want.dtype)
-            if sharding_of is None:
-                arr = jnp.asarray(recipe.read(tuple(slice(None) for _ in want.shape), reader))
-            else:
-                sharding = sharding_of(param_path, tuple(var.get_metadata()["out_sharding"]))
-                arr = jax.make_array_from_callback(
-                    want.shape, sharding, _memo(functools.partial(recipe.read, reader=reader))
-                )
             scale_path = (*param_path[:-1], f"{param_path[-1]}{SCALE_SUFFIX}")
-            if quantize is not None and scale_path in wanted:
+            if scale_path in scales:  # stored fp8 with its scales: read as they are
+                for path, rec in ((param_path, recipe), (scale_path, scales[scale_path])):
+                    stored = wanted[path]
+                    arr = _read(rec, stored, ckpt, sharding_of, path)
+                    loaded.append((path, stored.replace(arr)))
+                continue
+            arr = _read(recipe, var, ckpt, sharding_of, param_path)
+            if target.quantize is not None and scale_path in wanted:
                 scale = wanted[scale_path]
-                values, scales = quantize_array(arr, scale.get_value().shape, quantize)
+                values, scales_ = quantize_array(arr, scale.get_value().shape, target.quantize)
                 del arr  # the float tensor goes before the next one is read
                 loaded += [(param_path, wanted[param_path].replace(values))]
-                loaded += [(scale_path, scale.replace(scales))]
+                loaded += [(scale_path, scale.replace(scales_))]
             else:
                 loaded.append((param_path, var.replace(arr)))
     return target, nnx.from_flat_state(loaded)
+
+
+def _read(recipe, var: nnx.Variable, ckpt: _Checkpoint, sharding_of, path) -> jax.Array:
+    """``var``'s value read by ``recipe`` in ``var``'s dtype: whole on the default device,
+    or each device's slice alone when shardings are given."""
+    want = var.get_value()
+    reader = ckpt.reader(want.dtype)
+    if sharding_of is None:
+        return jnp.asarray(recipe.read(tuple(slice(None) for _ in want.shape), reader))
+    sharding = sharding_of(path, tuple(var.get_metadata()["out_sharding"]))
+    return jax.make_array_from_callback(
+        want.shape, sharding, _memo(functools.partial(recipe.read, reader=reader))
+    )
+
+
+def _scale_recipes(recipes, wanted, shapes) -> dict[tuple[Any, ...], Any]:
+    """Scale path -> recipe of its stored ``weight_scale``, for every kernel the quantized
+    model scales and the checkpoint stores in fp8."""
+    out = {}
+    for path, recipe in recipes.items():
+        scale_path = (*path[:-1], f"{path[-1]}{SCALE_SUFFIX}")
+        if scale_path in wanted and (scale := scale_recipe(recipe, shapes)) is not None:
+            out[scale_path] = scale
+    return out
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -126,7 +158,9 @@ class _Checkpoint:
         self.handles: dict[str, Any] = {}  # tensor name -> open safe_open handle
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
         self._open: list[Any] = []
+        self._fp8: dict[str, np.ndarray] = {}
         try:
             self._scan(files)
             if index.exists():
@@ -153,7 +187,9 @@ class _Checkpoint:
                             f"tensor {name!r} is in both {self.file_of[name]} and {file}"
                         )
                     self.handles[name], self.file_of[name] = handle, file
-                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+                    tensor = handle.get_slice(name)
+                    self.shapes[name] = tuple(tensor.get_shape())
+                    self.dtypes[name] = tensor.get_dtype()
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises its own error types and OSError
@@ -168,12 +204,27 @@ class _Checkpoint:
         for handle in self._open:
             handle.__exit__(None, None, None)
 
+    def _slice(self, name: str, slices: tuple[slice, ...]) -> np.ndarray:
+        stored = self.dtypes[name]
+        if stored == "F8_E4M3":  # safetensors' numpy API has no float8: mapped by hand
+            if name not in self._fp8:
+                self._fp8[name] = fp8_array(self.file_of[name], name)
+            return np.array(self._fp8[name][slices])
+        if stored.startswith("F8"):
+            raise CheckpointError(
+                f"tensor {name!r} in {self.file_of[name]} is {stored}; jaxpar reads float8 "
+                "weights as F8_E4M3 (float8_e4m3fn) only"
+            )
+        return self.handles[name].get_slice(name)[slices]
+
     def reader(self, dtype: np.dtype) -> Callable[[str, tuple[slice, ...]], np.ndarray]:
         """A slice reader that checks values are finite and casts to ``dtype``."""
 
         def read(name: str, slices: tuple[slice, ...]) -> np.ndarray:
             try:
-                arr = self.handles[name].get_slice(name)[slices]
+                arr = self._slice(name, slices)
+            except CheckpointError:
+                raise
             except Exception as e:
                 raise CheckpointError(
                     f"cannot read tensor {name!r} from corrupt file {self.file_of[name]}: {e}"
@@ -205,8 +256,12 @@ def _moe_layout(names: Mapping[str, Any]) -> str:
     return "fused"  # transformers 5.x: mlp.experts.gate_up_proj, down_proj
 
 
-def _validate(recipes: Mapping[Any, Recipe | Fused], ckpt: _Checkpoint, tied: bool) -> None:
-    """Names and shapes against the headers, before reading any data."""
+def _validate(
+    recipes: Mapping[Any, Any], ckpt: _Checkpoint, tied: bool, prequantized: bool = False
+) -> None:
+    """Names and shapes against the headers, before reading any data. A pre-quantized
+    checkpoint may also hold activation and KV-cache scales jaxpar does not use
+    (:data:`~._hf_quant.UNUSED_SUFFIXES`)."""
     expected: dict[str, tuple[int, ...]] = {}
     for recipe in recipes.values():
         expected.update(recipe.tensors())
@@ -222,6 +277,13 @@ def _validate(recipes: Mapping[Any, Recipe | Fused], ckpt: _Checkpoint, tied: bo
             )
     for name in ckpt.shapes:
         ignorable = _IGNORED.search(name) or (tied and name == "lm_head.weight")
+        ignorable = ignorable or (prequantized and name.endswith(UNUSED_SUFFIXES))
+        if name not in expected and name.endswith(".weight_scale"):
+            raise CheckpointError(
+                f"{name!r} in {ckpt.file_of[name]}: {name.removesuffix('_scale')} is stored "
+                "quantized, but jaxpar keeps it in the model dtype (only attention and "
+                "dense-FFN projections load quantized)"
+            )
         if name not in expected and not ignorable:
             raise CheckpointError(
                 f"unexpected tensor {name!r} in {ckpt.file_of[name]}: not part of this architecture"

@@ -52,13 +52,22 @@ def config_from_hf(
     Raises:
         CheckpointError: Unsupported architecture or option, or a missing key.
     """
+    from jaxpar.models._hf_quant import check_model, prequantized
+
     arch = hf_arch(hf, source)
+    prequant = prequantized(hf, source)  # refuses unsupported quantization_configs
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
         fields = _gpt2_fields(hf, source) if arch == "gpt2" else _llama_fields(hf, arch, source)
+        check_model(prequant, arch, bool(fields.get("n_experts")), source)
         return ModelConfig(
-            arch=arch, dtype=dtype, param_dtype=dtype, layer_loop=layer_loop, **fields
+            arch=arch,
+            dtype=dtype,
+            param_dtype=dtype,
+            layer_loop=layer_loop,
+            quantize=prequant and prequant.mode,
+            **fields,
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: missing key {e.args[0]!r}") from None

@@ -20,13 +20,15 @@ from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies, s
 from jaxpar.plan._hardware import KINDS, Hardware, Link, device_hardware, load_hardware
 from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
 from jaxpar.plan._picture import draw_plan
-from jaxpar.plan._planner import OBJECTIVES, Planning, min_devices, plan
+from jaxpar.plan._planner import OBJECTIVES, Planning, largest_batch, min_devices, plan
 from jaxpar.plan._prediction import Prediction, predict
+from jaxpar.plan._serving import Bounds, max_prefill_tokens, prefill_batches, serve_flags
 from jaxpar.plan._summary import axis_roles, duration, per_layer, run_flags, why
 
 __all__ = [
     "KINDS",
     "OBJECTIVES",
+    "Bounds",
     "CommCost",
     "Hardware",
     "Link",
@@ -47,8 +49,10 @@ __all__ = [
     "duration",
     "executions",
     "kv_transfer_bytes",
+    "largest_batch",
     "legal_strategies",
     "load_hardware",
+    "max_prefill_tokens",
     "memory",
     "min_devices",
     "param_bytes",
@@ -56,7 +60,9 @@ __all__ = [
     "phase_cost",
     "plan",
     "predict",
+    "prefill_batches",
     "run_flags",
+    "serve_flags",
     "step_flops",
     "strategies",
     "why",

@@ -18,18 +18,35 @@ from jaxpar.spec import MESH_AXES, ModelDims, ParallelConfig, validate
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
-    """What is served: ``batch`` sequences, ``prompt_len`` prompt and ``gen_len`` new tokens."""
+    """What is served: ``batch`` sequences, ``prompt_len`` prompt and ``gen_len`` new tokens.
+
+    ``prefill_batch`` set: a server (:class:`jaxpar.engine.ContinuousBatcher`) decodes the
+    ``batch`` sequences together while it prefills new prompts ``prefill_batch`` at a time
+    (:mod:`jaxpar.plan._serving`); unset: the whole batch is prefilled in one step, as
+    ``jaxpar run`` does.
+    """
 
     batch: int
     prompt_len: int
     gen_len: int
+    prefill_batch: int | None = None
 
     def __post_init__(self) -> None:
         from jaxpar.errors import ConfigError
 
-        for name in ("batch", "prompt_len", "gen_len"):
-            if getattr(self, name) < 1:
+        for name in ("batch", "prompt_len", "gen_len", "prefill_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+
+    @property
+    def serving(self) -> bool:
+        return self.prefill_batch is not None
+
+    @property
+    def prefill_rows(self) -> int:
+        """Prompts one prefill step runs."""
+        return self.batch if self.prefill_batch is None else self.prefill_batch
 
     @property
     def max_seq_len(self) -> int:

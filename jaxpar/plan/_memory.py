@@ -157,20 +157,28 @@ def activation_bytes(
 
 
 def memory(
-    model: ModelConfig, config: ParallelConfig, *, batch: int, prompt_len: int, max_seq_len: int
+    model: ModelConfig,
+    config: ParallelConfig,
+    *,
+    batch: int,
+    prompt_len: int,
+    max_seq_len: int,
+    prefill_batch: int | None = None,
 ) -> Memory:
-    """Per-device memory of a strategy serving ``batch`` sequences."""
+    """Per-device memory of a strategy decoding ``batch`` sequences, prefilling
+    ``prefill_batch`` prompts at a time (default: all ``batch`` at once)."""
     run = run_form(model, config)
-    prompt_kv = cache_bytes(model, config, batch, prompt_len) if prompt_len else 0
+    rows = batch if prefill_batch is None else prefill_batch
+    prompt_kv = cache_bytes(model, config, rows, prompt_len) if prompt_len else 0
     acts = max(
-        activation_bytes(run, config, Phase.PREFILL, batch, prompt_len, prompt_len),
+        activation_bytes(run, config, Phase.PREFILL, rows, prompt_len, prompt_len),
         activation_bytes(run, config, Phase.DECODE, batch, 1, max_seq_len),
     )
     return Memory(
         params=param_bytes(model, config),
         kv_cache=cache_bytes(model, config, batch, max_seq_len),
         prompt_kv=prompt_kv,
-        prefill_inputs=input_bytes(run, config, Phase.PREFILL, batch, prompt_len),
+        prefill_inputs=input_bytes(run, config, Phase.PREFILL, rows, prompt_len),
         decode_inputs=input_bytes(run, config, Phase.DECODE, batch, 1),
         activations=acts,
     )

@@ -123,11 +123,14 @@ def draw_plan(model: Any, planning: Planning, path: str | Path) -> Path:
     _draw_roles(axes[0][1], model, pred)
     _draw_layer(axes[1][0], pred, Phase.PREFILL, layers)
     _draw_layer(axes[1][1], pred, Phase.DECODE, layers)
-    w = planning.workload
+    w = pred.workload  # the chosen batch (throughput grows the requested one)
+    asked = planning.workload.batch
+    batch = f"batch {w.batch}" + (f" (asked {asked})" if w.batch != asked else "")
+    if w.serving:
+        batch += f", prefill batch {w.prefill_rows}"
     fig.suptitle(
-        f"jaxpar plan: {model.arch}, {pred.devices} x {planning.hardware.name}, batch "
-        f"{w.batch}, prompt {w.prompt_len}, {w.gen_len} new tokens ({planning.objective}): "
-        f"{pred.label}",
+        f"jaxpar plan: {model.arch}, {pred.devices} x {planning.hardware.name}, {batch}, "
+        f"prompt {w.prompt_len}, {w.gen_len} new tokens ({planning.objective}): {pred.label}",
         fontsize=10,
     )
     fig.tight_layout()

@@ -9,6 +9,11 @@ prefill step plus ``gen_len`` decode steps):
   as a server fills its decode slots.
 * ``cost``: the fewest device-seconds per generated token, on any device count that
   divides the devices given (the rest stay free for other work).
+
+Serving (``throughput``, or latency bounds given): the batch is the server's decode slots and
+prompts are prefilled a few at a time between decode steps (:mod:`jaxpar.plan._serving`),
+not all at once; plans whose time to first token or per output token exceed the bounds are
+not chosen, and only unpipelined strategies (what ``jaxpar serve`` runs) are planned.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
 from jaxpar.plan._memory import memory
 from jaxpar.plan._prediction import Prediction, predict
-from jaxpar.spec import ParallelConfig
+from jaxpar.plan._serving import NO_BOUNDS, Bounds, check_serving, served
+from jaxpar.spec import ParallelConfig, batch_multiple
 
 OBJECTIVES = ("latency", "throughput", "cost")
 SEARCH_LIMIT = 1 << 16
@@ -40,26 +46,56 @@ class Planning:
     unfit: tuple[Prediction, ...]
     refused: tuple[Refused, ...]
     notes: tuple[str, ...]
+    bounds: Bounds = NO_BOUNDS
+    missed: tuple[Prediction, ...] = ()  # serving: fit, but miss the bounds at every batch
+
+    @property
+    def serving(self) -> bool:
+        return self.best.workload.serving
 
     @property
     def best(self) -> Prediction:
         return self.ranked[0]
 
 
-def _grown(model, config, workload, hardware, budget) -> Prediction | None:
-    """The largest batch (workload's x 2^k) that is legal and fits, predicted."""
-    best = None
-    factor = 1
-    while factor <= MAX_BATCH_GROWTH:
+def _grown_serving(model, config, workload, hardware, budget, bounds, grow):
+    """Serving: (the largest batch, workload's x 2^k, that is legal, fits and meets
+    ``bounds``, the fastest-to-first-token prediction at the workload's batch). A larger
+    batch only lengthens both the decode step and the prefill interleaved with it."""
+    best, fastest, factor = None, None, 1
+    while factor <= (MAX_BATCH_GROWTH if grow else 1):
         grown = workload.scaled(factor)
         if factor > 1 and check(model, config, grown) is not None:
             break
-        pred = predict(model, config, grown, hardware, budget=budget)
-        if not pred.fits:
+        pred, quick = served(model, config, grown, hardware, budget, bounds)
+        fastest = fastest or quick
+        if pred is None:
             break
-        best = pred
-        factor *= 2
-    return best
+        best, factor = pred, factor * 2
+    return best, fastest
+
+
+def _colocated(model, config, workload, hardware, budget, bounds, serving, grow):
+    """(the plan of ``config`` or None, serving: its fastest prediction missing the bounds,
+    its prediction at the workload's batch, for memory)."""
+    smallest = batch_multiple(model, config) if serving else None
+    first = dataclasses.replace(workload, prefill_batch=smallest)
+    pred = predict(model, config, first, hardware, budget=budget)
+    if not pred.fits:
+        return None, None, pred
+    if not serving:  # throughput always plans serving
+        return pred, None, pred
+    best, fastest = _grown_serving(model, config, workload, hardware, budget, bounds, grow)
+    return best, fastest, pred
+
+
+def _legal(model, count, workload, serving):
+    """(legal, refused) strategies; serving refuses pipelined ones (``jaxpar serve`` does)."""
+    legal, refused = legal_strategies(model, count, workload)
+    if not serving:
+        return legal, refused
+    whys = [(c, check_serving(model, c, workload)) for c in legal]
+    return [c for c, why in whys if why is None], refused + [w for _, w in whys if w]
 
 
 def _device_counts(devices: int, objective: str) -> list[int]:
@@ -76,38 +112,59 @@ def plan(
     *,
     objective: str = "latency",
     hbm_budget_gib: float | None = None,
+    bounds: Bounds | None = None,
 ) -> Planning:
     """Ranks every legal strategy for ``model`` on ``devices`` of ``hardware``.
 
     Raises:
         ConfigError: an unknown objective or a bad workload.
-        InfeasiblePlanError: no legal strategy fits; the message names the smallest device
-            count on which one would.
+        InfeasiblePlanError: no legal strategy fits (the message names the smallest device
+            count on which one would, and the largest batch that fits these devices), or
+            none meets ``bounds`` (the message names the best figures predicted).
     """
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
+    bounds = bounds or NO_BOUNDS
+    serving = objective == "throughput" or bounds.given
+    grow = objective == "throughput"
     model.check_max_seq_len(workload.max_seq_len)
     budget = hardware.hbm_bytes if hbm_budget_gib is None else int(hbm_budget_gib * 2**30)
-    fitting, unfit, refused = [], [], []
+    fitting, unfit, refused, missed = [], [], [], []
     for count in _device_counts(devices, objective):
-        legal, bad = legal_strategies(model, count, workload)
+        legal, bad = _legal(model, count, workload, serving)
         refused += bad
         for config in legal:
-            pred = predict(model, config, workload, hardware, budget=budget)
+            best, fastest, pred = _colocated(
+                model, config, workload, hardware, budget, bounds, serving, grow
+            )
             if not pred.fits:
                 unfit.append(pred)
-                continue
-            if objective == "throughput":
-                pred = _grown(model, config, workload, hardware, budget) or pred
-            fitting.append(pred)
+            elif best is not None:
+                fitting.append(best)
+            elif fastest is not None:
+                missed.append(fastest)
+    if not fitting and not missed:
+        raise _infeasible(model, hardware, devices, workload, budget, unfit, refused, serving)
+    counts = _device_counts(devices, objective)
+    for count in counts:
+        fitting += disaggregated_plans(
+            model, hardware, count, workload, budget, grow=grow, serving=serving, bounds=bounds
+        )
     if not fitting:
-        raise _infeasible(model, hardware, devices, workload, budget, unfit, refused)
-    for count in _device_counts(devices, objective):
-        grow = objective == "throughput"
-        fitting += disaggregated_plans(model, hardware, count, workload, budget, grow=grow)
+        raise _unbounded(model, hardware, counts, workload, budget, bounds, missed)
     ranked = sorted(fitting, key=lambda p: (p.score(objective), p.comm_bytes, p.label))
+    notes = NOTES + (SERVING_NOTE,) if serving else NOTES
     return Planning(
-        objective, workload, hardware, devices, tuple(ranked), tuple(unfit), tuple(refused), NOTES
+        objective,
+        workload,
+        hardware,
+        devices,
+        tuple(ranked),
+        tuple(unfit),
+        tuple(refused),
+        notes,
+        bounds,
+        tuple(missed),
     )
 
 
@@ -121,7 +178,101 @@ NOTES = (
 )
 
 
-def _infeasible(model, hardware, devices, workload, budget, unfit, refused) -> InfeasiblePlanError:
+SERVING_NOTE = (
+    "Serving model: the batch is the server's decode slots; prompts are prefilled "
+    "prefill-batch at a time between decode steps (disaggregated: on the prefill group). "
+    "TTFT = that prefill step + the decode step it waits for (or the K/V transfer); TPOT = "
+    "the decode step + the prefill interleaved per step on average; queueing is not modelled."
+)
+
+
+def _unbounded(model, hardware, counts, workload, budget, bounds, missed) -> InfeasiblePlanError:
+    """No plan meets the latency bounds: the best TTFT and TPOT that were predicted
+    (colocated, and disaggregated without the bounds)."""
+    devices = max(counts)
+    for count in counts:
+        missed = [
+            *missed,
+            *disaggregated_plans(model, hardware, count, workload, budget, serving=True),
+        ]
+    what = f"{workload.batch} x ({workload.prompt_len} + {workload.gen_len}) tokens"
+
+    def figures(p: Prediction) -> str:
+        return (
+            f"{p.label} at batch {p.workload.batch}, prefill batch {p.workload.prefill_rows}: "
+            f"TTFT {p.ttft_s * 1e3:.4g} ms, TPOT {p.tpot_s * 1e3:.4g} ms"
+        )
+
+    head = (
+        f"no plan for {model.arch} ({what}) on {devices} {hardware.name} "
+        f"device{'s' if devices > 1 else ''} meets {bounds.describe()}"
+    )
+    if not missed:
+        return InfeasiblePlanError(f"{head}: no strategy fits")
+    ttft = min(missed, key=lambda p: (p.ttft_s, p.tpot_s))
+    tpot = min(missed, key=lambda p: (p.tpot_s, p.ttft_s))
+    if tpot is ttft:
+        best = f"the lowest TTFT and TPOT predicted are both those of {figures(ttft)}"
+    else:
+        best = (
+            f"the lowest TTFT predicted is that of {figures(ttft)}; the lowest TPOT that of "
+            f"{figures(tpot)}"
+        )
+    return InfeasiblePlanError(f"{head}: {best}. Loosen the bounds, lower --batch or add devices")
+
+
+def largest_batch(
+    model: ModelConfig,
+    devices: int,
+    workload: Workload,
+    budget: int,
+    *,
+    serving: bool = False,
+) -> tuple[int, ParallelConfig] | None:
+    """The largest batch below ``workload.batch`` that a strategy legal for the workload on
+    ``devices`` fits in ``budget`` bytes per device (serving: unpipelined, prefilling its
+    smallest batch), with that strategy; None when not even the smallest batch fits.
+    Memory grows with the batch, so each strategy's largest is found by bisection over the
+    multiples of its smallest legal batch."""
+    from jaxpar.plan._memory import memory
+
+    best: tuple[int, ParallelConfig] | None = None
+    for config in legal_strategies(model, devices, workload)[0]:
+        if serving and config.pp > 1:
+            continue
+        step = batch_multiple(model, config)
+
+        def fits(k: int, config=config, step=step) -> bool:
+            w = dataclasses.replace(workload, batch=k * step)
+            if check(model, config, w) is not None:
+                return False
+            need = memory(
+                model,
+                config,
+                batch=w.batch,
+                prompt_len=w.prompt_len,
+                max_seq_len=w.max_seq_len,
+                prefill_batch=step if serving else None,
+            )
+            return need.total <= budget
+
+        lo, hi = 0, (workload.batch - 1) // step  # invariant: lo fits (0: nothing)
+        if best is not None:  # only a larger batch than the best so far matters
+            nxt = best[0] // step + 1
+            if nxt > hi or not fits(nxt):
+                continue
+            lo = nxt
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        if lo and (best is None or lo * step > best[0]):
+            best = (lo * step, config)
+    return best
+
+
+def _infeasible(
+    model, hardware, devices, workload, budget, unfit, refused, serving=False
+) -> InfeasiblePlanError:
     what = f"{workload.batch} x ({workload.prompt_len} + {workload.gen_len}) tokens"
     gib = budget / 2**30
     if unfit:
@@ -140,6 +291,15 @@ def _infeasible(model, hardware, devices, workload, budget, unfit, refused) -> I
         if need
         else "it fits on no device count (searched up to the most devices a strategy can use)"
     )
+    if unfit and workload.batch > 1:
+        largest = largest_batch(model, devices, workload, budget, serving=serving)
+        if largest is not None:
+            where += (
+                f"; on {devices} device{'s' if devices > 1 else ''} the largest batch that "
+                f"fits is {largest[0]} ({largest[1]})"
+            )
+        else:
+            where += f"; on {devices} device{'s' if devices > 1 else ''} no batch fits"
     return InfeasiblePlanError(
         f"{model.arch} model ({what}) fits nowhere on {devices} {hardware.name} "
         f"device{'s' if devices > 1 else ''}: "

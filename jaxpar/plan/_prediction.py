@@ -55,14 +55,44 @@ class Prediction:
         return max(self.memory.decode_total, self.prefill_memory.prefill_total) <= self.budget
 
     @property
+    def ttft_s(self) -> float:
+        """Time to first token: the prefill step (+ the K/V transfer when disaggregated);
+        colocated serving adds the decode step a new request waits for (admission happens
+        between two decode steps). Queueing behind other requests is not modelled: the
+        arrival rate is assumed within what the plan sustains."""
+        wait = self.decode.seconds if self.workload.serving and not self.disaggregated else 0.0
+        return wait + self.prefill.seconds + self.transfer_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token: the decode step at the batch. Colocated serving adds the
+        prefill interleaved between decode steps, on average: each step, ``batch / gen_len``
+        requests finish and as many new prompts are prefilled (``prefill_batch`` per
+        prefill step)."""
+        w = self.workload
+        if not w.serving or self.disaggregated:
+            return self.decode.seconds
+        return self.decode.seconds + w.batch / w.gen_len * self.prefill.seconds / w.prefill_rows
+
+    @property
     def request_s(self) -> float:
-        """Prefill (+ the K/V transfer) plus ``gen_len`` decode steps."""
-        return self.prefill.seconds + self.transfer_s + self.workload.gen_len * self.decode.seconds
+        """Offline (``jaxpar run``): prefill (+ the K/V transfer) plus ``gen_len`` decode
+        steps. Serving: ``ttft + (gen_len - 1) x tpot``."""
+        w = self.workload
+        if w.serving:
+            return self.ttft_s + (w.gen_len - 1) * self.tpot_s
+        return self.prefill.seconds + self.transfer_s + w.gen_len * self.decode.seconds
 
     @property
     def tokens_per_s(self) -> float:
-        """Steady state: disaggregated groups overlap one batch's prefill with another's decode."""
+        """Steady state: disaggregated groups overlap one batch's prefill with another's
+        decode, so the busier group sets the rate. Serving colocated: ``batch / tpot``."""
         w = self.workload
+        if w.serving and not self.disaggregated:
+            return w.batch / self.tpot_s
+        if w.serving:  # prefill makes prefill_batch prompts per step; decode needs batch/gen
+            prefill_rate = w.prefill_rows * w.gen_len / (self.prefill.seconds + self.transfer_s)
+            return min(w.batch / self.decode.seconds, prefill_rate)
         if not self.disaggregated:
             return w.batch * w.gen_len / self.request_s
         busiest = max(self.prefill.seconds + self.transfer_s, w.gen_len * self.decode.seconds)
@@ -97,6 +127,10 @@ class Prediction:
             "decode_groups": self.config.decode_groups,
             "devices": self.devices,
             "batch": self.workload.batch,
+            "prefill_batch": self.workload.prefill_rows,
+            "serving": self.workload.serving,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
             "request_s": self.request_s,
             "tokens_per_s": self.tokens_per_s,
             "device_s_per_token": self.device_s_per_token,
@@ -116,16 +150,17 @@ def predict(
     *,
     budget: int | None = None,
 ) -> Prediction:
-    """Predicted cost and memory of one (legal) strategy."""
+    """Predicted cost and memory of one (legal) strategy: prefill steps of
+    ``workload.prefill_rows`` prompts, decode steps of ``workload.batch`` sequences."""
     mem = memory(
         model,
         config,
         batch=workload.batch,
         prompt_len=workload.prompt_len,
         max_seq_len=workload.max_seq_len,
+        prefill_batch=workload.prefill_batch,
     )
     kw = dict(
-        batch=workload.batch,
         prompt_len=workload.prompt_len,
         max_seq_len=workload.max_seq_len,
         params_bytes=mem.params,
@@ -134,8 +169,8 @@ def predict(
     return Prediction(
         config,
         workload,
-        phase_cost(model, config, Phase.PREFILL, hardware, **kw),
-        phase_cost(model, config, Phase.DECODE, hardware, **kw),
+        phase_cost(model, config, Phase.PREFILL, hardware, batch=workload.prefill_rows, **kw),
+        phase_cost(model, config, Phase.DECODE, hardware, batch=workload.batch, **kw),
         mem,
         hardware.hbm_bytes if budget is None else budget,
     )

@@ -7,6 +7,7 @@ from typing import Any
 from jaxpar.plan._cost import PhaseCost
 from jaxpar.plan._planner import Planning
 from jaxpar.plan._prediction import Prediction
+from jaxpar.plan._serving import serve_flags
 from jaxpar.spec import MESH_AXES, Module, ParallelConfig, Phase, mesh_axes, modules_of
 
 LAYER_MODULES = ("attention", "ffn", "moe")
@@ -22,8 +23,18 @@ def duration(seconds: float) -> str:
 
 
 def _parts(pred: Prediction) -> dict[str, float]:
-    """Request time split into what the objective adds up (seconds per request)."""
+    """Request time split into what the objective adds up (seconds per request; serving:
+    per output token)."""
     g = pred.workload.gen_len
+    if pred.workload.serving:
+        d = pred.decode
+        return {
+            f"decode {'compute' if d.compute_s >= d.memory_s else 'HBM reads'}": max(
+                d.compute_s, d.memory_s
+            ),
+            "decode communication": d.comm_s,
+            "prefill between decode steps": pred.tpot_s - d.seconds,
+        }
     out = {}
     for name, cost, times in (("prefill", pred.prefill, 1), ("decode", pred.decode, g)):
         busy = max(cost.compute_s, cost.memory_s) * times
@@ -49,36 +60,34 @@ def why(planning: Planning) -> str:
     key = max(gain, key=gain.__getitem__)
     metric = {
         "latency": f"{duration(best.request_s)} vs {duration(other.request_s)} per request",
-        "throughput": f"{best.tokens_per_s:.4g} vs {other.tokens_per_s:.4g} tokens/s "
+        "throughput": f"{best.tokens_per_s:.0f} vs {other.tokens_per_s:.0f} tokens/s "
         f"(batch {best.workload.batch} vs {other.workload.batch})",
         "cost": f"{best.device_s_per_token * 1e3:.3g} vs {other.device_s_per_token * 1e3:.3g} "
         f"device-ms per token ({best.devices} vs {other.devices} devices)",
     }[planning.objective]
+    per = "per output token" if best.workload.serving else "per request"
     return (
         f"{head}; it beats {other.label} ({metric}) mostly on {key}: "
-        f"{duration(mine.get(key, 0.0))} vs {duration(theirs.get(key, 0.0))} per request."
+        f"{duration(mine.get(key, 0.0))} vs {duration(theirs.get(key, 0.0))} {per}."
     )
 
 
 def run_flags(pred: Prediction, source: str) -> str:
     """The command line of a plan: ``jaxpar run`` (``serve`` takes the same strategy flags);
-    a disaggregated plan names its prefill strategy with ``--prefill`` (as ``jaxpar explain
-    --prefill`` does), for ``jaxpar serve``."""
+    a serving or disaggregated plan's is ``jaxpar serve``'s (:func:`serve_flags`)."""
+    if pred.workload.serving or pred.prefill_config is not None:
+        return serve_flags(pred, source)
     c, w = pred.config, pred.workload
     flags = [f"--{a} {c.degree(a)}" for a in MESH_AXES if c.degree(a) > 1]
     if c.microbatches > 1:
         flags.append(f"--microbatches {c.microbatches}")
     if c.decode_groups > 1:
         flags.append(f"--decode-groups {c.decode_groups}")
-    if pred.prefill_config is not None:
-        flags.append(f"--prefill {pred.prefill_config}")
     flags += [
         f"--batch {w.batch}",
         f"--max-seq-len {w.max_seq_len}",
         f"--max-new-tokens {w.gen_len}",
     ]
-    if pred.prefill_config is not None:
-        return f"jaxpar serve {source} {' '.join(flags)}"
     return f"jaxpar run {source} {' '.join(flags)} --prompt ..."
 
 
