@@ -19,7 +19,14 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from jaxpar.engine import BatcherStats, Request, RequestStream, Sampling, TokenLogprob
+from jaxpar.engine import (
+    Admission,
+    BatcherStats,
+    Request,
+    RequestStream,
+    Sampling,
+    TokenLogprob,
+)
 from jaxpar.errors import QueueFullError
 from jaxpar.server import ServedModel, Service, TextStream, create_app
 from jaxpar.server._logprobs import merge
@@ -75,6 +82,7 @@ class FailingBatcher:
     def __init__(self):
         self.engine = _Engine()
         self.max_prompt_len = self.max_seq_len = 64
+        self.admission = Admission(vocab_size=1 << 16, max_seq_len=64)
         self.slots, self.active, self.queued = 1, 0, 0
         self.stats = BatcherStats()
         self.failure = None

@@ -22,6 +22,7 @@ from jaxpar.cli._common import (
 )
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.engine import (
+    Admission,
     Generation,
     GenerationDefaults,
     InferenceEngine,
@@ -31,8 +32,9 @@ from jaxpar.engine import (
     engine_from_hf,
     generation_defaults,
     load_tokenizer,
+    merge_sampling,
 )
-from jaxpar.errors import CacheOverflowError, ConfigError
+from jaxpar.errors import ConfigError
 from jaxpar.spec import batch_multiple, make_mesh, validate
 
 _IDS = re.compile(r"\s*-?\d+(\s*[,\s]\s*-?\d+)*\s*")
@@ -102,13 +104,8 @@ def choose_sampling(args: argparse.Namespace, defaults: GenerationDefaults) -> t
             "generation_config.json" if "generation_config.json" in defaults.sources else "default"
         )
         return base, where
-    temperature = args.temperature
-    if temperature is None:  # --top-k / --top-p alone: sample, at the default temperature
-        temperature = base.temperature or 1.0
-    top_k, top_p = args.top_k, args.top_p
-    if temperature > 0 and top_k is None and top_p is None and args.temperature is not None:
-        top_k, top_p = base.top_k, base.top_p
-    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p), "command line"
+    fields = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    return merge_sampling(base, **fields), "command line"  # the server's rule too
 
 
 def _describe(sampling: Sampling) -> str:
@@ -181,11 +178,10 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     tokenizer = load_tokenizer(args.hf) if args.hf is not None else None
     defaults = generation_defaults(args.hf) if args.hf is not None else GenerationDefaults()
     prompts = encode_prompts(args, tokenizer, defaults, console)
-    longest = max(len(p) for p in prompts)
-    if longest + args.max_new_tokens > args.max_seq_len:  # before compiling anything
-        raise CacheOverflowError(
-            f"the longest prompt ({longest} tokens) + --max-new-tokens {args.max_new_tokens} "
-            f"exceeds --max-seq-len {args.max_seq_len}; shorten it or raise --max-seq-len"
+    admission = Admission(config.vocab_size, args.max_seq_len)  # the engine's own rule
+    for i, prompt in enumerate(prompts):  # before loading or compiling anything
+        admission.check(
+            prompt, args.max_new_tokens, name=f"prompt {i}", tokens_name="--max-new-tokens"
         )
     sampling, sampling_source = choose_sampling(args, defaults)
     eos = () if args.ignore_eos else defaults.eos_token_ids

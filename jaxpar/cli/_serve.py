@@ -161,8 +161,8 @@ def _max_seq_len(args, config) -> int:
     return args.max_seq_len or config.max_position_embeddings
 
 
-def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> InferenceEngine:
-    config, parallel = model_config(args), group.parallel
+def _engine(args, config, group: DeviceGroup, batch: int, console, what: str) -> InferenceEngine:
+    parallel = group.parallel
     with stage(console, f"load {args.hf} ({what}: {parallel})", total=tensor_count(config)) as adv:
         return engine_from_hf(
             args.hf,
@@ -176,11 +176,12 @@ def _engine(args, group: DeviceGroup, batch: int, console, what: str) -> Inferen
         )
 
 
-def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatcher:
-    """The engines (decode, and prefill when disaggregated) and their batcher."""
+def build_batcher(args: argparse.Namespace, console: Console, config=None) -> ContinuousBatcher:
+    """The engines (decode, and prefill when disaggregated) and their batcher; ``config``:
+    the model as ``model_config(args)`` derives it (derived here if not given)."""
     import jax
 
-    config = model_config(args)
+    config = config or model_config(args)
     groups = device_groups(parallel_config(args), args.prefill)
     decode = groups[Phase.DECODE].parallel
     prefill = groups[Phase.PREFILL].parallel if args.prefill else None
@@ -218,11 +219,11 @@ def build_batcher(args: argparse.Namespace, console: Console) -> ContinuousBatch
             max_seq_len=max_seq_len,
         )
     check_devices(groups)
-    engine = _engine(args, groups[Phase.DECODE], slots, console, "decode")
+    engine = _engine(args, config, groups[Phase.DECODE], slots, console, "decode")
     scheduling = _scheduling(args, budget)
     if prefill is None:
         return ContinuousBatcher(engine, prefill_batch=args.prefill_batch, **scheduling)
-    prefill_engine = _engine(args, groups[Phase.PREFILL], prefill_batch, console, "prefill")
+    prefill_engine = _engine(args, config, groups[Phase.PREFILL], prefill_batch, console, "prefill")
     return ContinuousBatcher(engine, prefill_engine=prefill_engine, **scheduling)
 
 
@@ -390,14 +391,14 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     efficiency = Efficiency(resolve_hardware(args.hardware))
     if jax.process_index() != 0:
         return _replay(args, console)
-    model = served_model(args)
+    model, config = served_model(args), model_config(args)  # derived once
     console.print(
-        f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} ({model_config(args).dtype}"
+        f"[bold]jaxpar serve[/]: {args.hf} as {model.name!r} ({config.dtype}"
         f"{f', {args.quantize} weights' if getattr(args, 'quantize', None) else ''}"
         f"{dtype_note(args)}) on {describe_devices()}",
         soft_wrap=True,
     )
-    batcher = build_batcher(args, console)
+    batcher = build_batcher(args, console, config)
     where = f"prefill {batcher.prefill_engine.parallel_config}, " if batcher.disaggregated else ""
     quantized = f" ({args.quantize} kernels)" if getattr(args, "quantize", None) else ""
     console.print(f"{weights_note(batcher.engine.params)}{quantized}", soft_wrap=True)

@@ -6,6 +6,7 @@ and continuous batching over a paged KV cache (``ContinuousBatcher``, sized by `
 
 from jaxpar.engine import _pipeline as pipeline
 from jaxpar.engine._abstract import AbstractEngine, run_form
+from jaxpar.engine._admission import Admission, merge_sampling
 from jaxpar.engine._batching import BatcherStats, ContinuousBatcher
 from jaxpar.engine._compile_cache import (
     CompileCount,
@@ -48,6 +49,7 @@ from jaxpar.engine._text import (
 from jaxpar.engine._vocab import mask_padded
 
 __all__ = [
+    "Admission",
     "CPU_KV_TOKENS",
     "PEER_LOST_EXIT_STATUS",
     "FINISH_REASONS",
@@ -97,6 +99,7 @@ __all__ = [
     "generation_defaults",
     "load_tokenizer",
     "mask_padded",
+    "merge_sampling",
     "pages_per_shard",
     "select_rows",
     "announce_ready",

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
+from jaxpar.engine._admission import Admission
 from jaxpar.engine._distributed import peer_failures
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
@@ -64,7 +65,6 @@ from jaxpar.engine._requests import Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import (
-    CacheOverflowError,
     ConfigError,
     PeerLostError,
     QueueFullError,
@@ -215,6 +215,11 @@ class ContinuousBatcher:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
         self.max_prompt_len = min(self.max_seq_len, self.prefill_engine.max_seq_len)
+        #: What a request may ask (prompt ids and length, new tokens): one rule for the
+        #: engine, this batcher, ``jaxpar run`` and the server.
+        self.admission = Admission(
+            engine.model_config.vocab_size, self.max_seq_len, self.max_prompt_len
+        )
         self.prefix_caching = prefix_caching
         self._salt = cache_salt(program.model_config)
         self.max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(
@@ -339,28 +344,7 @@ class ContinuousBatcher:
         return stream
 
     def _check(self, prompt: Sequence[int], max_tokens: int) -> np.ndarray:
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ShapeError("prompt must be a non-empty 1-D sequence of token ids")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ShapeError(f"prompt has dtype {ids.dtype}; token ids must be integers")
-        vocab = self.engine.model_config.vocab_size
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.size:
-            raise ShapeError(f"token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab})")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ShapeError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if ids.size > self.max_prompt_len:
-            raise CacheOverflowError(
-                f"prompt of {ids.size} tokens exceeds max_seq_len={self.max_prompt_len}"
-            )
-        if ids.size + max_tokens - 1 > self.max_seq_len:
-            raise CacheOverflowError(
-                f"prompt ({ids.size} tokens) + max_tokens={max_tokens} exceeds "
-                f"max_seq_len={self.max_seq_len} + 1; lower max_tokens to at most "
-                f"{self.max_seq_len + 1 - ids.size}"
-            )
-        return ids
+        return self.admission.check(prompt, max_tokens)
 
     @property
     def queued(self) -> int:

@@ -14,12 +14,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
+from jaxpar.engine._admission import Admission
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
-from jaxpar.errors import CacheOverflowError, ConfigError, ShapeError
+from jaxpar.errors import ConfigError, ShapeError
 from jaxpar.models import KVCache, ModelConfig, abstract_model, quantize_params, with_layer_loop
 from jaxpar.spec import ParallelConfig, Plan
 
@@ -157,31 +158,15 @@ class InferenceEngine:
                 f"{len(prompts)} prompts exceed the engine's max_batch={self.max_batch}; "
                 "split them into batches or build the engine with a larger max_batch"
             )
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ShapeError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        vocab = self.model_config.vocab_size
         for i, prompt in enumerate(prompts):
-            ids = np.asarray(prompt)
-            if ids.ndim != 1:
-                raise ShapeError(
-                    f"prompt {i} must be a 1-D sequence of token ids, got shape {ids.shape}"
-                )
-            if ids.size == 0:
-                raise ShapeError(f"prompt {i} is empty; every prompt needs at least one token")
-            if not np.issubdtype(ids.dtype, np.integer):
-                raise ShapeError(f"prompt {i} has dtype {ids.dtype}; token ids must be integers")
-            bad = ids[(ids < 0) | (ids >= vocab)]
-            if bad.size:
-                raise ShapeError(
-                    f"prompt {i} has token id(s) {bad[:5].tolist()} outside the vocabulary [0, {vocab})"
-                )
-            # The last new token is returned, never fed back: the cache holds
-            # prompt + max_new_tokens - 1 tokens.
-            if ids.size + max_new_tokens - 1 > self.max_seq_len:
-                raise CacheOverflowError(
-                    f"prompt {i} ({ids.size} tokens) + max_new_tokens={max_new_tokens} exceeds "
-                    f"max_seq_len={self.max_seq_len} + 1; shorten it or raise max_seq_len"
-                )
+            self.admission.check(
+                prompt, max_new_tokens, name=f"prompt {i}", tokens_name="max_new_tokens"
+            )
+
+    @property
+    def admission(self) -> Admission:
+        """What a request may ask of this engine (:mod:`jaxpar.engine._admission`)."""
+        return Admission(self.model_config.vocab_size, self.max_seq_len)
 
     def bucket(self, longest: int) -> int:
         """Padded prompt length: a power of two >= 8, a multiple of sp, <= max_seq_len.

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpar.engine import MAX_TOP_LOGPROBS, Sampling
+from jaxpar.engine import MAX_TOP_LOGPROBS
 
 #: The most choices one request asks for (``n`` x prompts).
 MAX_CHOICES = 64
@@ -82,12 +82,10 @@ class _Generate(BaseModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def penalties(self, base: Sampling) -> dict[str, float]:
-        """The penalties asked for, the fields left out at ``base``'s."""
+    def penalties(self) -> dict[str, float | None]:
+        """The penalties as asked for (None: left out, the defaults' apply)."""
         names = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-        return {
-            name: getattr(base if getattr(self, name) is None else self, name) for name in names
-        }
+        return {name: getattr(self, name) for name in names}
 
     @property
     def top_logprobs_asked(self) -> int | None:

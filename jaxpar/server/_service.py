@@ -23,7 +23,14 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
-from jaxpar.engine import ContinuousBatcher, Request, RequestStream, Sampling, TokenLogprob
+from jaxpar.engine import (
+    ContinuousBatcher,
+    Request,
+    RequestStream,
+    Sampling,
+    TokenLogprob,
+    merge_sampling,
+)
 from jaxpar.errors import ConfigError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
@@ -397,7 +404,7 @@ class Service:
                 param,
                 "context_length_exceeded",
             )
-        fits = self.batcher.max_seq_len + 1 - len(prompt)
+        fits = self.batcher.admission.room(len(prompt))
         wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if wanted is None:
             return fits
@@ -421,15 +428,9 @@ class Service:
 
     def sampling(self, body: _Generate) -> Sampling:
         """The request's sampling; fields it leaves out take the checkpoint's defaults."""
-        base = self.model.sampling
-        penalties = body.penalties(base)
-        temperature = base.temperature if body.temperature is None else body.temperature
-        if temperature == 0:
-            return Sampling(**penalties)  # greedy: top_k / top_p have nothing to cut
-        top_k = base.top_k if body.top_k is None else (body.top_k if body.top_k > 0 else None)
-        top_p = base.top_p if body.top_p is None else body.top_p
-        try:
-            return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, **penalties)
+        fields = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p}
+        try:  # the rule jaxpar run applies to its flags (one admission path)
+            return merge_sampling(self.model.sampling, **fields, **body.penalties())
         except ConfigError as e:
             raise bad_request(str(e), "temperature") from e
 
