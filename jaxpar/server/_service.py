@@ -235,11 +235,14 @@ class Service:
         self.closing = False
 
     @functools.cached_property
-    def grammars(self) -> Grammars:
-        """Structured output's compiler for this checkpoint's tokenizer (built on first use:
-        about a second for a large vocabulary)."""
+    def grammars(self) -> Grammars | GrammarError:
+        """Structured output's compiler for this checkpoint's tokenizer, or why there is
+        none (built once, on first use: about a second for a large vocabulary)."""
         vocab = self.batcher.engine.steps.vocab_size
-        return Grammars(self.model.tokenizer, vocab, self.model.stop_token_ids)
+        try:
+            return Grammars(self.model.tokenizer, vocab, self.model.stop_token_ids)
+        except GrammarError as e:
+            return e
 
     def grammar(self, body: _Generate) -> Grammar | None:
         """The request's structured output compiled (None: plain text).
@@ -263,7 +266,10 @@ class Service:
                 param,
             )
         try:
-            return self.grammars.compile(constraint)
+            grammars = self.grammars
+            if isinstance(grammars, GrammarError):
+                raise GrammarError(str(grammars))  # a fresh one: the cached keeps no traceback
+            return grammars.compile(constraint)
         except GrammarError as e:
             raise bad_request(f"{param}: {e}", param) from e
 
