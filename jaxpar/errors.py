@@ -52,6 +52,11 @@ class CacheOverflowError(ShapeError):
     """A write to the KV cache would go past ``max_seq_len``."""
 
 
+class GrammarError(JaxparError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) is invalid, or
+    cannot be used with this tokenizer or request."""
+
+
 class QueueFullError(JaxparError):
     """A serving engine refused a request: its queue is full or it is shutting down."""
 

@@ -132,9 +132,9 @@ def test_a_step_computes_only_the_rows_that_cover_the_live_requests():
     shapes = []
     step = batcher.slot_steps.step
 
-    def spy(params, slots, release_B, tables):
+    def spy(params, slots, release_B, tables, *masks):
         shapes.append(tables.shape)
-        return step(params, slots, release_B, tables)
+        return step(params, slots, release_B, tables, *masks)
 
     batcher.slot_steps.step = spy
     with batcher:

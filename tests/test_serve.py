@@ -406,11 +406,21 @@ BAD_REQUESTS = [
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+        },
+        "response_format.json_schema.schema",
+    ),
+    (  # this checkpoint's word-level tokenizer has no decoder: no structured output
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_object"},
         },
         "response_format",
     ),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": {}}, "guided_json"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": 5}, "guided_json"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_regex": "a(b"}, "guided_regex"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),

@@ -17,6 +17,7 @@ from jaxpar.engine._distributed import PEER_LOST_EXIT_STATUS, ProcessInfo, peer_
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._efficiency import WINDOW_STEPS, PhaseLog, StepFacts, StepLog
 from jaxpar.engine._engine import Generation, InferenceEngine, prompt_bucket
+from jaxpar.engine._grammar import Constraint, Grammar, Grammars, Matcher, allow_only
 from jaxpar.engine._kv_budget import (
     CPU_KV_TOKENS,
     KVBudget,
@@ -58,6 +59,10 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "WINDOW_STEPS",
     "ChatTemplate",
+    "Constraint",
+    "Grammar",
+    "Grammars",
+    "Matcher",
     "CompileCount",
     "Encoded",
     "FirstTokens",
@@ -89,6 +94,7 @@ __all__ = [
     "Steps",
     "TokenLogprob",
     "Tokenizer",
+    "allow_only",
     "batch_shards",
     "chat_template",
     "compute_dtype",

@@ -25,6 +25,16 @@ prefilled between two decode steps. A prompt longer than a chunk is prefilled al
 chunk (whole pages) per step, each a prefill with context over the chunks before it, so
 running requests keep streaming; its row starts decoding after its last chunk.
 
+Structured output: a request with a grammar (:mod:`jaxpar.engine._grammar`) draws every
+token under its row's token mask, an input of the first-token draw and of the decode step
+(every bit set in the other rows: nothing recompiles). A mask depends on the token drawn
+just before, so while some running request has a grammar, each decode step's tokens are
+read back before the next step is dispatched: the host's reading, streaming and mask
+computation no longer overlap the device's step (with no grammar running, steps are
+dispatched ahead as before, and the masks are one array placed once). The masks are host
+arrays in the executor's commands, so in a multi-process job they reach every process
+with the step that uses them; only process 0 keeps matchers.
+
 Disaggregated (``prefill_engine`` given): prefill runs on that engine's devices with its
 own strategy, in a thread of its own, so it overlaps the decode steps. The prefill group
 keeps a page pool of its own for its prefix cache and chunks; each finished batch's K/V
@@ -48,6 +58,7 @@ from jaxpar.engine._distributed import peer_failures
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import DECODE, PREFILL, Executor
+from jaxpar.engine._grammar import Constraint, Grammar, all_allowed, fill_masks
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
 from jaxpar.engine._lockstep import (
     HEARTBEAT_S,
@@ -66,6 +77,7 @@ from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import (
     ConfigError,
+    GrammarError,
     PeerLostError,
     QueueFullError,
     ShapeError,
@@ -307,15 +319,24 @@ class ContinuousBatcher:
         seed: int = 0,
         stop_tokens: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: Grammar | Constraint | None = None,
     ) -> RequestStream:
         """Queues a request; its stream yields tokens as they are drawn (and, with
-        ``logprobs``, each token's logprob and that many alternatives).
+        ``logprobs``, each token's logprob and that many alternatives). ``grammar``:
+        structured output: a :class:`Constraint` (compiled with the engine's tokenizer,
+        :meth:`InferenceEngine.grammar`) or a grammar compiled for this model's vocabulary
+        (:meth:`Grammars.compile <jaxpar.engine._grammar.Grammars.compile>`).
 
         Raises:
             ShapeError / CacheOverflowError: a bad prompt or one that does not fit.
+            GrammarError: an invalid constraint, or a grammar compiled for another
+                vocabulary.
+            ConfigError: a constraint, and an engine without a tokenizer.
             QueueFullError: ``max_queue`` requests are already waiting, or the batcher is
                 closing.
         """
+        if isinstance(grammar, Constraint):
+            grammar = self.engine.grammar(grammar)
         request = Request(
             prompt=tuple(int(t) for t in self._check(prompt, max_tokens)),
             max_tokens=max_tokens,
@@ -323,7 +344,14 @@ class ContinuousBatcher:
             seed=int(seed),
             stop_tokens=frozenset(int(t) for t in stop_tokens),
             logprobs=logprobs,
+            grammar=grammar,
         )
+        vocab = self.engine.steps.vocab_size
+        if grammar is not None and grammar.vocab_size != vocab:
+            raise GrammarError(
+                f"the grammar was compiled for a vocabulary of {grammar.vocab_size} ids; this "
+                f"model's has {vocab}: compile it with Grammars(tokenizer, {vocab}, eos_ids)"
+            )
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ShapeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         with self._cond:
@@ -787,6 +815,7 @@ class ContinuousBatcher:
             history=history,
             starts_P=starts_P if with_context else None,
             pages_PN=self._context_pages(works, rows, side) if with_context else None,
+            allowed_PW=self._first_masks(streams, rows) if final else None,
         )
         live: list[RequestStream | None] = list(streams)
         if final:
@@ -823,6 +852,13 @@ class ContinuousBatcher:
             works,
             history,
         )
+
+    def _first_masks(self, streams: list[RequestStream], rows: int) -> np.ndarray | None:
+        """The token masks of a prefill's first tokens (None: no request has a grammar)."""
+        if not _constrained(streams):
+            return None
+        vocab = self.prefill_engine.program.model_config.vocab_size  # the logits' (padded)
+        return _masks(streams, rows, vocab)
 
     def _context_pages(self, works: list[_Prefill], rows: int, side: _Side) -> np.ndarray:
         """Global ids of each row's cached pages, as many columns as the longest needs
@@ -1007,9 +1043,16 @@ class ContinuousBatcher:
                     self._deliver(*pending, owners, release_B)
                     pending = None
                 self._preempt_for_room(owners, release_B)
+            constrained = _constrained(owners)
+            if constrained and pending is not None:
+                # The next step's masks follow the tokens of the step in flight: read it.
+                self._deliver(*pending, owners, release_B)
+                pending = None
+                constrained = _constrained(owners)
             dispatched = None
             if any(owners):
-                handle = self.executor.step(release_B, self._step_tables(owners))
+                allowed = self._step_masks(owners) if constrained else None
+                handle = self.executor.step(release_B, self._step_tables(owners), allowed)
                 live = [int(n) for n, s in zip(self._lengths, owners, strict=True) if s is not None]
                 width = self._tables[1]  # pages: the block tables this step reads
                 self.step_log.decode_dispatched(live, width * self.pool.page_size)
@@ -1022,6 +1065,11 @@ class ContinuousBatcher:
         for stream in self._owners_snapshot():
             stream.finish("shutdown")
         self._end_all("shutdown")
+
+    def _step_masks(self, owners) -> np.ndarray:
+        """The decode rows' token masks, from their requests' grammars."""
+        vocab = self.engine.program.model_config.vocab_size  # the logits' (padded)
+        return _masks(owners, len(owners), vocab)
 
     def _reserve(self, owners) -> bool:
         """Pages for every running row's next token; False if some shard ran out."""
@@ -1171,6 +1219,21 @@ class ContinuousBatcher:
         owners[i] = None
         release_B[i] = True
         self.pages.release(i)
+
+
+def _constrained(owners: Sequence[RequestStream | None]) -> bool:
+    """Some running request has a grammar."""
+    return any(s is not None and s.matcher is not None for s in owners)
+
+
+def _masks(streams: Sequence[RequestStream | None], rows: int, vocab: int) -> np.ndarray:
+    """``int32 [rows, ceil(vocab / 32)]``: each stream's next-token mask from its grammar's
+    state, every bit set for rows without one (and padding rows past ``streams``)."""
+    mask_BW = all_allowed(rows, vocab)
+    fill_masks(
+        [(s.matcher, i) for i, s in enumerate(streams) if s is not None and s.matcher], mask_BW
+    )
+    return mask_BW
 
 
 def _context(stream: RequestStream) -> list[int]:

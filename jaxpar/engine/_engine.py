@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
 from jaxpar.engine._admission import Admission
+from jaxpar.engine._grammar import Constraint, Grammar, Grammars
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
@@ -142,6 +143,7 @@ class InferenceEngine:
         self.generation_defaults = GenerationDefaults()
         #: The checkpoint's text side (engine_from_hf, when it has a tokenizer.json).
         self.tokenizer: Tokenizer | None = None
+        self._grammars: Grammars | None = None  # structured output's compiler (first use)
 
     def lower(self, phase: str, *, prompt_len: int) -> Any:
         """The ``jax.stages.Lowered`` prefill or decode step over this engine's parameters
@@ -271,6 +273,7 @@ class InferenceEngine:
         stop_tokens: Sequence[int] | None = None,
         callback: Callable[[int, np.ndarray], None] | None = None,
         logprobs: int | None = None,
+        grammar: Constraint | Grammar | None = None,
     ) -> Generation:
         """Generates up to ``max_new_tokens`` for each prompt.
 
@@ -290,6 +293,9 @@ class InferenceEngine:
             logprobs: each new token's logprob with this many most likely alternatives
                 (0 to ``MAX_TOP_LOGPROBS``) in :attr:`Generation.logprobs`: raw, before
                 penalties, temperature, top-k and top-p. None: none.
+            grammar: structured output for every prompt: a :class:`Constraint` (compiled
+                with :meth:`grammar`) or a compiled :class:`Grammar`. Each row draws only
+                tokens that keep its text matching, and stops when the grammar ends.
 
         Unpipelined strategies run the serving core (:mod:`jaxpar.engine._offline`): the
         paged cache, decode step and per-row sampler of :class:`ContinuousBatcher`, one
@@ -302,6 +308,8 @@ class InferenceEngine:
             stop_tokens = self.generation_defaults.eos_token_ids
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+        if isinstance(grammar, Constraint):
+            grammar = self.grammar(grammar)
         tokens_BT, lengths_B = self.pad_prompts(prompts)
         n = len(prompts)
         if self.parallel_config.pp == 1:
@@ -315,10 +323,12 @@ class InferenceEngine:
                 stop_tokens,
                 callback,
                 logprobs,
+                grammar,
             )
-        if logprobs is not None or sampling.penalized:
+        if logprobs is not None or sampling.penalized or grammar is not None:
             raise ConfigError(
-                "logprobs and penalties run on the serving core (unpipelined strategies); "
+                "logprobs, penalties and grammars run on the serving core (unpipelined "
+                "strategies); "
                 f"{self.parallel_config} has pp={self.parallel_config.pp}"
             )
         start = time.perf_counter()
@@ -359,6 +369,26 @@ class InferenceEngine:
             new_tokens=sum(max(len(t) - 1, 0) for t in tokens),
             moe_dropped=dropped,
         )
+
+    def grammar(self, constraint: Constraint) -> Grammar:
+        """``constraint`` (structured output) compiled for the checkpoint's tokenizer and
+        EOS ids, for :meth:`ContinuousBatcher.submit
+        <jaxpar.engine.ContinuousBatcher.submit>`'s ``grammar``.
+
+        Raises:
+            ConfigError: the engine has no tokenizer.
+            GrammarError: the constraint is invalid, or llguidance cannot use the tokenizer.
+        """
+        if self.tokenizer is None:
+            raise ConfigError(
+                "structured output needs a tokenizer: build the engine with engine_from_hf "
+                "from a checkpoint directory that has a tokenizer.json"
+            )
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer.tokenizer, self.steps.vocab_size, self.tokenizer.eos_token_ids
+            )
+        return self._grammars.compile(constraint)
 
     def generate_text(
         self,
@@ -422,6 +452,7 @@ class InferenceEngine:
         stop_tokens,
         callback,
         logprobs,
+        grammar=None,
     ) -> Generation:
         from jaxpar.engine._offline import decode_offline
 
@@ -441,6 +472,7 @@ class InferenceEngine:
             callback,
             on_prefilled=lambda: times.append(time.perf_counter()),
             logprobs=logprobs,
+            grammar=grammar,
         )
         end = time.perf_counter()
         tokens = []

@@ -165,10 +165,12 @@ class Executor:
         history: History | None,
         starts_P: np.ndarray | None = None,
         pages_PN: np.ndarray | None = None,
+        allowed_PW: np.ndarray | None = None,
     ) -> int:
         """Prefills ``tokens_PT`` (after the cached context in ``side``'s pages ``pages_PN``
-        from ``starts_P`` on, when given) and, when ``final``, draws each row's first token;
-        returns the batch's handle (its outputs read by :meth:`tokens`)."""
+        from ``starts_P`` on, when given) and, when ``final``, draws each row's first token
+        (under its token mask ``allowed_PW``: structured output; None: every token
+        allowed); returns the batch's handle (its outputs read by :meth:`tokens`)."""
         eng = self.prefill_engine
         lay = eng.layouts
         tokens = put_global(tokens_PT, lay.tokens_BT)
@@ -186,7 +188,9 @@ class Executor:
         rows = tokens_PT.shape[0]
         if final:
             history = history or History.empty(rows, self.first_tokens.history_width)
-            first_P, logprobs = self.first_tokens(logits_PV, sampling_P, steps_P, history)
+            first_P, logprobs = self.first_tokens(
+                logits_PV, sampling_P, steps_P, history, allowed_PW
+            )
         else:
             first_P = put_global(np.zeros(rows, np.int32), lay.replicated)
             logprobs = None
@@ -250,15 +254,26 @@ class Executor:
         self._outputs.pop(handle, None)
 
     @command
-    def step(self, release_B: np.ndarray, tables_RN: np.ndarray | None) -> int:
+    def step(
+        self,
+        release_B: np.ndarray,
+        tables_RN: np.ndarray | None,
+        allowed_BW: np.ndarray | None = None,
+    ) -> int:
         """One decode step over the rows: ``release_B`` frees rows first; ``tables_RN``:
         the block tables of the rows to compute (from :meth:`SlotSteps.tables`'s rows;
-        None: the last ones again). Returns the step's handle for :meth:`tokens`."""
+        None: the last ones again); ``allowed_BW``: the rows' token masks (structured
+        output; None: every token allowed, an array placed once). Returns the step's handle
+        for :meth:`tokens`."""
         steps = self._slot_steps[DECODE]
         if tables_RN is not None:
             self._tables = put_global(tables_RN, steps.tables_layout)
         slots, next_B, logprobs, dropped = steps.step(
-            self.engine.params, self._slots[DECODE], release_B, self._tables
+            self.engine.params,
+            self._slots[DECODE],
+            release_B,
+            self._tables,
+            steps.masks(allowed_BW),
         )
         self._slots[DECODE] = slots
         handle = self._handle()

@@ -9,8 +9,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from jaxpar.engine._grammar import Grammar, Matcher
 from jaxpar.engine._logprobs import TokenLogprob
 from jaxpar.engine._sampling import Sampling
+from jaxpar.errors import GrammarError
 
 #: Why a request ended: a stop token, ``max_tokens``, a ``cancel()`` (a client went away,
 #: a stop string matched), the batcher shutting down, or an error in a step.
@@ -23,6 +25,9 @@ class Request:
 
     ``logprobs``: None, or each new token's logprob with that many most likely
     alternatives (0 to :data:`~jaxpar.engine._logprobs.MAX_TOP_LOGPROBS`).
+    ``grammar``: structured output (:meth:`Grammars.compile
+    <jaxpar.engine._grammar.Grammars.compile>`): every token drawn keeps the text matching
+    it, and the request ends (``"stop"``) when the grammar can take no more.
     """
 
     prompt: tuple[int, ...]
@@ -31,6 +36,7 @@ class Request:
     seed: int = 0
     stop_tokens: frozenset[int] = frozenset()
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
 
 class RequestStream:
@@ -56,6 +62,10 @@ class RequestStream:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        #: Where the request is in its grammar (None: no grammar); the batcher's to use.
+        self.matcher: Matcher | None = (
+            None if request.grammar is None else request.grammar.matcher()
+        )
 
     # --- what consumers read ---------------------------------------------------------
 
@@ -147,7 +157,9 @@ class RequestStream:
 
     def emit(self, token: int, logprob: TokenLogprob | None = None) -> str | None:
         """Appends a token (and its logprob, when the request asked for them); returns the
-        finish reason if it ends the request."""
+        finish reason if it ends the request: a stop token, or a grammar that takes no
+        more tokens (``"stop"``), ``max_tokens`` (``"length"``), or a token its grammar
+        refused (``"error"``: the mask should have made that impossible)."""
         now = time.perf_counter()
         request = self.request
         with self._cond:
@@ -156,7 +168,12 @@ class RequestStream:
             self._tokens.append(token)
             self.token_times.append(now)
             n = len(self._tokens)
-        if token in request.stop_tokens:
+        matcher = self.matcher
+        if matcher is not None and not matcher.consume(token):
+            error = GrammarError(f"token {token} broke the request's grammar: {matcher.error}")
+            self.finish("error", error)
+            return "error"
+        if token in request.stop_tokens or (matcher is not None and matcher.done):
             reason = "stop"
         elif n >= request.max_tokens:
             reason = "length"

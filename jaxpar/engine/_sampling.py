@@ -1,11 +1,13 @@
-"""Next-token selection from (possibly vocab-sharded) logits: penalties, greedy, temperature,
-top-k, top-p.
+"""Next-token selection from (possibly vocab-sharded) logits: penalties, a grammar's token
+mask, greedy, temperature, top-k, top-p.
 
 One implementation of the filters and the draw (:func:`_filter_and_draw`), with the
 parameters as per-row arrays (:class:`RowSampling`): changing them never recompiles.
 :func:`select` applies one :class:`Sampling` to a whole batch (the pipelined schedule).
 Penalties (:mod:`jaxpar.engine._penalties`) need each row's token counts, which only the
-serving core keeps: :func:`select_rows` applies them, :func:`select` has none.
+serving core keeps: :func:`select_rows` applies them, :func:`select` has none. So with
+structured output's per-row token masks (:mod:`jaxpar.engine._grammar`): an input of
+:func:`select_rows`, every bit set for a row without a grammar.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.engine._grammar import allow_only
 from jaxpar.engine._penalties import Seen, penalize
 from jaxpar.errors import ConfigError
 
@@ -173,14 +176,21 @@ class RowSampling:
 
 
 def select_rows(
-    logits_BV: jax.Array, rows: RowSampling, step_B: jax.Array, seen: Seen | None = None
+    logits_BV: jax.Array,
+    rows: RowSampling,
+    step_B: jax.Array,
+    seen: Seen | None = None,
+    allowed_BW: jax.Array | None = None,
 ) -> jax.Array:
     """The next token per row with that row's own parameters (int32 [B]); traced.
 
     Row ``b`` at its step ``step_B[b]`` draws with
     ``fold_in(fold_in(key_b, step_b), row_b)``: as row ``row_b`` of :func:`select` at that
     step. ``seen``: the rows' token counts, for their penalties (applied first, to greedy
-    rows too; none without it). The sort the filters need runs only when some row samples.
+    rows too; none without it). ``allowed_BW``: each row's packed token mask (structured
+    output; :func:`~jaxpar.engine._grammar.allow_only`), applied after the penalties and
+    before the filters, so temperature, top-k and top-p act on the tokens the grammar
+    allows. The sort the filters need runs only when some row samples.
     """
 
     def key(key_data: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
@@ -190,6 +200,8 @@ def select_rows(
     logits_BV = logits_BV.astype(jnp.float32)
     if seen is not None:
         logits_BV = penalize(logits_BV, seen, rows)
+    if allowed_BW is not None:
+        logits_BV = allow_only(logits_BV, allowed_BW)
     return _filter_and_draw(logits_BV, rows, keys_B)
 
 

@@ -17,12 +17,14 @@ the tokens it has seen, for penalties (:class:`Slots`). Two compiled programs ch
   input of ``N`` columns, a power of two just above the longest live row: the step reads
   ``N`` pages per row, so its cost follows the live tokens. One compile per ``N``. It
   returns each row's token and, where some row asks, their logprobs
-  (:class:`~jaxpar.engine._logprobs.Logprobs`).
+  (:class:`~jaxpar.engine._logprobs.Logprobs`). Each row's token mask (structured output,
+  :mod:`jaxpar.engine._grammar`) is an input too, every bit set for rows without a
+  grammar: a constrained request changes the mask, not the program.
 
 :class:`FirstTokens` draws each request's first token (and its logprobs) from its prefill
 logits, on the prefill devices (one compile per row count), so it reaches the client
-before the insert. Sampling parameters are arrays (:class:`RowSampling`), so no request
-ever recompiles.
+before the insert, under its grammar's mask if it has one. Sampling parameters and masks
+are arrays (:class:`RowSampling`), so no request ever recompiles.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.engine._grammar import all_allowed, mask_words
 from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._pages import PagePool
 from jaxpar.engine._penalties import History, Seen
@@ -111,12 +114,17 @@ class SlotSteps:
         self._pool_key = (pool.pages, pool.page_size)
         self._idle_sampling = RowSampling.rows([Sampling()] * pool.rows, [0] * pool.rows)
         self._keep_all: jax.Array | None = None  # release nothing (placed on first use)
+        self._allow_all: jax.Array | None = None  # no grammar in any row (placed on first use)
+        #: Words of a row's packed token mask: the (padded) vocabulary the step's logits have.
+        self.mask_words = mask_words(model_config.vocab_size)
         #: Ids of a row's context an insert takes (:class:`History`): the longest row.
         self.history_width = pool.max_seq_len
         lay = steps.layouts
         row = lay.tokens_B
         row_x = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
         self.tables_layout = lay.paged.block_tables_BN
+        #: Layout of the ``[B, words]`` token masks: rows as the batch, words whole.
+        self.mask_layout = row_x
         self.layout = Slots(
             k=lay.paged.k,
             v=lay.paged.v,
@@ -218,11 +226,12 @@ class SlotSteps:
 
         return take, put
 
-    def _step(self, params, slots: Slots, release_B, tables_RN):
+    def _step(self, params, slots: Slots, release_B, tables_RN, allowed_BW):
         """One decode step over the rows ``tables_RN`` covers (the first ``R / shards`` of
-        each batch shard: every live row); returns the tokens ``[B]`` (``-1`` for inactive
-        rows), their logprobs (zeros unless some row asks) and, for a capacity-limited
-        MoE, the step's dropped expert assignments."""
+        each batch shard: every live row), each drawing among the tokens its mask
+        ``allowed_BW`` allows; returns the tokens ``[B]`` (``-1`` for inactive rows), their
+        logprobs (zeros unless some row asks; of the model's distribution, unmasked) and,
+        for a capacity-limited MoE, the step's dropped expert assignments."""
         with self.steps._context(DECODE), count_dropped() as drops:
             take, put = self._row_views(tables_RN.shape[0])
             # Released rows (finished requests) are freed wherever they lie.
@@ -244,7 +253,7 @@ class SlotSteps:
             step_R = take(slots.step_B)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             seen_R = jax.tree.map(take, slots.seen)
-            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R)
+            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, take(allowed_BW))
             logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B)
             logprobs_B = jax.tree.map(
                 put, Logprobs.zeros(tokens_B.shape, logits_RV.shape[-1]), logprobs_R
@@ -385,16 +394,28 @@ class SlotSteps:
         pages = jax.ShapeDtypeStruct((rows, n_pages), np.int32, sharding=rep)
         self._context_program(self.abstract(), pages, out_layout, length)
 
-    def _step_program(self, params, slots, release, tables):
+    def _step_program(self, params, slots, release, tables, allowed):
+        lay = self.steps.layouts
         return self.steps._compile(
             "slot_step",
             (tables.shape, self._pool_key),
             self._step,
-            (self.steps.layouts.params, self.layout, self.layout.active_B, self.tables_layout),
-            self.steps._with_drops((self.layout, *(self.steps.layouts.replicated,) * 2)),
-            (params, slots, release, tables),
+            (lay.params, self.layout, self.layout.active_B, self.tables_layout, self.mask_layout),
+            self.steps._with_drops((self.layout, *(lay.replicated,) * 2)),
+            (params, slots, release, tables, allowed),
             donate_argnums=(1,),
         )
+
+    def masks(self, allowed_BW: np.ndarray | None) -> jax.Array:
+        """Token masks placed for :meth:`step`: ``allowed_BW`` (``int32 [B, words]``), or
+        with None every token allowed in every row (placed once, reused: steps with no
+        constrained row copy nothing to the devices)."""
+        if allowed_BW is None:
+            if self._allow_all is None:
+                allow = all_allowed(self.n_slots, self.model_config.vocab_size)
+                self._allow_all = put_global(allow, self.mask_layout)
+            return self._allow_all
+        return put_global(np.asarray(allowed_BW, np.int32), self.mask_layout)
 
     def tables(self, tables_BN: np.ndarray, rows: int | None = None) -> jax.Array:
         """Block tables placed for :meth:`step`: those of the first ``rows / shards`` rows
@@ -424,9 +445,17 @@ class SlotSteps:
         counts = {self.rows_for(np.arange(self.n_slots) == i, floor) for i in range(per)}
         return sorted(counts)
 
-    def step(self, params, slots: Slots, release_B: np.ndarray, tables: jax.Array):
+    def step(
+        self,
+        params,
+        slots: Slots,
+        release_B: np.ndarray,
+        tables: jax.Array,
+        allowed: jax.Array | None = None,
+    ):
         """Donates ``slots``; ``release_B`` frees rows before the step (finished requests);
-        ``tables``: the block tables of the rows to compute, from :meth:`tables`.
+        ``tables``: the block tables of the rows to compute, from :meth:`tables`;
+        ``allowed``: the rows' token masks, from :meth:`masks` (default: no constraint).
 
         Returns the new slots, the tokens ``[B]``, their :class:`Logprobs` (zeros unless
         some row asks for them) and the step's dropped MoE assignments (an int32 scalar;
@@ -437,7 +466,9 @@ class SlotSteps:
             if self._keep_all is None:
                 self._keep_all = put_global(np.zeros(self.n_slots, bool), self.layout.active_B)
             release = self._keep_all
-        out = self._step_program(params, slots, release, tables)(params, slots, release, tables)
+        allowed = self.masks(None) if allowed is None else allowed
+        args = (params, slots, release, tables, allowed)
+        out = self._step_program(*args)(*args)
         return out if self.steps.counts_drops else (*out, None)
 
     def compile_step(self, params, width: int, rows: int | None = None) -> Any:
@@ -446,7 +477,10 @@ class SlotSteps:
         rows = rows or self.n_slots
         release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
         tables = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=self.tables_layout)
-        return self._step_program(params, self.abstract(), release, tables)
+        allowed = jax.ShapeDtypeStruct(
+            (self.n_slots, self.mask_words), np.int32, sharding=self.mask_layout
+        )
+        return self._step_program(params, self.abstract(), release, tables, allowed)
 
 
 class FirstTokens:
@@ -455,30 +489,31 @@ class FirstTokens:
     ``logits [P, V]`` (the engine's padded vocabulary; padded ids never drawn) and one
     sampling row per request, at step 0: as ``generate`` draws its first token. Penalised
     rows count their context (:class:`History`, ``history_width`` ids: default the
-    engine's ``max_seq_len``); rows that ask get their token's :class:`Logprobs`.
+    engine's ``max_seq_len``); rows that ask get their token's :class:`Logprobs`; a row
+    with a grammar draws among the tokens its mask allows.
     """
 
     def __init__(self, steps: Steps, history_width: int | None = None):
         self.steps = steps
         self.history_width = history_width or steps.max_seq_len
 
-    def _draw(self, logits_PV, sampling_P, step_P, history):
+    def _draw(self, logits_PV, sampling_P, step_P, history, allowed_PW):
         with self.steps._context(Phase.PREFILL):
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
             seen_P = history.seen(logits_PV.shape[-1])
-            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P)
+            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P, allowed_PW)
             return first_P, Logprobs.for_rows(logits_PV, first_P, sampling_P.logprobs_B)
 
-    def _program(self, logits_PV, sampling_P, step_P, history):
+    def _program(self, logits_PV, sampling_P, step_P, history, allowed_PW):
         lay = self.steps.layouts
         rep = lay.replicated
         return self.steps._compile(
             "first_tokens",
             (logits_PV.shape, self.history_width),
             self._draw,
-            (lay.logits_prefill, RowSampling.like(rep), rep, History(rep, rep, rep)),
+            (lay.logits_prefill, RowSampling.like(rep), rep, History(rep, rep, rep), rep),
             rep,
-            (logits_PV, sampling_P, step_P, history),
+            (logits_PV, sampling_P, step_P, history, allowed_PW),
         )
 
     def __call__(
@@ -487,10 +522,13 @@ class FirstTokens:
         sampling_P: RowSampling,
         step_P: np.ndarray | None = None,
         history: History | None = None,
+        allowed_PW: np.ndarray | None = None,
     ) -> tuple[jax.Array, Logprobs]:
         """Each row's token at its sampling step ``step_P`` (default 0: a first token) and
         its logprobs (zeros unless some row asks); ``history``: the rows' contexts, for
-        their penalties (default: none penalised)."""
+        their penalties (default: none penalised); ``allowed_PW``: the rows' packed token
+        masks, ``int32 [P, ceil(V / 32)]`` over the logits' (padded) vocabulary V (default:
+        every token allowed)."""
         rep = self.steps.layouts.replicated
         rows = logits_PV.shape[0]
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
@@ -500,7 +538,10 @@ class FirstTokens:
             history = History.empty(rows, self.history_width)
         step = put_global(np.asarray(step_P, np.int32), rep)
         history = jax.tree.map(lambda x: put_global(x, rep), history.fit(self.history_width))
-        args = (logits_PV, sampling_P, step, history)
+        if allowed_PW is None:
+            allowed_PW = all_allowed(rows, logits_PV.shape[-1])
+        allowed = put_global(np.asarray(allowed_PW, np.int32), rep)
+        args = (logits_PV, sampling_P, step, history, allowed)
         return self._program(*args)(*args)
 
     def compile(self, logits_PV: jax.ShapeDtypeStruct) -> None:
@@ -517,4 +558,5 @@ class FirstTokens:
 
         history = jax.tree.map(spec, History.empty(rows, self.history_width))
         step = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
-        self._program(logits, jax.tree.map(spec, host), step, history)
+        allowed = spec(all_allowed(rows, logits_PV.shape[-1]))
+        self._program(logits, jax.tree.map(spec, host), step, history, allowed)

@@ -6,10 +6,15 @@ requests in the batcher (choice ``i`` of a seeded request samples with ``seed + 
 ``top_logprobs``), ``echo`` (completions; with ``max_tokens`` 0: the prompt's
 log-likelihoods alone), ``presence_penalty`` and ``frequency_penalty`` are OpenAI's.
 Fields OpenAI defines that this server cannot honour (``logit_bias``, ``suffix``,
-``response_format`` other than text and vLLM's ``guided_*`` structured output ...) are
-refused with a 400 naming the field rather than ignored. Extensions, as vLLM spells them:
-``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``return_token_ids`` (the prompt's
-and the completion's token ids in each choice).
+``tools`` ...) are refused with a 400 naming the field rather than ignored. Extensions, as
+vLLM spells them: ``top_k``, ``repetition_penalty``, ``ignore_eos`` and
+``return_token_ids`` (the prompt's and the completion's token ids in each choice).
+
+Structured output (:mod:`jaxpar.engine._grammar`), on both endpoints: OpenAI's
+``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema",
+"json_schema": {"name": ..., "schema": {...}, "strict": ...}}``), or one of vLLM's
+``guided_json`` (a schema), ``guided_regex``, ``guided_choice`` (a list of strings) and
+``guided_grammar`` (Lark or GBNF). At most one per request.
 """
 
 from __future__ import annotations
@@ -30,12 +35,28 @@ _UNSUPPORTED = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    # Structured output is not implemented: a schema asked for is never silently ignored.
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_grammar": (None,),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema. ``strict`` is accepted
+    either way: the schema is always enforced, token by token."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -65,6 +86,11 @@ class _Generate(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     #: Fields of the other endpoint this one refuses (name -> the values that mean off).
     refused: ClassVar[dict[str, tuple]] = {}

@@ -5,7 +5,10 @@ its field), submits it to the :class:`~jaxpar.engine.ContinuousBatcher`, and tur
 stream of tokens into text deltas (:class:`~jaxpar.server._detokenize.TextStream`).
 A prompt's own log-likelihoods (``echo`` with ``logprobs``) come from a prefill with every
 position's logits on the prefill engine (:meth:`InferenceEngine.prompt_logprobs`), in a
-thread, outside the batcher: they take no decode row.
+thread, outside the batcher: they take no decode row. Structured output (``response_format``,
+``guided_*``) is compiled for the checkpoint's tokenizer once per request, before anything
+is queued (:class:`~jaxpar.engine.Grammars`): an invalid schema, regex or grammar is a 400
+naming its field.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import bisect
 import collections
 import dataclasses
+import functools
 import itertools
 import secrets
 import time
@@ -24,14 +28,17 @@ from typing import Any
 from prometheus_client.utils import floatToGoString
 
 from jaxpar.engine import (
+    Constraint,
     ContinuousBatcher,
+    Grammar,
+    Grammars,
     Request,
     RequestStream,
     Sampling,
     TokenLogprob,
     merge_sampling,
 )
-from jaxpar.errors import ConfigError, PeerLostError, QueueFullError, ShapeError
+from jaxpar.errors import ConfigError, GrammarError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
 from jaxpar.server._protocol import MAX_CHOICES, ChatRequest, CompletionRequest, _Generate
@@ -228,6 +235,45 @@ class Service:
         self.warmup_error: BaseException | None = None
         self.closing = False
 
+    @functools.cached_property
+    def grammars(self) -> Grammars | GrammarError:
+        """Structured output's compiler for this checkpoint's tokenizer, or why there is
+        none (built once, on first use: about a second for a large vocabulary)."""
+        vocab = self.batcher.engine.steps.vocab_size
+        try:
+            return Grammars(self.model.tokenizer, vocab, self.model.stop_token_ids)
+        except GrammarError as e:
+            return e
+
+    def grammar(self, body: _Generate) -> Grammar | None:
+        """The request's structured output compiled (None: plain text).
+
+        Raises:
+            APIError: 400 naming the field: two constraints at once, a missing schema, an
+                invalid schema, regex or grammar, or a model without a tokenizer.
+        """
+        asked = _constraints(body)
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = " and ".join(name for name, _ in asked)
+            raise bad_request(
+                f"{names}: give one structured-output constraint per request", asked[1][0]
+            )
+        param, constraint = asked[0]
+        if self.model.tokenizer is None:
+            raise bad_request(
+                f"{param}: model {self.model.name!r} has no tokenizer; structured output needs one",
+                param,
+            )
+        try:
+            grammars = self.grammars
+            if isinstance(grammars, GrammarError):
+                raise GrammarError(str(grammars))  # a fresh one: the cached keeps no traceback
+            return grammars.compile(constraint)
+        except GrammarError as e:
+            raise bad_request(f"{param}: {e}", param) from e
+
     # --- prompts -------------------------------------------------------------------------
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
@@ -324,13 +370,15 @@ class Service:
         """
         self.check_available()
         limits = [self._max_tokens(body, prompt, param) for prompt in prompts]
+        grammar = self.grammar(body)
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         texts = echoes or [None] * len(prompts)
         jobs: list[Job] = []
         try:
             for prompt, max_tokens, text in zip(prompts, limits, texts, strict=True):
                 for i in range(body.n):
-                    job = self._submit_one(body, prompt, max_tokens, (seed + i) % 2**32, param)
+                    seed_i = (seed + i) % 2**32
+                    job = self._submit_one(body, prompt, max_tokens, seed_i, param, grammar)
                     job.echo = None if text is None else Echo(text)
                     jobs.append(job)
         except APIError:
@@ -357,7 +405,13 @@ class Service:
             job.echo.logprobs = by_prompt[tuple(job.prompt)]
 
     def _submit_one(
-        self, body: _Generate, prompt: list[int], max_tokens: int, seed: int, param: str
+        self,
+        body: _Generate,
+        prompt: list[int],
+        max_tokens: int,
+        seed: int,
+        param: str,
+        grammar: Grammar | None = None,
     ) -> Job:
         stop_ids = () if body.ignore_eos else self.model.stop_token_ids
         top = body.top_logprobs_asked
@@ -367,6 +421,8 @@ class Service:
             stream.finish("length")
             return Job(id=uuid.uuid4().hex[:24], prompt=prompt, stream=stream, text=text, top=top)
         extra = {} if top is None else {"logprobs": top}
+        if grammar is not None:
+            extra["grammar"] = grammar
         try:
             stream = self.batcher.submit(
                 prompt,
@@ -482,6 +538,32 @@ class Service:
         gap = max_gap(times)
         if gap is not None:
             stats.max_token_gap.observe(gap)
+
+
+def _constraints(body: _Generate) -> list[tuple[str, Constraint]]:
+    """The structured-output constraints a request asks for, with their fields."""
+    asked: list[tuple[str, Constraint]] = []
+    form = body.response_format
+    if form is not None and form.type == "json_object":
+        asked.append(("response_format", Constraint.json_object()))
+    elif form is not None and form.type == "json_schema":
+        if form.json_schema is None or form.json_schema.json_schema is None:
+            raise bad_request(
+                'response_format.json_schema.schema: missing; give {"name": ..., "schema": '
+                '{...}} (or use {"type": "json_object"} for any JSON object)',
+                "response_format.json_schema.schema",
+                "missing",
+            )
+        asked.append(("response_format", Constraint.json_schema(form.json_schema.json_schema)))
+    if body.guided_json is not None:
+        asked.append(("guided_json", Constraint.json_schema(body.guided_json)))
+    if body.guided_regex is not None:
+        asked.append(("guided_regex", Constraint.regex(body.guided_regex)))
+    if body.guided_choice is not None:
+        asked.append(("guided_choice", Constraint.choice(body.guided_choice)))
+    if body.guided_grammar is not None:
+        asked.append(("guided_grammar", Constraint.grammar(body.guided_grammar)))
+    return asked
 
 
 def _outcome(stream: RequestStream) -> str:
