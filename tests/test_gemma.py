@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpar import ParallelConfig
+from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._load import engine_from_hf
@@ -192,3 +193,36 @@ def test_soft_capping_refuses_named_kernels():
         with pytest.raises(ConfigError, match=f"{name}='{kernel}' cannot soft-cap"):
             ModelConfig(**{**fields, name: kernel})
     assert ModelConfig(**{**fields, "prefill_attention": "xla"}).attn_softcap == 1.0
+
+
+def test_explain_names_soft_caps_windows_and_norms(capsys):
+    """``jaxpar explain`` compiles a Gemma 2 strategy: no collective above the minimum
+    (soft caps and norms are elementwise, each on its own shard), and the execution says
+    what Gemma adds."""
+    argv = ["explain", "--hf", str(FIXTURES / "gemma2"), "--sp", "2", "--tp", "2", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    for phase in ("prefill", "decode"):
+        report = data["phases"][phase]["collectives"]
+        assert report["exceptions"] == {} and report["ratio_explained"] <= 1.05
+        text = " | ".join(s["text"] for s in data["phases"][phase]["execution"])
+        assert "token lookup x sqrt(d_model)" in text
+        assert "soft-capped at 1, XLA path), 4-token sliding window on 2 of the layers" in text
+        assert "post-attention norm" in text and "post-FFN norm" in text
+        assert "soft-capped at 6" in text
+
+
+def test_plan_and_explain_on_hub_shapes(capsys):
+    """Real-sized shapes (config.json only): Gemma 2 9B planned on 8 H100s, Gemma 3 1B
+    explained without compiling (4 of its 26 layers global, 22 sliding)."""
+    gemma2_9b = str(FIXTURES.parent / "configs" / "gemma-2-9b")
+    args = ["plan", "--hf", gemma2_9b, "--devices", "8", "--hardware", "h100", "--json"]
+    assert main([*args, "--batch", "8", "--prompt-len", "16", "--gen-len", "16"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plans"] and "--hf" in plan["command"]
+    gemma3_1b = str(FIXTURES.parent / "configs" / "gemma-3-1b")
+    assert main(["explain", "--hf", gemma3_1b, "--tp", "1", "--no-compile", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    text = " | ".join(s["text"] for s in data["phases"]["decode"]["execution"])
+    assert "512-token sliding window on 22 of the layers" in text
+    assert "per-head q/k norms" in text
