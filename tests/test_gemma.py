@@ -11,6 +11,7 @@ every request its offline tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -226,3 +227,37 @@ def test_plan_and_explain_on_hub_shapes(capsys):
     text = " | ".join(s["text"] for s in data["phases"]["decode"]["execution"])
     assert "512-token sliding window on 22 of the layers" in text
     assert "per-head q/k norms" in text
+
+
+def test_gemma3_on_interpreted_kernels_equals_xla():
+    """Gemma 3 has no soft cap, so its unrolled layers run the fused kernels with static
+    per-layer windows and its query_pre_attn_scalar folded into q: the splash prefill and
+    the GPU decode kernel (interpreted on CPU) equal the XLA path, tp=2, f32."""
+    from jaxpar.models import init_params, interpret_kernels
+    from tests.test_kernels_in_engine import _config, _run
+
+    gemma = dict(
+        arch="gemma3",
+        activation="gelu_tanh",
+        qk_norm=True,
+        embed_scale=True,
+        norm_offset=True,
+        sandwich_norm=True,
+        attn_scale=24**-0.5,
+        sliding_window=16,
+        sliding_layers=(True, True, True, False),
+        rope_local_theta=100.0,
+        rope_linear_factor=2.0,
+    )
+    kernels = _config("float32", prefill_attention="pallas_tpu", decode_attention="pallas_gpu")
+    kernels = dataclasses.replace(kernels, **gemma)
+    xla = dataclasses.replace(kernels, prefill_attention="xla", decode_attention="xla")
+    params = init_params(xla, seed=0)
+    reference = _run(xla, params, "tp=2")
+    with interpret_kernels():
+        got = _run(kernels, params, "tp=2")
+    np.testing.assert_allclose(got, reference, atol=1e-4, rtol=0)
+    # The window and the scale bind: without them the logits move.
+    unbound = dict(sliding_window=None, sliding_layers=None, rope_local_theta=None, attn_scale=None)
+    plain = dataclasses.replace(xla, **unbound)
+    assert np.max(np.abs(_run(plain, params, "tp=2") - reference)) > 1e-2
