@@ -262,11 +262,6 @@ class ModelConfig:
             return False
         return True if self.sliding_layers is None else bool(self.sliding_layers[layer])
 
-    @property
-    def mixed_windows(self) -> bool:
-        """Whether some layers slide and others attend to everything (Gemma)."""
-        return len({self.layer_slides(i) for i in range(self.n_layers)}) > 1
-
     def _check_moe(self) -> None:
         if self.n_experts < 0:
             raise ConfigError(f"n_experts must be >= 0 (0 = dense), got {self.n_experts}")
