@@ -58,7 +58,7 @@ class Attention(nnx.Module):
         self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
         self.window = c.sliding_window
         # Which layers slide (static, hashable): the layer index passed to prefill/decode
-        # picks the window and the RoPE base of its layer (see :meth:`_layer_kind`).
+        # picks the window and the RoPE base of its layer (see :meth:`_slides`).
         self.sliding_layers = tuple(c.layer_slides(i) for i in range(c.n_layers))
         self.scale = c.attn_scale if c.attn_scale is not None else h**-0.5
         self.softcap = c.attn_softcap

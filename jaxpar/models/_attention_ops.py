@@ -25,7 +25,10 @@ would need a whole-cache transpose per step) and ragged paged attention wants
 Kernel paths run per shard inside :func:`jaxpar.spec.logical_shard_map` (XLA cannot
 partition a Pallas or cuDNN call): heads over tp, batch over dp/sp/ep, queries over sp in
 prefill with K/V gathered. A path falls back to XLA where its kernel cannot take the input
-(f32, too short a cache, splash block sizes, or query positions other than 0..T-1).
+(f32, too short a cache, splash block sizes, or query positions other than 0..T-1), and
+for Gemma: scores soft-capped (no kernel caps them) or a window given as a traced value
+(stacked layers of different kinds). A score scale other than ``1/sqrt(H)`` (Gemma's
+``query_pre_attn_scalar``) reaches the kernels folded into q.
 """
 
 from __future__ import annotations
