@@ -82,17 +82,13 @@ def _requests(vocab: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("name", "layer_loop"),
-    [("gemma2", "unrolled"), ("gemma3_text", "scan")],  # static / traced windows and bases
-    ids=["gemma2-unrolled", "gemma3-scan"],
-)
-def test_served_over_pages_equals_offline(name, layer_loop):
+def test_served_over_pages_equals_offline():
     """Chunked prefill and prefix hits (prefill with context) and paged decode under the
-    continuous batcher: each greedy row's tokens are the argmaxes of one whole-sequence
-    prefill (no cache at all: the path checked against transformers), the sampled row's
-    tokens its offline ``generate``'s."""
-    config, params = load_hf_checkpoint(FIXTURES / name, layer_loop=layer_loop)
+    continuous batcher, for Gemma 2 with stacked layers (soft caps, and windows as traced
+    values): each greedy row's tokens are the argmaxes of one whole-sequence prefill (no
+    cache at all: the path checked against transformers), the sampled row's tokens its
+    offline ``generate``'s. (Static windows in paged decode: the sharded tests' generate.)"""
+    config, params = load_hf_checkpoint(FIXTURES / "gemma2", layer_loop="scan")
     engine = InferenceEngine(config, params, ParallelConfig(), max_batch=4, max_seq_len=40)
     budget = KVBudget(page_size=PAGE, tokens=160)
     batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
@@ -232,7 +228,8 @@ def test_plan_and_explain_on_hub_shapes(capsys):
 def test_gemma3_on_interpreted_kernels_equals_xla():
     """Gemma 3 has no soft cap, so its unrolled layers run the fused kernels with static
     per-layer windows and its query_pre_attn_scalar folded into q: the splash prefill and
-    the GPU decode kernel (interpreted on CPU) equal the XLA path, tp=2, f32."""
+    the GPU decode kernel (interpreted on CPU) equal the XLA path, tp=2, f32. Prompts of
+    77-120 tokens against a 16-token window on 3 of 4 layers."""
     from jaxpar.models import init_params, interpret_kernels
     from tests.test_kernels_in_engine import _config, _run
 
@@ -257,7 +254,3 @@ def test_gemma3_on_interpreted_kernels_equals_xla():
     with interpret_kernels():
         got = _run(kernels, params, "tp=2")
     np.testing.assert_allclose(got, reference, atol=1e-4, rtol=0)
-    # The window and the scale bind: without them the logits move.
-    unbound = dict(sliding_window=None, sliding_layers=None, rope_local_theta=None, attn_scale=None)
-    plain = dataclasses.replace(xla, **unbound)
-    assert np.max(np.abs(_run(plain, params, "tp=2") - reference)) > 1e-2
