@@ -182,6 +182,14 @@ def test_unsupported_options_are_refused_naming_the_field(name, change, field):
         config_from_hf({**_hf_config(name), **change}, source=name)
 
 
+def test_prequantized_gemma_is_refused():
+    """Pre-quantized fp8 loads are checked for the Llama family only."""
+    qc = json.loads((FIXTURES / "llama_fp8_channel" / "config.json").read_text())
+    hf = {**_hf_config("gemma2"), "quantization_config": qc["quantization_config"]}
+    with pytest.raises(CheckpointError, match="pre-quantized .* Gemma checkpoint"):
+        config_from_hf(hf, source="gemma2")
+
+
 def test_soft_capping_refuses_named_kernels():
     """No fused kernel soft-caps scores: naming one with a soft cap is refused up front."""
     base = config_from_hf(_hf_config("gemma2"), source="gemma2")
