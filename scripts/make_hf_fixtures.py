@@ -53,8 +53,16 @@ mixtral_legacy     MixtralForCausalLM   mixtral_fused's weights and reference, p
 qwen3_moe          Qwen3MoeForCausalLM  q/k norms, 64 experts top-8 (width 4), norm_topk_prob; the Hub's
                                         per-expert mlp.experts.{j}.gate/up/down_proj tensors
 qwen3_moe_fused    Qwen3MoeForCausalLM  16 experts top-4, norm_topk_prob false, tied, fused experts
+gemma2             Gemma2ForCausalLM    4 layers: window 4 on 0, 2, global 1, 3; attention soft cap 1,
+                                        final soft cap 6; query_pre_attn_scalar 24, head_dim 12
+gemma3_text        Gemma3ForCausalLM    4 layers: window 4 on 0-2, global 3; q/k norms; RoPE base
+                                        100 (sliding), 1e4 linear x2 (global); scalar 24, head_dim 12
 gpt2               GPT2LMHeadModel      n_positions 64, tied, Conv1D weights stored [in, out]
 =================  ===================  ==========================================================
+
+The Gemma fixtures have 4 layers (the others 2) and record in reference.json how much each
+feature they exercise moves the logits (soft caps, window, RoPE bases: "effects"), asserted
+above 1e-2 at build time.
 
 Mixtral tensor layouts (checked against transformers 5.23 ``MixtralExperts.forward``, which does
 ``gate, up = linear(x, gate_up_proj[e]).chunk(2, dim=-1)``; ``h = silu(gate) * up``;
@@ -156,6 +164,9 @@ class FixtureSpec:
     legacy_of: str | None = None  # derived fixture: same weights as `legacy_of`, legacy MoE names
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # name -> config overrides that must change the logits (the feature binds), checked at
+    # build time on the same weights; the max |logit diff| goes into reference.json.
+    effects: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def is_moe(self) -> bool:
@@ -225,6 +236,32 @@ _QWEN3_MOE = dict(
     tie_word_embeddings=False,
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+
+# Gemma 2 / Gemma 3 (text): 4 layers so sliding and global layers both occur (twice for Gemma 2,
+# whose default alternation starts sliding; Gemma 3's [s, s, s, f] differs between the two
+# halves, so a pipeline stage that used its local layer index would pick the wrong kind).
+# sliding_window 4 is shorter than the 7- and 11-token prompts and the 16 greedy tokens;
+# head_dim 12 (4 x 12 != hidden 32), query_pre_attn_scalar 24 != head_dim.
+_GEMMA = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    query_pre_attn_scalar=24,
+    sliding_window=4,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=True,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+    use_cache=True,
 )
 
 FIXTURES: tuple[FixtureSpec, ...] = (
@@ -381,6 +418,57 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         fused_experts=True,
         notes="16 experts top-4, norm_topk_prob false (weights not renormalised), tied, fused "
         "gate_up_proj/down_proj tensors",
+    ),
+    FixtureSpec(
+        name="gemma2",
+        model_class="Gemma2ForCausalLM",
+        config_class="Gemma2Config",
+        config=dict(
+            _GEMMA,
+            # Small caps so that both bind (checked at build time: "effects").
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=6.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        base_seed=11011,
+        notes="sliding window 4 on layers 0 and 2 (global 1, 3), attention soft cap 1, final "
+        "soft cap 6, query_pre_attn_scalar 24, head_dim 12, GQA 4/2, tied, 1+w norms",
+        effects={
+            "attn_softcap": {"attn_logit_softcapping": None},
+            "final_softcap": {"final_logit_softcapping": None},
+            "sliding_window": {"sliding_window": 4096},
+        },
+    ),
+    FixtureSpec(
+        name="gemma3_text",
+        model_class="Gemma3ForCausalLM",
+        config_class="Gemma3TextConfig",
+        config=dict(
+            _GEMMA,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+        base_seed=12007,
+        notes="q/k norms (1+w), sliding window 4 on layers 0-2 (global 3), local RoPE base 100, "
+        "global base 1e4 with linear factor 2, query_pre_attn_scalar 24, head_dim 12, tied",
+        effects={
+            "sliding_window": {"sliding_window": 4096},
+            "rope_linear": {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                }
+            },
+            "rope_local_base": {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                }
+            },
+        },
     ),
     FixtureSpec(
         name="gpt2",
@@ -848,6 +936,10 @@ def build_fixture(spec: FixtureSpec, out_dir: Path, min_gap: float = DEFAULT_MIN
         extra["llama3_vs_plain_rope_max_logit_diff"] = round(effect, 4)
     if spec.is_moe:
         extra["weights_layout"] = "fused" if spec.fused_experts else "legacy"
+    for effect_name, overrides in spec.effects.items():
+        effect = config_effect(model, spec, prompts, overrides)
+        assert effect > 1e-2, f"{spec.name}: {effect_name} barely changes logits ({effect})"
+        extra[f"effect_{effect_name}_max_logit_diff"] = round(effect, 4)
     if spec.tokenizer:
         build_tokenizer(model.config.vocab_size).save(str(fixture_dir / TOKENIZER_JSON))
 
@@ -855,6 +947,26 @@ def build_fixture(spec: FixtureSpec, out_dir: Path, min_gap: float = DEFAULT_MIN
     meta = _reference_json(spec, seed, attempt + 1, ref, extra)
     write_json(fixture_dir / REFERENCE_JSON, meta)
     return meta
+
+
+@torch.no_grad()
+def config_effect(
+    model: torch.nn.Module, spec: FixtureSpec, prompts: list[np.ndarray], overrides: dict
+) -> float:
+    """Max |logit difference| over the prompts between ``model`` and the same weights with
+    ``overrides`` in its config: a feature the fixture is meant to exercise must bind."""
+    other = getattr(transformers, spec.model_class)(
+        getattr(transformers, spec.config_class)(**{**copy.deepcopy(spec.config), **overrides})
+    ).to(torch.float32)
+    other.load_state_dict(model.state_dict())
+    other.eval()
+    _use_eager(other)
+    diff = 0.0
+    for tokens in prompts:
+        ids = torch.from_numpy(tokens.astype(np.int64))[None, :]
+        a, b = model(input_ids=ids).logits, other(input_ids=ids).logits
+        diff = max(diff, float((a - b).abs().max()))
+    return diff
 
 
 def build_legacy_fixture(spec: FixtureSpec, out_dir: Path) -> dict:
@@ -1002,7 +1114,11 @@ def check_fixture(fixture_dir: Path) -> dict[str, float]:
         logits = model(input_ids=full, use_cache=False).logits[0, len(p) - 1 :].float().numpy()
         assert np.array_equal(logits.argmax(-1), greedy), f"prompt {i}: no-cache argmax differs"
         nocache_diff = max(nocache_diff, float(np.max(np.abs(logits - ref[f"greedy_logits_{i}"]))))
-    assert nocache_diff <= PAD_CHECK_TOL, f"no-cache recompute differs by {nocache_diff}"
+    # Float32 rounding grows with the logits' size: Gemma 3's (no final soft cap) reach ~9,
+    # where a cache-less recompute summing in another order moves them by ~1e-5.
+    biggest = max(float(np.max(np.abs(ref[f"greedy_logits_{i}"]))) for i in range(n))
+    nocache_tol = PAD_CHECK_TOL * max(1.0, biggest / 4)
+    assert nocache_diff <= nocache_tol, f"no-cache recompute differs by {nocache_diff}"
 
     # Plain argmax for exactly GREEDY_TOKENS steps: EOS must neither stop generation nor be
     # suppressed (min_new_tokens would mask it out), so drop it from the model's defaults, which

@@ -130,6 +130,13 @@ def test_unknown_preset_lists_names() -> None:
         (dict(arch="qwen3_moe"), "'mixtral' and 'qwen3_moe' are mixtures of experts"),
         (dict(dtype="int32"), "floating"),
         (dict(d_model=0), "d_model must be positive"),
+        (dict(sliding_window=4, sliding_layers=(True, False)), "2 flags for n_layers=4"),
+        (dict(sliding_layers=(True, False, True, False)), "sliding_window is None"),
+        (dict(rope_local_theta=100.0), "rope_local_theta .*no sliding_window"),
+        (dict(rope_linear_factor=0.0), "rope_linear_factor=0.0"),
+        (dict(attn_softcap=-1.0), "attn_softcap must be None or positive"),
+        (dict(norm_offset=True, norm="layer"), "norm_offset and sandwich_norm .*norm='rms'"),
+        (dict(attn_softcap=50.0, decode_attention="cudnn"), "decode_attention='cudnn' cannot"),
     ],
 )
 def test_config_invariants(change: dict, match: str) -> None:

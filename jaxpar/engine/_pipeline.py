@@ -103,11 +103,12 @@ def last_position(x_BTD: jax.Array, lengths_B: jax.Array) -> jax.Array:
 # --- prefill: stage-local steps ----------------------------------------------------------
 
 
-def prefill_layer(j, carry, *, graphdef, state_Lp, pos_BmT, lengths_Bm, write):
-    """Layer ``j`` of a stage on one microbatch; its K/V go to slot ``write``."""
+def prefill_layer(j, carry, *, graphdef, state_Lp, pos_BmT, lengths_Bm, write, first=0):
+    """Layer ``j`` of a stage on one microbatch; its K/V go to slot ``write``. ``first``:
+    the stage's first model-wide layer index (layers may differ: Gemma's windows)."""
     x_BmTD, k_buf, v_buf = carry
     layer = nnx.merge(graphdef, stage_layer(state_Lp, j))
-    x_BmTD, k_BmTKH, v_BmTKH = layer.prefill(x_BmTD, pos_BmT, lengths_Bm)
+    x_BmTD, k_BmTKH, v_BmTKH = layer.prefill(x_BmTD, pos_BmT, lengths_Bm, None, first + j)
     k_buf = k_buf.at[j, :, write].set(k_BmTKH, mode="drop")
     v_buf = v_buf.at[j, :, write].set(v_BmTKH, mode="drop")
     return x_BmTD, k_buf, v_buf
@@ -128,6 +129,7 @@ def prefill_stage(
         pos_BmT=pos_BmT,
         lengths_Bm=lengths_BmM[:, read],
         write=write,
+        first=s * lp,
     )
     return jax.lax.fori_loop(0, lp, layer, (x_BmTD, k_buf, v_buf))
 
@@ -206,10 +208,12 @@ def prefill(
 # --- decode: stage-local steps -----------------------------------------------------------
 
 
-def decode_layer(j, carry, *, graphdef, state_Lp, pos_Bg):
-    """Layer ``j`` of a stage on one group's tokens, writing into the group's cache view."""
+def decode_layer(j, carry, *, graphdef, state_Lp, pos_Bg, first=0):
+    """Layer ``j`` of a stage on one group's tokens, writing into the group's cache view
+    (model-wide layer ``first + j``)."""
     x_Bg1D, view = carry
-    return nnx.merge(graphdef, stage_layer(state_Lp, j)).decode(x_Bg1D, pos_Bg, j, view)
+    layer = nnx.merge(graphdef, stage_layer(state_Lp, j))
+    return layer.decode(x_Bg1D, pos_Bg, j, view, first + j)
 
 
 def decode_stage(
@@ -222,7 +226,7 @@ def decode_stage(
     x_Bg1D = jnp.where(s == 0, x_emb_BgG1D[:, read], x_Bg1D)
     view = GroupCacheView.open(k_LpBSKH, v_LpBSKH, read, g_count, lengths_B, write < g_count)
     layer = functools.partial(
-        decode_layer, graphdef=graphdef, state_Lp=state_Lp, pos_Bg=pos_BgG[:, read]
+        decode_layer, graphdef=graphdef, state_Lp=state_Lp, pos_Bg=pos_BgG[:, read], first=s * lp
     )
     x_Bg1D, view = jax.lax.fori_loop(0, lp, layer, (x_Bg1D, view))
     return x_Bg1D, view.k_LBSKH, view.v_LBSKH

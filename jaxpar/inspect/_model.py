@@ -423,7 +423,9 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
 
     step(
         "embedding",
-        "token lookup" + (" + learned positions" if config.positional == "learned" else ""),
+        "token lookup"
+        + (" x sqrt(d_model)" if getattr(config, "embed_scale", False) else "")
+        + (" + learned positions" if config.positional == "learned" else ""),
         "embedding lookup",
     )
     qk_norm = " + per-head q/k norms" if getattr(config, "qk_norm", False) else ""
@@ -437,10 +439,12 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     step(
         layer,
         ("causal scores over the prompt" if prefill else "scores over the KV cache")
+        + _attention_variant(config)
         + ", softmax, weighted V; output projection",
         "attention out-proj",
     )
-    step(layer, "residual add; FFN norm")
+    sandwich = getattr(config, "sandwich_norm", False)
+    step(layer, ("post-attention norm; " if sandwich else "") + "residual add; FFN norm")
     if config.is_moe:
         renorm = "" if getattr(config, "norm_topk_prob", True) else " (weights not renormalised)"
         step(
@@ -461,7 +465,7 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
             "FFN first linear(s) (column-parallel), activation, second linear (row-parallel)",
             "FFN down-proj",
         )
-        step(layer, "residual add")
+        step(layer, ("post-FFN norm; " if sandwich else "") + "residual add")
     if "stage boundary" in comm:
         step(layer, "end of a pipeline stage", "stage boundary")
     step(
@@ -471,7 +475,26 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     )
     step(
         "head",
-        "LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits",
+        ("LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits")
+        + (
+            f", soft-capped at {config.final_softcap:g}"
+            if getattr(config, "final_softcap", None)
+            else ""
+        ),
         "next tokens to stage 0",
     )
     return out
+
+
+def _attention_variant(config: Any) -> str:
+    """What a model's attention adds to plain causal scores: soft cap, sliding windows."""
+    text = ""
+    if getattr(config, "attn_softcap", None):
+        text += f" (soft-capped at {config.attn_softcap:g}, XLA path)"
+    window = getattr(config, "sliding_window", None)
+    if window:
+        slides = getattr(config, "layer_slides", lambda _: True)
+        sliding = sum(slides(i) for i in range(config.n_layers))
+        where = "every layer" if sliding == config.n_layers else f"{sliding} of the layers"
+        text += f", {window}-token sliding window on {where}"
+    return text

@@ -5,10 +5,12 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.models._attention_ops import (
     KV_SCORE_AXES,
+    NO_WINDOW,
     Q_AXES,
     context_prefill_attention,
     decode_attention,
@@ -36,8 +38,13 @@ class Context:
 class Attention(nnx.Module):
     """Self-attention; Q kernel [D,N,H], fused K/V kernel [D,2,K,H], output kernel [N,H,D].
 
-    ``N x H`` need not equal D (Qwen3). With ``config.qk_norm`` the projected q and k are
-    RMS-normalised per head (scales ``q_norm``/``k_norm`` ``[H]``) before RoPE.
+    ``N x H`` need not equal D (Qwen3, Gemma). With ``config.qk_norm`` the projected q and
+    k are RMS-normalised per head (scales ``q_norm``/``k_norm`` ``[H]``) before RoPE.
+
+    Layers may differ (Gemma: sliding layers interleaved with global ones, each kind with
+    its RoPE base): every layer holds the same static per-layer table and is told its
+    index, so stacked layers under ``scan`` (one program for all) still select their own
+    window and frequencies, as traced values.
 
     The attention core is :mod:`jaxpar.models._attention_ops`: exact grouped einsums
     (K/V never repeated; head n uses kv head n // G, as Hugging Face's ``repeat_kv``) or the
@@ -50,9 +57,16 @@ class Attention(nnx.Module):
         self.dtype = c.dtype
         self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
         self.window = c.sliding_window
+        # Which layers slide (static, hashable): the layer index passed to prefill/decode
+        # picks the window and the RoPE base of its layer (see :meth:`_slides`).
+        self.sliding_layers = tuple(c.layer_slides(i) for i in range(c.n_layers))
+        self.scale = c.attn_scale if c.attn_scale is not None else h**-0.5
+        self.softcap = c.attn_softcap
         self.prefill_impl, self.decode_impl = c.prefill_attention, c.decode_attention
         self.rope_theta = c.rope_theta if c.positional == "rope" else None
+        self.rope_local_theta = c.rope_local_theta
         self.rope_scaling = c.rope_scaling
+        self.rope_linear_factor = c.rope_linear_factor
         # Quantized (config.quantize): each kernel has a <name>_scale, else None.
         self.q_kernel, self.q_kernel_scale = kernel(
             rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), c
@@ -91,7 +105,42 @@ class Attention(nnx.Module):
             y = project(x_BTD, kernel[...], scale[...], self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
-    def _qkv(self, x_BTD: jax.Array, pos_BT: jax.Array) -> tuple[jax.Array, ...]:
+    def _slides(self, layer: int | jax.Array | None) -> bool | jax.Array:
+        """Whether layer ``layer`` slides: a Python bool where every layer agrees or the
+        index is static (unrolled layers), else a traced bool (a scan or pipeline stage
+        runs one program for layers of both kinds)."""
+        kinds = set(self.sliding_layers)
+        if len(kinds) == 1:
+            return kinds.pop()
+        if layer is None:
+            raise ValueError("a model with sliding and global layers needs the layer index")
+        if isinstance(layer, int):
+            return self.sliding_layers[layer]
+        return jnp.asarray(self.sliding_layers)[layer]
+
+    def _window(self, slides: bool | jax.Array) -> int | jax.Array | None:
+        """The layer's window: static (None or an int) when ``slides`` is, else a traced
+        int32 with :data:`NO_WINDOW` for global layers."""
+        if isinstance(slides, bool):
+            return self.window if slides else None
+        return jnp.where(slides, jnp.int32(self.window), jnp.int32(NO_WINDOW))
+
+    def _inv_freq(self, slides: bool | jax.Array) -> np.ndarray | jax.Array:
+        """RoPE inverse frequencies of the layer: the local base on sliding layers when the
+        config has one (Gemma 3), else the global base with its scaling."""
+        global_ = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        if self.rope_linear_factor is not None:
+            global_ = (global_ / np.float32(self.rope_linear_factor)).astype(np.float32)
+        if self.rope_local_theta is None:
+            return global_
+        local = rope_inv_freq(self.head_dim, self.rope_local_theta)
+        if isinstance(slides, bool):
+            return local if slides else global_
+        return jnp.where(slides, jnp.asarray(local), jnp.asarray(global_))
+
+    def _qkv(
+        self, x_BTD: jax.Array, pos_BT: jax.Array, slides: bool | jax.Array = False
+    ) -> tuple[jax.Array, ...]:
         """Projected (q/k-normalised), rotated q [B,T,N,H], k and v [B,T,K,H]."""
         q_BTNH = self._project(
             "BTD,DNH->BTNH", x_BTD, self.q_kernel, self.q_bias, self.q_kernel_scale
@@ -103,7 +152,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if self.rope_theta is not None:
-            inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+            inv_freq = self._inv_freq(slides)
             q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq)
             k_BTKH = apply_rope(k_BTKH, pos_BT, inv_freq)
         q_BTNH = constrain(q_BTNH, Q_AXES, Module.ATTENTION)
@@ -134,6 +183,7 @@ class Attention(nnx.Module):
         pos_BT: jax.Array,
         lengths_B: jax.Array,
         context: Context | None = None,
+        layer: int | jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention over a right-padded prompt, or over new tokens continuing cached ones.
 
@@ -143,6 +193,8 @@ class Attention(nnx.Module):
             lengths_B: Real new tokens per row; keys past them are padding.
             context: This layer's cached keys and values and how many each row has
                 (``start_B``): the new tokens sit at positions ``start_B + 0..T-1``.
+            layer: The model-wide layer index (int, or traced under scan and pipeline
+                stages): picks the layer's window and RoPE base where layers differ.
 
         Returns:
             (y [B, T, D], k [B, T, K, H], v [B, T, K, H]); k/v are what the cache keeps
@@ -150,7 +202,9 @@ class Attention(nnx.Module):
         """
         with jax.named_scope(Module.ATTENTION.value):
             x_BTD = constrain(x_BTD, BTD, Module.ATTENTION)
-            q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT)
+            slides = self._slides(layer)
+            window = self._window(slides)
+            q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT, slides)
             k_cache = constrain(k_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             v_cache = constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
@@ -165,7 +219,9 @@ class Attention(nnx.Module):
                     constrain(context.v_BCKH, KV_SCORE_AXES, Module.ATTENTION),
                     start_B=context.start_B,
                     lengths_B=lengths_B,
-                    window=self.window,
+                    window=window,
+                    scale=self.scale,
+                    softcap=self.softcap,
                 )
                 return self._output(out_BTNH), k_cache, v_cache
             out_BTNH = prefill_attention(
@@ -174,22 +230,30 @@ class Attention(nnx.Module):
                 v_BSKH,
                 q_pos_BT=pos_BT,
                 lengths_B=lengths_B,
-                window=self.window,
+                window=window,
                 impl=self.prefill_impl,
+                scale=self.scale,
+                softcap=self.softcap,
             )
             return self._output(out_BTNH), k_cache, v_cache
 
     def decode_project(
-        self, x_B1D: jax.Array, pos_B: jax.Array
+        self, x_B1D: jax.Array, pos_B: jax.Array, layer: int | jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Projected, rotated q [B,1,N,H] and the new token's k, v [B,K,H] (for the cache)."""
+        """Projected, rotated q [B,1,N,H] and the new token's k, v [B,K,H] (for the cache);
+        ``layer`` as in :meth:`prefill`."""
         with jax.named_scope(Module.ATTENTION.value):
             x_B1D = constrain(x_B1D, BTD, Module.ATTENTION)
-            q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, pos_B[:, None])
+            slides = self._slides(layer)
+            q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, pos_B[:, None], slides)
             return q_B1NH, k_B1KH[:, 0], v_B1KH[:, 0]
 
     def decode_attend(
-        self, q_B1NH: jax.Array, pos_B: jax.Array, kv: tuple[jax.Array, jax.Array] | PagedLayer
+        self,
+        q_B1NH: jax.Array,
+        pos_B: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | PagedLayer,
+        layer: int | jax.Array | None = None,
     ) -> jax.Array:
         """Attention of the new token over its layer's cache, which already holds it.
 
@@ -202,14 +266,22 @@ class Attention(nnx.Module):
             kv: This layer's cached keys and values including the new token's: contiguous
                 ``(k [B, K, S, H], v)`` (the order the contraction over S per (B, K)
                 reads), or the paged pool with the rows' block tables.
+            layer: As in :meth:`prefill`.
 
         Returns:
             y [B, 1, D].
         """
         with jax.named_scope(Module.ATTENTION.value):
+            window = self._window(self._slides(layer))
             if isinstance(kv, PagedLayer):
                 out_BNH = paged_decode_attention(
-                    q_B1NH[:, 0], kv, lengths_B=pos_B + 1, window=self.window, impl=self.decode_impl
+                    q_B1NH[:, 0],
+                    kv,
+                    lengths_B=pos_B + 1,
+                    window=window,
+                    impl=self.decode_impl,
+                    scale=self.scale,
+                    softcap=self.softcap,
                 )
                 return self._output(out_BNH[:, None])
             k_BKSH, v_BKSH = kv
@@ -220,7 +292,9 @@ class Attention(nnx.Module):
                 k_BKSH,
                 v_BKSH,
                 lengths_B=pos_B + 1,
-                window=self.window,
+                window=window,
                 impl=self.decode_impl,
+                scale=self.scale,
+                softcap=self.softcap,
             )
             return self._output(out_BNH[:, None])

@@ -25,7 +25,10 @@ would need a whole-cache transpose per step) and ragged paged attention wants
 Kernel paths run per shard inside :func:`jaxpar.spec.logical_shard_map` (XLA cannot
 partition a Pallas or cuDNN call): heads over tp, batch over dp/sp/ep, queries over sp in
 prefill with K/V gathered. A path falls back to XLA where its kernel cannot take the input
-(f32, too short a cache, splash block sizes, or query positions other than 0..T-1).
+(f32, too short a cache, splash block sizes, or query positions other than 0..T-1), and
+for Gemma: scores soft-capped (no kernel caps them) or a window given as a traced value
+(stacked layers of different kinds). A score scale other than ``1/sqrt(H)`` (Gemma's
+``query_pre_attn_scalar``) reaches the kernels folded into q.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from jaxpar.spec import Module, active_platform, logical_shard_map
 
 __all__ = [
     "DECODE_IMPLS",
+    "NO_WINDOW",
     "PREFILL_IMPLS",
     "attention_impls",
     "context_prefill_attention",
@@ -59,6 +63,11 @@ PREFILL_IMPLS = ("auto", "xla", "cudnn", "pallas_tpu")
 # "pallas_tpu": the paged cache's TPU kernel (``_paged_attention``); the contiguous cache
 # has no TPU decode kernel and runs XLA for it.
 DECODE_IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
+#: A traced window meaning "none": wider than any sequence. A stacked model whose layers
+#: differ (Gemma's sliding and global layers under scan) passes its window as a traced
+#: int32, this for the global layers; the fused kernels take only static windows, so a
+#: traced one runs the XLA path.
+NO_WINDOW = 2**30
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 Q_AXES = ("batch", "seq", "heads", "head_dim")  # also the model's query constraint
@@ -111,9 +120,34 @@ def _interpret(interpret: bool | None) -> bool:
     return _INTERPRET.get() if interpret is None else interpret
 
 
-def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype) -> str:
+def static_window(window) -> bool:
+    """Whether ``window`` is None or a Python int (what a fused kernel can mask)."""
+    return window is None or isinstance(window, int)
+
+
+def kernel_scaled_q(q_xNH: jax.Array, scale: float | None) -> jax.Array:
+    """``q`` prepared for a fused kernel, which scales scores by ``1/sqrt(H)``: multiplied
+    by ``scale * sqrt(H)`` where the model's scale differs (Gemma's query_pre_attn_scalar)."""
+    h = q_xNH.shape[-1]
+    if scale is None or abs(scale * h**0.5 - 1.0) < 1e-12:
+        return q_xNH
+    return q_xNH * jnp.asarray(scale * h**0.5, q_xNH.dtype)
+
+
+def softcap_scores(s_x: jax.Array, softcap: float | None) -> jax.Array:
+    """Gemma 2's soft cap ``c * tanh(s / c)`` on f32 scores (identity when None)."""
+    if softcap is None:
+        return s_x
+    return jnp.tanh(s_x / softcap) * softcap
+
+
+def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype, softcap=None) -> str:
     if impl not in legal:
         raise ConfigError(f"unknown attention impl {impl!r}; legal: {', '.join(legal)}")
+    if softcap is not None:
+        # No fused kernel soft-caps scores; ModelConfig refuses a kernel named explicitly
+        # with attn_softcap, so only "auto" (or "xla") gets here.
+        return "xla"
     if impl == "auto":
         return attention_impls(active_platform(), dtype)[which]
     if impl == "cudnn" and jnp.dtype(dtype) not in _HALF:
@@ -124,23 +158,28 @@ def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype) -> str:
 # --- XLA (exact reference) ------------------------------------------------------------------
 
 
-def prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window):
+def prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window, scale=None, softcap=None):
     """Grouped-einsum prefill attention (see :func:`prefill_attention`)."""
     k_pos_S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
-    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window)
+    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window, scale, softcap)
 
 
-def attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window):
+def attend_xla(
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window, scale=None, softcap=None
+):
     """Grouped-einsum attention of queries at ``q_pos_BT`` over keys at ``k_pos_S``
-    (``[S]`` or per row ``[B, S]``), of which ``valid_BS`` may be seen (causal, windowed)."""
+    (``[S]`` or per row ``[B, S]``), of which ``valid_BS`` may be seen (causal, windowed).
+    Scores are scaled by ``scale`` (default ``1/sqrt(H)``) and soft-capped (``softcap``)
+    before the mask, as Hugging Face's Gemma 2 does."""
     b, t, n, h = q_BTNH.shape
     k_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, k_heads, n // k_heads, h)
     k_BSKH, v_BSKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
     s_BKGTS = jnp.einsum(
         "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-    ) * (h**-0.5)
+    ) * (h**-0.5 if scale is None else scale)
+    s_BKGTS = softcap_scores(s_BKGTS, softcap)
     mask_BTS = key_mask(q_pos_BT, k_pos_S, valid_BS, window)
     s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, MASKED)
     p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(q_BTNH.dtype)
@@ -148,7 +187,7 @@ def attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window):
     return out_BTKGH.reshape(b, t, n, h)
 
 
-def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window):
+def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale=None, softcap=None):
     """Grouped decode attention on the [B,K,S,H] cache, which is not transposed.
 
     Both contractions over the cache read it in its own dtype with f32 accumulation. On
@@ -171,7 +210,7 @@ def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window):
             jnp.float32
         )
         s_BKGS = jnp.sum(qk_BKGSH, axis=-1)
-    s_BKGS = s_BKGS * (h**-0.5)
+    s_BKGS = softcap_scores(s_BKGS * (h**-0.5 if scale is None else scale), softcap)
     k_pos_S = jnp.arange(s, dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
@@ -194,9 +233,11 @@ def prefill_attention(
     *,
     q_pos_BT: jax.Array,
     lengths_B: jax.Array,
-    window: int | None,
+    window: int | jax.Array | None,
     impl: str = "auto",
     interpret: bool | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal self-attention of a right-padded prompt, grouped-query heads.
 
@@ -212,10 +253,13 @@ def prefill_attention(
             Kernel paths require ``T == S`` and ``q_pos_BT[b] == arange(T)``, the prompt's
             layout: they take positions from the layout (and fall back to XLA if T != S).
         lengths_B: Real tokens per row; keys at positions >= length are padding.
-        window: Sliding-window size, or None.
+        window: Sliding-window size, or None; a traced int32 (a stacked model's layers
+            differ) runs XLA.
         impl: One of :data:`PREFILL_IMPLS` (see the module docstring).
         interpret: Run Pallas kernels in interpret mode (tests on CPU); default: whether
             an :func:`interpret_kernels` context is active.
+        scale: Score scale; None: ``1/sqrt(H)``.
+        softcap: Gemma 2's score soft cap, or None; with one, XLA runs (no kernel caps).
 
     Returns:
         out_BTNH in q's dtype.
@@ -223,14 +267,17 @@ def prefill_attention(
     Raises:
         ConfigError: an unknown ``impl``.
     """
-    impl = _resolve(impl, PREFILL_IMPLS, 0, q_BTNH.dtype)
+    impl = _resolve(impl, PREFILL_IMPLS, 0, q_BTNH.dtype, softcap)
+    if not static_window(window):
+        impl = "xla"
     b, t, n, h = q_BTNH.shape
     s = k_BSKH.shape[1]
     group = n // k_BSKH.shape[2]
     if impl == "pallas_tpu" and (t != s or kern.splash_blocks(t, s) is None):
         impl = "xla"  # splash needs S and the local queries in whole blocks (kv: 128)
     if impl == "xla" or t != s:
-        return prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window)
+        return prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window, scale, softcap)
+    q_BTNH = kernel_scaled_q(q_BTNH, scale)
     if impl == "cudnn":
         body = functools.partial(kern.prefill_cudnn, group=group, window=window)
     else:
@@ -271,7 +318,9 @@ def context_prefill_attention(
     *,
     start_B: jax.Array,
     lengths_B: jax.Array,
-    window: int | None,
+    window: int | jax.Array | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal attention of new tokens that continue cached ones (prefill with context).
 
@@ -297,7 +346,7 @@ def context_prefill_attention(
     )
     k_BSKH = jnp.concatenate([k_ctx_BCKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
     v_BSKH = jnp.concatenate([v_ctx_BCKH.astype(v_BTKH.dtype), v_BTKH], axis=1)
-    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, valid_BS, window)
+    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, valid_BS, window, scale, softcap)
 
 
 def decode_attention(
@@ -306,9 +355,11 @@ def decode_attention(
     v_BKSH: jax.Array,
     *,
     lengths_B: jax.Array,
-    window: int | None,
+    window: int | jax.Array | None,
     impl: str = "auto",
     interpret: bool | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """One new query per row over its layer's [B, K, S, H] cache, which already holds it.
 
@@ -321,10 +372,12 @@ def decode_attention(
         k_BKSH: This layer's key cache; v_BKSH likewise. Same dtype as q (else a cast copies
             the cache before a kernel can read it).
         lengths_B: Valid keys per row, the new token included.
-        window: Sliding-window size, or None.
+        window: Sliding-window size, or None; a traced int32 runs XLA.
         impl: One of :data:`DECODE_IMPLS` (see the module docstring).
         interpret: Run the Pallas kernel in interpret mode (tests on CPU); default: whether
             an :func:`interpret_kernels` context is active.
+        scale: Score scale; None: ``1/sqrt(H)``.
+        softcap: Gemma 2's score soft cap, or None (XLA then).
 
     Returns:
         out_BNH in q's dtype.
@@ -332,13 +385,16 @@ def decode_attention(
     Raises:
         ConfigError: an unknown ``impl``.
     """
-    impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype)
+    impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype, softcap)
+    if not static_window(window):
+        impl = "xla"
     if impl == "pallas_tpu":
         impl = "xla"  # no Pallas TPU decode kernel reads the contiguous [B, K, S, H] cache
     if impl == "pallas_gpu" and kern.decode_blocks(k_BKSH.shape[2]) is None:
         impl = "xla"  # the kernel needs S in splits of >= 16 keys (see decode_blocks)
     if impl == "xla":
-        return decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window)
+        return decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale, softcap)
+    q_BNH = kernel_scaled_q(q_BNH, scale)
     n, s = q_BNH.shape[1], k_BKSH.shape[2]
     k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)
     if impl == "cudnn":

@@ -13,7 +13,17 @@ from jaxpar.errors import ConfigError
 from jaxpar.models._moe_route import capacity_rows
 from jaxpar.models._quant import check_quantize
 
-ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2")
+ARCHS: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "gpt2",
+)
 #: The archs whose feed-forward blocks are mixtures of experts (every layer's).
 MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe")
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -100,6 +110,30 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: int | None = None
+    #: Which layers use ``sliding_window`` (Gemma's interleaved local and global layers),
+    #: one flag per layer; None: every layer does (or none, without a window).
+    sliding_layers: tuple[bool, ...] | None = None
+    #: RoPE base of the sliding layers (Gemma 3's ``rope_local_base_freq``); None: they
+    #: use ``rope_theta`` like the others.
+    rope_local_theta: float | None = None
+    #: Linear RoPE scaling (``rope_type: "linear"``): the inverse frequencies of the layers
+    #: on ``rope_theta`` (the global ones when ``rope_local_theta`` is set) divided by it.
+    rope_linear_factor: float | None = None
+    #: Gemma: token embeddings multiplied by sqrt(d_model), in the compute dtype.
+    embed_scale: bool = False
+    #: Gemma: RMS norms scale by ``1 + w`` (the stored weight is the offset from 1), in
+    #: float32 before the cast back (Llama casts first, then scales by ``w``).
+    norm_offset: bool = False
+    #: Gemma 2/3: norms after attention and after the feed-forward block too, before each
+    #: residual add (``post_attention_layernorm``, ``post_feedforward_layernorm``).
+    sandwich_norm: bool = False
+    #: Attention score scale; None: ``head_dim ** -0.5``. Gemma: ``query_pre_attn_scalar
+    #: ** -0.5``.
+    attn_scale: float | None = None
+    #: Gemma 2: scores become ``c * tanh(scores / c)`` before the mask and softmax.
+    attn_softcap: float | None = None
+    #: Gemma 2: final logits become ``c * tanh(logits / c)``.
+    final_softcap: float | None = None
     n_experts: int = 0
     top_k: int = 0
     #: Whether a token's top-k routing weights are renormalised to sum to 1 (Hugging Face
@@ -132,6 +166,8 @@ class ModelConfig:
     decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.sliding_layers, list):
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(
                 self, "rope_scaling", Llama3RopeScaling.from_mapping(self.rope_scaling)
@@ -162,6 +198,7 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rms":
             raise ConfigError("qk_norm is an RMS norm per head: it needs norm='rms'")
         self._check_positions()
+        self._check_gemma()
         self._check_moe()
 
     def _check_positions(self) -> None:
@@ -174,6 +211,56 @@ class ModelConfig:
             raise ConfigError("rope_scaling is only meaningful with positional='rope'")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be None or positive, got {self.sliding_window}")
+
+    def _check_gemma(self) -> None:
+        layers = self.sliding_layers
+        if layers is not None:
+            if len(layers) != self.n_layers:
+                raise ConfigError(
+                    f"sliding_layers has {len(layers)} flags for n_layers={self.n_layers}; "
+                    "it needs one per layer"
+                )
+            if self.sliding_window is None and any(layers):
+                raise ConfigError("sliding_layers marks sliding layers but sliding_window is None")
+        if self.rope_local_theta is not None:
+            if self.rope_local_theta <= 0 or self.positional != "rope":
+                raise ConfigError(
+                    f"rope_local_theta={self.rope_local_theta} needs positional='rope' and > 0"
+                )
+            if self.sliding_window is None:
+                raise ConfigError("rope_local_theta is the sliding layers' base: no sliding_window")
+        if self.rope_linear_factor is not None:
+            if self.rope_linear_factor <= 0 or self.positional != "rope":
+                raise ConfigError(
+                    f"rope_linear_factor={self.rope_linear_factor} needs positional='rope', > 0"
+                )
+            if self.rope_scaling is not None:
+                raise ConfigError("rope_linear_factor and rope_scaling (llama3) are exclusive")
+        self._check_gemma_scales()
+
+    def _check_gemma_scales(self) -> None:
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be None or positive, got {value}")
+        if (self.norm_offset or self.sandwich_norm) and self.norm != "rms":
+            raise ConfigError("norm_offset and sandwich_norm are RMS-norm options: norm='rms'")
+        if self.attn_softcap is not None:
+            # The fused kernels (cuDNN, splash, Pallas decode) have no soft-capping: "auto"
+            # runs XLA for such a model; a kernel named explicitly would be silently wrong.
+            for name in ("prefill_attention", "decode_attention"):
+                if getattr(self, name) not in ("auto", "xla"):
+                    raise ConfigError(
+                        f"{name}={getattr(self, name)!r} cannot soft-cap attention scores "
+                        f"(attn_softcap={self.attn_softcap}); legal: 'auto' or 'xla' (both run "
+                        "the XLA path)"
+                    )
+
+    def layer_slides(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return True if self.sliding_layers is None else bool(self.sliding_layers[layer])
 
     def _check_moe(self) -> None:
         if self.n_experts < 0:

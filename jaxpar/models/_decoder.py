@@ -21,13 +21,28 @@ from jaxpar.models._quant import quantize_params
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (ffn dense or MoE)."""
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (ffn dense or MoE).
+
+    With ``config.sandwich_norm`` (Gemma 2/3) each sub-block's output is normalised again
+    before its residual add: x + norm(attn(norm(x))), then x + norm(ffn(norm(x))).
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = make_norm(config, rngs=rngs)
         self.attn = Attention(config, rngs=rngs)
+        sandwich = config.sandwich_norm
+        self.post_attn_norm = make_norm(config, rngs=rngs) if sandwich else None
         self.ffn_norm = make_norm(config, rngs=rngs)
         self.ffn = MoE(config, rngs=rngs) if config.is_moe else FFN(config, rngs=rngs)
+        self.post_ffn_norm = make_norm(config, rngs=rngs) if sandwich else None
+
+    def _attn_out(self, y_BxD: jax.Array) -> jax.Array:
+        return y_BxD if self.post_attn_norm is None else self.post_attn_norm(y_BxD)
+
+    def _ffn_block(self, x_BxD: jax.Array) -> jax.Array:
+        """x + ffn(norm(x)) (the ffn's output normalised again under sandwich norms)."""
+        y_BxD = self.ffn(self.ffn_norm(x_BxD))
+        return x_BxD + (y_BxD if self.post_ffn_norm is None else self.post_ffn_norm(y_BxD))
 
     def prefill(
         self,
@@ -35,15 +50,24 @@ class DecoderLayer(nnx.Module):
         pos_BT: jax.Array,
         lengths_B: jax.Array,
         context: Context | None = None,
+        layer: int | jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns (x [B,T,D], k [B,T,K,H], v [B,T,K,H]); ``context``: this layer's cached
-        keys and values the new tokens continue (see :meth:`Attention.prefill`)."""
-        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(self.attn_norm(x_BTD), pos_BT, lengths_B, context)
-        x_BTD = x_BTD + y_BTD
-        return x_BTD + self.ffn(self.ffn_norm(x_BTD)), k_BTKH, v_BTKH
+        keys and values the new tokens continue (see :meth:`Attention.prefill`); ``layer``:
+        the model-wide layer index (selects the window and RoPE base where layers differ)."""
+        y_BTD, k_BTKH, v_BTKH = self.attn.prefill(
+            self.attn_norm(x_BTD), pos_BT, lengths_B, context, layer
+        )
+        x_BTD = x_BTD + self._attn_out(y_BTD)
+        return self._ffn_block(x_BTD), k_BTKH, v_BTKH
 
     def decode(
-        self, x_B1D: jax.Array, pos_B: jax.Array, layer: int | jax.Array, cache: KVCache
+        self,
+        x_B1D: jax.Array,
+        pos_B: jax.Array,
+        layer: int | jax.Array,
+        cache: KVCache,
+        layer_id: int | jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One token per row through layer ``layer``: writes its K/V, then attends.
 
@@ -52,14 +76,18 @@ class DecoderLayer(nnx.Module):
         ``cache`` is contiguous (:class:`KVCache`, a pipeline group's view) or paged
         (:class:`PagedKVCache`): anything with ``write_layer``, ``layer`` and ``advance``.
 
+        ``layer`` indexes ``cache``; ``layer_id`` is the model-wide layer index (a pipeline
+        stage's cache view counts its own layers from 0), ``layer`` when None.
+
         Returns:
             (x [B,1,D], the cache with this layer's new token written).
         """
-        q_B1NH, k_BKH, v_BKH = self.attn.decode_project(self.attn_norm(x_B1D), pos_B)
+        layer_id = layer if layer_id is None else layer_id
+        q_B1NH, k_BKH, v_BKH = self.attn.decode_project(self.attn_norm(x_B1D), pos_B, layer_id)
         cache = cache.write_layer(layer, k_BKH, v_BKH)
-        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, cache.layer(layer))
-        x_B1D = x_B1D + y_B1D
-        return x_B1D + self.ffn(self.ffn_norm(x_B1D)), cache
+        y_B1D = self.attn.decode_attend(q_B1NH, pos_B, cache.layer(layer), layer_id)
+        x_B1D = x_B1D + self._attn_out(y_B1D)
+        return self._ffn_block(x_B1D), cache
 
 
 def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
@@ -109,9 +137,12 @@ class Decoder(nnx.Module):
         return self.config.layer_loop == "scan"
 
     def logits(self, x_BxD: jax.Array) -> jax.Array:
-        """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``."""
+        """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``,
+        soft-capped ``c * tanh(logits / c)`` with ``config.final_softcap`` (Gemma 2)."""
         tied = self.embed.token_table[...] if self.config.tie_embeddings else None
-        return self.lm_head(self.final_norm(x_BxD), tied)
+        logits = self.lm_head(self.final_norm(x_BxD), tied)
+        cap = self.config.final_softcap
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
 
     def prefill(
         self,
@@ -155,7 +186,7 @@ class Decoder(nnx.Module):
             ks, vs = [], []
             for i, layer in enumerate(self.layers):
                 ctx = None if context is None else Context(ctx_k[i], ctx_v[i], start_B)
-                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B, ctx)
+                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B, ctx, i)
                 ks.append(k_BTKH)
                 vs.append(v_BTKH)
             k, v = tuple(ks), tuple(vs)
@@ -172,15 +203,17 @@ class Decoder(nnx.Module):
         ctx_xs = None if context is None else (context[0], context[1])
 
         def body(x_BTD: jax.Array, xs):
-            layer_state, kv = xs
+            layer_state, kv, i = xs
             ctx = None if kv is None else Context(kv[0], kv[1], context[2])
             with count_dropped() as drops:  # a layer's MoE drops leave the scan as outputs
                 x_BTD, k_BTKH, v_BTKH = nnx.merge(graphdef, layer_state).prefill(
-                    x_BTD, pos_BT, lengths_B, ctx
+                    x_BTD, pos_BT, lengths_B, ctx, i
                 )
             return x_BTD, (k_BTKH, v_BTKH, self._layer_drops(drops))
 
-        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(body, x_BTD, (layers_state, ctx_xs))
+        layer_ids = jnp.arange(self.config.n_layers, dtype=jnp.int32)
+        xs = (layers_state, ctx_xs, layer_ids)
+        x_BTD, (k_LBTKH, v_LBTKH, dropped_L) = jax.lax.scan(body, x_BTD, xs)
         self._record(dropped_L)
         return x_BTD, k_LBTKH, v_LBTKH
 

@@ -44,7 +44,7 @@ def load_hf_checkpoint(
     layer_loop: str = "unrolled",
     quantize: str | None = None,
 ) -> tuple[ModelConfig, nnx.State]:
-    """Loads a Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE/GPT-2 checkpoint directory.
+    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Mixtral/Qwen3-MoE/GPT-2 checkpoint.
 
     Args:
         path: Directory with ``config.json`` and ``model.safetensors`` (or shards listed

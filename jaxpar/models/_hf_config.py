@@ -14,11 +14,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2LMHeadModel": "gpt2",
 }
-_MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
+_MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values() if v != "gemma3"}
+_MODEL_TYPES["gemma3_text"] = "gemma3"  # "gemma3" is the multimodal model: not supported
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -59,7 +62,12 @@ def config_from_hf(
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
-        fields = _gpt2_fields(hf, source) if arch == "gpt2" else _llama_fields(hf, arch, source)
+        if arch == "gpt2":
+            fields = _gpt2_fields(hf, source)
+        elif arch in ("gemma2", "gemma3"):
+            fields = _gemma_fields(hf, arch, source)
+        else:
+            fields = _llama_fields(hf, arch, source)
         check_model(prequant, arch, bool(fields.get("n_experts")), source)
         return ModelConfig(
             arch=arch,
@@ -198,6 +206,133 @@ def _window(hf: Mapping[str, Any], arch: str, source: str) -> int | None:
             "unsupported; all layers must be full or all sliding"
         )
     return window
+
+
+def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): scaled embeddings, ``1 + w`` RMS norms in float32,
+    GeGLU, norms before and after attention and MLP, ``query_pre_attn_scalar``, soft caps,
+    q/k norms (Gemma 3), sliding layers interleaved with global ones, each kind with its
+    RoPE base (Gemma 3)."""
+    act_key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+    act = hf.get(act_key) or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise CheckpointError(
+            f"{source}: {act_key} {act!r} unsupported for {arch}; legal: {', '.join(_GELU_TANH)}"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(
+            f"{source}: use_bidirectional_attention=true (an encoder-style Gemma) is "
+            "unsupported; jaxpar decodes causally (it must be false or absent)"
+        )
+    n_heads = hf["num_attention_heads"]
+    layers, window = _gemma_layers(hf, arch, source)
+    theta, local_theta, linear = _gemma_rope(hf, arch, source)
+    bias = bool(hf.get("attention_bias", False))
+    caps = {}
+    for ours, theirs in (
+        ("attn_softcap", "attn_logit_softcapping"),
+        ("final_softcap", "final_logit_softcapping"),
+    ):
+        value = hf.get(theirs)
+        caps[ours] = None if value is None else float(value)
+    return dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or 256,  # Gemma2Config's and Gemma3TextConfig's default
+        d_ff=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        activation="gelu_tanh",
+        rope_theta=theta,
+        rope_local_theta=local_theta if layers else None,
+        rope_linear_factor=linear,
+        max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        sliding_window=window,
+        sliding_layers=layers,
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=arch == "gemma3",
+        embed_scale=True,
+        norm_offset=True,
+        sandwich_norm=True,
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        **caps,
+    )
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma_layers(
+    hf: Mapping[str, Any], arch: str, source: str
+) -> tuple[tuple[bool, ...] | None, int | None]:
+    """Which layers slide, from ``layer_types`` or transformers' default pattern (Gemma 2:
+    every other layer from the first; Gemma 3: all but every ``sliding_window_pattern``-th)."""
+    n = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        pattern = 2 if arch == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    unknown = sorted(set(kinds) - set(_LAYER_TYPES))
+    if unknown or len(kinds) != n:
+        raise CheckpointError(
+            f"{source}: layer_types must list {n} entries of {', '.join(_LAYER_TYPES)}; got "
+            f"{len(kinds)} entries" + (f" with {unknown}" if unknown else "")
+        )
+    sliding = tuple(kind == "sliding_attention" for kind in kinds)
+    window = hf.get("sliding_window")
+    if not any(sliding):
+        return None, None
+    if window is None:
+        raise CheckpointError(
+            f"{source}: layer_types has sliding_attention layers but sliding_window is null"
+        )
+    return sliding, int(window)
+
+
+def _gemma_rope(
+    hf: Mapping[str, Any], arch: str, source: str
+) -> tuple[float, float | None, float | None]:
+    """(global base, sliding layers' base or None, linear factor of the global layers).
+
+    Gemma 3 keeps a RoPE per layer kind: transformers 5.x writes ``rope_parameters`` as
+    ``{"full_attention": {...}, "sliding_attention": {...}}``; older files have
+    ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling`` (global layers only).
+    Global layers take ``default`` or ``linear``; sliding layers ``default``.
+    """
+    params = hf.get("rope_parameters") or {}
+    if arch == "gemma2":  # one RoPE for every layer
+        full, local = {**params, **(hf.get("rope_scaling") or {})}, None
+        full["rope_theta"] = hf.get("rope_theta", full.get("rope_theta", 10_000.0))
+    elif "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", 1_000_000.0)
+        local.setdefault("rope_theta", 10_000.0)
+    else:
+        full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **(hf.get("rope_scaling") or {})}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    linear = None
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind == "linear":
+        linear = float(full["factor"])
+    elif kind != "default":
+        raise CheckpointError(
+            f"{source}: rope type {kind!r} on the global layers (rope_scaling / "
+            "rope_parameters) unsupported for this model; legal: 'default', 'linear'"
+        )
+    if local is not None:
+        local_kind = local.get("rope_type", local.get("type", "default"))
+        if local_kind != "default":
+            raise CheckpointError(
+                f"{source}: rope type {local_kind!r} on the sliding layers "
+                "(rope_parameters.sliding_attention) unsupported; legal: 'default'"
+            )
+    local_theta = None if local is None else float(local["rope_theta"])
+    return float(full["rope_theta"]), local_theta, linear
 
 
 def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:

@@ -166,7 +166,7 @@ MOE_LAYOUTS = ("fused", "legacy", "per_expert")
 
 
 def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe | Fused]:
-    """Recipes for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE.
+    """Recipes for Llama, Mistral, Qwen2, Qwen3, Gemma 2/3, Mixtral and Qwen3-MoE.
 
     ``moe_layout`` (MoE only) says where the experts are: ``"fused"`` (transformers 5.x's
     ``mlp.experts.gate_up_proj`` / ``down_proj``, either family), ``"legacy"`` (Mixtral's
@@ -179,8 +179,14 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
         ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
         ("final_norm", "scale"): _plain("model.norm.weight", ((d,),), ()),
         ("layers", "attn_norm", "scale"): _plain(lay + "input_layernorm.weight", ((d,),), st),
+        # Gemma's post_attention_layernorm follows attention (our post_attn_norm); its
+        # pre_feedforward_layernorm is what Llama's post_attention_layernorm is.
         ("layers", "ffn_norm", "scale"): _plain(
-            lay + "post_attention_layernorm.weight", ((d,),), st
+            lay
+            + ("pre_feedforward" if c.sandwich_norm else "post_attention")
+            + "_layernorm.weight",
+            ((d,),),
+            st,
         ),
         ("layers", "attn", "q_kernel"): _linear(lay + "self_attn.q_proj.weight", (n, h), (d,), st),
         ("layers", "attn", "kv_kernel"): Fused(
@@ -188,6 +194,12 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
         ),
         ("layers", "attn", "o_kernel"): _linear(lay + "self_attn.o_proj.weight", (d,), (n, h), st),
     }
+    if c.sandwich_norm:
+        for ours, theirs in (
+            ("post_attn_norm", "post_attention"),
+            ("post_ffn_norm", "post_feedforward"),
+        ):
+            r[("layers", ours, "scale")] = _plain(lay + f"{theirs}_layernorm.weight", ((d,),), st)
     if c.qkv_bias:
         r[("layers", "attn", "q_bias")] = _plain(lay + "self_attn.q_proj.bias", ((n, h),), st)
         r[("layers", "attn", "kv_bias")] = Fused(

@@ -120,6 +120,13 @@ def check_model(prequant: Prequantized | None, arch: str, is_moe: bool, source: 
             "(its Conv1D weights are stored [in, out]); pre-quantized fp8 loads for the "
             "Llama family (Llama, Mistral, Qwen2, Qwen3)"
         )
+    if prequant is not None and arch in ("gemma2", "gemma3"):
+        raise CheckpointError(
+            f"{source}: a pre-quantized ({prequant.method}) Gemma checkpoint is not supported "
+            "(not checked against a reference); pre-quantized fp8 loads for the Llama family "
+            "(Llama, Mistral, Qwen2, Qwen3); load a float Gemma checkpoint (optionally with "
+            "--quantize)"
+        )
     if prequant is not None and is_moe:
         raise CheckpointError(
             f"{source}: a pre-quantized ({prequant.method}) MoE checkpoint is not supported: "

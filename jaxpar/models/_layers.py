@@ -112,21 +112,28 @@ class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale, statistics in float32.
 
     By default over the residual stream (scale ``[D]``, axis ``embed``); ``axis="head_dim"``
-    gives Qwen3's per-head q/k norm (scale ``[H]``, shared by every head). Each vector is
-    normalised alone, so a split of the other dimensions (heads over tp, tokens over
-    dp/sp) needs no collective.
+    gives Qwen3's and Gemma 3's per-head q/k norm (scale ``[H]``, shared by every head).
+    Each vector is normalised alone, so a split of the other dimensions (heads over tp,
+    tokens over dp/sp) needs no collective. With ``config.norm_offset`` (Gemma) the scale
+    is ``1 + w`` and is applied in float32 before the cast back, as Gemma's
+    ``RMSNorm`` does; otherwise the normalised vector is cast first and scaled by ``w`` in
+    its dtype, as Llama's does.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, axis: str = "embed"):
         self.eps = config.norm_eps
+        self.offset = config.norm_offset
         size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
-        self.scale = param(rngs, ONES, (size,), (axis,), config.param_dtype)
+        init = ZEROS if self.offset else ONES  # an identity scale either way
+        self.scale = param(rngs, init, (size,), (axis,), config.param_dtype)
 
     def __call__(self, x_xD: jax.Array) -> jax.Array:
         """Normalises the last dimension of ``x [..., D]`` (or ``[..., H]``); returns its dtype."""
         x = x_xD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        # Cast before scaling, as Hugging Face does.
+        if self.offset:
+            return (x * (1.0 + self.scale[...].astype(jnp.float32))).astype(x_xD.dtype)
+        # Cast before scaling, as Hugging Face's Llama does.
         return x.astype(x_xD.dtype) * self.scale[...].astype(x_xD.dtype)
 
 
@@ -155,11 +162,15 @@ def make_norm(config: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm | LayerNorm:
 
 
 class Embedding(nnx.Module):
-    """Token embedding, plus learned absolute positions when ``positional='learned'``."""
+    """Token embedding (scaled by sqrt(D) with ``config.embed_scale``), plus learned
+    absolute positions when ``positional='learned'``."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.dtype = config.dtype
         v, d, pd = config.vocab_size, config.d_model, config.param_dtype
+        # Gemma: vectors times sqrt(D), rounded to the compute dtype first as Hugging Face
+        # does (its normaliser is a tensor of the hidden states' dtype).
+        self.scale = math.sqrt(d) if config.embed_scale else None
         # std 1/sqrt(D): a tied LM head then gives O(1) logits.
         init = Init("normal", d**-0.5)
         self.token_table = param(rngs, init, (v, d), ("vocab", "embed"), pd)
@@ -174,6 +185,8 @@ class Embedding(nnx.Module):
         """Looks up token (and position) vectors: [B, T] ints -> x [B, T, D]."""
         with jax.named_scope(Module.EMBEDDING.value):
             x_BTD = jnp.take(self.token_table[...], tokens_BT, axis=0).astype(self.dtype)
+            if self.scale is not None:
+                x_BTD = x_BTD * jnp.asarray(self.scale, self.dtype)
             if self.position_table is not None:
                 # Padding may sit past the table (a chunk near the end): clamp, never NaN.
                 last = self.position_table.shape[0] - 1

@@ -50,7 +50,13 @@ import jax.numpy as jnp
 from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask, kv_replicated
-from jaxpar.models._attention_ops import _HALF, DECODE_IMPLS, _interpret
+from jaxpar.models._attention_ops import (
+    _HALF,
+    DECODE_IMPLS,
+    _interpret,
+    kernel_scaled_q,
+    softcap_scores,
+)
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.spec import Module, active_platform, logical_shard_map
 
@@ -88,7 +94,19 @@ def _resolve(impl: str, dtype) -> str:
     return impl
 
 
-def paged_xla(q_BNH, k_KAZH, v_KAZH, tables_BN, lengths_B, head_ids_N, *, group, window):
+def paged_xla(
+    q_BNH,
+    k_KAZH,
+    v_KAZH,
+    tables_BN,
+    lengths_B,
+    head_ids_N,
+    *,
+    group,
+    window,
+    scale=None,
+    softcap=None,
+):
     """One shard of grouped decode attention over the rows' pages (see the module doc).
 
     ``lengths_B``: valid keys per row, the new token included (its query sits at
@@ -112,7 +130,7 @@ def paged_xla(q_BNH, k_KAZH, v_KAZH, tables_BN, lengths_B, head_ids_N, *, group,
     # (K, B) lead both operands, in that order: batched dots with no transpose of the
     # gathered keys and values.
     s_KBGS = jnp.einsum("KBGH,KBSH->KBGS", q_KBGH, k_KBSH, preferred_element_type=jnp.float32)
-    s_KBGS = s_KBGS * (h**-0.5)
+    s_KBGS = softcap_scores(s_KBGS * (h**-0.5 if scale is None else scale), softcap)
     k_pos_S = jnp.arange(s, dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
@@ -149,9 +167,11 @@ def paged_decode_attention(
     kv: PagedLayer,
     *,
     lengths_B: jax.Array,
-    window: int | None,
+    window: int | jax.Array | None,
     impl: str = "auto",
     interpret: bool | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """One new query per row over its pages, which already hold its key and value.
 
@@ -159,11 +179,13 @@ def paged_decode_attention(
         q_BNH: The new token's queries.
         kv: The layer's pool ``[K, A, Z, H]`` and the rows' block tables ``[B, N]``.
         lengths_B: Valid keys per row, the new token included.
-        window: Sliding-window size, or None.
+        window: Sliding-window size (static or traced), or None.
         impl: The model's ``decode_attention`` choice, or ``"pallas_tpu"`` (see the module
             docstring).
         interpret: Run a Pallas kernel in interpret mode (tests on CPU); default: whether
             an :func:`~jaxpar.models.interpret_kernels` context is active.
+        scale: Score scale; None: ``1/sqrt(H)``.
+        softcap: Gemma 2's score soft cap, or None; neither kernel caps, so XLA runs.
 
     Returns:
         out_BNH in q's dtype.
@@ -175,10 +197,15 @@ def paged_decode_attention(
     n = q_BNH.shape[1]
     group = n // kv.k_KAZH.shape[0]
     body = None
-    if impl != "xla" and window is None:  # neither kernel masks a sliding window
+    # Neither kernel masks a sliding window or soft-caps scores.
+    if impl != "xla" and window is None and softcap is None:
         body = _kernel_body(impl, q_BNH, kv, group, _interpret(interpret))
     if body is None:
-        body = functools.partial(paged_xla, group=group, window=window)
+        body = functools.partial(
+            paged_xla, group=group, window=window, scale=scale, softcap=softcap
+        )
+    else:
+        q_BNH = kernel_scaled_q(q_BNH, scale)
     sharded = logical_shard_map(
         body,
         in_axes=(DECODE_Q_AXES, PAGE_AXES, PAGE_AXES, TABLE_AXES, ("batch",), ("heads",)),
