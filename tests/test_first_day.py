@@ -84,6 +84,27 @@ def _error(capsys, argv: list[str]) -> str:
     return " ".join((captured.out + captured.err).split())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_bf16_step_on_cpu_converts_every_weight_each_step(dtype):
+    """Why bf16 dispatched step by step is slower on CPU than in one fused loop (the
+    README's account): XLA:CPU's dot takes f32 operands, so the compiled bf16 decode step
+    converts each weight kernel to f32 before its dot, every step (a fused loop hoists
+    those loop-invariant converts); the f32 step has next to none. If XLA:CPU gains a bf16
+    dot this fails, and the README's explanation and the CPU f32 default need revisiting."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, dtype=dtype, param_dtype=dtype)
+    engine = jaxpar.InferenceEngine(config, jaxpar.init_params(config), max_batch=1, max_seq_len=32)
+    _, cache, first = engine.prefill(np.array([[1, 2, 3]], np.int32), np.array([3], np.int32))
+    hlo = engine.steps.lower_decode(engine.params, cache, first).compile().as_text()
+    converts = len(re.findall(r"\bconvert\(", hlo))
+    kernels = config.n_layers * 4  # at least q/k/v/o or the FFN's, each a converted operand
+    if dtype == "bfloat16":
+        assert converts >= kernels, converts
+    else:
+        assert converts <= 2, converts
+
+
 def test_loose_command_line_values_are_refused(capsys):
     out = _error(capsys, ["run", "--model", "tiny-dense", "--tp", "0", "--prompt", "1,2"])
     assert "ParallelConfig.tp must be an int >= 1, got 0" in out
