@@ -190,7 +190,7 @@ def test_queue_is_bounded_and_bad_requests_fail_before_queueing():
     engine = _engine(ParallelConfig(), max_batch=1)
     batcher = ContinuousBatcher(engine, max_queue=2)  # not started: nothing drains
     for bad, error, match in [
-        ([], ShapeError, "non-empty"),
+        ([], ShapeError, "is empty"),
         ([1, CONFIG.vocab_size], ShapeError, "outside the vocabulary"),
         ([1.5, 2.0], ShapeError, "integers"),
         ([1] * (MAX_SEQ_LEN + 1), CacheOverflowError, "max_seq_len"),

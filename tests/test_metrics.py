@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpar.cli import main
 from jaxpar.engine import (
+    Admission,
     BatcherStats,
     ContinuousBatcher,
     KVBudget,
@@ -109,6 +110,7 @@ class _Batcher:
     failure: None = None
     max_prompt_len: int = 64
     max_seq_len: int = 64
+    admission: Admission = Admission(vocab_size=1 << 16, max_seq_len=64)
     gaps_s: list[list[float]] = dataclasses.field(default_factory=list)
     step_log: StepLog = dataclasses.field(default_factory=lambda: StepLog(colocated=True))
 
