@@ -191,7 +191,7 @@ def test_a_warm_restart_of_serve_compiles_nothing(tmp_path):
     from tests._serve_util import ServerProcess
 
     cache = ("--compile-cache", str(tmp_path / "xla"))
-    args = ["--hf", str(CHAT), "--max-seq-len", "64", "--max-num-seqs", "4"]
+    args = ["--hf", str(CHAT), "--max-seq-len", "32", "--max-num-seqs", "4", "--prefill-batch", "1"]
     done = []
     for start in ("cold", "warm"):
         server = ServerProcess(

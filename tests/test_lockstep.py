@@ -72,11 +72,11 @@ def test_replaying_the_record_reproduces_the_device_state(engine):
     ]
     with batcher:
         streams = [
-            batcher.submit(p, max_tokens=20, sampling=s, seed=i)
+            batcher.submit(p, max_tokens=12, sampling=s, seed=i)
             for i, (p, s) in enumerate(zip(prompts * 2, samplings * 2, strict=True))
         ]
         for stream in streams:
-            assert len(list(stream)) == 20
+            assert len(list(stream)) == 12
     stats = batcher.stats
     assert stats.prefix_hits > 0 and stats.prefill_chunks > 0  # both paths were recorded
     names = [pickle.loads(r)[0] for r in capture.records]
