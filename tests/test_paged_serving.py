@@ -18,9 +18,10 @@ from jaxpar.models import SCRATCH_PAGE
 from tests.test_batching import MAX_SEQ_LEN, SLOTS, _check_served, _engine
 
 
-def _serve(parallel: ParallelConfig, budget: KVBudget, **kw):
+def _serve(parallel: ParallelConfig, budget: KVBudget, prefill_rows: int = 2, **kw):
+    """An engine and its batcher prefilling up to ``prefill_rows`` prompts per dp shard."""
     engine = _engine(parallel, **kw)
-    batcher = ContinuousBatcher(engine, prefill_batch=2 * parallel.dp, kv_budget=budget)
+    batcher = ContinuousBatcher(engine, prefill_batch=prefill_rows * parallel.dp, kv_budget=budget)
     return engine, batcher
 
 
@@ -50,8 +51,9 @@ def test_page_sizes_that_do_and_do_not_divide_the_prompts(page_size):
 def test_a_tiny_pool_preempts_and_every_request_still_equals_offline(parallel, shard_tokens):
     """A few dozen tokens per batch shard for its rows' requests of up to 25 tokens each:
     rows run out of pages mid-decode, the latest admitted is preempted and recomputed."""
-    shards = parallel.dp
-    engine, batcher = _serve(parallel, KVBudget(page_size=4, tokens=shard_tokens * shards))
+    shards = parallel.dp  # one prompt per shard at a time: few prefill programs to warm up
+    budget = KVBudget(page_size=4, tokens=shard_tokens * shards)
+    engine, batcher = _serve(parallel, budget, prefill_rows=1)
     assert batcher.pool.pages_per_shard == shard_tokens // 4 + 1  # + the scratch page
     with batcher:
         batcher.warmup(range(1, 33))

@@ -33,6 +33,8 @@ def servers(tmp_path_factory):
     """Both servers, started together so that their warmups overlap."""
     log_dir = tmp_path_factory.mktemp("serve")
     common = ["--hf", "tests/fixtures/llama_chat", "--max-seq-len", str(MAX_SEQ_LEN)]
+    # 16 rows for 64 requests (they queue and refill); few programs to warm up.
+    common += ["--max-num-seqs", "16"]
     started = {}
     try:
         for name, flags in STRATEGIES.items():
