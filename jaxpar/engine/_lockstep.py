@@ -58,6 +58,9 @@ HEARTBEAT_S = 1.0
 #: ``jaxpar.engine.initialize_distributed`` sets it) end every process, so that clients
 #: get their 503 first.
 LOST_AFTER_S = 5.0
+#: Seconds process 0 waits for a process's first heartbeat (loading a checkpoint may
+#: take one host longer than another); JAX's own heartbeats still end a dead one.
+START_GRACE_S = 300.0
 _STOP = "stop"
 
 
@@ -180,7 +183,8 @@ class Heartbeat:
 class Monitor:
     """Process 0's watch over the other processes' heartbeats: calls ``on_lost(error)``
     once, with a :class:`PeerLostError` naming every process whose heartbeat stopped for
-    ``lost_after_s`` (or never started within ``lost_after_s`` of :meth:`start`)."""
+    ``lost_after_s``, or that has not sent its first within :data:`START_GRACE_S` of
+    :meth:`start` (processes load and reach their batcher at different times)."""
 
     def __init__(self, on_lost: Callable[[PeerLostError], Any], lost_after_s: float = LOST_AFTER_S):
         self._client, self._on_lost, self.lost_after_s = _client(), on_lost, lost_after_s
@@ -205,7 +209,11 @@ class Monitor:
                 current = beats.get(f"{ALIVE}/{pid}")
                 if current != value:
                     seen[pid] = (current, now)
-            lost = [pid for pid, (_, since) in seen.items() if now - since > self.lost_after_s]
+            lost = [
+                pid
+                for pid, (value, since) in seen.items()
+                if now - since > (self.lost_after_s if value is not None else START_GRACE_S)
+            ]
             if lost:
                 self.lost = lost
                 mark_peer_lost()
