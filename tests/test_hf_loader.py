@@ -514,7 +514,7 @@ def test_qwen3_moe_config_mapping() -> None:
         (dict(num_local_experts=0), "num_local_experts=0 makes every layer a dense MLP"),
         (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window=true"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+        (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0}), "rope type 'longrope'"),
     ],
 )
 def test_qwen3_moe_unsupported_config_is_named(change: dict, match: str) -> None:

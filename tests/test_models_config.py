@@ -15,11 +15,13 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import (
     PRESETS,
     Llama3RopeScaling,
+    YarnRopeScaling,
     abstract_model,
     apply_rope,
     init_model,
     param_logical_axes,
     preset,
+    rope_attention_factor,
     rope_inv_freq,
 )
 from jaxpar.spec._dims import ModelDims
@@ -182,8 +184,8 @@ def test_rope_scaling_from_mapping_and_hashable() -> None:
     hash(c)
     with pytest.raises(ConfigError, match="lacks key"):
         dataclasses.replace(preset("tiny-dense"), rope_scaling={"rope_type": "llama3"})
-    with pytest.raises(ConfigError, match="not supported"):
-        dataclasses.replace(preset("tiny-dense"), rope_scaling={"rope_type": "yarn"})
+    with pytest.raises(ConfigError, match="'dynamic' is not supported; legal: 'llama3', 'yarn'"):
+        dataclasses.replace(preset("tiny-dense"), rope_scaling={"rope_type": "dynamic"})
 
 
 def _llama3_reference(head_dim: int, theta: float, s: Llama3RopeScaling) -> np.ndarray:
@@ -216,6 +218,109 @@ def test_llama3_rope_scaling_matches_reference() -> None:
     ratio = plain / got
     assert np.any(np.isclose(ratio, 1.0)) and np.any(np.isclose(ratio, 32.0))
     assert np.any((ratio > 1.01) & (ratio < 31.9))
+
+
+def _yarn_reference(head_dim: int, theta: float, s: YarnRopeScaling) -> np.ndarray:
+    """YaRN's frequencies from the paper (arXiv 2309.00071, section 3.2), one plane at a
+    time in float64: r(d) = L / wavelength(d) turns over the original context L; the
+    plane keeps its frequency when r > beta_fast, takes freq / factor when r < beta_slow,
+    and blends linearly over the plane index in between."""
+
+    def index_turning(turns: float) -> float:
+        return (
+            head_dim
+            * math.log(s.original_max_position_embeddings / (turns * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low, high = index_turning(s.beta_fast), index_turning(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    out = []
+    for d in range(head_dim // 2):
+        freq = theta ** (-2 * d / head_dim)
+        keep = 1 - min(max((d - low) / (high - low), 0.0), 1.0)
+        out.append(freq * keep + freq / s.factor * (1 - keep))
+    return np.array(out)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # GPT-OSS's: no truncation of the ramp.
+        dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=4096,
+        ),
+        # DeepSeek-V3's: mscale / mscale_all_dim, the truncated ramp.
+        dict(
+            rope_type="yarn",
+            factor=40.0,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=4096,
+        ),
+    ],
+)
+def test_yarn_rope_scaling_matches_the_paper(raw: dict) -> None:
+    c = dataclasses.replace(
+        preset("tiny-dense"),
+        head_dim=64,
+        rope_theta=150000.0,
+        rope_scaling=raw,
+        max_position_embeddings=131072,
+    )
+    s = c.rope_scaling
+    assert isinstance(s, YarnRopeScaling)
+    hash(c)
+    got = rope_inv_freq(c.head_dim, c.rope_theta, s)
+    np.testing.assert_allclose(got, _yarn_reference(c.head_dim, c.rope_theta, s), rtol=2e-6)
+    ratio = rope_inv_freq(c.head_dim, c.rope_theta) / got
+    assert np.any(np.isclose(ratio, 1.0)) and np.any(np.isclose(ratio, s.factor))
+    assert np.any((ratio > 1.01) & (ratio < s.factor * 0.99))  # the ramp
+    # cos/sin factor: 0.1 ln(factor) + 1, or its ratio to itself when both mscales are equal.
+    want = 1.0 if raw.get("mscale") else 0.1 * math.log(raw["factor"]) + 1
+    assert math.isclose(rope_attention_factor(s), want)
+    assert rope_attention_factor(None) == 1.0
+
+
+def test_yarn_config_errors_and_defaults() -> None:
+    base = preset("tiny-dense")
+    # transformers' defaults: original context = max_position_embeddings, betas 32 / 1.
+    c = dataclasses.replace(base, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert c.rope_scaling == YarnRopeScaling(
+        factor=4.0, original_max_position_embeddings=base.max_position_embeddings
+    )
+    explicit = dict(rope_type="yarn", factor=4.0, attention_factor=0.5)
+    assert dataclasses.replace(base, rope_scaling=explicit).rope_scaling.attention_factor == 0.5
+    with pytest.raises(ConfigError, match="factor must be >= 1"):
+        dataclasses.replace(base, rope_scaling={"rope_type": "yarn", "factor": 0.5})
+    with pytest.raises(ConfigError, match="rope_local_theta with YaRN"):
+        dataclasses.replace(
+            base,
+            sliding_window=8,
+            rope_local_theta=10.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0},
+        )
+
+
+def test_apply_rope_scales_cos_and_sin() -> None:
+    inv = rope_inv_freq(8, 10000.0)
+    x = jax.random.normal(jax.random.key(1), (1, 3, 2, 8))
+    pos = jnp.array([[0, 2, 7]])
+    np.testing.assert_allclose(
+        np.asarray(apply_rope(x, pos, inv, 1.25)),
+        1.25 * np.asarray(apply_rope(x, pos, inv)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
 
 
 def test_apply_rope_rotate_half() -> None:

@@ -13,7 +13,14 @@ from jaxpar.models._cache import (
     check_room,
     write_token,
 )
-from jaxpar.models._config import ARCHS, PRESETS, Llama3RopeScaling, ModelConfig, preset
+from jaxpar.models._config import (
+    ARCHS,
+    PRESETS,
+    Llama3RopeScaling,
+    ModelConfig,
+    YarnRopeScaling,
+    preset,
+)
 from jaxpar.models._decoder import (
     Decoder,
     DecoderLayer,
@@ -50,7 +57,7 @@ from jaxpar.models._paged import (
     write_prompts,
 )
 from jaxpar.models._quant import QUANT_DTYPES, element_bytes, param_bytes, quantize_params
-from jaxpar.models._rope import apply_rope, rope_inv_freq
+from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
 
 __all__ = [
     "DOWN_AXES",
@@ -83,6 +90,7 @@ __all__ = [
     "LMHead",
     "LayerNorm",
     "Llama3RopeScaling",
+    "YarnRopeScaling",
     "ModelConfig",
     "MoE",
     "RMSNorm",
@@ -108,6 +116,7 @@ __all__ = [
     "param_logical_axes",
     "preset",
     "prefill",
+    "rope_attention_factor",
     "rope_inv_freq",
     "with_layer_loop",
 ]

@@ -21,7 +21,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, kernel, project
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
-from jaxpar.models._rope import apply_rope, rope_inv_freq
+from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxpar.spec import Module, constrain
 
 
@@ -153,8 +153,9 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if self.rope_theta is not None:
             inv_freq = self._inv_freq(slides)
-            q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq)
-            k_BTKH = apply_rope(k_BTKH, pos_BT, inv_freq)
+            scale = rope_attention_factor(self.rope_scaling)
+            q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq, scale)
+            k_BTKH = apply_rope(k_BTKH, pos_BT, inv_freq, scale)
         q_BTNH = constrain(q_BTNH, Q_AXES, Module.ATTENTION)
         return q_BTNH, k_BTKH, v_BTKH
 

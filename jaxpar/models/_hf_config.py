@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models._config import Llama3RopeScaling, ModelConfig
+from jaxpar.models._config import ROPE_SCALINGS, ModelConfig, RopeScaling, rope_scaling_from_mapping
 
 #: Hugging Face architecture class -> jaxpar arch.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -164,7 +164,7 @@ def _qwen3_moe_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling, from top-level keys or transformers 5.x ``rope_parameters``."""
     params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
@@ -174,9 +174,19 @@ def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, Llama3RopeScaling 
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return float(theta), None
-    if kind != "llama3":
-        raise CheckpointError(f"{source}: rope type {kind!r} unsupported; 'default', 'llama3'")
-    return float(theta), Llama3RopeScaling.from_mapping(scaling)
+    if kind not in ROPE_SCALINGS:
+        legal = ", ".join(map(repr, ("default", *ROPE_SCALINGS)))
+        raise CheckpointError(f"{source}: rope type {kind!r} unsupported; legal: {legal}")
+    if kind == "yarn" and hf.get("original_max_position_embeddings"):
+        # transformers prefers a top-level original_max_position_embeddings (Phi-3 style).
+        scaling = {
+            **scaling,
+            "original_max_position_embeddings": hf["original_max_position_embeddings"],
+        }
+    try:
+        return float(theta), rope_scaling_from_mapping(scaling, hf.get("max_position_embeddings"))
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def _window(hf: Mapping[str, Any], arch: str, source: str) -> int | None:
