@@ -64,3 +64,16 @@ def no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", was)
+
+
+_TIMES = os.environ.get("JAXPAR_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report) -> None:
+    """With JAXPAR_TEST_TIMES=FILE, appends each test phase's wall seconds to FILE as it
+    ends (``worker seconds phase nodeid``): where the suite's time goes, even from a run
+    that is stopped before pytest's own ``--durations`` summary."""
+    if _TIMES:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(_TIMES, "a") as f:
+            f.write(f"{worker} {report.duration:.2f} {report.when} {report.nodeid}\n")
