@@ -172,11 +172,11 @@ class SlotSteps:
     def pool_bytes_per_device(self) -> int:
         """Bytes of the pool on one device (its shard of pages and kv heads)."""
         shapes = jax.eval_shape(self._empty)
-        pools = jax.tree.leaves((shapes.k, shapes.v))
+        pools = jax.tree.leaves((shapes.k, shapes.v))  # values, and scales when quantized
         shardings = jax.tree.leaves((self.layout.k, self.layout.v))
-        itemsize = jnp.dtype(self.model_config.dtype).itemsize
-        return itemsize * sum(
-            math.prod(s.shard_shape(x.shape)) for x, s in zip(pools, shardings, strict=True)
+        return sum(
+            math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+            for x, s in zip(pools, shardings, strict=True)
         )
 
     # --- traced bodies -------------------------------------------------------------------
@@ -359,7 +359,8 @@ class SlotSteps:
         with self.steps._context(DECODE):
 
             def read(pool):
-                x = read_pages(pool, pages_PN)  # [(L,) P, N * Z, K, H]
+                # [(L,) P, N * Z, K, H], dequantized (a quantized pool) in the model dtype
+                x = read_pages(pool, pages_PN, self.model_config.dtype)
                 return jax.tree.map(lambda a: a[..., :length, :, :], x)
 
             return read(slots.k), read(slots.v)
