@@ -270,3 +270,37 @@ def test_quantized_paged_step_copies_no_weight_or_page_pool(parallel, mode):
     assert any(isinstance(x, QuantKV) for x in slots.abstract().k)
     fraction = paged_moved_fraction(compiled, eng, slots)
     assert fraction <= BUDGET, f"{fraction:.1%} of parameter + pool bytes moved per step"
+
+
+# --- the Pallas GPU paged kernel's scale inputs (interpret mode on CPU) -----------------------
+
+
+@pytest.mark.parametrize("name", ["single", "dp2-tp2", "tp4-kv-replicated"])
+def test_pallas_gpu_paged_kernel_reads_the_scales(name):
+    """The kernel given int8 pages and their ``[K, A, Z]`` scales equals the XLA path over
+    the same quantized pool (f32, 1e-5 of the largest output as tests/test_paged_kernels.py
+    for outputs of size ~1; measured 1.7e-6), and both equal
+    attention over the dequantized pool: the scales are applied, and to the right keys."""
+    from tests.test_paged_kernels import STRATEGIES, _attend, _case, _max_diff, _reference, _run
+
+    config, n_kv_heads = STRATEGIES[name]
+    case = _case(config, n_kv_heads=n_kv_heads)
+    # Vectors of different magnitudes: a scale applied to the wrong key changes the result.
+    rng = np.random.default_rng(5)
+    spread = jnp.asarray(2.0 ** rng.integers(-3, 4, size=(*case.k_KAZH.shape[:3], 1)))
+    case.k_KAZH = quantize_kv(case.k_KAZH * spread, "int8")
+    case.v_KAZH = quantize_kv(case.v_KAZH * spread, "int8")
+
+    def both(*args):
+        return _attend("pallas_gpu")(*args), _attend("xla")(*args)
+
+    (out, ref), jaxpr = _run(config, both, case, n_kv_heads)
+    assert jaxpr.count("pallas_call") == 1, "the kernel path fell back to XLA"
+    tol = 1e-5 * float(np.max(np.abs(np.asarray(ref))))
+    assert _max_diff(out, ref) < tol
+    dequantized = dataclasses.replace(
+        case,
+        k_KAZH=dequantize_kv(case.k_KAZH, jnp.float32),
+        v_KAZH=dequantize_kv(case.v_KAZH, jnp.float32),
+    )
+    assert _max_diff(out, _reference(dequantized)) < tol
