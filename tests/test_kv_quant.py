@@ -339,3 +339,35 @@ def test_prefix_hits_over_a_quantized_cache():
     assert (cold.cached_tokens, hit.cached_tokens) == (0, whole)
     assert len(got) == len(expected) == 16
     assert sum(a == b for a, b in zip(expected, got, strict=True)) >= 0.9 * 16, (expected, got)
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+def test_plan_counts_the_quantized_cache_and_keeps_the_flag(capsys):
+    """``jaxpar plan`` (analytic): llama-1b in bf16 (head_dim 64) on 2 devices; int8 K/V
+    with their scales take (64 + 4) / (2 * 64) = 0.53 of the bf16 cache's bytes (the rows'
+    int32 lengths aside), every plan is unpipelined, and the proposed command keeps the
+    flag."""
+    import json
+
+    from jaxpar.cli import main
+
+    args = ["plan", "--model", "llama-1b", "--dtype", "bfloat16", "--devices", "2"]
+    args += ["--hardware", "h100", "--batch", "16", "--prompt-len", "64", "--gen-len", "64"]
+
+    def plans(*extra):
+        assert main([*args, *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    full, quant = plans(), plans("--kv-cache-dtype", "int8")
+    by_strategy = {p["strategy"]: p["memory"]["kv_cache"] for p in full["plans"]}
+    compared = 0
+    for p in quant["plans"]:
+        assert p["degrees"]["pp"] == 1
+        if p["strategy"] in by_strategy:
+            ratio = p["memory"]["kv_cache"] / by_strategy[p["strategy"]]
+            assert abs(ratio - 68 / 128) < 0.01, (p["strategy"], ratio)
+            compared += 1
+    assert compared > 0
+    assert "--kv-cache-dtype int8" in quant["command"]
