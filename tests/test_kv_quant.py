@@ -330,6 +330,7 @@ def test_prefix_hits_over_a_quantized_cache():
     engine = _serving_engine("int8", ParallelConfig())  # its programs shared (cached)
     request = dict(_shared_prefix_requests()[0], sampling=Sampling(), max_tokens=16)
     batcher = ContinuousBatcher(engine, kv_budget=KVBudget(page_size=4, tokens=256))
+    assert "256 tokens (int8 + f32 scales)" in batcher.describe_cache()  # serve's start line
     with batcher:
         cold = batcher.submit(**request)
         expected = cold.result(timeout=120)
