@@ -201,16 +201,19 @@ def test_sharded_quantized_decode_equals_single_device(parallel):
 
 
 @functools.cache
-def _served(mode: str, parallel: ParallelConfig):
+def _served(mode: str, parallel: ParallelConfig, layer_loop: str = "unrolled"):
     prompts = [PROMPT, PROMPT[:3], PROMPT[2:7]]
-    return _serving_engine(mode, parallel).generate(prompts, 24, logprobs=0)
+    return _serving_engine(mode, parallel, layer_loop).generate(prompts, 24, logprobs=0)
 
 
 @functools.cache
-def _serving_engine(mode: str, parallel: ParallelConfig) -> jaxpar.InferenceEngine:
+def _serving_engine(
+    mode: str, parallel: ParallelConfig, layer_loop: str = "unrolled"
+) -> jaxpar.InferenceEngine:
+    config, params = jaxpar.models.with_layer_loop(CONFIG, _float_params(), layer_loop)
     return jaxpar.InferenceEngine(
-        CONFIG,
-        _float_params(),
+        config,
+        params,
         parallel,
         max_batch=4,
         max_seq_len=48,
@@ -222,8 +225,10 @@ def _serving_engine(mode: str, parallel: ParallelConfig) -> jaxpar.InferenceEngi
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp=2, tp=2)], ids=["dp2-tp2"])
 def test_sharded_paged_serving_equals_single_device(parallel):
     """``generate`` runs the paged serving core: pages over dp, kv heads over tp, scales
-    split as their values (kv heads replicated over tp: the kernel test below)."""
-    single, sharded = _served("int8", ParallelConfig()), _served("int8", parallel)
+    split as their values (kv heads replicated over tp: the kernel test below); the sharded
+    engine's layers are stacked (``layer_loop="scan"``: one pool ``[L, K, A, Z, H]`` and its
+    scales, written per layer inside the scan)."""
+    single, sharded = _served("int8", ParallelConfig()), _served("int8", parallel, "scan")
     assert sharded.tokens == single.tokens
     lp = np.asarray([[t.logprob for t in row] for row in single.logprobs])
     lp_sharded = np.asarray([[t.logprob for t in row] for row in sharded.logprobs])
