@@ -377,3 +377,13 @@ def test_plan_counts_the_quantized_cache_and_keeps_the_flag(capsys):
             compared += 1
     assert compared > 0
     assert "--kv-cache-dtype int8" in quant["command"]
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "demo", "explain"])
+def test_the_flag_is_on_every_command_that_holds_a_cache(capsys, command):
+    from jaxpar.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert "--kv-cache-dtype {int8,fp8}" in " ".join(capsys.readouterr().out.split())
