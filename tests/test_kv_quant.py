@@ -59,6 +59,7 @@ CONFIG = preset("tiny-gqa")  # 4 layers, 8 query heads over 2 kv heads, head_dim
 # --- quantization itself ---------------------------------------------------------------------
 
 
+@pytest.mark.jax_compat
 @pytest.mark.parametrize("mode", MODES)
 def test_quantize_per_vector_error_bounds(mode):
     rng = np.random.default_rng(0)
@@ -85,6 +86,7 @@ def test_quantize_per_vector_error_bounds(mode):
     )
 
 
+@pytest.mark.jax_compat
 def test_pages_written_quantized_read_back_dequantized():
     """What a prefix hit or a chunk reads: prefilled K written into a quantized pool
     (values and scales by the same scatter), gathered back per row as prefill lays it out."""
@@ -286,6 +288,7 @@ def test_quantized_paged_step_copies_no_weight_or_page_pool(parallel, mode):
 # --- the Pallas GPU paged kernel's scale inputs (interpret mode on CPU) -----------------------
 
 
+@pytest.mark.jax_compat
 @pytest.mark.parametrize("name", ["single", "tp4-kv-replicated"])
 def test_pallas_gpu_paged_kernel_reads_the_scales(name):
     """The kernel given int8 pages and their ``[K, A, Z]`` scales equals the XLA path over
