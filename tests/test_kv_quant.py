@@ -390,3 +390,27 @@ def test_the_flag_is_on_every_command_that_holds_a_cache(capsys, command):
         main([command, "--help"])
     assert exit_.value.code == 0
     assert "--kv-cache-dtype {int8,fp8}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explain_lists_the_pool_and_its_scales_with_dtypes_and_bytes():
+    from jaxpar.cli._explain import tensor_rows
+    from jaxpar.spec import Phase
+
+    config = dataclasses.replace(CONFIG, kv_cache_dtype="fp8")
+    kw = dict(batch=8, prompt_len=16, max_seq_len=64)
+    rows = {
+        r["tensor"].split(" (")[0]: r
+        for r in tensor_rows(config, ParallelConfig(tp=2), Phase.DECODE, **kw)
+    }
+    pool, scales = rows["KV page pool"], rows["KV cache scales"]
+    assert (pool["dtype"], scales["dtype"]) == ("float8_e4m3fn", "float32")
+    assert pool["spec"] == scales["spec"]  # split as their values: kv heads over tp
+    assert scales["bytes_per_device"] * CONFIG.head_dim == pool["bytes_per_device"] * 4
+    full = {
+        r["tensor"].split(" (")[0]: r
+        for r in tensor_rows(CONFIG, ParallelConfig(tp=2), Phase.DECODE, **kw)
+    }
+    assert "KV cache scales" not in full
+    assert full["KV page pool"]["bytes_per_device"] == 4 * pool["bytes_per_device"]  # f32 vs fp8
+    prefill = tensor_rows(config, ParallelConfig(tp=2), Phase.PREFILL, **kw)
+    assert prefill[0]["dtype"] == "float32"  # prefill's K/V leave the step unquantized
