@@ -526,6 +526,9 @@ class ContinuousBatcher:
         row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
         side.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
         if self.disaggregated:
+            quantizer = self.executor._quantizer  # quantized decode cache: quantized K/V in
+            if quantizer is not None:
+                k, v = quantizer.compile(k, v)
             self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
             whole = side.pages.pool.pages_for(length)
             side.slot_steps.compile_context(rows, whole, eng.layouts.kv_prefill, length)

@@ -117,11 +117,19 @@ def dequantize_kv(x: jax.Array | QuantKV, dtype: Any) -> jax.Array:
 
 def as_stored(new: jax.Array, like: jax.Array | QuantKV) -> jax.Array | QuantKV:
     """New keys or values made like the cache tensor ``like`` stores them: quantized
-    (with ``like``'s format) for a :class:`QuantKV`, else cast to its dtype."""
+    (with ``like``'s format) for a :class:`QuantKV`, else cast to its dtype; ``new``
+    itself when it is quantized already."""
+    if isinstance(new, QuantKV):
+        return new  # quantized already (a disaggregated transfer carries the scales)
     if not isinstance(like, QuantKV):
         return new.astype(like.dtype)
     mode = "int8" if like.dtype == jnp.dtype(jnp.int8) else "fp8"
     return quantize_kv(new, mode)
+
+
+def quantize_tree(tree: Any, mode: str | None) -> Any:
+    """Every array of a K or V tree (per-layer tuple, or stacked) quantized."""
+    return jax.tree.map(lambda x: quantize_kv(x, mode), tree)
 
 
 def kv_map(fn: Callable[..., jax.Array], x: Any, *rest: Any) -> Any:
