@@ -414,3 +414,30 @@ def test_explain_lists_the_pool_and_its_scales_with_dtypes_and_bytes():
     assert full["KV page pool"]["bytes_per_device"] == 4 * pool["bytes_per_device"]  # f32 vs fp8
     prefill = tensor_rows(config, ParallelConfig(tp=2), Phase.PREFILL, **kw)
     assert prefill[0]["dtype"] == "float32"  # prefill's K/V leave the step unquantized
+
+
+def test_disaggregated_kv_crosses_quantized():
+    """Prefill on device 0, decode on device 1: the prompt's K/V are quantized where the
+    prefill ran and cross as int8 values plus float32 scales (2 x L x T x K x (H + 4)
+    bytes, and the row's length and first token), then are inserted as they are: the
+    same tokens as the offline run of the same quantized model on one device."""
+    from jaxpar.engine import ContinuousBatcher, Sampling
+    from jaxpar.engine._kv_budget import KVBudget
+
+    def engine(device: int) -> jaxpar.InferenceEngine:
+        mesh = make_mesh(ParallelConfig(), jax.devices()[device : device + 1])
+        return jaxpar.InferenceEngine(
+            CONFIG, _float_params(), max_batch=4, max_seq_len=48, mesh=mesh, kv_cache_dtype="int8"
+        )
+
+    batcher = ContinuousBatcher(
+        engine(1), prefill_engine=engine(0), kv_budget=KVBudget(page_size=4, tokens=128)
+    )
+    with batcher:
+        got = batcher.submit(prompt=PROMPT, max_tokens=24, sampling=Sampling()).result(120)
+        stats = batcher.stats
+    assert got == _served("int8", ParallelConfig()).tokens[0]
+    c = CONFIG
+    per_token = 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 4)  # int8 K and V, f32 scales
+    t, rest = divmod(stats.transfer_bytes - 8, per_token)  # 8: the length and first token
+    assert stats.transfers == 1 and rest == 0 and len(PROMPT) <= t <= 48, stats.transfer_bytes
