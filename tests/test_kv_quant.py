@@ -380,6 +380,17 @@ def test_plan_counts_the_quantized_cache_and_keeps_the_flag(capsys):
             compared += 1
     assert compared > 0
     assert "--kv-cache-dtype int8" in quant["command"]
+    # A disaggregated plan's K/V cross as the cache stores them.
+    from jaxpar.plan._disaggregated import kv_transfer_bytes
+    from jaxpar.plan._enumerate import Workload
+
+    model = dataclasses.replace(preset("llama-1b"), dtype="bfloat16", param_dtype="bfloat16")
+    work = Workload(batch=4, prompt_len=64, gen_len=8)
+    int8 = dataclasses.replace(model, kv_cache_dtype="int8")
+    ints = 2 * work.prefill_rows * 4  # each row's length and first token
+    assert (kv_transfer_bytes(int8, work) - ints) * 128 == (
+        kv_transfer_bytes(model, work) - ints
+    ) * 68
 
 
 @pytest.mark.parametrize("command", ["run", "serve", "demo", "explain"])
