@@ -119,7 +119,6 @@ class InferenceEngine:
         if kv_cache_dtype is not None:
             model_config = dataclasses.replace(model_config, kv_cache_dtype=kv_cache_dtype)
         _check_quantize_backend(model_config)
-        _check_kv_cache(model_config, config)
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         model_config, params = pipeline_layer_form(model_config, params, config)
         # Validated and laid out from shapes; a vocabulary tp does not divide is padded
@@ -538,16 +537,6 @@ def _stop_list(stop_tokens: Sequence[int]) -> np.ndarray:
     out = np.full(max(8, 1 << max(len(stops) - 1, 0).bit_length()), -1, np.int32)
     out[: len(stops)] = stops
     return out
-
-
-def _check_kv_cache(model_config: ModelConfig, parallel: ParallelConfig) -> None:
-    """A quantized KV cache runs unpipelined: the pipeline's stage caches are float."""
-    if model_config.kv_cache_dtype is not None and parallel.pp > 1:
-        raise ConfigError(
-            f"kv_cache_dtype={model_config.kv_cache_dtype!r} runs unpipelined strategies; "
-            f"{parallel} has pp={parallel.pp}: use pp=1 (dp, sp, ep or tp), or "
-            "kv_cache_dtype=None"
-        )
 
 
 def _check_quantize_backend(model_config: ModelConfig) -> None:
