@@ -1,11 +1,14 @@
-"""Quantized weights against bf16: decode step bytes and CPU step time, batch 1 and 16.
+"""Quantized weights (and KV cache) against bf16: decode step bytes and CPU step time,
+batch 1 and 16.
 
 One CPU device, the quantization tests' model (4 layers of D 512, F 2048, bf16 weights and
 compute; its bf16 embedding and LM head stay unquantized). Per weight format and batch:
 the compiled decode step's argument bytes (weights, scales, KV cache, tokens:
 ``memory_analysis``) and its median wall time, the formats interleaved in one loop so
 they share the machine's load. Ratios are against bf16 at the same batch; the issue's
-goal: int8 reads <= 0.55x the bytes and takes <= 0.7x the time at batch 1.
+goal: int8 reads <= 0.55x the bytes and takes <= 0.7x the time at batch 1. Rows ``+ int8
+KV`` also store the KV cache in int8 (``kv_cache_dtype``: values plus a float32 scale per
+token per kv head).
 
     python scripts/bench_quant.py [--quick]
 """
@@ -26,12 +29,15 @@ sys.path.insert(0, str(ROOT))
 MAX_SEQ_LEN, PROMPT_LEN = 128, 32
 
 
-def _formats() -> list[str | None]:
+def _formats() -> list[tuple[str, str | None, str | None]]:
+    """(row name, weight format, KV cache format) of each engine measured."""
     import jax
 
     major, minor = (int(x) for x in jax.__version__.split(".")[:2])
     # int4 arrays need jax >= 0.11 to run (jaxpar refuses int4 engines below).
-    return [None, "int8", "int4"] if (major, minor) >= (0, 11) else [None, "int8"]
+    weights = [None, "int8", "int4"] if (major, minor) >= (0, 11) else [None, "int8"]
+    rows = [(fmt or "bf16", fmt, None) for fmt in weights]
+    return [*rows, ("bf16 + int8 KV", None, "int8"), ("int8 + int8 KV", "int8", "int8")]
 
 
 def _engines(batch: int):
@@ -52,7 +58,7 @@ def _engines(batch: int):
     params = init_params(config, seed=0)
     mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
     return {
-        fmt or "bf16": InferenceEngine(
+        name: InferenceEngine(
             config,
             params,
             ParallelConfig(),
@@ -60,8 +66,9 @@ def _engines(batch: int):
             max_seq_len=MAX_SEQ_LEN,
             mesh=mesh,
             quantize=fmt,
+            kv_cache_dtype=kv,
         )
-        for fmt in _formats()
+        for name, fmt, kv in _formats()
     }
 
 
@@ -106,7 +113,7 @@ def quant_section(quick: bool = False) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| batch | weights | decode argument bytes | vs bf16 | step ms | vs bf16 |",
+        "| batch | weights (+ KV cache) | decode argument bytes | vs bf16 | step ms | vs bf16 |",
         "|---|---|---|---|---|---|",
     ]
     for batch, rows in result.items():

@@ -12,6 +12,7 @@ from jaxpar.cli._common import (
     DTYPES,
     add_context_arg,
     add_degree_args,
+    add_kv_cache_arg,
     add_model_args,
     add_quantize_arg,
     join_option_values,
@@ -191,6 +192,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--hf", type=Path, required=True, help="Hugging Face checkpoint directory")
     serve.add_argument("--dtype", choices=DTYPES, default=None, help="(default: the model's own)")
     add_quantize_arg(serve)
+    add_kv_cache_arg(serve)
     add_degree_args(serve, "1; decode's strategy when --prefill is given")
     add_serve_args(serve)
 

@@ -116,6 +116,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:
         "past it are dropped and counted (default: dropless, as transformers)",
     )
     add_quantize_arg(parser)
+    add_kv_cache_arg(parser)
     parser.set_defaults(default_model=default_model)
 
 
@@ -127,6 +128,17 @@ def add_quantize_arg(parser: argparse.ArgumentParser) -> None:
         help="weight-only quantization of the attention and FFN kernels at load time: int8 "
         "and fp8 per output channel, int4 per group of 128 (embedding, LM head and MoE "
         "experts stay in --dtype)",
+    )
+
+
+def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("int8", "fp8"),
+        default=None,
+        help="store the KV cache quantized: int8 or fp8 (e4m3) values with one float32 "
+        "scale per token per kv head (about half a bf16 cache: twice the tokens fit; "
+        "default: --dtype)",
     )
 
 
@@ -240,7 +252,15 @@ def _with_capacity(config, args: argparse.Namespace):
     if factor is not None:
         config = dataclasses.replace(config, moe_capacity_factor=factor)
     quantize = getattr(args, "quantize", None)
-    return config if quantize is None else dataclasses.replace(config, quantize=quantize)
+    if quantize is not None:
+        config = dataclasses.replace(config, quantize=quantize)
+    return with_kv_cache(config, args)
+
+
+def with_kv_cache(config, args: argparse.Namespace):
+    """``config`` with ``--kv-cache-dtype`` (an execution option) when given."""
+    kv = getattr(args, "kv_cache_dtype", None)
+    return config if kv is None else dataclasses.replace(config, kv_cache_dtype=kv)
 
 
 def load_model(args: argparse.Namespace, console, *, seed: int = 0):
@@ -269,7 +289,7 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
         config, params = load_hf_checkpoint(
             args.hf, dtype=dtype, shardings=on_device, quantize=quantize
         )
-    return config, params
+    return with_kv_cache(config, args), params
 
 
 def join_option_values(argv: list[str], options: tuple[str, ...] = ("--prompt",)) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from rich.console import Console
 from rich.markup import escape
@@ -35,6 +36,7 @@ from jaxpar.inspect import (
     phase_report,
 )
 from jaxpar.models import (
+    KV_CACHE_DTYPES,
     KV_SCORE_AXES,
     Q_AXES,
     STACKED_PAGE_AXES,
@@ -132,28 +134,39 @@ def tensor_rows(
     with the rows' block tables; pipelined decode keeps the contiguous ``[L, B, S, K, H]``.
     """
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
-    size = c.dtype.itemsize
+    size, name_of = c.dtype.itemsize, c.dtype.name
+    # Decode's cache as stored: int8/fp8 values plus one float32 scale per token per kv head
+    # (``--kv-cache-dtype``); prefill's K/V leave the step in the compute dtype.
+    kv = getattr(c, "kv_cache_dtype", None)
+    kv_dtype = np.dtype(KV_CACHE_DTYPES[kv]) if kv else c.dtype
     if phase is Phase.PREFILL or parallel.pp > 1:
         cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
+        cache_dtype = c.dtype if phase is Phase.PREFILL else kv_dtype
+        shape = (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim)
         table = [
             (
                 "KV cache (K and V each)",
                 Module.ATTENTION,
                 KVCache.KV_AXES,
-                (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim),
-                size,
+                shape,
+                cache_dtype.itemsize,
+                cache_dtype.name,
             )
         ]
+        scale_axes, scale_shape = KVCache.KV_AXES, shape
     else:
         shards = batch_shards(parallel, c)
         pages = shards * pages_per_shard(kv_cache_tokens or batch * max_seq_len, page_size, shards)
+        scale_axes = STACKED_PAGE_AXES
+        scale_shape = (c.n_layers, c.n_kv_heads, pages, page_size, c.head_dim)
         table = [
             (
                 f"KV page pool (K and V each; {pages} pages incl. {shards} scratch)",
                 Module.ATTENTION,
                 STACKED_PAGE_AXES,
-                (c.n_layers, c.n_kv_heads, pages, page_size, c.head_dim),
-                size,
+                scale_shape,
+                kv_dtype.itemsize,
+                kv_dtype.name,
             ),
             (
                 "block tables (page ids per row)",
@@ -161,12 +174,32 @@ def tensor_rows(
                 ("batch", None),
                 (batch, -(-max_seq_len // page_size)),
                 4,
+                "int32",
             ),
         ]
+    if kv and phase is Phase.DECODE:
+        table.insert(
+            1,
+            (
+                "KV cache scales (K and V each; per token per kv head)",
+                Module.ATTENTION,
+                (*scale_axes[:-1], None),
+                (*scale_shape[:-1], 1),
+                4,
+                "float32",
+            ),
+        )
     table += [
-        ("tokens", Module.EMBEDDING, ("batch", "seq"), (batch, t), 4),
-        ("hidden x", Module.ATTENTION, ("batch", "seq", "embed"), (batch, t, c.d_model), size),
-        ("queries", Module.ATTENTION, Q_AXES, (batch, t, c.n_heads, c.head_dim), size),
+        ("tokens", Module.EMBEDDING, ("batch", "seq"), (batch, t), 4, "int32"),
+        (
+            "hidden x",
+            Module.ATTENTION,
+            ("batch", "seq", "embed"),
+            (batch, t, c.d_model),
+            size,
+            name_of,
+        ),
+        ("queries", Module.ATTENTION, Q_AXES, (batch, t, c.n_heads, c.head_dim), size, name_of),
     ]
     if phase is Phase.PREFILL:
         table.append(
@@ -176,10 +209,13 @@ def tensor_rows(
                 KV_SCORE_AXES,
                 (batch, t, c.n_kv_heads, c.head_dim),
                 size,
+                name_of,
             )
         )
     if not c.is_moe:
-        table.append(("FFN hidden", Module.FFN, ("batch", "seq", "mlp"), (batch, t, c.d_ff), size))
+        table.append(
+            ("FFN hidden", Module.FFN, ("batch", "seq", "mlp"), (batch, t, c.d_ff), size, name_of)
+        )
     table.append(
         (
             "logits (last position)" if phase is Phase.PREFILL else "logits",
@@ -187,16 +223,18 @@ def tensor_rows(
             ("batch", "vocab"),
             (batch, c.vocab_size),
             4,
+            "float32",
         )
     )
     rows = []
-    for name, module, axes, shape, itemsize in table:
+    for name, module, axes, shape, itemsize, dtype in table:
         spec = partition_spec(axes, module, phase, parallel, dims=config)
         rows.append(
             {
                 "tensor": name,
                 "module": module.value,
                 "shape": list(shape),
+                "dtype": dtype,
                 "logical_axes": [a or "-" for a in axes],
                 "spec": _spec_text(spec),
                 "bytes_per_device": _per_device(shape, spec, parallel, itemsize),
@@ -226,6 +264,7 @@ def moe_rows(
             "tensor": f"MoE rows sent / received (n={n}, P={peers}, C={cap})",
             "module": Module.MOE.value,
             "shape": [peers * cap, config.d_model],
+            "dtype": config.dtype.name,
             "logical_axes": ["-", "embed"],
             "spec": local,
             "bytes_per_device": peers * cap * config.d_model * size,
@@ -234,6 +273,7 @@ def moe_rows(
             "tensor": f"MoE expert hidden (routed rows: top_k x n = {config.top_k * n})",
             "module": Module.MOE.value,
             "shape": [peers * cap, f_l],
+            "dtype": config.dtype.name,
             "logical_axes": ["-", "mlp"],
             "spec": local,
             "bytes_per_device": peers * cap * f_l * size,
@@ -445,7 +485,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
             _table(
                 f"{phase}: tensors",
                 d["tensors"],
-                ["tensor", "module", "shape", "logical_axes", "spec", "bytes_per_device"],
+                ["tensor", "module", "shape", "dtype", "logical_axes", "spec", "bytes_per_device"],
             )
         )
         console.print(_modules_table(phase, d["modules"]))

@@ -124,10 +124,14 @@ def command(pred: Prediction, args: argparse.Namespace) -> str:
 
 
 def source_flag(args: argparse.Namespace) -> str:
-    """The model flags of the plan's command line (with ``--quantize`` when planned so)."""
+    """The model flags of the plan's command line (with ``--quantize`` and
+    ``--kv-cache-dtype`` when planned so)."""
     source = f"--hf {args.hf}" if args.hf is not None else f"--model {args.model or 'tiny-dense'}"
     quantize = getattr(args, "quantize", None)
-    return source if quantize is None else f"{source} --quantize {quantize}"
+    if quantize is not None:
+        source = f"{source} --quantize {quantize}"
+    kv = getattr(args, "kv_cache_dtype", None)
+    return source if kv is None else f"{source} --kv-cache-dtype {kv}"
 
 
 def plain(x: float, digits: int = 4) -> str:

@@ -204,6 +204,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
                 mesh=mesh,
                 dtype=args.dtype,
                 quantize=getattr(args, "quantize", None),
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                 on_tensor=lambda name: advance(),
             )
     else:

@@ -172,6 +172,7 @@ def _engine(args, config, group: DeviceGroup, batch: int, console, what: str) ->
             mesh=group.mesh(),
             dtype=args.dtype,
             quantize=getattr(args, "quantize", None),
+            kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
             on_tensor=lambda name: adv(),
         )
 

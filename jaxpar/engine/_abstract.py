@@ -111,6 +111,12 @@ class AbstractEngine:
                 "pipeline schedule does not carry the MoE drop counts out, and drops are never "
                 "left uncounted; use dropless (moe_capacity_factor=None) or pp=1"
             )
+        kv = getattr(config, "kv_cache_dtype", None)
+        if parallel.pp > 1 and kv is not None:  # the pipeline's stage caches are float
+            raise ConfigError(
+                f"kv_cache_dtype={kv!r} runs unpipelined strategies; {parallel} has "
+                f"pp={parallel.pp}: use pp=1 (dp, sp, ep or tp), or kv_cache_dtype=None"
+            )
         config = resolve_moe_dispatch(config, mesh, platform)
         graphdef, state = nnx.split(abstract_model(config))
         shardings = param_shardings(state, mesh, parallel, config)

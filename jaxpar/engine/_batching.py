@@ -59,7 +59,7 @@ from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import DECODE, PREFILL, Executor
 from jaxpar.engine._grammar import Constraint, Grammar, all_allowed, fill_masks
-from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
+from jaxpar.engine._kv_budget import KVBudget, cache_dtype_name, describe, size_pool
 from jaxpar.engine._lockstep import (
     HEARTBEAT_S,
     Heartbeat,
@@ -389,8 +389,10 @@ class ContinuousBatcher:
         return self.pages.usage
 
     def describe_cache(self) -> str:
-        """One line: the KV cache's pages, tokens, GiB per device, sequences that fit."""
-        return describe(self.pool, self.slot_steps.pool_bytes_per_device())
+        """One line: the KV cache's pages, tokens and their dtype, GiB per device,
+        sequences that fit."""
+        dtype = cache_dtype_name(self.slot_steps.model_config)
+        return describe(self.pool, self.slot_steps.pool_bytes_per_device(), dtype)
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0):
         """:meth:`InferenceEngine.prompt_logprobs` on the prefill engine, dispatched as a
@@ -524,6 +526,9 @@ class ContinuousBatcher:
         row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
         side.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
         if self.disaggregated:
+            quantizer = self.executor._quantizer  # quantized decode cache: quantized K/V in
+            if quantizer is not None:
+                k, v = quantizer.compile(k, v)
             self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
             whole = side.pages.pool.pages_for(length)
             side.slot_steps.compile_context(rows, whole, eng.layouts.kv_prefill, length)

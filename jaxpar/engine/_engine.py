@@ -93,6 +93,12 @@ class InferenceEngine:
             dense-FFN kernels become low-precision values with float32 scales, sharded as
             their kernels. Parameters already quantized (``model_config.quantize`` set,
             e.g. ``init_params`` of a quantized config) are taken as they are.
+        kv_cache_dtype: the KV cache's storage (None: the compute dtype; "int8" or
+            "fp8"; see :mod:`jaxpar.models._kv_quant`): one float32 scale per token per
+            kv head, quantized where K/V are written, read by the XLA attention paths
+            and the Pallas GPU paged kernel; about half a bf16 cache's bytes, so twice
+            the tokens fit. Unpipelined strategies (``pp == 1``). None keeps
+            ``model_config.kv_cache_dtype``.
     """
 
     def __init__(
@@ -105,10 +111,13 @@ class InferenceEngine:
         max_seq_len: int,
         mesh: Mesh | None = None,
         quantize: str | None = None,
+        kv_cache_dtype: str | None = None,
     ):
         config = parallel_config or ParallelConfig()
         if quantize is not None:
             model_config, params = quantize_params(model_config, params, quantize)
+        if kv_cache_dtype is not None:
+            model_config = dataclasses.replace(model_config, kv_cache_dtype=kv_cache_dtype)
         _check_quantize_backend(model_config)
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         model_config, params = pipeline_layer_form(model_config, params, config)

@@ -31,7 +31,7 @@ from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._penalties import History
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling
-from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
+from jaxpar.engine._slots import FirstTokens, Inserted, KVQuantizer, SlotSteps
 
 #: The two page pools a batcher's commands name: the decode rows' own, and the prefill
 #: group's (disaggregated; colocated, it is the decode pool).
@@ -123,6 +123,9 @@ class Executor:
     ):
         self.engine = engine
         self.prefill_engine = prefill_engine
+        #: A quantized decode cache: prefilled K/V are quantized before they cross.
+        mode = engine.model_config.kv_cache_dtype
+        self._quantizer = None if mode is None else KVQuantizer(prefill_engine.steps, mode)
         self._slot_steps = {DECODE: slot_steps, PREFILL: prefill_slot_steps or slot_steps}
         self._shared = prefill_slot_steps is None  # one pool for prefill and decode
         self.first_tokens = first_tokens
@@ -238,6 +241,8 @@ class Executor:
         """Moves batch ``handle`` onto the decode devices (their prefill layout); returns
         the bytes moved."""
         lay, new = self.engine.layouts, self._batches[handle]
+        if self._quantizer is not None:  # the K/V cross quantized, with their scales
+            new = self._quantizer(new)
         moved = Inserted(
             k=jax.device_put(new.k, lay.kv_prefill),
             v=jax.device_put(new.v, lay.kv_prefill),

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxpar.engine._pages import PagePool
 from jaxpar.errors import ConfigError
-from jaxpar.models import PAGE_AXES, ModelConfig
+from jaxpar.models import PAGE_AXES, ModelConfig, kv_bytes_per_vector
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, partition_spec
 
 #: Tokens of KV cache on CPU when neither a token budget nor a memory fraction is given.
@@ -68,12 +68,14 @@ def page_bytes_per_device(
     config: ParallelConfig, mesh: jax.sharding.Mesh, dims: ModelConfig, page_size: int
 ) -> int:
     """Bytes one page takes on each device holding it: keys and values of every layer,
-    for the kv heads the device keeps (all of them when replicated over tp)."""
+    for the kv heads the device keeps (all of them when replicated over tp); a quantized
+    cache's values at their stored width plus one float32 scale per token per kv head."""
     spec = partition_spec(PAGE_AXES, Module.ATTENTION, Phase.DECODE, config, dims=dims)
     kv_axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
     local_heads = dims.n_kv_heads // math.prod(mesh.shape[a] for a in kv_axes)
-    itemsize = np.dtype(dims.dtype).itemsize
-    return 2 * dims.n_layers * local_heads * page_size * dims.head_dim * itemsize
+    mode = getattr(dims, "kv_cache_dtype", None)
+    per_vector = kv_bytes_per_vector(dims.head_dim, dims.dtype, mode)
+    return 2 * dims.n_layers * local_heads * page_size * per_vector
 
 
 def free_device_bytes(devices) -> int | None:
@@ -149,9 +151,17 @@ def size_pool(
     return PagePool(budget.page_size, per_shard, shards, rows, longest)
 
 
-def describe(pool: PagePool, bytes_per_device: int) -> str:
-    """One line: pages, tokens, GiB per device, and how many sequences of half the
-    longest request's length fit together."""
+def cache_dtype_name(dims: ModelConfig) -> str:
+    """The KV cache's storage as ``describe`` names it: ``int8``/``fp8`` (+ scales), or
+    the compute dtype's name."""
+    mode = getattr(dims, "kv_cache_dtype", None)
+    return f"{mode} + f32 scales" if mode else np.dtype(dims.dtype).name
+
+
+def describe(pool: PagePool, bytes_per_device: int, cache_dtype: str | None = None) -> str:
+    """One line: pages, tokens (and their storage, ``cache_dtype``: see
+    :func:`cache_dtype_name`), GiB per device, and how many sequences of half the longest
+    request's length fit together."""
     mean = max(pool.max_seq_len // 2, 1)
     fit = min(pool.rows, pool.usable_pages // pool.pages_for(mean))
     size = (
@@ -161,6 +171,6 @@ def describe(pool: PagePool, bytes_per_device: int) -> str:
     )
     return (
         f"KV cache: {pool.usable_pages} pages x {pool.page_size} tokens = {pool.tokens} "
-        f"tokens, {size} per device; {fit} sequences of "
+        f"tokens{f' ({cache_dtype})' if cache_dtype else ''}, {size} per device; {fit} sequences of "
         f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
     )

@@ -49,6 +49,7 @@ def engine_from_hf(
     dtype: Any = None,
     on_tensor: Callable[[str], None] | None = None,
     quantize: str | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> InferenceEngine:
     """Validates the strategy against the checkpoint's config, then loads every tensor
     directly into its sharding: each device reads only its own slice from the
@@ -59,7 +60,8 @@ def engine_from_hf(
     float32 on CPU (:func:`compute_dtype`). ``quantize`` ("int8", "fp8", "int4"):
     weight-only quantization of the loaded weights, where they lie (see
     :class:`InferenceEngine`), each kernel as soon as it is read (one float tensor alive
-    at a time: a model that fits only quantized loads).
+    at a time: a model that fits only quantized loads). ``kv_cache_dtype`` ("int8",
+    "fp8"): the KV cache's storage (see :class:`InferenceEngine`).
 
     Raises:
         IllegalStrategyError: before any tensor is read.
@@ -99,6 +101,7 @@ def engine_from_hf(
         max_batch=max_batch,
         max_seq_len=max_seq_len,
         mesh=mesh,
+        kv_cache_dtype=kv_cache_dtype,
     )
     # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
     engine.generation_defaults = generation_defaults(path)

@@ -56,6 +56,7 @@ from jaxpar.models import (
     total_dropped,
     write_prompts,
 )
+from jaxpar.models._kv_quant import quantize_tree
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE
@@ -88,6 +89,42 @@ class Inserted:
     def nbytes(self) -> int:
         """Bytes of what moves between prefill and decode devices."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+class KVQuantizer:
+    """Quantizes prefilled K/V where the prefill ran (``steps``' devices, its prefill
+    layout), before a disaggregated transfer: the K/V then cross with their scales, at
+    the stored width (int8/fp8 plus one float32 per token per kv head) rather than the
+    compute dtype's. One compile per K/V shape."""
+
+    def __init__(self, steps: Steps, mode: str):
+        self.steps, self.mode = steps, mode
+
+    def _program(self, k, v):
+        lay = self.steps.layouts.kv_prefill
+        return self.steps._compile(
+            "quantize_kv",
+            (jax.tree.map(jnp.shape, k), self.mode),
+            lambda k, v: (quantize_tree(k, self.mode), quantize_tree(v, self.mode)),
+            (lay, lay),
+            (lay, lay),  # a prefix: a tensor's values and scales split alike
+            (k, v),
+        )
+
+    def __call__(self, new: Inserted) -> Inserted:
+        k, v = self._program(new.k, new.v)(new.k, new.v)
+        return new.replace(k=k, v=v)
+
+    def compile(self, k, v) -> tuple[Any, Any]:
+        """Compiles the quantization of K/V shaped like ``k``, ``v`` (``ShapeDtypeStruct``
+        trees) ahead of its first call; returns its outputs' shapes."""
+        lay = self.steps.layouts.kv_prefill
+
+        def placed(s, x):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), x)
+
+        k, v = (jax.tree.map(placed, lay, x) for x in (k, v))
+        return self._program(k, v).out_info
 
 
 class SlotSteps:
@@ -172,11 +209,11 @@ class SlotSteps:
     def pool_bytes_per_device(self) -> int:
         """Bytes of the pool on one device (its shard of pages and kv heads)."""
         shapes = jax.eval_shape(self._empty)
-        pools = jax.tree.leaves((shapes.k, shapes.v))
+        pools = jax.tree.leaves((shapes.k, shapes.v))  # values, and scales when quantized
         shardings = jax.tree.leaves((self.layout.k, self.layout.v))
-        itemsize = jnp.dtype(self.model_config.dtype).itemsize
-        return itemsize * sum(
-            math.prod(s.shard_shape(x.shape)) for x, s in zip(pools, shardings, strict=True)
+        return sum(
+            math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+            for x, s in zip(pools, shardings, strict=True)
         )
 
     # --- traced bodies -------------------------------------------------------------------
@@ -331,9 +368,13 @@ class SlotSteps:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
         lay = self.steps.layouts
+
+        def placed(sharding, x):  # a prefix: a quantized tensor's values and scales alike
+            return jax.tree.map(lambda a: spec(a, sharding), x)
+
         new = Inserted(
-            k=jax.tree.map(spec, new.k, lay.kv_prefill),
-            v=jax.tree.map(spec, new.v, lay.kv_prefill),
+            k=jax.tree.map(placed, lay.kv_prefill, new.k),
+            v=jax.tree.map(placed, lay.kv_prefill, new.v),
             lengths_P=spec(new.lengths_P, lay.lengths_prefill_B),
             first_P=spec(new.first_P),
         )
@@ -359,7 +400,8 @@ class SlotSteps:
         with self.steps._context(DECODE):
 
             def read(pool):
-                x = read_pages(pool, pages_PN)  # [(L,) P, N * Z, K, H]
+                # [(L,) P, N * Z, K, H], dequantized (a quantized pool) in the model dtype
+                x = read_pages(pool, pages_PN, self.model_config.dtype)
                 return jax.tree.map(lambda a: a[..., :length, :, :], x)
 
             return read(slots.k), read(slots.v)

@@ -125,7 +125,8 @@ class Steps:
 
     def _handoff(self, k, v, lengths_B, logits, key, sampling):
         with self._context(DECODE):
-            cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len)
+            mode = getattr(self.dims, "kv_cache_dtype", None)
+            cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len, mode)
             pick = self._pick(jax.random.fold_in(key, 0), sampling)
             return cache, self.schedule.first_tokens(logits, pick)
 

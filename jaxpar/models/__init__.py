@@ -34,6 +34,13 @@ from jaxpar.models._decoder import (
 )
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf
+from jaxpar.models._kv_quant import (
+    KV_CACHE_DTYPES,
+    QuantKV,
+    dequantize_kv,
+    kv_bytes_per_vector,
+    quantize_kv,
+)
 from jaxpar.models._layers import FFN, Embedding, LayerNorm, LMHead, RMSNorm
 from jaxpar.models._moe import (
     DOWN_AXES,
@@ -110,6 +117,11 @@ __all__ = [
     "init_params",
     "quantize_params",
     "QUANT_DTYPES",
+    "KV_CACHE_DTYPES",
+    "QuantKV",
+    "dequantize_kv",
+    "kv_bytes_per_vector",
+    "quantize_kv",
     "param_bytes",
     "element_bytes",
     "load_hf_checkpoint",

@@ -16,8 +16,9 @@ from jaxpar.models._attention_ops import (
     decode_attention,
     prefill_attention,
 )
-from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
+from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES, constrain_kv
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kv_quant import QuantKV
 from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, kernel, project
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
@@ -286,8 +287,10 @@ class Attention(nnx.Module):
                 )
                 return self._output(out_BNH[:, None])
             k_BKSH, v_BKSH = kv
-            k_BKSH = constrain(k_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
-            v_BKSH = constrain(v_BKSH.astype(self.dtype), LAYER_KV_AXES, Module.ATTENTION)
+            if not isinstance(k_BKSH, QuantKV):  # quantized: read as stored, scales after
+                k_BKSH, v_BKSH = k_BKSH.astype(self.dtype), v_BKSH.astype(self.dtype)
+            k_BKSH = constrain_kv(k_BKSH, LAYER_KV_AXES, Module.ATTENTION)
+            v_BKSH = constrain_kv(v_BKSH, LAYER_KV_AXES, Module.ATTENTION)
             out_BNH = decode_attention(
                 q_B1NH[:, 0],
                 k_BKSH,

@@ -483,6 +483,13 @@ def paged_decode_pallas_gpu(
     from jax.experimental.pallas.ops.gpu import paged_attention as pa
 
     n, h = q_BNH.shape[1], q_BNH.shape[2]
+    # A quantized pool (QuantKV): int8/fp8 pages and their per-token scales, [K, A, Z, 1]
+    # seen as the kernel's [K, A, Z] (a bitcast), which scales scores and probabilities.
+    k_scale = v_scale = None
+    if hasattr(k_KAZH, "scale"):
+        k_KAZH, k_scale = k_KAZH.values, k_KAZH.scale[..., 0]
+        v_KAZH, v_scale = v_KAZH.values, v_KAZH.scale[..., 0]
+        k_scale, v_scale, _ = pages_of_kv_head(k_scale, v_scale, tables_BN, n, group, head_ids_N)
     k_KAZH, v_KAZH, tables_BN = pages_of_kv_head(k_KAZH, v_KAZH, tables_BN, n, group, head_ids_N)
     k_splits, per_block = blocks
     out_BNH = pa.paged_attention(
@@ -491,6 +498,8 @@ def paged_decode_pallas_gpu(
         v_KAZH,
         tables_BN,
         lengths_B.astype(jnp.int32),
+        k_scales_pages=k_scale,
+        v_scales_pages=v_scale,
         block_h=paged_gpu_block_h(n // k_KAZH.shape[0]),
         pages_per_compute_block=per_block,
         k_splits=k_splits,

@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask
 from jaxpar.models._cache import LAYER_KV_AXES
+from jaxpar.models._kv_quant import QuantKV
 from jaxpar.spec import Module, active_platform, logical_shard_map
 
 __all__ = [
@@ -197,8 +199,14 @@ def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale=None, softcap=Non
     write (and the cache buffer) per reader. Elsewhere they are dots: as products, XLA:TPU
     materialises an f32 copy of the cache to multiply (measured on v5e with kv heads
     replicated over tp: 39% of parameter + cache bytes per step; 0% as dots).
+
+    A quantized cache (:class:`~jaxpar.models.QuantKV` k and v) is read the same way,
+    its values widened as the contractions' operand; the per-key scales apply outside
+    them (:func:`scale_scores`, :func:`scale_probs`), so no dequantized cache is formed.
     """
     b, n, h = q_BNH.shape
+    k_BKSH, k_scale_BKS = split_scale(k_BKSH)
+    v_BKSH, v_scale_BKS = split_scale(v_BKSH)
     k_heads, s = k_BKSH.shape[1], k_BKSH.shape[2]
     q_BKGH = q_BNH.reshape(b, k_heads, n // k_heads, h)
     k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)
@@ -210,17 +218,42 @@ def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale=None, softcap=Non
             jnp.float32
         )
         s_BKGS = jnp.sum(qk_BKGSH, axis=-1)
+    s_BKGS = scale_scores(s_BKGS, k_scale_BKS)
     s_BKGS = softcap_scores(s_BKGS * (h**-0.5 if scale is None else scale), softcap)
     k_pos_S = jnp.arange(s, dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
     s_BKGS = jnp.where(mask_BS[:, None, None], s_BKGS, MASKED)
-    p_BKGS = jax.nn.softmax(s_BKGS, axis=-1).astype(q_BNH.dtype)
+    p_BKGS = scale_probs(jax.nn.softmax(s_BKGS, axis=-1), v_scale_BKS).astype(q_BNH.dtype)
     if as_dots:
         out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", p_BKGS, v_BKSH, preferred_element_type=jnp.float32)
     else:
         out_BKGH = jnp.sum(p_BKGS[..., None] * v_BKSH[:, :, None], axis=-2, dtype=jnp.float32)
     return out_BKGH.astype(q_BNH.dtype).reshape(b, n, h)
+
+
+def split_scale(x: Any) -> tuple[jax.Array, jax.Array | None]:
+    """(values, per-key scales without their size-1 last dim) of a quantized cache
+    tensor; (the array, None) of a float one."""
+    if isinstance(x, QuantKV):
+        return x.values, x.scale[..., 0]
+    return x, None
+
+
+def scale_scores(s_XYGS: jax.Array, k_scale_XYS: jax.Array | None) -> jax.Array:
+    """Scores over quantized keys times each key's scale: ``q . (k_q * s) = (q . k_q) * s``
+    (f32, after the contraction). ``X, Y``: the two leading dims both operands share."""
+    if k_scale_XYS is None:
+        return s_XYGS
+    return s_XYGS * k_scale_XYS[:, :, None, :].astype(jnp.float32)
+
+
+def scale_probs(p_XYGS: jax.Array, v_scale_XYS: jax.Array | None) -> jax.Array:
+    """Softmax weights times each value's scale: ``sum p (v_q * s) = sum (p * s) v_q``
+    (before the contraction over keys, as the Pallas GPU paged kernel applies them)."""
+    if v_scale_XYS is None:
+        return p_XYGS
+    return p_XYGS * v_scale_XYS[:, :, None, :].astype(p_XYGS.dtype)
 
 
 # --- Public API -----------------------------------------------------------------------------
@@ -386,8 +419,8 @@ def decode_attention(
         ConfigError: an unknown ``impl``.
     """
     impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype, softcap)
-    if not static_window(window):
-        impl = "xla"
+    if not static_window(window) or isinstance(k_BKSH, QuantKV):
+        impl = "xla"  # the contiguous kernels take no window as a value, and no scales
     if impl == "pallas_tpu":
         impl = "xla"  # no Pallas TPU decode kernel reads the contiguous [B, K, S, H] cache
     if impl == "pallas_gpu" and kern.decode_blocks(k_BKSH.shape[2]) is None:

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxpar.errors import CacheOverflowError, ShapeError
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kv_quant import QuantKV, as_stored, empty_kv, kv_axes, kv_map, quantize_kv
 from jaxpar.spec import Module, constrain
 
 
@@ -65,6 +66,17 @@ STACKED_KV_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 PREFILL_KV_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 
+def constrain_kv(x: Any, axes: tuple[str | None, ...], module: Module) -> Any:
+    """``constrain`` of a cache tensor: a float array, or a quantized one's values and
+    scales (the scales' last dim unnamed, see :func:`~jaxpar.models._kv_quant.kv_axes`)."""
+    if not isinstance(x, QuantKV):
+        return constrain(x, axes, module)
+    return x.replace(
+        values=constrain(x.values, axes, module),
+        scale=constrain(x.scale, (*axes[:-1], None), module),
+    )
+
+
 @flax.struct.dataclass
 class KVCache:
     """Keys and values of every layer plus tokens cached per row.
@@ -79,6 +91,10 @@ class KVCache:
 
     Positions >= ``lengths_B[b]`` hold stale data and are masked; decode writes the new
     token of row b at position ``lengths_B[b]`` then increments it.
+
+    With ``config.kv_cache_dtype`` each array is a :class:`~jaxpar.models.QuantKV`
+    (values and per-token, per-kv-head scales, the same layout with ``head_dim`` 1):
+    written quantized, read as stored (the attention dequantizes).
     """
 
     k: tuple[jax.Array, ...] | jax.Array
@@ -101,22 +117,25 @@ class KVCache:
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> KVCache:
         """A KVCache-shaped pytree of logical axis tuples (for building shardings)."""
+        mode = getattr(config, "kv_cache_dtype", None)
         if config.layer_loop == "scan":
-            kv: Any = STACKED_KV_AXES
+            kv: Any = kv_axes(STACKED_KV_AXES, mode)
         else:
-            kv = (LAYER_KV_AXES,) * config.n_layers
+            kv = (kv_axes(LAYER_KV_AXES, mode),) * config.n_layers
         return cls(k=kv, v=kv, lengths_B=cls.LENGTHS_AXES)
 
     @classmethod
     def empty(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
-        """A zero cache with all lengths 0 (compute dtype), in the config's storage form."""
+        """A zero cache with all lengths 0 (compute dtype, or ``config.kv_cache_dtype``),
+        in the config's storage form."""
         lengths_B = jnp.zeros((batch,), jnp.int32)
         k, h = config.n_kv_heads, config.head_dim
+        mode = getattr(config, "kv_cache_dtype", None)
         if config.layer_loop == "scan":
-            zeros = jnp.zeros((config.n_layers, batch, max_seq_len, k, h), config.dtype)
+            zeros = empty_kv((config.n_layers, batch, max_seq_len, k, h), config.dtype, mode)
             return cls(k=zeros, v=zeros, lengths_B=lengths_B)
         layers = tuple(
-            jnp.zeros((batch, k, max_seq_len, h), config.dtype) for _ in range(config.n_layers)
+            empty_kv((batch, k, max_seq_len, h), config.dtype, mode) for _ in range(config.n_layers)
         )
         return cls(k=layers, v=layers, lengths_B=lengths_B)
 
@@ -126,8 +145,16 @@ class KVCache:
         return jax.eval_shape(lambda: cls.empty(config, batch, max_seq_len))
 
     @classmethod
-    def from_prefill(cls, k: Any, v: Any, lengths_B: jax.Array, max_seq_len: int) -> KVCache:
-        """Pads prefill K/V to a cache of S = ``max_seq_len`` positions.
+    def from_prefill(
+        cls,
+        k: Any,
+        v: Any,
+        lengths_B: jax.Array,
+        max_seq_len: int,
+        kv_cache_dtype: str | None = None,
+    ) -> KVCache:
+        """Pads prefill K/V to a cache of S = ``max_seq_len`` positions (quantized first
+        with ``kv_cache_dtype``).
 
         Takes what :meth:`Decoder.prefill` returns: tuples of per-layer ``[B, T, K, H]``
         (stored as ``[B, K, S, H]``, the one transpose happening here, at the handoff) or
@@ -158,14 +185,20 @@ class KVCache:
         lengths_B = lengths_B.astype(jnp.int32)
         if not per_layer:
             pad = ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0), (0, 0))
-            k = constrain(jnp.pad(k, pad), STACKED_KV_AXES, Module.ATTENTION)
-            v = constrain(jnp.pad(v, pad), STACKED_KV_AXES, Module.ATTENTION)
-            return cls(k=k, v=v, lengths_B=lengths_B)
 
-        def store(x_BTKH: jax.Array) -> jax.Array:
-            x_BKTH = x_BTKH.transpose(0, 2, 1, 3)
-            x_BKSH = jnp.pad(x_BKTH, ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0)))
-            return constrain(x_BKSH, LAYER_KV_AXES, Module.ATTENTION)
+            def store_stacked(x_LBTKH: jax.Array) -> Any:
+                x = kv_map(lambda a: jnp.pad(a, pad), quantize_kv(x_LBTKH, kv_cache_dtype))
+                return constrain_kv(x, STACKED_KV_AXES, Module.ATTENTION)
+
+            return cls(k=store_stacked(k), v=store_stacked(v), lengths_B=lengths_B)
+
+        def store(x_BTKH: jax.Array) -> Any:
+            def move(a_BTKH: jax.Array) -> jax.Array:
+                a_BKTH = a_BTKH.transpose(0, 2, 1, 3)
+                return jnp.pad(a_BKTH, ((0, 0), (0, 0), (0, max_seq_len - t), (0, 0)))
+
+            x_BKSH = kv_map(move, quantize_kv(x_BTKH, kv_cache_dtype))
+            return constrain_kv(x_BKSH, LAYER_KV_AXES, Module.ATTENTION)
 
         return cls(k=tuple(map(store, k)), v=tuple(map(store, v)), lengths_B=lengths_B)
 
@@ -184,13 +217,24 @@ class KVCache:
         """
         if self.stacked:
 
-            def write(cache_LBSKH: jax.Array, new_BKH: jax.Array) -> jax.Array:
-                return write_token(cache_LBSKH, layer, self.lengths_B, new_BKH)
+            def write(cache_LBSKH: Any, new_BKH: jax.Array) -> Any:
+                return kv_map(
+                    lambda c, n: write_token(c, layer, self.lengths_B, n),
+                    cache_LBSKH,
+                    as_stored(new_BKH, cache_LBSKH),
+                )
 
             return self.replace(k=write(self.k, k_new_BKH), v=write(self.v, v_new_BKH))
 
-        k_BKSH = write_row_token(self.k[layer], self.lengths_B, k_new_BKH)
-        v_BKSH = write_row_token(self.v[layer], self.lengths_B, v_new_BKH)
+        def write_row(cache_BKSH: Any, new_BKH: jax.Array) -> Any:
+            return kv_map(
+                lambda c, n: write_row_token(c, self.lengths_B, n),
+                cache_BKSH,
+                as_stored(new_BKH, cache_BKSH),
+            )
+
+        k_BKSH = write_row(self.k[layer], k_new_BKH)
+        v_BKSH = write_row(self.v[layer], v_new_BKH)
         # A barrier between the write and its readers: with a size-1 dim (one row or one kv
         # head per device) XLA otherwise fuses the write into each reader's reshape and
         # gives every copy of that fusion a buffer of its own: whole-cache copies per step.
@@ -202,10 +246,15 @@ class KVCache:
 
         return self.replace(k=put(self.k, k_BKSH), v=put(self.v, v_BKSH))
 
-    def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values ``[B, K, S, H]`` of one layer (read after :meth:`write_layer`)."""
+    def layer(self, layer: int | jax.Array) -> tuple[Any, Any]:
+        """Keys and values ``[B, K, S, H]`` of one layer (read after :meth:`write_layer`),
+        as stored (quantized ones as :class:`~jaxpar.models.QuantKV`)."""
         if self.stacked:
-            return self.k[layer].transpose(0, 2, 1, 3), self.v[layer].transpose(0, 2, 1, 3)
+
+            def view(x: Any) -> Any:
+                return kv_map(lambda a: a[layer].transpose(0, 2, 1, 3), x)
+
+            return view(self.k), view(self.v)
         return self.k[layer], self.v[layer]
 
     def advance(self) -> KVCache:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import ConfigError
+from jaxpar.models._kv_quant import check_kv_cache_dtype
 from jaxpar.models._moe_route import capacity_rows
 from jaxpar.models._quant import check_quantize
 
@@ -268,6 +269,11 @@ class ModelConfig:
     #: time by ``quantize_params``; embedding, LM head and MoE experts stay in
     #: ``param_dtype``.
     quantize: str | None = None
+    #: Execution option (not the checkpoint's): the KV cache's storage, None (the compute
+    #: ``dtype``), "int8" or "fp8" (e4m3), one float32 scale per token per kv head,
+    #: quantized where K/V are written and dequantized where attention reads them: see
+    #: :mod:`jaxpar.models._kv_quant`. Kernels without scale inputs are refused.
+    kv_cache_dtype: str | None = None
     #: How the layers are stored and run. "unrolled": one parameter array per layer and
     #: a Python loop, so no step slices (copies) a weight or a layer's cache out of a stack;
     #: compile time grows with depth. "scan": parameters stacked ``[L, ...]`` under
@@ -311,6 +317,7 @@ class ModelConfig:
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
         check_quantize(self.quantize)
+        self._check_kv_cache()
         if self.qk_norm and self.norm != "rms":
             raise ConfigError("qk_norm is an RMS norm per head: it needs norm='rms'")
         self._check_positions()
@@ -374,6 +381,17 @@ class ModelConfig:
                         f"(attn_softcap={self.attn_softcap}); legal: 'auto' or 'xla' (both run "
                         "the XLA path)"
                     )
+
+    def _check_kv_cache(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        # The contiguous decode kernels (cuDNN, Pallas) read K/V as they lie and take no
+        # scales; "auto" runs XLA (or, paged on GPU, the Pallas kernel that takes them).
+        if self.kv_cache_dtype is not None and self.decode_attention not in ("auto", "xla"):
+            raise ConfigError(
+                f"decode_attention={self.decode_attention!r} reads no KV cache scales "
+                f"(kv_cache_dtype={self.kv_cache_dtype!r}); legal: 'auto' (XLA, or the Pallas "
+                "GPU paged kernel with scales on GPU) or 'xla'"
+            )
 
     def layer_slides(self, layer: int) -> bool:
         """Whether layer ``layer`` attends through the sliding window."""

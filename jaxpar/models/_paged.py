@@ -17,6 +17,14 @@ and pages over decode's batch axes. Each batch shard owns its sequences and the 
 they use, so ``block_tables_BN`` holds *local* page ids: a shard's rows index its own slice
 of the pool, and writes and reads never leave the shard. Local page 0 of every shard is a
 scratch page no sequence owns: free rows (length 0, block table of zeros) write there.
+
+Quantized (``config.kv_cache_dtype``): each pool is a :class:`~jaxpar.models.QuantKV`,
+int8/fp8 values ``[K, A, Z, H]`` and float32 scales ``[K, A, Z, 1]`` (one per token per
+kv head), the layout the Pallas GPU kernel's scale inputs take (``[K, A, Z]``, a free
+reshape). Writes quantize the new keys and values and write values and scales with the
+same scatter; :func:`read_pages` dequantizes right after its gather. A shard map given
+one spec for a pool passes it for both parts (the scales' last dim, size 1, is never
+split: no strategy splits ``head_dim``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,15 @@ import jax.numpy as jnp
 
 from jaxpar.errors import ShapeError
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kv_quant import (
+    QuantKV,
+    as_stored,
+    dequantize_kv,
+    empty_kv,
+    kv_axes,
+    kv_bytes_per_vector,
+    kv_map,
+)
 from jaxpar.spec import Module, logical_shard_map
 
 #: One layer's page pool: [K, A, Z, H].
@@ -47,8 +64,8 @@ SCRATCH_PAGE = 0
 class PagedLayer:
     """One layer's pool and the rows' block tables, as decode attention reads them."""
 
-    k_KAZH: jax.Array
-    v_KAZH: jax.Array
+    k_KAZH: Any  # [K, A, Z, H], or a QuantKV of it
+    v_KAZH: Any
     block_tables_BN: jax.Array
 
 
@@ -93,24 +110,33 @@ class PagedKVCache:
     @classmethod
     def logical_axes(cls, config: ModelConfig) -> PagedKVCache:
         """A PagedKVCache-shaped pytree of logical axis tuples (for building shardings)."""
+        mode = getattr(config, "kv_cache_dtype", None)
+        stacked = config.layer_loop == "scan"
         pool: Any = (
-            STACKED_PAGE_AXES if config.layer_loop == "scan" else (PAGE_AXES,) * config.n_layers
+            kv_axes(STACKED_PAGE_AXES, mode)
+            if stacked
+            else (kv_axes(PAGE_AXES, mode),) * config.n_layers
         )
         return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
 
     @classmethod
     def empty_pool(cls, config: ModelConfig, pages: int, page_size: int) -> Any:
-        """A zero pool of ``pages`` pages per layer (compute dtype), in the config's form."""
+        """A zero pool of ``pages`` pages per layer (compute dtype, or quantized with
+        ``config.kv_cache_dtype``), in the config's form."""
         shape = (config.n_kv_heads, pages, page_size, config.head_dim)
+        mode = getattr(config, "kv_cache_dtype", None)
         if config.layer_loop == "scan":
-            return jnp.zeros((config.n_layers, *shape), config.dtype)
-        return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.n_layers))
+            return empty_kv((config.n_layers, *shape), config.dtype, mode)
+        return tuple(empty_kv(shape, config.dtype, mode) for _ in range(config.n_layers))
 
     @staticmethod
     def pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
-        """Bytes of the keys and values of ``pages`` pages, every layer (all shards)."""
-        per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
-        return per_token * pages * page_size * jnp.dtype(config.dtype).itemsize
+        """Bytes of the keys and values of ``pages`` pages, every layer (all shards):
+        values in the stored dtype, plus their scales when quantized."""
+        per_vector = kv_bytes_per_vector(
+            config.head_dim, config.dtype, getattr(config, "kv_cache_dtype", None)
+        )
+        return 2 * config.n_layers * config.n_kv_heads * per_vector * pages * page_size
 
     def write_layer(
         self, layer: int | jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array
@@ -129,8 +155,8 @@ class PagedKVCache:
                 module=Module.ATTENTION,
             )
             layer_index = jnp.asarray(layer, jnp.int32)
-            k = write(self.k, layer_index, tables, lengths, k_new_BKH.astype(self.k.dtype))
-            v = write(self.v, layer_index, tables, lengths, v_new_BKH.astype(self.v.dtype))
+            k = write(self.k, layer_index, tables, lengths, as_stored(k_new_BKH, self.k))
+            v = write(self.v, layer_index, tables, lengths, as_stored(v_new_BKH, self.v))
             return self.replace(k=k, v=v)
         write = logical_shard_map(
             _write_layer,
@@ -138,9 +164,8 @@ class PagedKVCache:
             out_axes=PAGE_AXES,
             module=Module.ATTENTION,
         )
-        dtype = self.k[0].dtype
-        k_pool = write(self.k[layer], tables, lengths, k_new_BKH.astype(dtype))
-        v_pool = write(self.v[layer], tables, lengths, v_new_BKH.astype(dtype))
+        k_pool = write(self.k[layer], tables, lengths, as_stored(k_new_BKH, self.k[layer]))
+        v_pool = write(self.v[layer], tables, lengths, as_stored(v_new_BKH, self.v[layer]))
 
         def put(layers: tuple[jax.Array, ...], x: jax.Array) -> tuple[jax.Array, ...]:
             return (*layers[:layer], x, *layers[layer + 1 :])
@@ -165,19 +190,22 @@ def _page_slot(z: int, tables_BN: jax.Array, pos_B: jax.Array) -> tuple[jax.Arra
 def _write_layer(pool_KAZH, tables_BN, pos_B, new_BKH):
     """One shard: row b's token into slot ``pos % Z`` of its page ``tables[b, pos // Z]``."""
     page_B, slot_B = _page_slot(pool_KAZH.shape[-2], tables_BN, pos_B)
-    # The indexed dims are adjacent: the updates are [K, B, H].
-    return pool_KAZH.at[:, page_B, slot_B].set(new_BKH.transpose(1, 0, 2))
+    # The indexed dims are adjacent: the updates are [K, B, H]. (Values and scales alike.)
+    return kv_map(
+        lambda p, n: p.at[:, page_B, slot_B].set(n.transpose(1, 0, 2)), pool_KAZH, new_BKH
+    )
 
 
 def _write_stacked(pool_LKAZH, layer, tables_BN, pos_B, new_BKH):
     """:func:`_write_layer` into layer ``layer`` of a stacked pool."""
     page_B, slot_B = _page_slot(pool_LKAZH.shape[-2], tables_BN, pos_B)
     # The indexed dims are apart (layer, then page and slot): the updates are [B, K, H].
-    return pool_LKAZH.at[layer, :, page_B, slot_B].set(new_BKH)
+    return kv_map(lambda p, n: p.at[layer, :, page_B, slot_B].set(n), pool_LKAZH, new_BKH)
 
 
 def write_prompts(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
-    """Writes prefilled K/V into pages: row p's positions ``[0, T)`` into its pages.
+    """Writes prefilled K/V into pages: row p's positions ``[0, T)`` into its pages
+    (quantized first where the pool is).
 
     Args:
         pool: a layer tuple of ``[K, A, Z, H]`` or a stacked ``[L, K, A, Z, H]``.
@@ -200,17 +228,24 @@ def write_prompts(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
         return jnp.moveaxis(x, -2, len(lead))
 
     if stacked:  # [L, K, A, Z, H] <- [L, K, P, N, Z, H]
-        return pool.at[:, :, pages_PN].set(paged(new).astype(pool.dtype), mode="drop")
+        return kv_map(
+            lambda p, x: p.at[:, :, pages_PN].set(paged(x), mode="drop"),
+            pool,
+            as_stored(new, pool),
+        )
     return tuple(
-        layer.at[:, pages_PN].set(paged(x).astype(layer.dtype), mode="drop")
+        kv_map(
+            lambda p, x: p.at[:, pages_PN].set(paged(x), mode="drop"), layer, as_stored(x, layer)
+        )
         for layer, x in zip(pool, new, strict=True)
     )
 
 
-def read_pages(pool: Any, pages_PN: jax.Array) -> Any:
+def read_pages(pool: Any, pages_PN: jax.Array, dtype: Any = None) -> Any:
     """The K or V of ``N`` pages per row as prefill lays them out: per layer
     ``[P, N * Z, K, H]`` (stacked ``[L, P, N * Z, K, H]``); the inverse of
-    :func:`write_prompts`.
+    :func:`write_prompts`. A quantized pool is dequantized right after the gather, into
+    ``dtype`` (default: a float pool's own dtype; a quantized pool needs it).
 
     ``pages_PN`` are *global* page ids; ids ``>= A`` (rows or columns with no page) read
     zeros. Traced in the decode layout, where the pool's pages split over batch shards:
@@ -224,6 +259,12 @@ def read_pages(pool: Any, pages_PN: jax.Array) -> Any:
         x = jnp.moveaxis(x, len(lead), -2)
         return x.reshape(*lead, p, n * z, k, h)
 
+    def read(layer: Any, index: tuple) -> jax.Array:
+        if dtype is None and isinstance(layer, QuantKV):
+            raise ValueError("read_pages of a quantized pool needs the dtype to read into")
+        x = kv_map(lambda p: rows(p.at[index].get(mode="fill", fill_value=0)), layer)
+        return dequantize_kv(x, layer.dtype if dtype is None else dtype)
+
     if stacked:
-        return rows(pool.at[:, :, pages_PN].get(mode="fill", fill_value=0))
-    return tuple(rows(layer.at[:, pages_PN].get(mode="fill", fill_value=0)) for layer in pool)
+        return read(pool, (slice(None), slice(None), pages_PN))
+    return tuple(read(layer, (slice(None), pages_PN)) for layer in pool)

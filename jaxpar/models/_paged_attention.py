@@ -55,8 +55,12 @@ from jaxpar.models._attention_ops import (
     DECODE_IMPLS,
     _interpret,
     kernel_scaled_q,
+    scale_probs,
+    scale_scores,
     softcap_scores,
+    split_scale,
 )
+from jaxpar.models._kv_quant import QuantKV, kv_map
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.spec import Module, active_platform, logical_shard_map
 
@@ -119,23 +123,32 @@ def paged_xla(
     if kv_replicated(n, k_local, group):
         # Every local query head reads the one kv head of its group: gather only its pages.
         kv = head_ids_N[0] // group
-        k_KBSH = k_KAZH[kv, tables_BN].reshape(1, b, s, h)
-        v_KBSH = v_KAZH[kv, tables_BN].reshape(1, b, s, h)
+
+        def gather(pool_KAZX):  # values, or a quantized pool's scales (X = 1)
+            return pool_KAZX[kv, tables_BN].reshape(1, b, s, pool_KAZX.shape[-1])
+
         q_KBGH = q_BNH[None]
     else:
-        k_KBSH = k_KAZH[:, tables_BN].reshape(k_local, b, s, h)
-        v_KBSH = v_KAZH[:, tables_BN].reshape(k_local, b, s, h)
+
+        def gather(pool_KAZX):
+            return pool_KAZX[:, tables_BN].reshape(k_local, b, s, pool_KAZX.shape[-1])
+
         q_KBGH = q_BNH.reshape(b, k_local, group, h).transpose(1, 0, 2, 3)
+    # A quantized pool: its scales gathered as its values, applied outside the
+    # contractions (see ``decode_xla``); the values are widened as the dots' operand.
+    k_KBSH, k_scale_KBS = split_scale(kv_map(gather, k_KAZH))
+    v_KBSH, v_scale_KBS = split_scale(kv_map(gather, v_KAZH))
     k_KBSH, v_KBSH = k_KBSH.astype(q_BNH.dtype), v_KBSH.astype(q_BNH.dtype)
     # (K, B) lead both operands, in that order: batched dots with no transpose of the
     # gathered keys and values.
     s_KBGS = jnp.einsum("KBGH,KBSH->KBGS", q_KBGH, k_KBSH, preferred_element_type=jnp.float32)
+    s_KBGS = scale_scores(s_KBGS, k_scale_KBS)
     s_KBGS = softcap_scores(s_KBGS * (h**-0.5 if scale is None else scale), softcap)
     k_pos_S = jnp.arange(s, dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
     s_KBGS = jnp.where(mask_BS[None, :, None], s_KBGS, MASKED)
-    p_KBGS = jax.nn.softmax(s_KBGS, axis=-1).astype(q_BNH.dtype)
+    p_KBGS = scale_probs(jax.nn.softmax(s_KBGS, axis=-1), v_scale_KBS).astype(q_BNH.dtype)
     out_KBGH = jnp.einsum("KBGS,KBSH->KBGH", p_KBGS, v_KBSH, preferred_element_type=jnp.float32)
     return out_KBGH.transpose(1, 0, 2, 3).reshape(b, n, h).astype(q_BNH.dtype)
 
@@ -144,7 +157,10 @@ def _kernel_body(impl: str, q_BNH: jax.Array, kv: PagedLayer, group: int, interp
     """The per-shard kernel body for ``impl``, or None where its kernel cannot take the
     input (XLA then). Shapes are checked on the global arrays: a shard splits only batch,
     heads and pages, which no constraint reads."""
-    if kv.k_KAZH.dtype != q_BNH.dtype:
+    quantized = isinstance(kv.k_KAZH, QuantKV)
+    if quantized and impl != "pallas_gpu":
+        return None  # the Pallas TPU kernel here takes no per-token scales: XLA reads them
+    if not quantized and kv.k_KAZH.dtype != q_BNH.dtype:
         return None  # the kernels read the pool as is; a cast would copy it every step
     n_pages, page_size, h = kv.block_tables_BN.shape[1], kv.k_KAZH.shape[2], q_BNH.shape[2]
     if impl == "pallas_gpu":
