@@ -58,9 +58,13 @@ gemma2             Gemma2ForCausalLM    4 layers: window 4 on 0, 2, global 1, 3;
 gemma3_text        Gemma3ForCausalLM    4 layers: window 4 on 0-2, global 3; q/k norms; RoPE base
                                         100 (sliding), 1e4 linear x2 (global); scalar 24, head_dim 12
 gpt2               GPT2LMHeadModel      n_positions 64, tied, Conv1D weights stored [in, out]
+gpt_oss            GptOssForCausalLM    4 layers: window 4 on 0, 2, full 1, 3; attention sinks; YaRN
+                                        (factor 32); 8 experts top-2 of width 16, router and expert
+                                        biases, clamped SwiGLU (limit 1: binds); q/k/v/o biases,
+                                        head_dim 12; fused interleaved gate_up_proj [E, D, 2F]
 =================  ===================  ==========================================================
 
-The Gemma fixtures have 4 layers (the others 2) and record in reference.json how much each
+The Gemma and GPT-OSS fixtures have 4 layers (the others 2) and record in reference.json how much each
 feature they exercise moves the logits (soft caps, window, RoPE bases: "effects"), asserted
 above 1e-2 at build time.
 
@@ -260,6 +264,46 @@ _GEMMA = dict(
     tie_word_embeddings=True,
     bos_token_id=2,
     eos_token_id=1,
+    pad_token_id=0,
+    use_cache=True,
+)
+
+# GPT-OSS: sliding layers (window 4, shorter than the 7- and 11-token prompts) alternate with
+# full ones from the first (transformers' default layer_types); YaRN as the published models
+# (factor 32, 4096 original positions, beta 32 / 1, not truncated); the SwiGLU clamp at 1.0
+# (the published 7.0 never binds on a tiny random model) so that clipping is exercised.
+_GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+_GPT_OSS = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    swiglu_limit=1.0,
+    swiglu_alpha=1.702,
+    attention_bias=True,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    router_aux_loss_coef=0.0,
+    output_router_logits=False,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=False,
+    rope_parameters=dict(_GPT_OSS_YARN),
+    bos_token_id=1,
+    eos_token_id=2,
     pad_token_id=0,
     use_cache=True,
 )
@@ -492,6 +536,22 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         base_seed=7000,
         notes="learned positions (n_positions 64), tied, Conv1D [in, out] weights",
     ),
+    FixtureSpec(
+        name="gpt_oss",
+        model_class="GptOssForCausalLM",
+        config_class="GptOssConfig",
+        config=dict(_GPT_OSS),
+        base_seed=13000,
+        fused_experts=True,
+        notes="window 4 on layers 0 and 2 (full 1, 3), attention sinks, YaRN factor 32, 8 "
+        "experts top-2 (width 16) with router and expert biases, clamped SwiGLU limit 1, q/k/v/o "
+        "biases, head_dim 12, GQA 4/2, untied; interleaved gate_up_proj [E, D, 2F]",
+        effects={
+            "sliding_window": {"sliding_window": 4096},
+            "yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+            "swiglu_limit": {"swiglu_limit": 1e6},
+        },
+    ),
 )
 
 FIXTURES_BY_NAME: dict[str, FixtureSpec] = {spec.name: spec for spec in FIXTURES}
@@ -600,7 +660,8 @@ def _randomise_1d_params(model: torch.nn.Module, seed: int, scale: float) -> Non
     with torch.no_grad():
         for name in sorted(params):
             p = params[name]
-            if p.ndim != 1:
+            # GPT-OSS's expert biases are [E, 2F] and [E, D] (zeros from transformers too).
+            if p.ndim != 1 and not name.endswith("_bias"):
                 continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * scale
             if name.endswith("bias"):
