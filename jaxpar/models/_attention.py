@@ -18,7 +18,16 @@ from jaxpar.models._attention_ops import (
 )
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, kernel, project
+from jaxpar.models._layers import (
+    BTD,
+    Init,
+    RMSNorm,
+    bias_init,
+    fan_in_normal,
+    kernel,
+    param,
+    project,
+)
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
@@ -90,6 +99,15 @@ class Attention(nnx.Module):
         # [H] scale shared by the heads (axis head_dim, never split: no collective under tp).
         self.q_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
         self.k_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
+        # GPT-OSS: one sink logit per query head, split over tp with its head. Random init
+        # of unit scale (real values come from checkpoints) so that tests see it bind.
+        self.sinks = (
+            param(rngs, Init("normal", 1.0), (n,), ("heads",), pd) if c.attn_sinks else None
+        )
+
+    def _sinks(self) -> jax.Array | None:
+        """The per-head sink logits in float32 (the softmax's dtype), or None."""
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def _project(
         self,
@@ -223,6 +241,7 @@ class Attention(nnx.Module):
                     window=window,
                     scale=self.scale,
                     softcap=self.softcap,
+                    sinks_N=self._sinks(),
                 )
                 return self._output(out_BTNH), k_cache, v_cache
             out_BTNH = prefill_attention(
@@ -235,6 +254,7 @@ class Attention(nnx.Module):
                 impl=self.prefill_impl,
                 scale=self.scale,
                 softcap=self.softcap,
+                sinks_N=self._sinks(),
             )
             return self._output(out_BTNH), k_cache, v_cache
 
@@ -283,6 +303,7 @@ class Attention(nnx.Module):
                     impl=self.decode_impl,
                     scale=self.scale,
                     softcap=self.softcap,
+                    sinks_N=self._sinks(),
                 )
                 return self._output(out_BNH[:, None])
             k_BKSH, v_BKSH = kv
@@ -297,5 +318,6 @@ class Attention(nnx.Module):
                 impl=self.decode_impl,
                 scale=self.scale,
                 softcap=self.softcap,
+                sinks_N=self._sinks(),
             )
             return self._output(out_BNH[:, None])
