@@ -303,3 +303,17 @@ def test_plan_on_hub_shapes(capsys):
     )
     plan = json.loads(capsys.readouterr().out)
     assert plan["plans"] and "--hf" in plan["command"]
+
+
+def test_served_prefill_rows_divide_over_ep():
+    """A MoE's prefill batch divides over dp and ep (ep carries batch in every module), so
+    the batcher's smallest prefill bucket is dp*ep rows, not dp: ``jaxpar serve --ep 2``
+    compiled a 1-row prefill at warm-up, which ep cannot split (IndivisibleError)."""
+    config, params = load_hf_checkpoint(FIXTURE)
+    engine = InferenceEngine(
+        config, params, ParallelConfig(ep=2, tp=2), max_batch=8, max_seq_len=16
+    )
+    batcher = ContinuousBatcher(engine, kv_budget=KVBudget(page_size=PAGE, tokens=64))
+    assert batcher.row_buckets() == [2, 4, 8] and batcher.prefill_batch == 8
+    with pytest.raises(ConfigError, match=r"prefill_batch=3 .* batch shards \(2"):
+        ContinuousBatcher(engine, prefill_batch=3, kv_budget=KVBudget(page_size=PAGE, tokens=64))
