@@ -12,10 +12,12 @@ what the tables forbid.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -29,6 +31,7 @@ from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError, ConfigError, IllegalStrategyError
 from jaxpar.models import ModelConfig, load_hf_checkpoint
+from jaxpar.models import _moe_route as route
 from jaxpar.models._hf_config import config_from_hf
 from jaxpar.models._hf_mxfp4 import FP4_VALUES, Mxfp4Tensors, dequantize
 from jaxpar.spec import make_mesh, validate
@@ -317,3 +320,33 @@ def test_served_prefill_rows_divide_over_ep():
     assert batcher.row_buckets() == [2, 4, 8] and batcher.prefill_batch == 8
     with pytest.raises(ConfigError, match=r"prefill_batch=3 .* batch shards \(2"):
         ContinuousBatcher(engine, prefill_batch=3, kv_budget=KVBudget(page_size=PAGE, tokens=64))
+
+
+def test_grouped_and_masked_experts_agree_with_biases_and_clamp():
+    """The accelerator path (``ragged_dot``) and XLA:CPU's masked matmuls compute GPT-OSS's
+    biased, clamped experts alike, and equal a per-row reference; rows past the groups
+    (padding) give zeros in both."""
+    rng = np.random.default_rng(0)
+    e, d, f, rows = 3, 8, 6, 12
+    sizes = np.array([4, 0, 5], np.int32)  # 9 rows in groups, 3 of padding
+    x = rng.standard_normal((rows, d), np.float32)
+    gate, up = (rng.standard_normal((e, d, f), np.float32) for _ in range(2))
+    down = rng.standard_normal((e, f, d), np.float32)
+    expert = route.expert_of_rows(jnp.asarray(sizes), rows)
+    assert np.asarray(expert).tolist() == [0] * 4 + [2] * 5 + [3] * 3
+    gate_b, up_b = (rng.standard_normal((e, f), np.float32) for _ in range(2))
+    pad = np.zeros((1, f), np.float32)
+    gate_rows, up_rows = (np.concatenate([b, pad])[np.asarray(expert)] for b in (gate_b, up_b))
+    glu = functools.partial(route.clamped_glu, limit=0.7, alpha=1.702)
+    args = (jnp.asarray(x), jnp.asarray(sizes), gate, up, down, gate_rows, up_rows)
+    grouped = np.asarray(route.grouped_swiglu(*args, glu=glu))
+    masked = np.asarray(route.masked_swiglu(*args, glu=glu))
+    want = np.zeros((rows, d), np.float32)
+    for r, j in enumerate(np.asarray(expert)):
+        if j == e:
+            continue
+        g = np.minimum(x[r] @ gate[j] + gate_b[j], 0.7)
+        u = np.clip(x[r] @ up[j] + up_b[j], -0.7, 0.7)
+        want[r] = ((u + 1) * g / (1 + np.exp(-1.702 * g))) @ down[j]
+    np.testing.assert_allclose(grouped, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(masked, want, atol=1e-5, rtol=0)
