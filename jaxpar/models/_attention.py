@@ -49,6 +49,8 @@ class Attention(nnx.Module):
 
     ``N x H`` need not equal D (Qwen3, Gemma). With ``config.qk_norm`` the projected q and
     k are RMS-normalised per head (scales ``q_norm``/``k_norm`` ``[H]``) before RoPE.
+    With ``config.attn_sinks`` (GPT-OSS) each query head has a learned sink logit
+    (``sinks [N]``, split with the heads) in its softmax denominator, on every path.
 
     Layers may differ (Gemma: sliding layers interleaved with global ones, each kind with
     its RoPE base): every layer holds the same static per-layer table and is told its
