@@ -185,15 +185,14 @@ def test_fp4_table_and_dequantize_known_values():
 
 
 def _mxfp4_twin(dst: Path, seed: int) -> tuple[Path, Path]:
-    """The fixture with its expert ``gate_up_proj`` tensors (whose contracted dim, 32, makes
-    whole blocks) replaced by random MXFP4 values: one copy stored as blocks and scales
-    (with GPT-OSS's quantization_config), one in float32. down_proj (contracted dim 16)
-    stays float, as a checkpoint's unconverted modules do."""
+    """The fixture with its expert projections (``gate_up_proj`` contracts D = 32,
+    ``down_proj`` F = 32: one block each) replaced by random MXFP4 values: one copy stored
+    as blocks and scales (with GPT-OSS's quantization_config), one in float32."""
     rng = np.random.default_rng(seed)
     lut = np.array([_e2m1(c) for c in range(16)], np.float32)
     tensors = load_file(str(FIXTURE / "model.safetensors"))
     packed, dense = dict(tensors), dict(tensors)
-    for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         e, a, r = tensors[name].shape  # W [E, A, R], stored transposed in blocks
         codes = rng.integers(0, 16, (e, r, a), dtype=np.uint8)
         scales = rng.integers(121, 125, (e, r, a // 32), dtype=np.uint8)  # 2^-6 .. 2^-3
@@ -219,7 +218,9 @@ def _flat(params) -> dict[str, np.ndarray]:
 def test_mxfp4_experts_load_as_the_floats_they_encode(tmp_path):
     """Packed known values read back exactly where the float checkpoint puts them (gate and
     up columns de-interleaved, the contracted dim transposed), on one device and as each
-    device's slice with experts and their intermediate split (4 x 2 devices)."""
+    device's slice with experts and their intermediate split (4 x 2 devices: down_proj's
+    contracted F read 8 of a block's 32 at a time). transformers' own MXFP4 loading is
+    ``gpt_oss_mxfp4`` in ``test_hf_fixtures.py``."""
     mx_dir, float_dir = _mxfp4_twin(tmp_path, seed=3)
     config_mx, params_mx = load_hf_checkpoint(mx_dir)
     config_f, params_f = load_hf_checkpoint(float_dir)
