@@ -138,9 +138,9 @@ class _Local:
     expert_axes: tuple[str, ...]
     mlp_axes: tuple[str, ...]
     cpu: bool = False
-    #: GPT-OSS: a router bias, expert biases, the clamped SwiGLU's (limit, alpha).
+    #: GPT-OSS: a router bias (the first extra argument), the clamped SwiGLU's (limit,
+    #: alpha); expert biases arrive as the last three extra arguments when present.
     router_bias: bool = False
-    expert_bias: bool = False
     clamp: tuple[float, float] | None = None
 
     def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD, *extra):
@@ -235,7 +235,6 @@ class MoE(nnx.Module):
                 mlp_axes=active_mesh_axes("mlp", Module.MOE),
                 cpu=active_platform() == "cpu",
                 router_bias=c.router_bias,
-                expert_bias=c.mlp_bias,
                 clamp=None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha),
             )
             e = self.experts
