@@ -58,9 +58,16 @@ gemma2             Gemma2ForCausalLM    4 layers: window 4 on 0, 2, global 1, 3;
 gemma3_text        Gemma3ForCausalLM    4 layers: window 4 on 0-2, global 3; q/k norms; RoPE base
                                         100 (sliding), 1e4 linear x2 (global); scalar 24, head_dim 12
 gpt2               GPT2LMHeadModel      n_positions 64, tied, Conv1D weights stored [in, out]
+gpt_oss            GptOssForCausalLM    4 layers: window 4 on 0, 2, full 1, 3; attention sinks; YaRN
+                                        (factor 32); 8 experts top-2 of width 32, router and expert
+                                        biases, clamped SwiGLU (limit 1: binds); q/k/v/o biases,
+                                        head_dim 12; fused interleaved gate_up_proj [E, D, 2F]
+gpt_oss_mxfp4      GptOssForCausalLM    gpt_oss with its expert projections quantized to MXFP4
+                                        (``*_blocks`` + ``*_scales``, quant_method mxfp4); the
+                                        reference is transformers' on it (dequantized on load)
 =================  ===================  ==========================================================
 
-The Gemma fixtures have 4 layers (the others 2) and record in reference.json how much each
+The Gemma and GPT-OSS fixtures have 4 layers (the others 2) and record in reference.json how much each
 feature they exercise moves the logits (soft caps, window, RoPE bases: "effects"), asserted
 above 1e-2 at build time.
 
@@ -162,6 +169,7 @@ class FixtureSpec:
     fused_experts: bool = False  # MoE: write transformers 5.x fused expert tensors
     tokenizer: bool = False  # also write a toy tokenizer.json
     legacy_of: str | None = None  # derived fixture: same weights as `legacy_of`, legacy MoE names
+    mxfp4_of: str | None = None  # derived fixture: `mxfp4_of`'s experts quantized to MXFP4
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     # name -> config overrides that must change the logits (the feature binds), checked at
@@ -260,6 +268,46 @@ _GEMMA = dict(
     tie_word_embeddings=True,
     bos_token_id=2,
     eos_token_id=1,
+    pad_token_id=0,
+    use_cache=True,
+)
+
+# GPT-OSS: sliding layers (window 4, shorter than the 7- and 11-token prompts) alternate with
+# full ones from the first (transformers' default layer_types); YaRN as the published models
+# (factor 32, 4096 original positions, beta 32 / 1, not truncated); the SwiGLU clamp at 1.0
+# (the published 7.0 never binds on a tiny random model) so that clipping is exercised.
+_GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+_GPT_OSS = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=32,  # a whole MXFP4 block along F (down_proj's contracted dim)
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    swiglu_limit=1.0,
+    swiglu_alpha=1.702,
+    attention_bias=True,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    router_aux_loss_coef=0.0,
+    output_router_logits=False,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=False,
+    rope_parameters=dict(_GPT_OSS_YARN),
+    bos_token_id=1,
+    eos_token_id=2,
     pad_token_id=0,
     use_cache=True,
 )
@@ -492,6 +540,33 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         base_seed=7000,
         notes="learned positions (n_positions 64), tied, Conv1D [in, out] weights",
     ),
+    FixtureSpec(
+        name="gpt_oss",
+        model_class="GptOssForCausalLM",
+        config_class="GptOssConfig",
+        config=dict(_GPT_OSS),
+        base_seed=13000,
+        fused_experts=True,
+        notes="window 4 on layers 0 and 2 (full 1, 3), attention sinks, YaRN factor 32, 8 "
+        "experts top-2 (width 32) with router and expert biases, clamped SwiGLU limit 1, q/k/v/o "
+        "biases, head_dim 12, GQA 4/2, untied; interleaved gate_up_proj [E, D, 2F]",
+        effects={
+            "sliding_window": {"sliding_window": 4096},
+            "yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+            "swiglu_limit": {"swiglu_limit": 1e6},
+        },
+    ),
+    FixtureSpec(
+        name="gpt_oss_mxfp4",
+        model_class="GptOssForCausalLM",
+        config_class="GptOssConfig",
+        config={},  # gpt_oss's, plus quantization_config
+        base_seed=13000,
+        mxfp4_of="gpt_oss",
+        notes="gpt_oss's expert gate_up_proj/down_proj quantized to MXFP4 (nearest E2M1 value, "
+        "one power-of-two scale per 32), stored as *_blocks/*_scales with quant_method mxfp4; "
+        "the reference is transformers' on this file (Mxfp4Config(dequantize=True))",
+    ),
 )
 
 FIXTURES_BY_NAME: dict[str, FixtureSpec] = {spec.name: spec for spec in FIXTURES}
@@ -600,7 +675,8 @@ def _randomise_1d_params(model: torch.nn.Module, seed: int, scale: float) -> Non
     with torch.no_grad():
         for name in sorted(params):
             p = params[name]
-            if p.ndim != 1:
+            # GPT-OSS's expert biases are [E, 2F] and [E, D] (zeros from transformers too).
+            if p.ndim != 1 and not name.endswith("_bias"):
                 continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * scale
             if name.endswith("bias"):
@@ -626,7 +702,11 @@ def load_model(fixture_dir: Path, model_class: str | None = None) -> torch.nn.Mo
     if model_class is None:
         model_class = json.loads((fixture_dir / REFERENCE_JSON).read_text())["model_class"]
     model_cls = getattr(transformers, model_class)
-    model = model_cls.from_pretrained(str(fixture_dir), dtype=torch.float32)
+    kwargs: dict[str, Any] = {}
+    qc = json.loads((fixture_dir / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") == "mxfp4":  # no MXFP4 kernels on CPU: dequantize on load
+        kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    model = model_cls.from_pretrained(str(fixture_dir), dtype=torch.float32, **kwargs)
     # The loaded tensors may sit at addresses only 8-byte aligned (views into the file's
     # buffer), where the CPU's single-row matmul kernel sums in another order than for the
     # freshly allocated tensors of build_model: decode logits then differ in the last bits
@@ -1029,6 +1109,95 @@ def build_legacy_fixture(spec: FixtureSpec, out_dir: Path) -> dict:
     return meta
 
 
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A float expert tensor ``W [E, A, R]`` as MXFP4 ``(blocks [E, R, A/32, 16], scales
+    [E, R, A/32])``: per 32 values of a row of W^T the smallest power of two 2^k with
+    ``max|v| / 2^k <= 6``, each value the nearest E2M1 code (first in table order on a tie),
+    two codes a byte, the low nibble first; scales stored as ``k + 127``."""
+    e, a, r = w.shape
+    v = w.transpose(0, 2, 1).reshape(e, r, a // 32, 32).astype(np.float64)
+    amax = np.abs(v).max(axis=-1)
+    k = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127).astype(np.int32)
+    q = v / np.exp2(k)[..., None]
+    codes = np.abs(q[..., None] - FP4_VALUES.astype(np.float64)).argmin(axis=-1).astype(np.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, (k + 127).astype(np.uint8)
+
+
+def build_mxfp4_fixture(spec: FixtureSpec, out_dir: Path, min_gap: float) -> dict:
+    """Derive ``spec.name`` from the built fixture ``spec.mxfp4_of``: its expert projections
+    quantized to MXFP4, the reference computed by transformers on the quantized file."""
+    parent_dir, fixture_dir = out_dir / spec.mxfp4_of, out_dir / spec.name
+    parent_meta = json.loads((parent_dir / REFERENCE_JSON).read_text())
+    tensors = safetensors.torch.load_file(str(parent_dir / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = value
+            continue
+        blocks, scales = quantize_mxfp4(value.numpy())
+        out[name + "_blocks"] = torch.from_numpy(blocks)
+        out[name + "_scales"] = torch.from_numpy(scales)
+    config = json.loads((parent_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    _clean_dir(fixture_dir)
+    write_json(fixture_dir / "config.json", config)
+    safetensors.torch.save_file(
+        dict(sorted(out.items())), str(fixture_dir / "model.safetensors"), metadata={"format": "pt"}
+    )
+    model = load_model(fixture_dir, spec.model_class)
+    # The parent's prompts first; on near ties, the next prompt seeds (the weights are fixed).
+    for attempt in range(MAX_ATTEMPTS):
+        prompts = make_prompts(parent_meta["seed"] + attempt, model.config.vocab_size)
+        ref = compute_reference(model, prompts)
+        if _gaps_ok(ref, min_gap):
+            break
+    else:
+        raise RuntimeError(f"{spec.name}: no prompts with gaps > {min_gap} in {MAX_ATTEMPTS}")
+    parent_ref = load_npz(parent_dir / REFERENCE_NPZ)
+    # How far MXFP4 moved the weights and the logits from the parent's.
+    state = model.state_dict()
+    weight_err = max(
+        float((state[n].float() - tensors[n]).abs().max())
+        for n in tensors
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    )
+    same_prompts = attempt == 0
+    logit_moved = (
+        max(
+            float(np.abs(ref.arrays[f"logits_{i}"] - parent_ref[f"logits_{i}"]).max())
+            for i in range(len(prompts))
+            if same_prompts
+        )
+        if same_prompts
+        else None
+    )
+    write_npz(fixture_dir / REFERENCE_NPZ, ref.arrays)
+    meta = _reference_json(spec, parent_meta["seed"] + attempt, attempt + 1, ref, {})
+    meta.update(
+        weights_of=spec.mxfp4_of,
+        quantization="mxfp4 experts (gate_up_proj, down_proj), dequantized by transformers",
+        mxfp4_max_abs_weight_change=round(weight_err, 6),
+        mxfp4_vs_float_max_logit_diff=None if logit_moved is None else round(logit_moved, 4),
+    )
+    write_json(fixture_dir / REFERENCE_JSON, meta)
+    return meta
+
+
 def build_all(
     out_dir: Path, names: list[str] | None = None, min_gap: float = DEFAULT_MIN_GAP
 ) -> dict[str, dict]:
@@ -1038,7 +1207,7 @@ def build_all(
     wanted = [s for s in FIXTURES if names is None or s.name in names]
     metas: dict[str, dict] = {}
     for spec in wanted:
-        if spec.legacy_of is None:
+        if spec.legacy_of is None and spec.mxfp4_of is None:
             metas[spec.name] = build_fixture(spec, out_dir, min_gap)
     for spec in wanted:
         if spec.legacy_of is not None:
@@ -1046,6 +1215,12 @@ def build_all(
                 parent = FIXTURES_BY_NAME[spec.legacy_of]
                 metas[parent.name] = build_fixture(parent, out_dir, min_gap)
             metas[spec.name] = build_legacy_fixture(spec, out_dir)
+    for spec in wanted:
+        if spec.mxfp4_of is not None:
+            if spec.mxfp4_of not in metas and not (out_dir / spec.mxfp4_of).is_dir():
+                parent = FIXTURES_BY_NAME[spec.mxfp4_of]
+                metas[parent.name] = build_fixture(parent, out_dir, min_gap)
+            metas[spec.name] = build_mxfp4_fixture(spec, out_dir, min_gap)
     return metas
 
 

@@ -129,7 +129,7 @@ def test_unknown_preset_lists_names() -> None:
         (dict(top_k=2), "need n_experts"),
         (dict(norm_topk_prob=False), "norm_topk_prob.*need n_experts"),
         (dict(qk_norm=True, norm="layer"), "qk_norm .*norm='rms'"),
-        (dict(arch="qwen3_moe"), "'mixtral' and 'qwen3_moe' are mixtures of experts"),
+        (dict(arch="qwen3_moe"), "'mixtral' and 'qwen3_moe'.* are mixtures of experts"),
         (dict(dtype="int32"), "floating"),
         (dict(d_model=0), "d_model must be positive"),
         (dict(sliding_window=4, sliding_layers=(True, False)), "2 flags for n_layers=4"),
@@ -139,6 +139,10 @@ def test_unknown_preset_lists_names() -> None:
         (dict(attn_softcap=-1.0), "attn_softcap must be None or positive"),
         (dict(norm_offset=True, norm="layer"), "norm_offset and sandwich_norm .*norm='rms'"),
         (dict(attn_softcap=50.0, decode_attention="cudnn"), "decode_attention='cudnn' cannot"),
+        (dict(attn_sinks=True, prefill_attention="cudnn"), "prefill_attention='cudnn' cannot add"),
+        (dict(swiglu_limit=7.0), "set both or neither"),
+        (dict(swiglu_limit=7.0, swiglu_alpha=1.702), "shape the experts: need n_experts"),
+        (dict(router_bias=True), "router_bias needs n_experts"),
     ],
 )
 def test_config_invariants(change: dict, match: str) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -83,6 +84,7 @@ from jaxpar.errors import (
     ShapeError,
 )
 from jaxpar.models import KVCache
+from jaxpar.spec import Module, Phase, mesh_axes
 
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
 #: side fed without prefilling far ahead of it.
@@ -459,8 +461,9 @@ class ContinuousBatcher:
         return self
 
     def row_buckets(self) -> list[int]:
-        """Prefill batch sizes: the prefill ``dp`` doubled up to ``prefill_batch``."""
-        rows, out = self.prefill_engine.parallel_config.dp, []
+        """Prefill batch sizes: the prefill's batch shards (dp, times ep for a MoE) doubled up
+        to ``prefill_batch``."""
+        rows, out = _prefill_rows(self.prefill_engine), []
         while rows < self.prefill_batch:
             out.append(rows)
             rows *= 2
@@ -1300,16 +1303,28 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _prefill_rows(engine: InferenceEngine) -> int:
+    """The prefill's batch shards: the product of the mesh axes that carry batch in prefill
+    (dp, and ep for a MoE: the tables make ep split every module's batch), so the smallest
+    prefill batch that divides over them."""
+    pc = engine.parallel_config
+    axes = mesh_axes(Module.ATTENTION, Phase.PREFILL, pc, dims=engine.model_config)["batch"]
+    return math.prod(pc.degree(a) for a in axes)
+
+
 def _prefill_batch(engine: InferenceEngine, wanted: int | None, separate) -> int:
     """Most prompts prefilled together: by default the prefill engine's ``max_batch`` when
-    disaggregated, else up to 4 per ``dp`` shard (fewer take a smaller row bucket)."""
-    dp = engine.parallel_config.dp
-    default = engine.max_batch if separate is not None else min(engine.max_batch, 4 * dp) // dp * dp
+    disaggregated, else up to 4 per batch shard (fewer take a smaller row bucket)."""
+    shards = _prefill_rows(engine)
+    default = engine.max_batch
+    if separate is None:
+        default = min(engine.max_batch, 4 * shards) // shards * shards
     pb = wanted or default
-    if pb % dp or pb > engine.max_batch:
+    if pb % shards or pb > engine.max_batch:
         raise ConfigError(
-            f"prefill_batch={pb} must be a multiple of the prefill strategy's dp={dp} and at "
-            f"most its max_batch={engine.max_batch}"
+            f"prefill_batch={pb} must be a multiple of the prefill strategy's batch shards "
+            f"({shards}: the degrees of the axes carrying batch in prefill, dp and ep for a "
+            f"MoE) and at most its max_batch={engine.max_batch}"
         )
     return pb
 

@@ -447,14 +447,16 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     step(layer, ("post-attention norm; " if sandwich else "") + "residual add; FFN norm")
     if config.is_moe:
         renorm = "" if getattr(config, "norm_topk_prob", True) else " (weights not renormalised)"
+        biased = " (biased logits)" if getattr(config, "router_bias", False) else ""
         step(
             layer,
-            f"router top-{config.top_k}{renorm}; sort this device's assignments by expert",
+            f"router top-{config.top_k}{biased}{renorm}; sort this device's assignments by expert",
             "dispatch:dispatch + combine",
         )
         step(
             layer,
-            "local experts: grouped gate/up (column-parallel), SwiGLU, down (row-parallel)",
+            f"local experts: grouped gate/up (column-parallel), {_expert_glu(config)}, down "
+            "(row-parallel)",
             "expert down-proj",
             "combine:dispatch + combine",
         )
@@ -486,11 +488,27 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     return out
 
 
+def _expert_glu(config: Any) -> str:
+    """The experts' gating: SwiGLU, or GPT-OSS's clamped one with biases."""
+    limit = getattr(config, "swiglu_limit", None)
+    text = (
+        "SwiGLU"
+        if limit is None
+        else (f"clamped SwiGLU (limit {limit:g}, alpha {config.swiglu_alpha:g})")
+    )
+    if getattr(config, "mlp_bias", False):
+        text += " with expert biases (down bias added on one tp rank)"
+    return text
+
+
 def _attention_variant(config: Any) -> str:
-    """What a model's attention adds to plain causal scores: soft cap, sliding windows."""
+    """What a model's attention adds to plain causal scores: soft cap, sinks, sliding
+    windows."""
     text = ""
     if getattr(config, "attn_softcap", None):
         text += f" (soft-capped at {config.attn_softcap:g}, XLA path)"
+    if getattr(config, "attn_sinks", False):
+        text += " (a learned sink logit per head in each softmax denominator, XLA path)"
     window = getattr(config, "sliding_window", None)
     if window:
         slides = getattr(config, "layer_slides", lambda _: True)

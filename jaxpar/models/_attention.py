@@ -19,7 +19,16 @@ from jaxpar.models._attention_ops import (
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES, constrain_kv
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._kv_quant import QuantKV
-from jaxpar.models._layers import BTD, RMSNorm, bias_init, fan_in_normal, kernel, project
+from jaxpar.models._layers import (
+    BTD,
+    Init,
+    RMSNorm,
+    bias_init,
+    fan_in_normal,
+    kernel,
+    param,
+    project,
+)
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
@@ -41,6 +50,8 @@ class Attention(nnx.Module):
 
     ``N x H`` need not equal D (Qwen3, Gemma). With ``config.qk_norm`` the projected q and
     k are RMS-normalised per head (scales ``q_norm``/``k_norm`` ``[H]``) before RoPE.
+    With ``config.attn_sinks`` (GPT-OSS) each query head has a learned sink logit
+    (``sinks [N]``, split with the heads) in its softmax denominator, on every path.
 
     Layers may differ (Gemma: sliding layers interleaved with global ones, each kind with
     its RoPE base): every layer holds the same static per-layer table and is told its
@@ -91,6 +102,15 @@ class Attention(nnx.Module):
         # [H] scale shared by the heads (axis head_dim, never split: no collective under tp).
         self.q_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
         self.k_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
+        # GPT-OSS: one sink logit per query head, split over tp with its head. Random init
+        # of unit scale (real values come from checkpoints) so that tests see it bind.
+        self.sinks = (
+            param(rngs, Init("normal", 1.0), (n,), ("heads",), pd) if c.attn_sinks else None
+        )
+
+    def _sinks(self) -> jax.Array | None:
+        """The per-head sink logits in float32 (the softmax's dtype), or None."""
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def _project(
         self,
@@ -224,6 +244,7 @@ class Attention(nnx.Module):
                     window=window,
                     scale=self.scale,
                     softcap=self.softcap,
+                    sinks_N=self._sinks(),
                 )
                 return self._output(out_BTNH), k_cache, v_cache
             out_BTNH = prefill_attention(
@@ -236,6 +257,7 @@ class Attention(nnx.Module):
                 impl=self.prefill_impl,
                 scale=self.scale,
                 softcap=self.softcap,
+                sinks_N=self._sinks(),
             )
             return self._output(out_BTNH), k_cache, v_cache
 
@@ -284,6 +306,7 @@ class Attention(nnx.Module):
                     impl=self.decode_impl,
                     scale=self.scale,
                     softcap=self.softcap,
+                    sinks_N=self._sinks(),
                 )
                 return self._output(out_BNH[:, None])
             k_BKSH, v_BKSH = kv
@@ -300,5 +323,6 @@ class Attention(nnx.Module):
                 impl=self.decode_impl,
                 scale=self.scale,
                 softcap=self.softcap,
+                sinks_N=self._sinks(),
             )
             return self._output(out_BNH[:, None])

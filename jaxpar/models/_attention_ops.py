@@ -27,7 +27,8 @@ partition a Pallas or cuDNN call): heads over tp, batch over dp/sp/ep, queries o
 prefill with K/V gathered. A path falls back to XLA where its kernel cannot take the input
 (f32, too short a cache, splash block sizes, or query positions other than 0..T-1), and
 for Gemma: scores soft-capped (no kernel caps them) or a window given as a traced value
-(stacked layers of different kinds). A score scale other than ``1/sqrt(H)`` (Gemma's
+(stacked layers of different kinds); for GPT-OSS, attention sinks (no kernel adds a sink
+logit to its softmax). A score scale other than ``1/sqrt(H)`` (Gemma's
 ``query_pre_attn_scalar``) reaches the kernels folded into q.
 """
 
@@ -143,12 +144,25 @@ def softcap_scores(s_x: jax.Array, softcap: float | None) -> jax.Array:
     return jnp.tanh(s_x / softcap) * softcap
 
 
-def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype, softcap=None) -> str:
+def softmax_with_sinks(s_x: jax.Array, sinks_x: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis of f32 scores; with ``sinks_x`` (broadcastable to
+    ``s_x[..., :1]``: GPT-OSS's per-head sink logit) each denominator also holds
+    ``exp(sink)``, a key whose value is zero, so a row's weights may sum to less than 1.
+    Identical to Hugging Face's concatenate-softmax-drop, without the copy of the scores."""
+    if sinks_x is None:
+        return jax.nn.softmax(s_x, axis=-1)
+    sinks_x = sinks_x.astype(s_x.dtype)
+    m_x = jnp.maximum(jnp.max(s_x, axis=-1, keepdims=True), sinks_x)
+    e_x = jnp.exp(s_x - m_x)
+    return e_x / (jnp.sum(e_x, axis=-1, keepdims=True) + jnp.exp(sinks_x - m_x))
+
+
+def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype, softcap=None, sinks=None) -> str:
     if impl not in legal:
         raise ConfigError(f"unknown attention impl {impl!r}; legal: {', '.join(legal)}")
-    if softcap is not None:
-        # No fused kernel soft-caps scores; ModelConfig refuses a kernel named explicitly
-        # with attn_softcap, so only "auto" (or "xla") gets here.
+    if softcap is not None or sinks is not None:
+        # No fused kernel soft-caps scores or adds sinks; ModelConfig refuses a kernel named
+        # explicitly with attn_softcap or attn_sinks, so only "auto" (or "xla") gets here.
         return "xla"
     if impl == "auto":
         return attention_impls(active_platform(), dtype)[which]
@@ -160,20 +174,34 @@ def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype, softcap=None)
 # --- XLA (exact reference) ------------------------------------------------------------------
 
 
-def prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window, scale=None, softcap=None):
+def prefill_xla(
+    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window, scale=None, softcap=None, sinks_N=None
+):
     """Grouped-einsum prefill attention (see :func:`prefill_attention`)."""
     k_pos_S = jnp.arange(k_BSKH.shape[1], dtype=jnp.int32)
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
-    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window, scale, softcap)
+    return attend_xla(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window, scale, softcap, sinks_N
+    )
 
 
 def attend_xla(
-    q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_S, valid_BS, window, scale=None, softcap=None
+    q_BTNH,
+    k_BSKH,
+    v_BSKH,
+    q_pos_BT,
+    k_pos_S,
+    valid_BS,
+    window,
+    scale=None,
+    softcap=None,
+    sinks_N=None,
 ):
     """Grouped-einsum attention of queries at ``q_pos_BT`` over keys at ``k_pos_S``
     (``[S]`` or per row ``[B, S]``), of which ``valid_BS`` may be seen (causal, windowed).
     Scores are scaled by ``scale`` (default ``1/sqrt(H)``) and soft-capped (``softcap``)
-    before the mask, as Hugging Face's Gemma 2 does."""
+    before the mask, as Hugging Face's Gemma 2 does; ``sinks_N`` (GPT-OSS) joins each
+    head's softmax denominator (:func:`softmax_with_sinks`)."""
     b, t, n, h = q_BTNH.shape
     k_heads = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, k_heads, n // k_heads, h)
@@ -184,12 +212,13 @@ def attend_xla(
     s_BKGTS = softcap_scores(s_BKGTS, softcap)
     mask_BTS = key_mask(q_pos_BT, k_pos_S, valid_BS, window)
     s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, MASKED)
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(q_BTNH.dtype)
+    sinks_1KG11 = None if sinks_N is None else sinks_N.reshape(1, k_heads, n // k_heads, 1, 1)
+    p_BKGTS = softmax_with_sinks(s_BKGTS, sinks_1KG11).astype(q_BTNH.dtype)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v_BSKH)
     return out_BTKGH.reshape(b, t, n, h)
 
 
-def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale=None, softcap=None):
+def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale=None, softcap=None, sinks_N=None):
     """Grouped decode attention on the [B,K,S,H] cache, which is not transposed.
 
     Both contractions over the cache read it in its own dtype with f32 accumulation. On
@@ -224,7 +253,8 @@ def decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale=None, softcap=Non
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
     s_BKGS = jnp.where(mask_BS[:, None, None], s_BKGS, MASKED)
-    p_BKGS = scale_probs(jax.nn.softmax(s_BKGS, axis=-1), v_scale_BKS).astype(q_BNH.dtype)
+    sinks_1KG1 = None if sinks_N is None else sinks_N.reshape(1, k_heads, n // k_heads, 1)
+    p_BKGS = scale_probs(softmax_with_sinks(s_BKGS, sinks_1KG1), v_scale_BKS).astype(q_BNH.dtype)
     if as_dots:
         out_BKGH = jnp.einsum("BKGS,BKSH->BKGH", p_BKGS, v_BKSH, preferred_element_type=jnp.float32)
     else:
@@ -271,6 +301,7 @@ def prefill_attention(
     interpret: bool | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks_N: jax.Array | None = None,
 ) -> jax.Array:
     """Causal self-attention of a right-padded prompt, grouped-query heads.
 
@@ -293,6 +324,7 @@ def prefill_attention(
             an :func:`interpret_kernels` context is active.
         scale: Score scale; None: ``1/sqrt(H)``.
         softcap: Gemma 2's score soft cap, or None; with one, XLA runs (no kernel caps).
+        sinks_N: GPT-OSS's per-head sink logits (f32), or None; with them, XLA runs.
 
     Returns:
         out_BTNH in q's dtype.
@@ -300,7 +332,7 @@ def prefill_attention(
     Raises:
         ConfigError: an unknown ``impl``.
     """
-    impl = _resolve(impl, PREFILL_IMPLS, 0, q_BTNH.dtype, softcap)
+    impl = _resolve(impl, PREFILL_IMPLS, 0, q_BTNH.dtype, softcap, sinks_N)
     if not static_window(window):
         impl = "xla"
     b, t, n, h = q_BTNH.shape
@@ -309,7 +341,9 @@ def prefill_attention(
     if impl == "pallas_tpu" and (t != s or kern.splash_blocks(t, s) is None):
         impl = "xla"  # splash needs S and the local queries in whole blocks (kv: 128)
     if impl == "xla" or t != s:
-        return prefill_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window, scale, softcap)
+        return prefill_xla(
+            q_BTNH, k_BSKH, v_BSKH, q_pos_BT, lengths_B, window, scale, softcap, sinks_N
+        )
     q_BTNH = kernel_scaled_q(q_BTNH, scale)
     if impl == "cudnn":
         body = functools.partial(kern.prefill_cudnn, group=group, window=window)
@@ -354,6 +388,7 @@ def context_prefill_attention(
     window: int | jax.Array | None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks_N: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of new tokens that continue cached ones (prefill with context).
 
@@ -379,7 +414,9 @@ def context_prefill_attention(
     )
     k_BSKH = jnp.concatenate([k_ctx_BCKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
     v_BSKH = jnp.concatenate([v_ctx_BCKH.astype(v_BTKH.dtype), v_BTKH], axis=1)
-    return attend_xla(q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, valid_BS, window, scale, softcap)
+    return attend_xla(
+        q_BTNH, k_BSKH, v_BSKH, q_pos_BT, k_pos_BS, valid_BS, window, scale, softcap, sinks_N
+    )
 
 
 def decode_attention(
@@ -393,6 +430,7 @@ def decode_attention(
     interpret: bool | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks_N: jax.Array | None = None,
 ) -> jax.Array:
     """One new query per row over its layer's [B, K, S, H] cache, which already holds it.
 
@@ -411,6 +449,7 @@ def decode_attention(
             an :func:`interpret_kernels` context is active.
         scale: Score scale; None: ``1/sqrt(H)``.
         softcap: Gemma 2's score soft cap, or None (XLA then).
+        sinks_N: GPT-OSS's per-head sink logits (f32), or None (XLA then).
 
     Returns:
         out_BNH in q's dtype.
@@ -418,7 +457,7 @@ def decode_attention(
     Raises:
         ConfigError: an unknown ``impl``.
     """
-    impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype, softcap)
+    impl = _resolve(impl, DECODE_IMPLS, 1, q_BNH.dtype, softcap, sinks_N)
     if not static_window(window) or isinstance(k_BKSH, QuantKV):
         impl = "xla"  # the contiguous kernels take no window as a value, and no scales
     if impl == "pallas_tpu":
@@ -426,7 +465,7 @@ def decode_attention(
     if impl == "pallas_gpu" and kern.decode_blocks(k_BKSH.shape[2]) is None:
         impl = "xla"  # the kernel needs S in splits of >= 16 keys (see decode_blocks)
     if impl == "xla":
-        return decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale, softcap)
+        return decode_xla(q_BNH, k_BKSH, v_BKSH, lengths_B, window, scale, softcap, sinks_N)
     q_BNH = kernel_scaled_q(q_BNH, scale)
     n, s = q_BNH.shape[1], k_BKSH.shape[2]
     k_BKSH, v_BKSH = k_BKSH.astype(q_BNH.dtype), v_BKSH.astype(q_BNH.dtype)

@@ -25,9 +25,10 @@ ARCHS: tuple[str, ...] = (
     "mixtral",
     "qwen3_moe",
     "gpt2",
+    "gpt_oss",
 )
 #: The archs whose feed-forward blocks are mixtures of experts (every layer's).
-MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe")
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
 _CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("rms", "layer"),
     "activation": ("silu", "gelu_tanh"),
@@ -222,6 +223,8 @@ class ModelConfig:
     #: Qwen3: an RMS norm with its own ``[head_dim]`` scale on every query head and every
     #: key head (``q_norm``, ``k_norm``), after the projections and before RoPE.
     qk_norm: bool = False
+    #: Biases on the feed-forward projections: the dense FFN's, or (MoE) every expert's
+    #: gate, up and down projections (GPT-OSS).
     mlp_bias: bool = False
     tie_embeddings: bool = False
     sliding_window: int | None = None
@@ -284,6 +287,16 @@ class ModelConfig:
     #: in both phases; TPU: splash in prefill, XLA in decode; XLA on CPU and in float32).
     prefill_attention: str = "auto"
     decode_attention: str = "auto"
+    #: GPT-OSS: a learned logit per query head (``sinks [N]``) joins every softmax
+    #: denominator, as a key no query reads a value from: a head may attend to nothing.
+    attn_sinks: bool = False
+    #: GPT-OSS: the router adds a bias ``[E]`` to its logits before the top-k.
+    router_bias: bool = False
+    #: GPT-OSS's clamped SwiGLU in the experts: ``(clip(up, -l, l) + 1) * g * sigmoid(a *
+    #: g)`` with ``g = min(gate, l)``, l = ``swiglu_limit``, a = ``swiglu_alpha``. None
+    #: (both): the plain ``silu(gate) * up``.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sliding_layers, list):
@@ -323,6 +336,7 @@ class ModelConfig:
         self._check_positions()
         self._check_gemma()
         self._check_moe()
+        self._check_gpt_oss()
 
     def _check_positions(self) -> None:
         if self.positional == "rope":
@@ -419,8 +433,6 @@ class ModelConfig:
             raise ConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if not self.gated_ffn or self.activation != "silu":
             raise ConfigError("experts are SwiGLU: MoE needs gated_ffn=True, activation='silu'")
-        if self.mlp_bias:
-            raise ConfigError("experts have no biases: MoE needs mlp_bias=False")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(
                 f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor}"
@@ -430,6 +442,32 @@ class ModelConfig:
                 "moe_dispatch='ragged' is dropless; with moe_capacity_factor="
                 f"{self.moe_capacity_factor} use moe_dispatch='padded' (or 'auto')"
             )
+
+    def _check_gpt_oss(self) -> None:
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ConfigError(
+                "swiglu_limit and swiglu_alpha describe one clamped SwiGLU: set both or neither, "
+                f"got swiglu_limit={self.swiglu_limit}, swiglu_alpha={self.swiglu_alpha}"
+            )
+        if self.swiglu_limit is not None:
+            if not self.is_moe:
+                raise ConfigError("swiglu_limit/swiglu_alpha shape the experts: need n_experts > 0")
+            if self.swiglu_limit <= 0 or self.swiglu_alpha <= 0:
+                raise ConfigError(
+                    f"swiglu_limit={self.swiglu_limit} and swiglu_alpha={self.swiglu_alpha} "
+                    "must be positive"
+                )
+        if self.router_bias and not self.is_moe:
+            raise ConfigError("router_bias needs n_experts > 0 (a dense model has no router)")
+        if self.attn_sinks:
+            # No fused kernel (cuDNN, splash, Pallas decode) takes a sink logit: "auto" runs
+            # XLA for such a model; a kernel named explicitly would drop the sinks.
+            for name in ("prefill_attention", "decode_attention"):
+                if getattr(self, name) not in ("auto", "xla"):
+                    raise ConfigError(
+                        f"{name}={getattr(self, name)!r} cannot add attention sinks to the "
+                        "softmax (attn_sinks=True); legal: 'auto' or 'xla' (both run the XLA path)"
+                    )
 
     @property
     def is_moe(self) -> bool:

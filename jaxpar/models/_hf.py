@@ -26,6 +26,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._decoder import abstract_model
 from jaxpar.models._hf_config import config_from_hf, hf_arch
 from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes, per_layer
+from jaxpar.models._hf_mxfp4 import Mxfp4Tensors, is_mxfp4
 from jaxpar.models._hf_quant import UNUSED_SUFFIXES, fp8_array, prequantized, scale_recipe
 from jaxpar.models._quant import SCALE_SUFFIX, quantize_array
 
@@ -44,7 +45,8 @@ def load_hf_checkpoint(
     layer_loop: str = "unrolled",
     quantize: str | None = None,
 ) -> tuple[ModelConfig, nnx.State]:
-    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Mixtral/Qwen3-MoE/GPT-2 checkpoint.
+    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Mixtral/Qwen3-MoE/GPT-2/GPT-OSS
+    checkpoint (GPT-OSS's MXFP4 experts dequantized to ``dtype``: :mod:`._hf_mxfp4`).
 
     Args:
         path: Directory with ``config.json`` and ``model.safetensors`` (or shards listed
@@ -72,7 +74,8 @@ def load_hf_checkpoint(
     root = Path(path)
     hf = _read_json(root / "config.json")
     source = str(root / "config.json")
-    prequant = prequantized(hf, source)
+    mxfp4 = is_mxfp4(hf, hf_arch(hf, source), source)
+    prequant = None if mxfp4 else prequantized(hf, source)
     config = config_from_hf(hf, dtype=dtype, source=source, layer_loop=layer_loop)
     if prequant is not None and quantize not in (None, prequant.mode):
         raise CheckpointError(
@@ -82,7 +85,7 @@ def load_hf_checkpoint(
         )
     float_config = dataclasses.replace(config, quantize=None)
     target = config if quantize is None else dataclasses.replace(config, quantize=quantize)
-    with _Checkpoint(root) as ckpt:
+    with _Checkpoint(root, mxfp4=mxfp4) as ckpt:
         recipes = _recipes(float_config, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
         scales = _scale_recipes(recipes, wanted, ckpt.shapes) if prequant else {}
@@ -146,7 +149,7 @@ def _read_json(file: Path) -> dict[str, Any]:
 class _Checkpoint:
     """Open safetensors files of a checkpoint: tensor shapes from headers, slice reads."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, mxfp4: bool = False) -> None:
         index = root / "model.safetensors.index.json"
         if index.exists():
             weight_map = _read_json(index).get("weight_map") or {}
@@ -161,8 +164,11 @@ class _Checkpoint:
         self.dtypes: dict[str, str] = {}
         self._open: list[Any] = []
         self._fp8: dict[str, np.ndarray] = {}
+        self._mxfp4: Mxfp4Tensors | None = None
         try:
             self._scan(files)
+            if mxfp4:
+                self._present_mxfp4()
             if index.exists():
                 for name, file in weight_map.items():
                     if name not in self.file_of:
@@ -197,6 +203,19 @@ class _Checkpoint:
                     f"unreadable or corrupt safetensors file {file}: {e}"
                 ) from None
 
+    def _present_mxfp4(self) -> None:
+        """Replaces each ``_blocks``/``_scales`` pair by the float tensor it encodes."""
+        mx = Mxfp4Tensors(self.shapes, self.dtypes, self._stored_slice)
+        for name, shape in mx.shapes.items():
+            self.shapes[name], self.dtypes[name] = shape, "MXFP4"
+            self.file_of[name] = self.file_of[name + "_blocks"]
+        for name in mx.stored:
+            del self.shapes[name]
+        self._mxfp4 = mx
+
+    def _stored_slice(self, name: str, slices: tuple[slice, ...]) -> np.ndarray:
+        return self.handles[name].get_slice(name)[slices]
+
     def __enter__(self) -> _Checkpoint:
         return self
 
@@ -206,6 +225,8 @@ class _Checkpoint:
 
     def _slice(self, name: str, slices: tuple[slice, ...]) -> np.ndarray:
         stored = self.dtypes[name]
+        if stored == "MXFP4":
+            return self._mxfp4.read(name, slices)
         if stored == "F8_E4M3":  # safetensors' numpy API has no float8: mapped by hand
             if name not in self._fp8:
                 self._fp8[name] = fp8_array(self.file_of[name], name)
@@ -243,7 +264,8 @@ def _recipes(
     if hf_arch(hf, str(root)) == "gpt2":
         recipes = gpt2_recipes(config, "transformer." if "wte.weight" not in names else "")
     else:
-        recipes = llama_recipes(config, _moe_layout(names) if config.is_moe else None)
+        layout = "gpt_oss" if config.arch == "gpt_oss" else _moe_layout(names)
+        recipes = llama_recipes(config, layout if config.is_moe else None)
     return recipes if config.layer_loop == "scan" else per_layer(recipes, config.n_layers)
 
 

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2LMHeadModel": "gpt2",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPES = {v: v for v in SUPPORTED_ARCHITECTURES.values() if v != "gemma3"}
 _MODEL_TYPES["gemma3_text"] = "gemma3"  # "gemma3" is the multimodal model: not supported
@@ -55,10 +56,13 @@ def config_from_hf(
     Raises:
         CheckpointError: Unsupported architecture or option, or a missing key.
     """
+    from jaxpar.models._hf_mxfp4 import is_mxfp4
     from jaxpar.models._hf_quant import check_model, prequantized
 
     arch = hf_arch(hf, source)
-    prequant = prequantized(hf, source)  # refuses unsupported quantization_configs
+    # MXFP4 experts (GPT-OSS) are dequantized at load: a float model. Any other
+    # quantization_config jaxpar does not load is refused by prequantized.
+    prequant = None if is_mxfp4(hf, arch, source) else prequantized(hf, source)
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
@@ -66,6 +70,8 @@ def config_from_hf(
             fields = _gpt2_fields(hf, source)
         elif arch in ("gemma2", "gemma3"):
             fields = _gemma_fields(hf, arch, source)
+        elif arch == "gpt_oss":
+            fields = _gpt_oss_fields(hf, source)
         else:
             fields = _llama_fields(hf, arch, source)
         check_model(prequant, arch, bool(fields.get("n_experts")), source)
@@ -284,7 +290,8 @@ def _gemma_layers(
     n = hf["num_hidden_layers"]
     kinds = hf.get("layer_types")
     if kinds is None:
-        pattern = 2 if arch == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+        # Gemma 2 and GPT-OSS: every other layer slides, from the first.
+        pattern = 2 if arch in ("gemma2", "gpt_oss") else int(hf.get("sliding_window_pattern", 6))
         kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     unknown = sorted(set(kinds) - set(_LAYER_TYPES))
     if unknown or len(kinds) != n:
@@ -343,6 +350,44 @@ def _gemma_rope(
             )
     local_theta = None if local is None else float(local["rope_theta"])
     return float(full["rope_theta"]), local_theta, linear
+
+
+def _gpt_oss_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """GPT-OSS: attention sinks and q/k/v/o biases; sliding layers alternating with full ones
+    (``layer_types``, else every other from the first); YaRN RoPE; every layer a mixture of
+    experts with a biased router (top-k of the logits, softmax over the k), expert biases and
+    the clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``: transformers' defaults 7.0 and
+    1.702 where config.json has none)."""
+    n_heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf, source)
+    layers, window = _gemma_layers(hf, "gpt_oss", source)
+    bias = bool(hf.get("attention_bias", True))
+    return dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or 64,  # GptOssConfig's default
+        d_ff=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=window,
+        sliding_layers=layers,
+        qkv_bias=bias,
+        out_bias=bias,
+        attn_sinks=True,
+        n_experts=hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        norm_topk_prob=True,  # softmax over the chosen logits: renormalised probabilities
+        router_bias=True,
+        mlp_bias=True,
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+    )
 
 
 def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:

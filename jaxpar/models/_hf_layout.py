@@ -33,8 +33,12 @@ class Recipe:
         stack: Sizes of the leading stacked dimensions (layers, then experts).
         hf_shape: Full shape of each checkpoint tensor.
         split: For each checkpoint dimension (after ``select``), its view dimensions.
-        perm: Transpose from view dimensions to the parameter's per-tensor dimensions.
+        perm: Transpose from view dimensions to the parameter's per-tensor dimensions
+            (those left after ``take``).
         select: (dim, start, stop) of a fused tensor that this parameter takes.
+        take: (view dim, index): this parameter is one entry of that view dimension, which
+            it drops (GPT-OSS's gate and up columns interleaved in one tensor: the last
+            dimension viewed as ``(F, 2)``, gate at index 0, up at 1).
     """
 
     name: str
@@ -44,12 +48,19 @@ class Recipe:
     perm: tuple[int, ...]
     select: tuple[int, int, int] | None = None
     keys: tuple[str, ...] = _STACK_KEYS  # what the stacked dims are called in ``name``
+    take: tuple[int, int] | None = None
+
+    def _kept(self) -> list[int]:
+        """The view dimensions the parameter keeps (all but ``take``'s)."""
+        n_view = sum(len(group) for group in self.split)
+        return [v for v in range(n_view) if self.take is None or v != self.take[0]]
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the assembled parameter."""
         view = [d for group in self.split for d in group]
-        return (*self.stack, *(view[p] for p in self.perm))
+        kept = [view[v] for v in self._kept()]
+        return (*self.stack, *(kept[p] for p in self.perm))
 
     def tensors(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor this parameter reads, with its expected shape."""
@@ -70,7 +81,12 @@ class Recipe:
         n_stack = len(self.stack)
         full = (*self.stack, *self.shape[n_stack:])
         bounds = [range(*s.indices(n)) for s, n in zip(index, full, strict=True)]
-        view_ranges = [bounds[n_stack + self.perm.index(v)] for v in range(len(self.perm))]
+        kept = self._kept()
+        view_ranges = [range(0)] * (len(kept) + (self.take is not None))
+        for j, v in enumerate(kept):
+            view_ranges[v] = bounds[n_stack + self.perm.index(j)]
+        if self.take is not None:
+            view_ranges[self.take[0]] = range(self.take[1], self.take[1] + 1)
         hf_slices, view, in_memory, v = [], [], [], 0
         for dim, group in enumerate(self.split):
             lead, rest = view_ranges[v], view_ranges[v + 1 : v + len(group)]
@@ -81,10 +97,15 @@ class Recipe:
             view += [len(lead), *group[1:]]
             in_memory += [slice(None)] + [slice(r.start, r.stop) for r in rest]
             v += len(group)
+
+        def assemble(arr: np.ndarray) -> np.ndarray:
+            arr = arr.reshape(view)[tuple(in_memory)]
+            if self.take is not None:
+                arr = arr[(slice(None),) * self.take[0] + (0,)]
+            return arr.transpose(self.perm)
+
         blocks = [
-            reader(self._name(i), tuple(hf_slices))
-            .reshape(view)[tuple(in_memory)]
-            .transpose(self.perm)
+            assemble(reader(self._name(i), tuple(hf_slices)))
             for i in itertools.product(*bounds[:n_stack])
         ]
         out = np.stack(blocks) if blocks else np.zeros((0,))
@@ -162,7 +183,7 @@ def _plain(
 
 
 #: Where a checkpoint keeps its experts (see :func:`llama_recipes`).
-MOE_LAYOUTS = ("fused", "legacy", "per_expert")
+MOE_LAYOUTS = ("fused", "legacy", "per_expert", "gpt_oss")
 
 
 def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe | Fused]:
@@ -207,6 +228,8 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
         )
     if c.out_bias:
         r[("layers", "attn", "o_bias")] = _plain(lay + "self_attn.o_proj.bias", ((d,),), st)
+    if c.attn_sinks:
+        r[("layers", "attn", "sinks")] = _plain(lay + "self_attn.sinks", ((n,),), st)
     if c.qk_norm:
         for x in "qk":
             r[("layers", "attn", f"{x}_norm", "scale")] = _plain(
@@ -245,6 +268,8 @@ _PER_EXPERT_NAMES = {
 def _expert_recipes(c: ModelConfig, moe_layout: str | None, lay: str) -> dict[Path, Recipe]:
     """The router ``[D, E]`` and the stacked experts gate/up ``[E, D, F]``, down ``[E, F, D]``."""
     d, f, e, st = c.d_model, c.d_ff, c.n_experts, (c.n_layers,)
+    if moe_layout == "gpt_oss":
+        return _gpt_oss_expert_recipes(c, lay)
     if moe_layout in _PER_EXPERT_NAMES:
         module, gate, up, down = _PER_EXPERT_NAMES[moe_layout]
         moe, ste = lay + module, (c.n_layers, e)
@@ -277,6 +302,47 @@ def _expert_recipes(c: ModelConfig, moe_layout: str | None, lay: str) -> dict[Pa
         hf_shape=(e, d, f),
         split=((e,), (d,), (f,)),
         perm=(0, 2, 1),
+    )
+    return r
+
+
+def _gpt_oss_expert_recipes(c: ModelConfig, lay: str) -> dict[Path, Recipe]:
+    """GPT-OSS's biased router and experts (``mlp.router``, ``mlp.experts``).
+
+    Its experts are stored ``[in, out]``: ``gate_up_proj [E, D, 2F]`` with gate and up
+    *interleaved* (column ``2j`` is gate column j, ``2j + 1`` up column j: transformers'
+    ``gate_up[..., ::2]`` / ``[..., 1::2]``), its bias ``[E, 2F]`` alike, ``down_proj
+    [E, F, D]`` and its bias ``[E, D]``. An MXFP4 checkpoint's ``*_blocks``/``*_scales``
+    are read as these float tensors (:mod:`._hf_mxfp4`).
+    """
+    d, f, e, st = c.d_model, c.d_ff, c.n_experts, (c.n_layers,)
+    moe = lay + "mlp."
+    r: dict[Path, Recipe] = {
+        ("layers", "ffn", "router", "kernel"): _linear(moe + "router.weight", (e,), (d,), st),
+        ("layers", "ffn", "router", "bias"): _plain(moe + "router.bias", ((e,),), st),
+    }
+    for i, ours in enumerate(("gate", "up")):
+        r[("layers", "ffn", "experts", f"{ours}_kernel")] = Recipe(
+            name=moe + "experts.gate_up_proj",
+            stack=st,
+            hf_shape=(e, d, 2 * f),
+            split=((e,), (d,), (f, 2)),
+            perm=(0, 1, 2),
+            take=(3, i),
+        )
+        r[("layers", "ffn", "experts", f"{ours}_bias")] = Recipe(
+            name=moe + "experts.gate_up_proj_bias",
+            stack=st,
+            hf_shape=(e, 2 * f),
+            split=((e,), (f, 2)),
+            perm=(0, 1),
+            take=(2, i),
+        )
+    r[("layers", "ffn", "experts", "down_kernel")] = _plain(
+        moe + "experts.down_proj", ((e,), (f,), (d,)), st
+    )
+    r[("layers", "ffn", "experts", "down_bias")] = _plain(
+        moe + "experts.down_proj_bias", ((e,), (d,)), st
     )
     return r
 

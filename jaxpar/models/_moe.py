@@ -15,6 +15,7 @@ the partials over tp: n token rows, as a dense FFN's down projection.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from flax import nnx
 from jaxpar.models import _moe_exchange as xchg
 from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, fan_in_normal, param
+from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
 from jaxpar.models._moe_stats import record_dropped
 from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
 
@@ -36,19 +37,32 @@ ROUTER_AXES = ("embed", None)
 GATE_UP_AXES = ("experts", "embed", "mlp")  # [E, D, F]
 DOWN_AXES = ("experts", "mlp", "embed")  # [E, F, D]
 DROPPED_AXES = ("batch", "seq")  # per-device drop counts, [1, 1] on each device
+ROUTER_BIAS_AXES = (None,)  # [E], replicated like the router kernel
+GATE_UP_BIAS_AXES = ("experts", "mlp")  # [E, F]
+DOWN_BIAS_AXES = ("experts", "embed")  # [E, D]
 
 
 def route_tokens(
-    x_nD: jax.Array, kernel_DE: jax.Array, top_k: int, normalize: bool = True
+    x_nD: jax.Array,
+    kernel_DE: jax.Array,
+    top_k: int,
+    normalize: bool = True,
+    bias_E: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Mixtral's and Qwen3-MoE's gate: softmax over experts in float32, top-k, renormalised
     (``normalize``, Hugging Face ``norm_topk_prob``) or not.
+
+    GPT-OSS's gate (logits plus ``bias_E``, top-k of the logits, softmax over the k chosen)
+    is this one with ``normalize``: the softmax is monotonic, so the same k win, and
+    ``p_i / sum_k p_j = exp(l_i) / sum_k exp(l_j)``.
 
     Returns (weights [n, k] float32, summing to 1 if ``normalize``; expert ids [n, k] int32).
     """
     logits_nE = jnp.einsum(
         "nD,DE->nE", x_nD, kernel_DE.astype(x_nD.dtype), preferred_element_type=jnp.float32
     )
+    if bias_E is not None:
+        logits_nE = logits_nE + bias_E.astype(jnp.float32)
     probs_nE = jax.nn.softmax(logits_nE, axis=-1)
     weights_nk, experts_nk = _top_k(probs_nE, top_k)
     if normalize:
@@ -61,12 +75,16 @@ class Router(nnx.Module):
     device routes its own tokens."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        d, e = config.d_model, config.n_experts
+        d, e, pd = config.d_model, config.n_experts, config.param_dtype
         self.dtype, self.top_k, self.normalize = config.dtype, config.top_k, config.norm_topk_prob
-        self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, config.param_dtype)
+        self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, pd)
+        self.bias = bias_init(rngs, (e,), ROUTER_BIAS_AXES, pd) if config.router_bias else None
 
     def __call__(self, x_nD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return route_tokens(x_nD.astype(self.dtype), self.kernel[...], self.top_k, self.normalize)
+        bias = None if self.bias is None else self.bias[...]
+        return route_tokens(
+            x_nD.astype(self.dtype), self.kernel[...], self.top_k, self.normalize, bias
+        )
 
 
 def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -94,6 +112,17 @@ class Experts(nnx.Module):
         self.gate_kernel = param(rngs, fan_in_normal(d), (e, d, f), GATE_UP_AXES, pd)
         self.up_kernel = param(rngs, fan_in_normal(d), (e, d, f), GATE_UP_AXES, pd)
         self.down_kernel = param(rngs, fan_in_normal(f), (e, f, d), DOWN_AXES, pd)
+        # GPT-OSS (config.mlp_bias): each expert's gate, up and down biases.
+        biased = config.mlp_bias
+        self.gate_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
+        self.up_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
+        self.down_bias = bias_init(rngs, (e, d), DOWN_BIAS_AXES, pd) if biased else None
+
+    def biases(self) -> tuple[jax.Array, ...]:
+        """(gate [E, F], up [E, F], down [E, D]) biases, or () when the experts have none."""
+        if self.gate_bias is None:
+            return ()
+        return (self.gate_bias[...], self.up_bias[...], self.down_bias[...])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +138,17 @@ class _Local:
     expert_axes: tuple[str, ...]
     mlp_axes: tuple[str, ...]
     cpu: bool = False
+    #: GPT-OSS: a router bias (the first extra argument), the clamped SwiGLU's (limit,
+    #: alpha); expert biases arrive as the last three extra arguments when present.
+    router_bias: bool = False
+    clamp: tuple[float, float] | None = None
 
-    def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD):
+    def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD, *extra):
         b, t, d = x_btD.shape
         x_nD = x_btD.reshape(b * t, d).astype(self.dtype)
-        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k, self.normalize)
+        bias_E = extra[0] if self.router_bias else None
+        biases = extra[1:] if self.router_bias else extra  # () or (gate, up, down)
+        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k, self.normalize, bias_E)
         peers = self.n_experts // gate_EDF.shape[0]
         cap = route.capacity_rows(b * t, self.top_k, self.n_experts, peers, self.capacity_factor)
         plan = route.send_plan(experts_nk, self.n_experts, peers, cap)
@@ -127,7 +162,7 @@ class _Local:
                 rows = xchg.padded_dispatch(
                     route.pack_rows(x_nD, plan, peers * cap), peers, self.expert_axes
                 )
-            y_RD = self._experts(rows, counts_PE, cap, weights)
+            y_RD = self._experts(rows, counts_PE, cap, weights, biases)
             if self.path == "ragged":
                 back = xchg.ragged_combine(
                     y_RD, plan, counts_PE, offsets_P, sent.shape[0], self.expert_axes
@@ -143,13 +178,33 @@ class _Local:
             out_nD = jax.lax.psum(out_nD, self.mlp_axes)
         return out_nD.reshape(b, t, d), plan.dropped.reshape(1, 1)
 
-    def _experts(self, rows_RD, counts_PE, cap, weights):
+    def _experts(self, rows_RD, counts_PE, cap, weights, biases=()):
         """The local experts on the received rows, grouped by expert (tp partial sums)."""
         recv = route.receive_plan(counts_PE, cap)
         # XLA:CPU lowers ragged_dot to a masked dense dot that copies the expert kernels.
         swiglu = route.masked_swiglu if self.cpu else route.grouped_swiglu
-        y_RD = swiglu(rows_RD[recv.order_R], recv.group_sizes_E, *weights)
+        glu = route.silu_glu
+        if self.clamp is not None:
+            glu = functools.partial(route.clamped_glu, limit=self.clamp[0], alpha=self.clamp[1])
+        rows_RD = rows_RD[recv.order_R]
+        if not biases:
+            y_RD = swiglu(rows_RD, recv.group_sizes_E, *weights, glu=glu)
+        else:
+            y_RD = self._biased_experts(rows_RD, recv.group_sizes_E, weights, biases, swiglu, glu)
         return jnp.zeros_like(y_RD).at[recv.order_R].set(y_RD)
+
+    def _biased_experts(self, rows_RD, group_sizes_E, weights, biases, swiglu, glu):
+        """GPT-OSS's experts: each row's expert's biases gathered per row (zeros past the
+        groups). The down bias is added on one tp rank only: the rows are tp partial sums,
+        summed after the combine, and the bias must count once."""
+        expert_R = route.expert_of_rows(group_sizes_E, rows_RD.shape[0])
+        gate_RF, up_RF, down_RD = (
+            b.astype(self.dtype).at[expert_R].get(mode="fill", fill_value=0) for b in biases
+        )
+        y_RD = swiglu(rows_RD, group_sizes_E, *weights, gate_RF, up_RF, glu=glu)
+        if self.mlp_axes:
+            down_RD = jnp.where(jax.lax.axis_index(self.mlp_axes) == 0, down_RD, 0)
+        return y_RD + down_RD
 
 
 class MoE(nnx.Module):
@@ -179,22 +234,23 @@ class MoE(nnx.Module):
                 expert_axes=active_mesh_axes("experts", Module.MOE),
                 mlp_axes=active_mesh_axes("mlp", Module.MOE),
                 cpu=active_platform() == "cpu",
-            )
-            run = logical_shard_map(
-                local,
-                (BTD, ROUTER_AXES, GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES),
-                (BTD, DROPPED_AXES),
-                Module.MOE,
-                multiple_outputs=True,
+                router_bias=c.router_bias,
+                clamp=None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha),
             )
             e = self.experts
-            y_BTD, dropped = run(
-                x_BTD,
-                self.router.kernel[...],
-                e.gate_kernel[...],
-                e.up_kernel[...],
-                e.down_kernel[...],
+            args = [x_BTD, self.router.kernel[...], e.gate_kernel[...], e.up_kernel[...]]
+            args.append(e.down_kernel[...])
+            in_axes = [BTD, ROUTER_AXES, GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES]
+            if c.router_bias:
+                args.append(self.router.bias[...])
+                in_axes.append(ROUTER_BIAS_AXES)
+            if c.mlp_bias:
+                args += e.biases()
+                in_axes += [GATE_UP_BIAS_AXES, GATE_UP_BIAS_AXES, DOWN_BIAS_AXES]
+            run = logical_shard_map(
+                local, tuple(in_axes), (BTD, DROPPED_AXES), Module.MOE, multiple_outputs=True
             )
+            y_BTD, dropped = run(*args)
             if c.moe_capacity_factor is not None:
                 record_dropped(dropped)
             return constrain(y_BTD.astype(x_BTD.dtype), BTD, Module.MOE)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -156,21 +157,50 @@ def receive_plan(counts_PE: jax.Array, capacity: int) -> ReceivePlan:
     return ReceivePlan(order.astype(jnp.int32), jnp.sum(counts_PE, axis=0).astype(jnp.int32))
 
 
+Glu = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def silu_glu(gate_xF: jax.Array, up_xF: jax.Array) -> jax.Array:
+    """SwiGLU's gating: ``silu(gate) * up``."""
+    return jax.nn.silu(gate_xF) * up_xF
+
+
+def clamped_glu(gate_xF: jax.Array, up_xF: jax.Array, *, limit: float, alpha: float) -> jax.Array:
+    """GPT-OSS's clamped SwiGLU: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, l)`` (Hugging Face's ``GptOssExperts._apply_gate``)."""
+    gate_xF = jnp.minimum(gate_xF, limit)
+    up_xF = jnp.clip(up_xF, -limit, limit)
+    return (up_xF + 1) * (gate_xF * jax.nn.sigmoid(gate_xF * alpha))
+
+
+def expert_of_rows(group_sizes_E: jax.Array, rows: int) -> jax.Array:
+    """The local expert of each of ``rows`` expert-sorted rows; ``E_l`` past the groups."""
+    ends_E = jnp.cumsum(group_sizes_E)
+    r_R = jnp.arange(rows, dtype=ends_E.dtype)
+    return jnp.sum(r_R[:, None] >= ends_E[None, :], axis=1).astype(jnp.int32)
+
+
 def grouped_swiglu(
     x_RD: jax.Array,
     group_sizes_E: jax.Array,
     gate_EDF: jax.Array,
     up_EDF: jax.Array,
     down_EFD: jax.Array,
+    gate_bias_RF: jax.Array | None = None,
+    up_bias_RF: jax.Array | None = None,
+    glu: Glu = silu_glu,
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows: ``ragged_dot`` per group, rows past the groups 0.
 
     FLOPs and weight reads follow the rows of each group (the grouped matmul); with the
-    intermediate split over tensor parallelism the result is a partial sum.
+    intermediate split over tensor parallelism the result is a partial sum. GPT-OSS: each
+    row's expert's gate and up biases (``*_bias_RF``, gathered per row) and its ``glu``.
     """
     gate_RF = jax.lax.ragged_dot(x_RD, gate_EDF, group_sizes_E)
     up_RF = jax.lax.ragged_dot(x_RD, up_EDF, group_sizes_E)
-    h_RF = (jax.nn.silu(gate_RF) * up_RF).astype(x_RD.dtype)
+    if gate_bias_RF is not None:
+        gate_RF, up_RF = gate_RF + gate_bias_RF, up_RF + up_bias_RF
+    h_RF = glu(gate_RF, up_RF).astype(x_RD.dtype)
     return jax.lax.ragged_dot(h_RF, down_EFD, group_sizes_E)
 
 
@@ -180,6 +210,9 @@ def masked_swiglu(
     gate_EDF: jax.Array,
     up_EDF: jax.Array,
     down_EFD: jax.Array,
+    gate_bias_RF: jax.Array | None = None,
+    up_bias_RF: jax.Array | None = None,
+    glu: Glu = silu_glu,
 ) -> jax.Array:
     """:func:`grouped_swiglu` as batched matmuls over the local experts, rows masked per group.
 
@@ -194,5 +227,9 @@ def masked_swiglu(
     x_ERD = jnp.where(mask_ER[..., None], x_RD[None], 0).astype(x_RD.dtype)
     gate_ERF = jnp.einsum("ERD,EDF->ERF", x_ERD, gate_EDF)
     up_ERF = jnp.einsum("ERD,EDF->ERF", x_ERD, up_EDF)
-    h_ERF = (jax.nn.silu(gate_ERF) * up_ERF).astype(x_RD.dtype)
+    if gate_bias_RF is not None:
+        gate_ERF, up_ERF = gate_ERF + gate_bias_RF[None], up_ERF + up_bias_RF[None]
+    h_ERF = glu(gate_ERF, up_ERF).astype(x_RD.dtype)
+    if gate_bias_RF is not None:  # a masked row's biases alone would not give zeros
+        h_ERF = jnp.where(mask_ER[..., None], h_ERF, 0)
     return jnp.einsum("ERF,EFD->RD", h_ERF, down_EFD)  # masked rows add zeros

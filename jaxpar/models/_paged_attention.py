@@ -58,6 +58,7 @@ from jaxpar.models._attention_ops import (
     scale_probs,
     scale_scores,
     softcap_scores,
+    softmax_with_sinks,
     split_scale,
 )
 from jaxpar.models._kv_quant import QuantKV, kv_map
@@ -105,6 +106,7 @@ def paged_xla(
     tables_BN,
     lengths_B,
     head_ids_N,
+    sinks_N=None,
     *,
     group,
     window,
@@ -115,7 +117,8 @@ def paged_xla(
 
     ``lengths_B``: valid keys per row, the new token included (its query sits at
     ``lengths_B - 1``). ``head_ids_N``: this shard's global query-head ids (to find the kv
-    head when kv heads are replicated over tp).
+    head when kv heads are replicated over tp). ``sinks_N``: this shard's query heads'
+    sink logits (GPT-OSS), or None.
     """
     b, n, h = q_BNH.shape
     k_local = k_KAZH.shape[0]
@@ -148,7 +151,10 @@ def paged_xla(
     valid_BS = k_pos_S[None, :] < lengths_B[:, None]
     mask_BS = key_mask((lengths_B - 1)[:, None], k_pos_S, valid_BS, window)[:, 0]
     s_KBGS = jnp.where(mask_BS[None, :, None], s_KBGS, MASKED)
-    p_KBGS = scale_probs(jax.nn.softmax(s_KBGS, axis=-1), v_scale_KBS).astype(q_BNH.dtype)
+    # Query heads lie [K, G] in q_KBGH (a replicated kv head: [1, n]), so do their sinks.
+    k_q, g_q = q_KBGH.shape[0], q_KBGH.shape[2]
+    sinks_K1G1 = None if sinks_N is None else sinks_N.reshape(k_q, 1, g_q, 1)
+    p_KBGS = scale_probs(softmax_with_sinks(s_KBGS, sinks_K1G1), v_scale_KBS).astype(q_BNH.dtype)
     out_KBGH = jnp.einsum("KBGS,KBSH->KBGH", p_KBGS, v_KBSH, preferred_element_type=jnp.float32)
     return out_KBGH.transpose(1, 0, 2, 3).reshape(b, n, h).astype(q_BNH.dtype)
 
@@ -188,6 +194,7 @@ def paged_decode_attention(
     interpret: bool | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks_N: jax.Array | None = None,
 ) -> jax.Array:
     """One new query per row over its pages, which already hold its key and value.
 
@@ -202,6 +209,8 @@ def paged_decode_attention(
             an :func:`~jaxpar.models.interpret_kernels` context is active.
         scale: Score scale; None: ``1/sqrt(H)``.
         softcap: Gemma 2's score soft cap, or None; neither kernel caps, so XLA runs.
+        sinks_N: GPT-OSS's per-head sink logits (f32), or None; no kernel takes them, so
+            XLA runs.
 
     Returns:
         out_BNH in q's dtype.
@@ -213,8 +222,8 @@ def paged_decode_attention(
     n = q_BNH.shape[1]
     group = n // kv.k_KAZH.shape[0]
     body = None
-    # Neither kernel masks a sliding window or soft-caps scores.
-    if impl != "xla" and window is None and softcap is None:
+    # Neither kernel masks a sliding window, soft-caps scores or adds sinks.
+    if impl != "xla" and window is None and softcap is None and sinks_N is None:
         body = _kernel_body(impl, q_BNH, kv, group, _interpret(interpret))
     if body is None:
         body = functools.partial(
@@ -222,11 +231,14 @@ def paged_decode_attention(
         )
     else:
         q_BNH = kernel_scaled_q(q_BNH, scale)
-    sharded = logical_shard_map(
-        body,
-        in_axes=(DECODE_Q_AXES, PAGE_AXES, PAGE_AXES, TABLE_AXES, ("batch",), ("heads",)),
-        out_axes=DECODE_Q_AXES,
-        module=Module.ATTENTION,
-    )
+    in_axes = (DECODE_Q_AXES, PAGE_AXES, PAGE_AXES, TABLE_AXES, ("batch",), ("heads",))
+    args = (q_BNH, kv.k_KAZH, kv.v_KAZH, kv.block_tables_BN, lengths_B)
     heads_N = jnp.arange(n, dtype=jnp.int32)
-    return sharded(q_BNH, kv.k_KAZH, kv.v_KAZH, kv.block_tables_BN, lengths_B, heads_N)
+    if sinks_N is not None:  # the sinks split with their query heads
+        in_axes, args = (*in_axes, ("heads",)), (*args, heads_N, sinks_N)
+    else:
+        args = (*args, heads_N)
+    sharded = logical_shard_map(
+        body, in_axes=in_axes, out_axes=DECODE_Q_AXES, module=Module.ATTENTION
+    )
+    return sharded(*args)
