@@ -52,11 +52,11 @@ from jaxpar.models import (
     ModelConfig,
     PagedKVCache,
     count_dropped,
+    quantize_tree,
     read_pages,
     total_dropped,
     write_prompts,
 )
-from jaxpar.models._kv_quant import quantize_tree
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE

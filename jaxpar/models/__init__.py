@@ -40,6 +40,7 @@ from jaxpar.models._kv_quant import (
     dequantize_kv,
     kv_bytes_per_vector,
     quantize_kv,
+    quantize_tree,
 )
 from jaxpar.models._layers import FFN, Embedding, LayerNorm, LMHead, RMSNorm
 from jaxpar.models._moe import (
@@ -122,6 +123,7 @@ __all__ = [
     "dequantize_kv",
     "kv_bytes_per_vector",
     "quantize_kv",
+    "quantize_tree",
     "param_bytes",
     "element_bytes",
     "load_hf_checkpoint",

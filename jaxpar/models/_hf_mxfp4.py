@@ -46,9 +46,13 @@ def is_mxfp4(hf: Mapping[str, Any], arch: str, source: str) -> bool:
     if not isinstance(qc, Mapping) or qc.get("quant_method") != "mxfp4":
         return False
     if arch != "gpt_oss":
+        from jaxpar.models._hf_quant import PREQUANTIZED_METHODS  # noqa: PLC0415
+
+        legal = ", ".join(map(repr, PREQUANTIZED_METHODS))
         raise CheckpointError(
             f"{source}: quantization_config.quant_method 'mxfp4' is supported for "
-            f"GptOssForCausalLM only (dequantized at load), not for arch {arch!r}"
+            f"GptOssForCausalLM only (dequantized at load), not for arch {arch!r}; "
+            f"legal pre-quantized formats for it: {legal}"
         )
     return True
 
