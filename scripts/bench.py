@@ -617,18 +617,22 @@ def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list
 
 
 def tpu_config(preset_name: str, **overrides: Any) -> Any:
-    """``preset_name`` in bfloat16 at the TPU section's sizes (d_model 256, head_dim 128)."""
-    from jaxpar.models import preset
+    """``preset_name`` in bfloat16 at the TPU section's sizes (d_model 256, head_dim 128), as
+    a ``ModelRun``: overrides naming an ``ExecutionOptions`` field (``decode_attention``)
+    go to the options, the others to the architecture."""
+    from jaxpar.models import ExecutionOptions, ModelRun, preset
 
-    return dataclasses.replace(
+    names = {f.name for f in dataclasses.fields(ExecutionOptions)}
+    config = dataclasses.replace(
         preset(preset_name),
         dtype="bfloat16",
         param_dtype="bfloat16",
         d_model=256,
         head_dim=128,
         max_position_embeddings=512,
-        **overrides,
+        **{k: v for k, v in overrides.items() if k not in names},
     )
+    return ModelRun(config, ExecutionOptions(**{k: v for k, v in overrides.items() if k in names}))
 
 
 def libtpu() -> tuple[str | None, str | None]:

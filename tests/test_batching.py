@@ -327,7 +327,7 @@ def test_step_frees_released_slots_by_state_and_leaves_the_others():
     it, pages included; a released row then takes a new request as a free one does."""
     engine = _engine(ParallelConfig(dp=2))  # rows 0-1 on one device, 2-3 on the other
     pool = PagePool(page_size=4, pages_per_shard=12, shards=2, rows=SLOTS, max_seq_len=MAX_SEQ_LEN)
-    slot_steps = SlotSteps(engine.steps, engine.program.model_config, pool)
+    slot_steps = SlotSteps(engine.steps, engine.program.run, pool)
     prompts, all_slots = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8], [3, 3, 3, 3]], np.arange(SLOTS)
     keep_B, release_B = np.zeros(SLOTS, bool), np.array([True, False, False, True])
 

@@ -170,8 +170,7 @@ def _engine(args, config, group: DeviceGroup, batch: int, console, what: str) ->
             max_batch=batch,
             max_seq_len=_max_seq_len(args, config),
             mesh=group.mesh(),
-            dtype=args.dtype,
-            quantize=getattr(args, "quantize", None),
+            options=config.options,  # --dtype (or float32 on CPU), --quantize, capacity
             on_tensor=lambda name: adv(),
         )
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxpar.errors import CacheOverflowError, ShapeError
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
 
 
@@ -99,8 +100,9 @@ class KVCache:
         return (self.k if self.stacked else self.k[0]).shape[2]  # [L,B,S,K,H] / [B,K,S,H]
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig) -> KVCache:
+    def logical_axes(cls, config: ModelConfig | ModelRun) -> KVCache:
         """A KVCache-shaped pytree of logical axis tuples (for building shardings)."""
+        config = ModelRun.of(config)
         if config.layer_loop == "scan":
             kv: Any = STACKED_KV_AXES
         else:
@@ -108,8 +110,9 @@ class KVCache:
         return cls(k=kv, v=kv, lengths_B=cls.LENGTHS_AXES)
 
     @classmethod
-    def empty(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
-        """A zero cache with all lengths 0 (compute dtype), in the config's storage form."""
+    def empty(cls, config: ModelConfig | ModelRun, batch: int, max_seq_len: int) -> KVCache:
+        """A zero cache with all lengths 0 (compute dtype), in the run's storage form."""
+        config = ModelRun.of(config)
         lengths_B = jnp.zeros((batch,), jnp.int32)
         k, h = config.n_kv_heads, config.head_dim
         if config.layer_loop == "scan":
@@ -121,7 +124,7 @@ class KVCache:
         return cls(k=layers, v=layers, lengths_B=lengths_B)
 
     @classmethod
-    def abstract(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
+    def abstract(cls, config: ModelConfig | ModelRun, batch: int, max_seq_len: int) -> KVCache:
         """Shapes and dtypes of a cache, without allocating."""
         return jax.eval_shape(lambda: cls.empty(config, batch, max_seq_len))
 

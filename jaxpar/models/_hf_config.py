@@ -40,17 +40,15 @@ def hf_arch(hf: Mapping[str, Any], source: str) -> str:
     )
 
 
-def config_from_hf(
-    hf: Mapping[str, Any], *, dtype: Any = None, source: str, layer_loop: str = "unrolled"
-) -> ModelConfig:
-    """Builds the :class:`ModelConfig` a Hugging Face ``config.json`` describes.
+def config_from_hf(hf: Mapping[str, Any], *, source: str) -> ModelConfig:
+    """Builds the :class:`ModelConfig` a Hugging Face ``config.json`` describes: the
+    architecture as stored, its dtype the checkpoint's ``dtype`` / ``torch_dtype`` (else
+    float32). How it runs (another dtype, quantization, layer form) is an
+    :class:`~jaxpar.models.ExecutionOptions`.
 
     Args:
         hf: Parsed ``config.json``.
-        dtype: Compute and parameter dtype; None takes the checkpoint's ``dtype`` /
-            ``torch_dtype``, else float32.
         source: File name for error messages.
-        layer_loop: How the layers are stored and run (see :class:`ModelConfig`).
 
     Raises:
         CheckpointError: Unsupported architecture or option, or a missing key.
@@ -59,8 +57,7 @@ def config_from_hf(
 
     arch = hf_arch(hf, source)
     prequant = prequantized(hf, source)  # refuses unsupported quantization_configs
-    if dtype is None:
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
         if arch == "gpt2":
             fields = _gpt2_fields(hf, source)
@@ -73,8 +70,6 @@ def config_from_hf(
             arch=arch,
             dtype=dtype,
             param_dtype=dtype,
-            layer_loop=layer_loop,
-            quantize=prequant and prequant.mode,
             **fields,
         )
     except KeyError as e:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxpar.errors import ShapeError
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, logical_shard_map
 
 #: One layer's page pool: [K, A, Z, H].
@@ -91,24 +92,27 @@ class PagedKVCache:
         return self.block_tables_BN.shape[1] * self.page_size
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig) -> PagedKVCache:
+    def logical_axes(cls, config: ModelConfig | ModelRun) -> PagedKVCache:
         """A PagedKVCache-shaped pytree of logical axis tuples (for building shardings)."""
+        config = ModelRun.of(config)
         pool: Any = (
             STACKED_PAGE_AXES if config.layer_loop == "scan" else (PAGE_AXES,) * config.n_layers
         )
         return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
 
     @classmethod
-    def empty_pool(cls, config: ModelConfig, pages: int, page_size: int) -> Any:
-        """A zero pool of ``pages`` pages per layer (compute dtype), in the config's form."""
+    def empty_pool(cls, config: ModelConfig | ModelRun, pages: int, page_size: int) -> Any:
+        """A zero pool of ``pages`` pages per layer (compute dtype), in the run's form."""
+        config = ModelRun.of(config)
         shape = (config.n_kv_heads, pages, page_size, config.head_dim)
         if config.layer_loop == "scan":
             return jnp.zeros((config.n_layers, *shape), config.dtype)
         return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.n_layers))
 
     @staticmethod
-    def pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
+    def pool_bytes(config: ModelConfig | ModelRun, pages: int, page_size: int) -> int:
         """Bytes of the keys and values of ``pages`` pages, every layer (all shards)."""
+        config = ModelRun.of(config)
         per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
         return per_token * pages * page_size * jnp.dtype(config.dtype).itemsize
 
