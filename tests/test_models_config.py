@@ -15,8 +15,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import (
     PRESETS,
     ExecutionOptions,
-    ModelRun,
     Llama3RopeScaling,
+    ModelRun,
     YarnRopeScaling,
     abstract_model,
     apply_rope,
@@ -150,6 +150,7 @@ def test_moe_invariants() -> None:
     moe = preset("tiny-moe")
     with pytest.raises(ConfigError, match="top_k"):
         dataclasses.replace(moe, top_k=9)
+
     # Rows per expert peer (a run's: the capacity factor is an execution option):
     # ceil(cf * tokens * top_k / peers), capped at the dropless bound tokens * min(top_k,
     # experts per peer).

@@ -188,6 +188,7 @@ def model_config(args: argparse.Namespace):
     (``--dtype``, ``--moe-capacity-factor``, ``--quantize``)."""
     from jaxpar.engine import compute_dtype
     from jaxpar.models import ModelRun, config_from_hf, preset
+    from jaxpar.models._hf_quant import prequantized
 
     if args.hf is None:
         return ModelRun(preset(args.model or args.default_model), _options(args, args.dtype))
@@ -209,7 +210,11 @@ def model_config(args: argparse.Namespace):
     # half-precision checkpoint); plan and explain keep the checkpoint's, for the target.
     runs_here = getattr(args, "command", None) in RUNS_HERE
     dtype = compute_dtype(hf, args.dtype) if runs_here else args.dtype
-    return ModelRun(config_from_hf(hf, source=str(path)), _options(args, dtype))
+    options = _options(args, dtype)
+    stored = prequantized(hf, str(path))  # a pre-quantized checkpoint runs as it is stored
+    if stored is not None and options.quantize is None:
+        options = options.merged(quantize=stored.mode)
+    return ModelRun(config_from_hf(hf, source=str(path)), options)
 
 
 #: Commands that run the model on this host's devices.

@@ -65,7 +65,10 @@ class Attention(nnx.Module):
         self.scale = c.attn_scale if c.attn_scale is not None else h**-0.5
         self.softcap = c.attn_softcap
         self.prefill_impl, self.decode_impl = c.prefill_attention, c.decode_attention
-        self.paged_impl = c.paged_attention
+        # Paged "auto" follows a named decode_attention (as ExecutionOptions.resolve does);
+        # unresolved (a model built outside an engine) it is chosen at trace time.
+        paged = c.paged_attention
+        self.paged_impl = c.decode_attention if paged == "auto" else paged
         self.rope_theta = c.rope_theta if c.positional == "rope" else None
         self.rope_local_theta = c.rope_local_theta
         self.rope_scaling = c.rope_scaling
