@@ -211,7 +211,7 @@ def moe_rows(
     """The MoE's per-device buffers (inside its ``shard_map``: local shapes, no spec).
 
     A device's n tokens are one dispatch group; it sends each of its P expert peers a block
-    of C rows (:meth:`ModelConfig.expert_capacity`) and receives as many.
+    of C rows (:meth:`ModelRun.expert_capacity`) and receives as many.
     """
     axes = mesh_axes(Module.MOE, phase, parallel, dims=config)
     split = math.prod(parallel.degree(a) for a in (*axes["batch"], *axes["seq"]))
