@@ -272,8 +272,9 @@ def test_plan_counts_the_stored_fp8_bytes():
     from jaxpar.cli._common import model_config
     from jaxpar.plan import param_bytes
 
-    def config(name):  # as `jaxpar plan --hf DIR` derives it
-        return model_config(build_parser().parse_args(["plan", "--hf", str(FIXTURES / name)]))
+    def config(name):  # as `jaxpar plan/explain --hf DIR` derive it
+        argv = ["explain", "--hf", str(FIXTURES / name)]  # plan and explain read it alike
+        return model_config(build_parser().parse_args(argv))
 
     fp8, f32 = config("llama_fp8_channel"), config("llama")
     assert (fp8.quantize, f32.quantize) == ("fp8", None)  # the runs'; the configs have none
