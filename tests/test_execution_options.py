@@ -249,3 +249,22 @@ def test_parameters_say_their_form_and_the_engine_takes_any():
     assert engine.options.layer_loop == "unrolled"  # the options' form, not the params'
     for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bfloat16_checkpoint_runs_in_float32_when_the_options_say():
+    """The run's dtype converts the parameters (bfloat16 is floating to jnp, not to numpy);
+    the config keeps the checkpoint's dtype."""
+    params = init_params(BF16_GQA, seed=0)
+    one = ParallelConfig()
+    engine = InferenceEngine(
+        BF16_GQA,
+        params,
+        one,
+        max_batch=2,
+        max_seq_len=16,
+        mesh=_mesh(one),
+        options=ExecutionOptions(dtype="float32"),
+    )
+    assert {x.dtype for x in jax.tree.leaves(engine.params)} == {np.dtype("float32")}
+    assert engine.run.dtype == np.dtype("float32") and engine.model_config is BF16_GQA
+    assert engine.model_config.dtype == np.dtype("bfloat16")

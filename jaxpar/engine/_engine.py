@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -105,8 +106,9 @@ def _cast_floats(params: nnx.State, model: Any) -> nnx.State:
     loaded = []
     for path, var in nnx.to_flat_state(params):
         value, want = var.get_value(), wanted[path].get_value().dtype if path in wanted else None
-        floating = want is not None and np.issubdtype(np.dtype(value.dtype), np.floating)
-        if floating and np.dtype(value.dtype) != np.dtype(want):
+        # jnp's floating includes bfloat16 and the fp8 types (numpy's does not).
+        floating = want is not None and jnp.issubdtype(value.dtype, jnp.floating)
+        if floating and jnp.dtype(value.dtype) != jnp.dtype(want):
             value = value.astype(want)
         loaded.append((path, var.replace(value)))
     return nnx.from_flat_state(loaded)
@@ -163,7 +165,7 @@ class InferenceEngine:
         config = parallel_config or ParallelConfig()
         options = (options or ExecutionOptions()).merged(quantize=quantize)
         options.check(model_config)  # before any parameter is touched
-        _check_quantize_backend(options)
+        _check_quantize_backend(options.quantize or params_quantization(params))
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         options, params = prepare_params(model_config, params, options, config)
         # Validated and laid out from shapes; a vocabulary tp does not divide is padded
@@ -598,10 +600,10 @@ def _stop_list(stop_tokens: Sequence[int]) -> np.ndarray:
     return out
 
 
-def _check_quantize_backend(options: ExecutionOptions) -> None:
+def _check_quantize_backend(mode: str | None) -> None:
     """int4 weights need jax >= 0.11: jax 0.10's placement of int4 arrays gives a layout
     its own compiled steps refuse."""
-    if options.quantize == "int4" and jax.__version_info__ < (0, 11):
+    if mode == "int4" and jax.__version_info__ < (0, 11):
         raise ConfigError(
             f"quantize='int4' needs jax >= 0.11 (this is {jax.__version__}); int8 and fp8 "
             "run on every supported jax"
