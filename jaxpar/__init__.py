@@ -48,6 +48,8 @@ from jaxpar.spec import (
 
 _LAZY = {
     "ModelConfig": "jaxpar.models",
+    "ExecutionOptions": "jaxpar.models",
+    "ModelRun": "jaxpar.models",
     "KVCache": "jaxpar.models",
     "preset": "jaxpar.models",
     "init_params": "jaxpar.models",

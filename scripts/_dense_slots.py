@@ -285,7 +285,7 @@ class DenseBatcher:
     ):
         n_slots = slots or engine.max_batch
         self.engine = engine
-        self.slot_steps = DenseSlotSteps(engine.steps, engine.program.model_config, n_slots)
+        self.slot_steps = DenseSlotSteps(engine.steps, engine.program.run, n_slots)
         self.first_tokens = FirstTokens(engine.steps)
         self.prefill_batch = prefill_batch or min(n_slots, 4)
         self.max_queue = max_queue

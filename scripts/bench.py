@@ -138,11 +138,14 @@ class Case:
 
 
 def model_of(name: str, get_preset: Any) -> Any:
-    """A preset, or ``"<preset>:cf=<factor>"``: the preset with that MoE capacity factor."""
+    """A preset, or ``"<preset>:cf=<factor>"``: the preset run with that MoE capacity
+    factor (a ``ModelRun``)."""
+    from jaxpar.models import ExecutionOptions, ModelRun
+
     base, _, option = name.partition(":cf=")
     config = get_preset(base)
     if option:
-        config = dataclasses.replace(config, moe_capacity_factor=float(option))
+        config = ModelRun(config, ExecutionOptions(moe_capacity_factor=float(option)))
     return config
 
 
@@ -190,7 +193,7 @@ def memory_ideal(case: Case) -> int:
     for path, leaf in jax.tree_util.tree_flatten_with_path(eng.params)[0]:
         split = p.tp * p.pp * (p.ep if "experts" in jax.tree_util.keystr(path) else 1)
         ideal += leaf.nbytes / split
-    c = eng.model_config
+    c = eng.run
     cache = 2 * c.n_layers * BATCH * MAX_SEQ_LEN * c.n_kv_heads * c.head_dim * c.dtype.itemsize
     return int(ideal + cache / p.size + 2 * 4 * BATCH / (p.dp * p.sp * p.ep))  # + tokens, lengths
 
@@ -317,7 +320,7 @@ def _weights(config, params) -> dict:
 
     from jaxpar.models import with_layer_loop
 
-    _, stacked = with_layer_loop(config, params, "scan")
+    stacked = with_layer_loop(config, params, "scan")
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(stacked)}
     names = {
         "embed": "embed.token_table",
@@ -594,13 +597,15 @@ def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list
 
     from jaxpar.engine import AbstractEngine
     from jaxpar.inspect import compile_step
-    from jaxpar.models import preset
+    from jaxpar.models import ExecutionOptions, ModelRun, preset
     from jaxpar.spec import ParallelConfig, make_mesh
 
     rows = []
     for n in layer_counts:
         for loop in ("unrolled", "scan"):
-            config = dataclasses.replace(preset(model), n_layers=n, layer_loop=loop)
+            config = ModelRun(
+                dataclasses.replace(preset(model), n_layers=n), ExecutionOptions(layer_loop=loop)
+            )
             one = ParallelConfig()
             mesh = make_mesh(one, devices[:1])
             eng = AbstractEngine.build(config, one, max_batch=16, max_seq_len=1024, mesh=mesh)
@@ -617,18 +622,22 @@ def gpu_compile_seconds(model: str, layer_counts: tuple[int, ...], devices: list
 
 
 def tpu_config(preset_name: str, **overrides: Any) -> Any:
-    """``preset_name`` in bfloat16 at the TPU section's sizes (d_model 256, head_dim 128)."""
-    from jaxpar.models import preset
+    """``preset_name`` in bfloat16 at the TPU section's sizes (d_model 256, head_dim 128), as
+    a ``ModelRun``: overrides naming an ``ExecutionOptions`` field (``decode_attention``)
+    go to the options, the others to the architecture."""
+    from jaxpar.models import ExecutionOptions, ModelRun, preset
 
-    return dataclasses.replace(
+    names = {f.name for f in dataclasses.fields(ExecutionOptions)}
+    config = dataclasses.replace(
         preset(preset_name),
         dtype="bfloat16",
         param_dtype="bfloat16",
         d_model=256,
         head_dim=128,
         max_position_embeddings=512,
-        **overrides,
+        **{k: v for k, v in overrides.items() if k not in names},
     )
+    return ModelRun(config, ExecutionOptions(**{k: v for k, v in overrides.items() if k in names}))
 
 
 def libtpu() -> tuple[str | None, str | None]:
@@ -656,7 +665,7 @@ def _label(preset_name: str, overrides: dict) -> str:
 def splash_expected(engine: Any) -> int:
     """Splash calls a TPU prefill holds: one per layer in the text (one loop body when the
     layers are stacked), times one per query offset under sp. TPU decode runs XLA (none)."""
-    c = engine.model_config
+    c = engine.run
     layers = c.n_layers if c.layer_loop == "unrolled" else 1
     return layers * engine.parallel_config.sp
 

@@ -687,7 +687,7 @@ def _step_cases(config) -> dict[StepCase, _TimedStep]:
         max_batch=STEP_BATCH,
         max_seq_len=max(c.max_seq_len for c in STEP_CASES),
     )
-    dims, programs, cases = engine.program.model_config, {}, {}
+    dims, programs, cases = engine.program.run, {}, {}
     for case in STEP_CASES:
         key = (case.kind, case.batch, case.max_seq_len)
         if key not in programs:

@@ -101,7 +101,7 @@ def main() -> None:
         key = f"{name}|{strategy}|{json.dumps(overrides, sort_keys=True)}"
         results[key] = {
             "layers": engine.model_config.n_layers,
-            "layer_loop": engine.model_config.layer_loop,
+            "layer_loop": engine.options.layer_loop,
             "prefill": _step(engine, "prefill"),
             "decode": _step(engine, "decode"),
         }

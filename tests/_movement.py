@@ -26,7 +26,7 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
     [8, 1, 64] against a bf16 kernel of 1024 elements) is no copy of it. The cache is
     decode's, [B, K, S, H] per layer in its layout (one layer of it when stacked).
     """
-    cache = KVCache.abstract(engine.model_config, batch, max_seq_len)
+    cache = KVCache.abstract(engine.run, batch, max_seq_len)
     caches = [
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         for x, s in zip(
@@ -58,7 +58,7 @@ def _fraction(compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruc
         if "_scale'" not in jax.tree_util.keystr(path) and p.ndim >= 2
     ]
     layer_sizes = set(map(shard_buffer, caches))
-    if engine.model_config.layer_loop == "scan":  # one layer of the stacked [L, ...] cache
+    if engine.options.layer_loop == "scan":  # one layer of the stacked [L, ...] cache
         layers = engine.model_config.n_layers
         layer_sizes = {(e // layers, b // layers) for e, b in layer_sizes}
     weights = set(map(shard_buffer, kernels))

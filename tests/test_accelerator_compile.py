@@ -15,7 +15,6 @@ so.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -86,7 +85,7 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
     # TPU decode runs XLA (no Pallas TPU decode kernel reads this cache layout).
     decode = engine.lower("decode", prompt_len=SEQ).compile()
     _assert_tpu_program(decode, engine, splash=0)
-    if engine.model_config.layer_loop == "unrolled":  # the stacked form copies by design
+    if engine.options.layer_loop == "unrolled":  # the stacked form copies by design
         # No weight or layer cache is copied (or widened to f32 and copied) per step. On
         # v5e the cache write through a [1, B, K, S, H] view and f32 products over the
         # cache once moved 114% (one device) and 156% (kv heads replicated over tp=4).
@@ -100,14 +99,14 @@ def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
         KVBudget(tokens=BATCH * SEQ),
         config=engine.parallel_config,
         mesh=engine.mesh,
-        dims=engine.model_config,
+        dims=engine.run,
         rows=BATCH,
         max_seq_len=SEQ,
     )
-    slots = SlotSteps(engine.steps, engine.model_config, pool)
+    slots = SlotSteps(engine.steps, engine.run, pool)
     step = slots.compile_step(engine.params, pool.pages_per_row)
     rows, prompt_len = 4, 128
-    c = engine.model_config
+    c = engine.run
     kv_PTKH = jax.ShapeDtypeStruct((rows, prompt_len, c.n_kv_heads, c.head_dim), c.dtype)
     new = Inserted(
         k=(kv_PTKH,) * c.n_layers,
@@ -126,7 +125,7 @@ def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
 @pytest.mark.parametrize("strategy", MOE_CASES)
 def test_moe_ragged_dispatch_compiles_for_tpu_v5e(v5e, strategy):
     engine = _tpu_engine(v5e, "tiny-moe", strategy)
-    assert engine.model_config.moe_dispatch == "ragged"  # probed on the TPU device itself
+    assert engine.options.moe_dispatch == "ragged"  # probed on the TPU device itself
     layers = engine.model_config.n_layers
     for phase, splash in (("prefill", layers), ("decode", 0)):
         compiled = engine.lower(phase, prompt_len=SEQ).compile()
@@ -191,4 +190,4 @@ def test_cases_cover_the_issue_strategies():
     # tiny-gqa has 2 kv heads: tp=4 replicates them.
     assert model_config("tiny-gqa").n_kv_heads < 4 and ("tiny-gqa", "tp=4", {}) in TPU_CASES
     assert set(MOE_CASES) == {"ep=2", "dp=2,ep=2,tp=2"}
-    assert dataclasses.asdict(model_config("tiny-gqa"))["dtype"] == np.dtype("bfloat16")
+    assert model_config("tiny-gqa").dtype == np.dtype("bfloat16")

@@ -7,7 +7,6 @@ through XLA stand-ins of the same APIs; never cuDNN's own output.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -428,12 +427,14 @@ def test_unknown_impl_names_the_legal_ones(phase):
         call()
 
 
-def test_model_config_accepts_exactly_the_ops_impls():
-    """ModelConfig validates the attention choices against the ops' own lists."""
-    from jaxpar.models import preset
-    from jaxpar.models._config import _CHOICES
+def test_execution_options_accept_exactly_the_ops_impls():
+    """ExecutionOptions validates the attention choices against the ops' own lists."""
+    from jaxpar.models import ExecutionOptions
+    from jaxpar.models._options import CHOICES
+    from jaxpar.models._paged_attention import PAGED_DECODE_IMPLS
 
-    assert _CHOICES["prefill_attention"] == ops.PREFILL_IMPLS
-    assert _CHOICES["decode_attention"] == ops.DECODE_IMPLS
-    with pytest.raises(ConfigError, match="decode_attention='flash'; legal: auto, xla"):
-        dataclasses.replace(preset("tiny-gqa"), decode_attention="flash")
+    assert CHOICES["prefill_attention"] == ops.PREFILL_IMPLS
+    assert CHOICES["decode_attention"] == ops.DECODE_IMPLS
+    assert CHOICES["paged_attention"] == PAGED_DECODE_IMPLS
+    with pytest.raises(ConfigError, match="decode_attention='flash' .*legal: 'auto', 'xla'"):
+        ExecutionOptions(decode_attention="flash")

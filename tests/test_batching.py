@@ -27,7 +27,7 @@ from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import CacheOverflowError
 from jaxpar.inspect import parse_collectives
 from jaxpar.inspect._movement import data_movement
-from jaxpar.models import init_params, preset
+from jaxpar.models import ExecutionOptions, ModelRun, init_params, preset
 from jaxpar.spec import make_mesh
 
 MAX_SEQ_LEN, SLOTS = 32, 4
@@ -38,7 +38,7 @@ PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty
 
 @functools.cache
 def _params(layer_loop: str):
-    config = dataclasses.replace(CONFIG, layer_loop=layer_loop)
+    config = ModelRun(CONFIG, ExecutionOptions(layer_loop=layer_loop))
     return config, init_params(config)
 
 
@@ -258,7 +258,7 @@ def test_capacity_limited_moe_serves_as_offline_and_counts_its_drops():
     """tiny-moe with capacity factor 0.5 drops expert assignments: served tokens still equal
     the offline ones, and the drops are counted (never silent): at least the offline runs'
     (the step drawn after a request's last token drops its own)."""
-    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=0.5)
+    config = ModelRun(preset("tiny-moe"), ExecutionOptions(moe_capacity_factor=0.5))
     mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
     engine = InferenceEngine(
         config, init_params(config), mesh=mesh, max_batch=1, max_seq_len=MAX_SEQ_LEN
@@ -327,7 +327,7 @@ def test_step_frees_released_slots_by_state_and_leaves_the_others():
     it, pages included; a released row then takes a new request as a free one does."""
     engine = _engine(ParallelConfig(dp=2))  # rows 0-1 on one device, 2-3 on the other
     pool = PagePool(page_size=4, pages_per_shard=12, shards=2, rows=SLOTS, max_seq_len=MAX_SEQ_LEN)
-    slot_steps = SlotSteps(engine.steps, engine.program.model_config, pool)
+    slot_steps = SlotSteps(engine.steps, engine.program.run, pool)
     prompts, all_slots = [[5, 6, 7], [1, 2, 3, 4, 5], [9, 8], [3, 3, 3, 3]], np.arange(SLOTS)
     keep_B, release_B = np.zeros(SLOTS, bool), np.array([True, False, False, True])
 

@@ -39,7 +39,6 @@ blocks hold ceil(1.25 x n x top_k / ep) rows, asserted within 1.3x of the routed
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 
@@ -48,7 +47,7 @@ import pytest
 
 from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import communication_model, compile_step, parse_collectives
-from jaxpar.models import preset
+from jaxpar.models import ExecutionOptions, ModelRun, preset
 from jaxpar.spec import ParallelConfig, make_mesh
 
 F32 = 4
@@ -163,7 +162,7 @@ CAPACITY_CASES = ["ep=4,tp=2", "dp=2,ep=2,tp=2", "sp=2,ep=4"]
 
 @functools.cache
 def capacity_bytes(strategy: str, phase: str) -> dict[str, int]:
-    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=1.25)
+    config = ModelRun(preset("tiny-moe"), ExecutionOptions(moe_capacity_factor=1.25))
     parallel = ParallelConfig.parse(strategy)
     mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
     eng = AbstractEngine.build(
@@ -205,7 +204,7 @@ def test_inspect_model_agrees_with_the_first_principles_minimum(name, strategy, 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 @pytest.mark.parametrize("strategy", CAPACITY_CASES)
 def test_inspect_model_agrees_in_capacity_mode(strategy, phase):
-    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=1.25)
+    config = ModelRun(preset("tiny-moe"), ExecutionOptions(moe_capacity_factor=1.25))
     parallel = ParallelConfig.parse(strategy)
     model = communication_model(config, parallel, phase, batch=CAPACITY_BATCH, prompt_len=T)
     want = minimum("tiny-moe", strategy, phase, batch=CAPACITY_BATCH, capacity=True)

@@ -23,7 +23,7 @@ from jaxpar import ParallelConfig
 from jaxpar.engine import AbstractEngine, PagePool, SlotSteps
 from jaxpar.inspect._movement import data_movement
 from jaxpar.inspect._report import compile_step
-from jaxpar.models import preset
+from jaxpar.models import ExecutionOptions, ModelRun, preset
 from jaxpar.spec import make_mesh
 from tests._movement import moved_fraction, paged_moved_fraction
 from tests._prompts import MAX_BATCH, MAX_SEQ_LEN
@@ -45,8 +45,9 @@ def _engine(
 ) -> AbstractEngine:
     """Only shapes and shardings are read: the engine's layouts and steps, nothing placed
     (the compiled programs are a real engine's, parameters aside)."""
-    config = dataclasses.replace(
-        CONFIG, layer_loop=layer_loop, dtype=dtype, param_dtype=dtype, quantize=quantize
+    config = ModelRun(
+        dataclasses.replace(CONFIG, dtype=dtype, param_dtype=dtype),
+        ExecutionOptions(layer_loop=layer_loop, quantize=quantize),
     )
     mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
     return AbstractEngine.build(

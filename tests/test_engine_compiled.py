@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import parse_collectives
-from jaxpar.models import KVCache
+from jaxpar.models import KVCache, params_layer_loop
 from jaxpar.spec import ParallelConfig, make_mesh
 from tests._engine_util import MAX_BATCH, MAX_SEQ_LEN, PROMPTS, engine, model
 
@@ -70,7 +70,7 @@ def test_decode_moves_no_weights_and_updates_cache_in_place(name, parallel):
     # No collective of parameter size: every one is below half of the smallest per-layer
     # projection (the router, E x D, is activation-sized and left out). Parameters are
     # per layer (layer_loop="unrolled"): a projection is any matrix under "layers".
-    assert config.layer_loop == "unrolled"
+    assert params_layer_loop(params) == "unrolled"
     smallest_weight = min(
         v.nbytes
         for p, v in jax.tree_util.tree_flatten_with_path(params)[0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -12,7 +11,7 @@ import pytest
 from jaxpar.engine import InferenceEngine
 from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import IllegalStrategyError
-from jaxpar.models import load_hf_checkpoint
+from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
 from jaxpar.spec import ParallelConfig, make_mesh
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -66,13 +65,16 @@ def test_qwen3_moe_capacity_mode_matches_transformers():
     ref = np.load(FIXTURES / "qwen3_moe_fused" / "reference.npz")
     prompts = _prompts(ref)
     config, params = load_hf_checkpoint(FIXTURES / "qwen3_moe_fused")
-    config = dataclasses.replace(config, moe_capacity_factor=1.75)
+    options = ExecutionOptions(moe_capacity_factor=1.75)
     # ep=2, top-4 of 16: C = ceil(1.75 x 4n / 2) rows per peer, dropless would be 4n.
-    assert config.expert_capacity(10, peers=2) == 35 < 10 * 4
+    assert ModelRun(config, options).expert_capacity(10, peers=2) == 35 < 10 * 4
     parallel = ParallelConfig(sp=2, ep=2, tp=2)
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    eng = InferenceEngine(config, params, parallel, max_batch=4, max_seq_len=48, mesh=mesh)
-    assert eng.program.model_config.moe_dispatch == "padded"
+    eng = InferenceEngine(
+        config, params, parallel, max_batch=4, max_seq_len=48, mesh=mesh, options=options
+    )
+    assert eng.options.moe_dispatch == "padded"
+    assert eng.model_config is config  # the checkpoint's, not rewritten
     gen = eng.generate(prompts, 16, stop_tokens=())
     assert gen.moe_dropped == (0,) * 16  # counted (a capacity engine), none dropped
     assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
@@ -93,7 +95,7 @@ def test_qwen3_moe_ragged_dispatch_matches_transformers(monkeypatch):
     parallel = ParallelConfig(ep=4, tp=2)
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
     eng = engine_from_hf(FIXTURES / "qwen3_moe", parallel, max_batch=4, max_seq_len=48, mesh=mesh)
-    assert eng.program.model_config.moe_dispatch == "ragged"  # "auto", resolved
+    assert eng.options.moe_dispatch == "ragged"  # "auto", resolved
     experts = eng.params["layers"][0]["ffn"]["experts"]["gate_kernel"].get_value()
     assert experts.sharding.spec[0] == "ep"  # [E, D, F]: each peer read its 16 experts
     # Prefill only: decode runs the same exchange (tests/test_models_moe_ragged.py), and

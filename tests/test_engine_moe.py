@@ -14,6 +14,8 @@ from flax import nnx
 from jaxpar.engine import InferenceEngine
 from jaxpar.errors import ConfigError
 from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
     abstract_model,
     count_dropped,
     init_model,
@@ -31,7 +33,8 @@ L, B = 2, 8  # two layers: the counts scale with L, the compile time too
 def _engine(factor: float | None, parallel: ParallelConfig, **kw) -> InferenceEngine:
     """tiny-moe with every router kernel zero: equal logits, so every token's top-2 are
     experts 0 and 1 (ties go to the lower index), both on expert peer 0."""
-    config = dataclasses.replace(preset("tiny-moe"), n_layers=L, moe_capacity_factor=factor, **kw)
+    model = dataclasses.replace(preset("tiny-moe"), n_layers=L)
+    config = ModelRun(model, ExecutionOptions(moe_capacity_factor=factor, **kw))
     params = init_params(config, seed=0)
     flat = []
     for path, var in nnx.to_flat_state(params):
@@ -68,7 +71,7 @@ def test_generation_reports_drops_per_step() -> None:
 def test_paths_resolved_at_build() -> None:
     """(Dropless engines report ``moe_dropped=None``: tests/test_engine_hf.py.)"""
     eng = _engine(None, ParallelConfig(ep=2))
-    assert eng.program.model_config.moe_dispatch == "padded"  # XLA:CPU: no ragged all-to-all
+    assert eng.options.moe_dispatch == "padded"  # XLA:CPU: no ragged all-to-all
     assert not eng.steps.counts_drops
     with pytest.raises(ConfigError, match="ragged-all-to-all"):
         _engine(None, ParallelConfig(ep=2), moe_dispatch="ragged")
@@ -78,9 +81,11 @@ def test_paths_resolved_at_build() -> None:
 
 def test_scanned_layers_count_the_same_drops() -> None:
     """``layer_loop="scan"``: each layer's drops leave the scan as outputs, same total."""
-    config = dataclasses.replace(preset("tiny-moe"), n_layers=L, moe_capacity_factor=0.5)
+    model = dataclasses.replace(preset("tiny-moe"), n_layers=L)
+    config = ModelRun(model, ExecutionOptions(moe_capacity_factor=0.5))
     unrolled = init_model(config, seed=1)
-    scan_config, scan_params = with_layer_loop(config, nnx.state(unrolled), "scan")
+    scan_config = config.with_options(layer_loop="scan")
+    scan_params = with_layer_loop(config, nnx.state(unrolled), "scan")
     scanned = nnx.merge(nnx.split(abstract_model(scan_config))[0], scan_params)
     tokens = jnp.asarray(np.arange(2 * 8).reshape(2, 8) % config.vocab_size, jnp.int32)
     lengths = jnp.array([8, 5], jnp.int32)

@@ -65,9 +65,11 @@ def test_half_precision_checkpoints_compute_in_float32_on_cpu(tmp_path, capsys):
     assert compute_dtype({"torch_dtype": "float32"}, None, "cpu") is None
     path = _bf16_checkpoint(tmp_path)
     engine = engine_from_hf(path, max_batch=1, max_seq_len=32)
-    assert engine.model_config.dtype == np.dtype("float32")
+    # The run's dtype: the config stays the checkpoint's (bfloat16).
+    assert engine.options.dtype == engine.run.dtype == np.dtype("float32")
+    assert engine.model_config.dtype == jax.numpy.bfloat16
     kept = engine_from_hf(path, max_batch=1, max_seq_len=32, dtype="bfloat16")
-    assert kept.model_config.dtype == jax.numpy.bfloat16
+    assert kept.run.dtype == jax.numpy.bfloat16 and kept.model_config == engine.model_config
     args = ["run", "--hf", str(path), "--prompt", "5,6,7", "--max-new-tokens", "2"]
     assert main(args) == 0
     out = capsys.readouterr().out

@@ -25,7 +25,7 @@ from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models import ModelConfig, load_hf_checkpoint
+from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
 from jaxpar.models._hf_config import config_from_hf
 from jaxpar.spec import make_mesh
 
@@ -88,8 +88,11 @@ def test_served_over_pages_equals_offline():
     values): each greedy row's tokens are the argmaxes of one whole-sequence prefill (no
     cache at all: the path checked against transformers), the sampled row's tokens its
     offline ``generate``'s. (Static windows in paged decode: the sharded tests' generate.)"""
-    config, params = load_hf_checkpoint(FIXTURES / "gemma2", layer_loop="scan")
-    engine = InferenceEngine(config, params, ParallelConfig(), max_batch=4, max_seq_len=40)
+    scan = ExecutionOptions(layer_loop="scan")
+    config, params = load_hf_checkpoint(FIXTURES / "gemma2", options=scan)
+    engine = InferenceEngine(
+        config, params, ParallelConfig(), max_batch=4, max_seq_len=40, options=scan
+    )
     budget = KVBudget(page_size=PAGE, tokens=160)
     batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
     requests = _requests(config.vocab_size)
@@ -193,11 +196,14 @@ def test_prequantized_gemma_is_refused():
 def test_soft_capping_refuses_named_kernels():
     """No fused kernel soft-caps scores: naming one with a soft cap is refused up front."""
     base = config_from_hf(_hf_config("gemma2"), source="gemma2")
-    fields = {f: getattr(base, f) for f in ModelConfig.__dataclass_fields__}
-    for name, kernel in (("prefill_attention", "cudnn"), ("decode_attention", "pallas_gpu")):
+    named = (("prefill_attention", "cudnn"), ("decode_attention", "pallas_gpu"))
+    for name, kernel in (*named, ("paged_attention", "pallas_tpu")):
         with pytest.raises(ConfigError, match=f"{name}='{kernel}' cannot soft-cap"):
-            ModelConfig(**{**fields, name: kernel})
-    assert ModelConfig(**{**fields, "prefill_attention": "xla"}).attn_softcap == 1.0
+            ModelRun(base, ExecutionOptions(**{name: kernel}))
+    ExecutionOptions(prefill_attention="xla").check(base)
+    # "auto" resolves to XLA for a soft-capped model, on any platform.
+    on_gpu = ExecutionOptions().resolve(dataclasses.replace(base, dtype="bfloat16"), "gpu")
+    assert {on_gpu.prefill_attention, on_gpu.decode_attention, on_gpu.paged_attention} == {"xla"}
 
 
 def test_explain_names_soft_caps_windows_and_norms(capsys):
@@ -254,9 +260,10 @@ def test_gemma3_on_interpreted_kernels_equals_xla():
         rope_local_theta=100.0,
         rope_linear_factor=2.0,
     )
-    kernels = _config("float32", prefill_attention="pallas_tpu", decode_attention="pallas_gpu")
-    kernels = dataclasses.replace(kernels, **gemma)
-    xla = dataclasses.replace(kernels, prefill_attention="xla", decode_attention="xla")
+    kernels = _config(
+        "float32", gemma, prefill_attention="pallas_tpu", decode_attention="pallas_gpu"
+    )
+    xla = kernels.with_options(prefill_attention="xla", decode_attention="xla")
     params = init_params(xla, seed=0)
     reference = _run(xla, params, "tp=2")
     with interpret_kernels():

@@ -30,7 +30,12 @@ from jaxpar.engine import ContinuousBatcher, InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError, ConfigError, IllegalStrategyError
-from jaxpar.models import ModelConfig, load_hf_checkpoint
+from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
+    load_hf_checkpoint,
+    params_quantization,
+)
 from jaxpar.models import _moe_route as route
 from jaxpar.models._hf_config import config_from_hf
 from jaxpar.models._hf_mxfp4 import FP4_VALUES, Mxfp4Tensors, dequantize
@@ -81,7 +86,15 @@ def test_served_over_pages_equals_whole_sequence_prefill():
     request's greedy tokens are the argmaxes of one whole-sequence prefill of its prompt and
     tokens (no cache at all: the path checked against transformers)."""
     config, params = load_hf_checkpoint(FIXTURE, layer_loop="scan")
-    engine = InferenceEngine(config, params, ParallelConfig(), max_batch=4, max_seq_len=40)
+    engine = InferenceEngine(
+        config,
+        params,
+        ParallelConfig(),
+        max_batch=4,
+        max_seq_len=40,
+        options=ExecutionOptions(layer_loop="scan"),
+    )
+    assert engine.run.layer_loop == "scan"
     budget = KVBudget(page_size=PAGE, tokens=160)
     batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
     rng = np.random.default_rng(5)
@@ -141,10 +154,14 @@ def test_mxfp4_is_gpt_oss_only():
 def test_sinks_refuse_named_kernels():
     """No fused kernel adds a sink logit: naming one for a model with sinks is refused."""
     base = config_from_hf(_hf_config(), source="gpt_oss")
-    fields = {f: getattr(base, f) for f in ModelConfig.__dataclass_fields__}
-    for name, kernel in (("prefill_attention", "pallas_tpu"), ("decode_attention", "cudnn")):
+    named = (
+        ("prefill_attention", "pallas_tpu"),
+        ("decode_attention", "cudnn"),
+        ("paged_attention", "pallas_gpu"),
+    )
+    for name, kernel in named:
         with pytest.raises(ConfigError, match=f"{name}='{kernel}' cannot add attention sinks"):
-            ModelConfig(**{**fields, name: kernel})
+            ModelRun(base, ExecutionOptions(**{name: kernel}))
 
 
 def test_validator_refuses_what_the_tables_forbid():
@@ -224,7 +241,8 @@ def test_mxfp4_experts_load_as_the_floats_they_encode(tmp_path):
     mx_dir, float_dir = _mxfp4_twin(tmp_path, seed=3)
     config_mx, params_mx = load_hf_checkpoint(mx_dir)
     config_f, params_f = load_hf_checkpoint(float_dir)
-    assert config_mx == config_f and config_mx.quantize is None
+    assert config_mx == config_f
+    assert params_quantization(params_mx) is None  # dequantized at load: float experts
     want, got = _flat(params_f), _flat(params_mx)
     assert want.keys() == got.keys()
     for key in want:

@@ -21,8 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
-from jaxpar.errors import CheckpointError
-from jaxpar.models import ModelConfig, init_params, load_hf_checkpoint, preset
+from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.models import ExecutionOptions, ModelConfig, init_params, load_hf_checkpoint, preset
 from jaxpar.models._decoder import with_layer_loop
 
 LLAMA_QWEN = dataclasses.replace(preset("tiny-gqa"), arch="qwen2", qkv_bias=True, n_layers=2)
@@ -197,7 +197,7 @@ def _write(root: Path, c: ModelConfig, moe: str = "fused", shards: int = 1, dtyp
     """
     params = init_params(c, seed=7)
     p = _flat(params)
-    stacked = _flat(with_layer_loop(c, params, "scan")[1])
+    stacked = _flat(with_layer_loop(c, params, "scan"))
     tensors = _gpt2_tensors(c, stacked) if c.arch == "gpt2" else _llama_tensors(c, stacked, moe)
     tensors = {k: np.ascontiguousarray(v, dtype or np.float32) for k, v in tensors.items()}
     root.mkdir(parents=True, exist_ok=True)
@@ -247,8 +247,8 @@ def test_round_trip_stacked(tmp_path: Path, case: str) -> None:
     config, moe, shards = CASES[case]
     written = _write(tmp_path, config, moe, shards)
     scan_config, params = load_hf_checkpoint(tmp_path, layer_loop="scan")
-    assert scan_config == dataclasses.replace(config, layer_loop="scan")
-    stacked = _flat(with_layer_loop(config, _state(written, config), "scan")[1])
+    assert scan_config == config  # the checkpoint's: the layer form is the run's
+    stacked = _flat(with_layer_loop(config, _state(written, config), "scan"))
     got = _flat(params)
     assert got.keys() == stacked.keys() and any(k.startswith("layers/attn/") for k in got)
     for name, value in stacked.items():
@@ -270,9 +270,14 @@ def test_bfloat16_checkpoint_and_dtype_override(tmp_path: Path) -> None:
     config, params = load_hf_checkpoint(tmp_path)
     assert config.dtype == config.param_dtype == jnp.bfloat16
     assert {v.dtype for v in _flat(params).values()} == {np.dtype(jnp.bfloat16)}
-    config, params = load_hf_checkpoint(tmp_path, dtype="float32")
-    assert config.dtype == jnp.float32
+    # Another dtype is the run's: the config stays the checkpoint's, the weights convert.
+    f32, params = load_hf_checkpoint(tmp_path, dtype="float32")
+    assert f32 == config and f32.dtype == jnp.bfloat16
     assert {v.dtype for v in _flat(params).values()} == {np.dtype(np.float32)}
+    _, same = load_hf_checkpoint(tmp_path, options=ExecutionOptions(dtype="float32"))
+    assert {v.dtype for v in _flat(same).values()} == {np.dtype(np.float32)}
+    with pytest.raises(ConfigError, match="dtype=.*contradicts options.dtype"):
+        load_hf_checkpoint(tmp_path, dtype="float16", options=ExecutionOptions(dtype="float32"))
 
 
 def _mesh_sharding(mesh: Mesh):
@@ -302,7 +307,7 @@ def test_sharded_placement_reads_slices(tmp_path: Path, case: str, loop: str) ->
     config, moe, shards = CASES[case]
     want = _write(tmp_path, config, moe, shards)
     if loop == "scan":
-        want = _flat(with_layer_loop(config, _state(want, config), "scan")[1])
+        want = _flat(with_layer_loop(config, _state(want, config), "scan"))
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
     fn = _mesh_sharding(mesh)
     _, params = load_hf_checkpoint(tmp_path, shardings=fn, layer_loop=loop)

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError
-from jaxpar.models import load_hf_checkpoint
+from jaxpar.models import load_hf_checkpoint, params_quantization
 from jaxpar.spec import ParallelConfig, make_mesh
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -54,14 +54,15 @@ def _per_channel(scale: np.ndarray, rows: int) -> np.ndarray:
 @functools.cache
 def _loaded(name: str):
     config, params = load_hf_checkpoint(FIXTURES / name)
-    return config, {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(params)}
+    flat = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(params)}
+    return config, flat, params_quantization(params)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fp8_weights_and_scales_load_bit_for_bit(name):
-    config, flat = _loaded(name)
+    config, flat, mode = _loaded(name)
     stored = _stored(FIXTURES / name)
-    assert config.quantize == "fp8"
+    assert mode == "fp8"  # the parameters say it; the config is the architecture alone
     for i in range(2):
         pre, ours = f"model.layers.{i}.", f"layers.{i}."
 
@@ -259,23 +260,24 @@ def test_blockwise_scale_tensor_is_refused_naming_it(tmp_path):
 def test_quantizing_a_prequantized_checkpoint_again_is_refused():
     with pytest.raises(CheckpointError, match="pre-quantized .*quantize='int8'"):
         load_hf_checkpoint(FIXTURES / "llama_fp8_channel", quantize="int8")
-    config, _ = load_hf_checkpoint(FIXTURES / "llama_fp8_channel", quantize="fp8")
-    assert config.quantize == "fp8"
+    _, params = load_hf_checkpoint(FIXTURES / "llama_fp8_channel", quantize="fp8")
+    assert params_quantization(params) == "fp8"
 
 
 def test_plan_counts_the_stored_fp8_bytes():
     """``jaxpar plan --hf`` on a pre-quantized checkpoint plans fp8 kernels: the projection
     kernels take a quarter of their float32 bytes (a float32 scale per output channel
     aside); the embedding and LM head are the same in both."""
-    from jaxpar.models import config_from_hf
+    from jaxpar.cli import _parser as build_parser
+    from jaxpar.cli._common import model_config
     from jaxpar.plan import param_bytes
 
-    def config(name):
-        path = FIXTURES / name / "config.json"
-        return config_from_hf(json.loads(path.read_text()), source=str(path))
+    def config(name):  # as `jaxpar plan/explain --hf DIR` derive it
+        argv = ["explain", "--hf", str(FIXTURES / name)]  # plan and explain read it alike
+        return model_config(build_parser().parse_args(argv))
 
     fp8, f32 = config("llama_fp8_channel"), config("llama")
-    assert (fp8.quantize, f32.quantize) == ("fp8", None)
+    assert (fp8.quantize, f32.quantize) == ("fp8", None)  # the runs'; the configs have none
     embed_and_head = 2 * 256 * D * 4
     kernels = 2 * (D * (N + 2 * K) * H + N * H * D + 3 * D * 64)  # q, kv, o, gate/up, down
     scales = 2 * ((N + 2 * K) * H + D + 2 * 64 + D) * 4

@@ -20,7 +20,7 @@ from jaxpar.inspect import (
     communication_model,
     parse_collectives,
 )
-from jaxpar.models import preset
+from jaxpar.models import ExecutionOptions, ModelRun, preset
 from jaxpar.spec import ParallelConfig
 
 DENSE, GQA, MOE = preset("tiny-dense"), preset("tiny-gqa"), preset("tiny-moe")
@@ -86,7 +86,7 @@ def test_moe_minimum_is_the_routed_rows():
 
 
 def test_moe_capacity_mode_sums_the_drop_count_and_sp_splits_groups():
-    capped = dataclasses.replace(MOE, moe_capacity_factor=1.25)
+    capped = ModelRun(MOE, ExecutionOptions(moe_capacity_factor=1.25))
     got, _ = items(capped, "sp=2,ep=4", "prefill")
     # Groups per (sequence shard, sp shard): B / ep sequences x T / sp tokens per device.
     assert got["dispatch + combine"].shape == (2 * (B // 4) * (T // 2), D)

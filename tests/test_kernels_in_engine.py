@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from jaxpar.engine import InferenceEngine
-from jaxpar.models import DecoderLayer, init_params, interpret_kernels, preset
+from jaxpar.models import (
+    DecoderLayer,
+    ExecutionOptions,
+    ModelRun,
+    init_params,
+    interpret_kernels,
+    preset,
+)
 from jaxpar.spec import ParallelConfig, make_mesh
 
 SEQ = 128  # prompts pad to 128 tokens: whole splash blocks
@@ -25,11 +32,19 @@ STEPS = 2
 PROMPTS = [list(range(3, 3 + 100)), list(range(7, 7 + 90)), [5] * 77, list(range(50, 50 + 120))]
 
 
-def _config(dtype: str, **attention):
+def _config(dtype: str, arch: dict | None = None, **attention) -> ModelRun:
+    """tiny-gqa at head_dim 16 in ``dtype`` (with the ``arch`` changes), run with the
+    attention implementations named."""
     base = preset("tiny-gqa")
-    return dataclasses.replace(
-        base, dtype=dtype, param_dtype=dtype, head_dim=16, max_position_embeddings=SEQ, **attention
+    config = dataclasses.replace(
+        base,
+        dtype=dtype,
+        param_dtype=dtype,
+        head_dim=16,
+        max_position_embeddings=SEQ,
+        **(arch or {}),
     )
+    return ModelRun(config, ExecutionOptions(**attention))
 
 
 @pytest.fixture

@@ -36,6 +36,8 @@ from jaxpar.engine._kv_budget import describe, page_bytes_per_device
 from jaxpar.errors import ConfigError
 from jaxpar.inspect._report import compile_step
 from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
     PagedKVCache,
     QuantKV,
     dequantize_kv,
@@ -54,6 +56,11 @@ MODES = ("int8", "fp8")
 REL_LOGIT_BOUND = {"int8": 0.05, "fp8": 0.25}
 MIN_AGREE = {"int8": 60, "fp8": 52}
 CONFIG = preset("tiny-gqa")  # 4 layers, 8 query heads over 2 kv heads, head_dim 8
+
+
+def _quantized(config, mode: str, **options) -> ModelRun:
+    """``config`` run with a ``mode`` KV cache (an execution option)."""
+    return ModelRun(config, ExecutionOptions(kv_cache_dtype=mode, **options))
 
 
 # --- quantization itself ---------------------------------------------------------------------
@@ -90,7 +97,7 @@ def test_quantize_per_vector_error_bounds(mode):
 def test_pages_written_quantized_read_back_dequantized():
     """What a prefix hit or a chunk reads: prefilled K written into a quantized pool
     (values and scales by the same scatter), gathered back per row as prefill lays it out."""
-    config = dataclasses.replace(CONFIG, kv_cache_dtype="int8")
+    config = _quantized(CONFIG, "int8")
     pool = PagedKVCache.empty_pool(config, pages=9, page_size=4)
     rng = np.random.default_rng(1)
     new = tuple(
@@ -114,7 +121,7 @@ def test_pages_written_quantized_read_back_dequantized():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_pool_bytes_count_values_and_scales(mode):
-    config = dataclasses.replace(CONFIG, kv_cache_dtype=mode)
+    config = _quantized(CONFIG, mode)
     pool = jax.eval_shape(lambda: PagedKVCache.empty_pool(config, 10, 4))
     stored = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool))
     assert PagedKVCache.pool_bytes(config, 10, 4) == stored
@@ -130,9 +137,9 @@ def test_pool_bytes_count_values_and_scales(mode):
 
 def test_refusals_name_the_option_and_what_is_legal():
     with pytest.raises(ConfigError, match="kv_cache_dtype='int4'; legal: None, int8, fp8"):
-        dataclasses.replace(CONFIG, kv_cache_dtype="int4")
+        ExecutionOptions(kv_cache_dtype="int4")
     with pytest.raises(ConfigError, match="decode_attention='cudnn' reads no KV cache scales"):
-        dataclasses.replace(CONFIG, kv_cache_dtype="int8", decode_attention="cudnn")
+        ExecutionOptions(kv_cache_dtype="int8", decode_attention="cudnn")
     params = _float_params()
     with pytest.raises(ConfigError, match="kv_cache_dtype='fp8' runs unpipelined"):
         jaxpar.InferenceEngine(
@@ -212,15 +219,15 @@ def _served(mode: str, parallel: ParallelConfig, layer_loop: str = "unrolled"):
 def _serving_engine(
     mode: str, parallel: ParallelConfig, layer_loop: str = "unrolled"
 ) -> jaxpar.InferenceEngine:
-    config, params = jaxpar.models.with_layer_loop(CONFIG, _float_params(), layer_loop)
+    params = jaxpar.models.with_layer_loop(CONFIG, _float_params(), layer_loop)
     return jaxpar.InferenceEngine(
-        config,
+        CONFIG,
         params,
         parallel,
         max_batch=4,
         max_seq_len=48,
         mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
-        kv_cache_dtype=mode,
+        options=ExecutionOptions(layer_loop=layer_loop, kv_cache_dtype=mode),
     )
 
 
@@ -247,9 +254,8 @@ CACHE_LEN = 40
 
 @functools.cache
 def _abstract(parallel: ParallelConfig, mode: str, batch: int) -> AbstractEngine:
-    config = dataclasses.replace(
-        CONFIG, dtype="bfloat16", param_dtype="bfloat16", kv_cache_dtype=mode
-    )
+    bf16 = dataclasses.replace(CONFIG, dtype="bfloat16", param_dtype="bfloat16")
+    config = _quantized(bf16, mode)
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
     return AbstractEngine.build(config, parallel, max_batch=batch, max_seq_len=CACHE_LEN, mesh=mesh)
 
@@ -278,7 +284,7 @@ def test_quantized_paged_step_copies_no_weight_or_page_pool(parallel, mode):
     pool = PagePool(
         page_size=8, pages_per_shard=33, shards=parallel.dp, rows=batch, max_seq_len=CACHE_LEN
     )
-    slots = SlotSteps(eng.steps, eng.model_config, pool)
+    slots = SlotSteps(eng.steps, eng.run, pool)
     compiled = slots.compile_step(eng.params, pool.pages_per_row)
     assert any(isinstance(x, QuantKV) for x in slots.abstract().k)
     fraction = paged_moved_fraction(compiled, eng, slots)
@@ -386,7 +392,7 @@ def test_plan_counts_the_quantized_cache_and_keeps_the_flag(capsys):
 
     model = dataclasses.replace(preset("llama-1b"), dtype="bfloat16", param_dtype="bfloat16")
     work = Workload(batch=4, prompt_len=64, gen_len=8)
-    int8 = dataclasses.replace(model, kv_cache_dtype="int8")
+    int8 = _quantized(model, "int8")
     ints = 2 * work.prefill_rows * 4  # each row's length and first token
     assert (kv_transfer_bytes(int8, work) - ints) * 128 == (
         kv_transfer_bytes(model, work) - ints
@@ -407,7 +413,7 @@ def test_explain_lists_the_pool_and_its_scales_with_dtypes_and_bytes():
     from jaxpar.cli._explain import tensor_rows
     from jaxpar.spec import Phase
 
-    config = dataclasses.replace(CONFIG, kv_cache_dtype="fp8")
+    config = _quantized(CONFIG, "fp8")
     kw = dict(batch=8, prompt_len=16, max_seq_len=64)
     rows = {
         r["tensor"].split(" (")[0]: r

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models import KVCache, init_model, preset
+from jaxpar.models import ExecutionOptions, KVCache, ModelRun, init_model, preset
 from jaxpar.models import prefill as prefill_fn
 from tests.test_models_helpers import (
     MAX_SEQ,
@@ -59,7 +59,7 @@ def test_cache_logical_axes_and_abstract() -> None:
     abstract = KVCache.abstract(config, batch=3, max_seq_len=10)
     assert [x.shape for x in abstract.k] == [(3, 2, 10, 8)] * 4  # per layer [B, K, S, H]
     assert abstract.lengths_B.dtype == jnp.int32
-    scanned = dataclasses.replace(config, layer_loop="scan")
+    scanned = ModelRun(config, ExecutionOptions(layer_loop="scan"))
     assert KVCache.logical_axes(scanned).k == (
         "layers",
         "batch",
@@ -71,8 +71,8 @@ def test_cache_logical_axes_and_abstract() -> None:
 
 
 def _program_size(n_layers: int, layer_loop: str) -> int:
-    config = dataclasses.replace(preset("tiny-dense"), n_layers=n_layers, layer_loop=layer_loop)
-    graphdef, state = nnx.split(init_model(config))
+    config = dataclasses.replace(preset("tiny-dense"), n_layers=n_layers)
+    graphdef, state = nnx.split(init_model(config, options=ExecutionOptions(layer_loop=layer_loop)))
     lowered = jax.jit(functools.partial(prefill_fn, graphdef)).lower(
         state, jnp.ones((2, 8), jnp.int32), jnp.full((2,), 8, jnp.int32)
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import jax
@@ -10,7 +9,16 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxpar.models import KVCache, _attention, _cache, _layers, _moe, abstract_model, preset
+from jaxpar.models import (
+    ExecutionOptions,
+    KVCache,
+    _attention,
+    _cache,
+    _layers,
+    _moe,
+    abstract_model,
+    preset,
+)
 from jaxpar.spec._enums import LOGICAL_AXES
 
 LEGAL = set(LOGICAL_AXES) | {"expert_batch", None}
@@ -34,10 +42,8 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
 def _trace(name: str, layer_loop: str | None = None) -> None:
     """Abstractly evaluates prefill, the cache handoff and one decode step."""
-    config = preset(name)
-    if layer_loop is not None:
-        config = dataclasses.replace(config, layer_loop=layer_loop)
-    graphdef, state = nnx.split(abstract_model(config))
+    options = ExecutionOptions(layer_loop=layer_loop or "unrolled")
+    graphdef, state = nnx.split(abstract_model(preset(name), options))
 
     def run(state, tokens_BT, lengths_B):
         model = nnx.merge(graphdef, state)

@@ -7,7 +7,6 @@ router, top-k renormalised, SwiGLU experts; with a capacity, a device keeps the 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -17,7 +16,15 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.models import MoE, count_dropped, init_model, preset, total_dropped
+from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
+    MoE,
+    count_dropped,
+    init_model,
+    preset,
+    total_dropped,
+)
 from jaxpar.spec import ParallelConfig, make_mesh, sharding_context
 
 # Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases).
@@ -28,7 +35,8 @@ G, T, D = 4, 8, 64
 
 def _moe(capacity_factor: float | None, **kw) -> tuple[MoE, dict[str, np.ndarray]]:
     """Layer 0's MoE of tiny-moe, with its weights as float64 numpy arrays."""
-    config = dataclasses.replace(preset("tiny-moe"), moe_capacity_factor=capacity_factor, **kw)
+    options = ExecutionOptions(moe_capacity_factor=capacity_factor, **kw)
+    config = ModelRun(preset("tiny-moe"), options)
     layer0 = nnx.state(init_model(config, seed=2).layers[0].ffn)
     moe = nnx.eval_shape(lambda: MoE(config, rngs=nnx.Rngs(0)))
     nnx.update(moe, layer0)

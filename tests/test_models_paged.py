@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.models import KVCache, PagedKVCache, init_model, preset, write_prompts
+from jaxpar.models import (
+    ExecutionOptions,
+    KVCache,
+    ModelRun,
+    PagedKVCache,
+    init_model,
+    preset,
+    write_prompts,
+)
 
 PROMPTS = [7, 3, 12]  # lengths: one spans several pages, one is shorter than a page
 STEPS = 6
@@ -37,8 +45,9 @@ def _paged_tables(lengths, steps, page_size, pages, seed):
     [("unrolled", 4, None), ("scan", 4, None), ("unrolled", 8, 3), ("unrolled", 5, None)],
 )
 def test_paged_decode_equals_contiguous(layer_loop, page_size, window) -> None:
-    config = dataclasses.replace(
-        preset("tiny-gqa"), n_layers=2, layer_loop=layer_loop, sliding_window=window
+    config = ModelRun(
+        dataclasses.replace(preset("tiny-gqa"), n_layers=2, sliding_window=window),
+        ExecutionOptions(layer_loop=layer_loop),
     )
     model = init_model(config, seed=1)
     graphdef, state = nnx.split(model)

@@ -30,7 +30,14 @@ import pytest
 from flax import nnx
 
 from jaxpar.errors import ConfigError
-from jaxpar.models import PagedKVCache, init_model, interpret_kernels, preset
+from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
+    PagedKVCache,
+    init_model,
+    interpret_kernels,
+    preset,
+)
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.models._paged_attention import (
@@ -269,20 +276,20 @@ def _model_steps(config, *, platform: str | None = None, steps: int = 2):
 
 @pytest.mark.jax_compat
 def test_model_decode_over_pages_with_kernels():
-    """The model's ``decode_attention`` reaches the paged kernels, one per layer:
+    """The run's ``decode_attention`` reaches the paged kernels, one per layer:
     "pallas_gpu" named (f32), and "auto" for TPU in bf16; each against the same model on
     XLA."""
     base = dataclasses.replace(preset("tiny-gqa"), n_layers=2, head_dim=H, n_heads=N, n_kv_heads=K)
     f32 = dataclasses.replace(base, dtype="float32", param_dtype="float32")
-    reference, kernels = _model_steps(dataclasses.replace(f32, decode_attention="xla"))
+    reference, kernels = _model_steps(ModelRun(f32, ExecutionOptions(decode_attention="xla")))
     assert kernels == 0
     with interpret_kernels():
-        got, kernels = _model_steps(dataclasses.replace(f32, decode_attention="pallas_gpu"))
+        got, kernels = _model_steps(ModelRun(f32, ExecutionOptions(decode_attention="pallas_gpu")))
     assert kernels == 2
     np.testing.assert_allclose(got, reference, atol=1e-4, rtol=0)
 
     bf16 = dataclasses.replace(base, dtype="bfloat16", param_dtype="bfloat16")
-    xla = dataclasses.replace(bf16, decode_attention="xla")
+    xla = ModelRun(bf16, ExecutionOptions(decode_attention="xla"))
     reference, kernels = _model_steps(xla, platform="tpu")
     assert kernels == 0
     with interpret_kernels():

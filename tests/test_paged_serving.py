@@ -109,7 +109,7 @@ def test_pool_sizing_from_tokens_and_its_errors():
             budget,
             config=engine.parallel_config,
             mesh=engine.mesh,
-            dims=engine.program.model_config,
+            dims=engine.program.run,
             rows=SLOTS,
             max_seq_len=MAX_SEQ_LEN,
         )

@@ -19,7 +19,14 @@ from jaxpar import ParallelConfig
 from jaxpar.engine import AbstractEngine
 from jaxpar.errors import ConfigError
 from jaxpar.inspect._report import compile_step
-from jaxpar.models import abstract_model, init_params, preset, quantize_params
+from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
+    abstract_model,
+    init_params,
+    preset,
+    quantize_params,
+)
 from jaxpar.models import prefill as model_prefill
 from jaxpar.models._quant import scale_layout
 from jaxpar.spec import make_mesh
@@ -73,8 +80,8 @@ BOUNDS = {  # quantize: (relative rms logit error, max |logit error|, min greedy
 @pytest.mark.parametrize("quantize", list(BOUNDS))
 def test_quantized_logits_and_greedy_tokens_track_the_float_model(quantize):
     want = _all_logits(CONFIG, _float_params())
-    qconfig, qparams = quantize_params(CONFIG, _float_params(), quantize)
-    got = _all_logits(qconfig, qparams)
+    qparams = quantize_params(CONFIG, _float_params(), quantize)
+    got = _all_logits(ModelRun(CONFIG, ExecutionOptions(quantize=quantize)), qparams)
     error = np.abs(got - want)
     rel_rms = float(np.sqrt(np.mean(error**2)) / np.std(want))
     agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
@@ -103,7 +110,7 @@ def test_int8_decode_reads_at_most_055_of_the_bf16_bytes(parallel):
     """The compiled decode step's arguments (weights, scales, cache, tokens per device):
     int8 kernels with float32 scales against bf16 kernels, under each strategy."""
     bf16 = _decode_argument_bytes(BIG, parallel)
-    int8 = _decode_argument_bytes(dataclasses.replace(BIG, quantize="int8"), parallel)
+    int8 = _decode_argument_bytes(ModelRun(BIG, ExecutionOptions(quantize="int8")), parallel)
     assert int8 <= 0.55 * bf16, (int8, bf16, int8 / bf16)
 
 
@@ -126,8 +133,8 @@ def test_the_same_integers_and_scales_on_every_mesh():
     engine = jaxpar.InferenceEngine(
         CONFIG, _float_params(), ParallelConfig(tp=2), max_batch=2, max_seq_len=32
     )
-    _, sharded = quantize_params(CONFIG, engine.params, "int8")
-    _, single = quantize_params(CONFIG, _float_params(), "int8")
+    sharded = quantize_params(CONFIG, engine.params, "int8")
+    single = quantize_params(CONFIG, _float_params(), "int8")
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -143,8 +150,23 @@ def test_engine_quantize_places_scales_split_as_their_kernels():
     kernel, scale = attn["q_kernel"].get_value(), attn["q_kernel_scale"].get_value()
     assert kernel.dtype == jnp.int8 and scale.dtype == jnp.float32
     assert scale.sharding.spec == kernel.sharding.spec  # (None, tp, None): heads split
+    assert tp2.options.quantize == "int8" and tp2.model_config is CONFIG
     with pytest.raises(ConfigError, match="already quantized"):
         quantize_params(tp2.model_config, tp2.params, "int8")
+    # Quantized parameters say what they are: an engine over them runs int8 unasked, and
+    # refuses options that ask for another mode.
+    assert (
+        jaxpar.InferenceEngine(CONFIG, tp2.params, max_batch=2, max_seq_len=32).options.quantize
+        == "int8"
+    )
+    with pytest.raises(ConfigError, match=r"quantized \(int8\) but options.quantize='fp8'"):
+        jaxpar.InferenceEngine(
+            CONFIG,
+            tp2.params,
+            max_batch=2,
+            max_seq_len=32,
+            options=ExecutionOptions(quantize="fp8"),
+        )
 
 
 def test_int4_engine_runs_sharded_or_is_refused_clearly():
@@ -170,9 +192,10 @@ def test_engine_from_hf_quantizes_the_sharded_load():
     sharded = jaxpar.engine_from_hf(path, ParallelConfig(dp=2, tp=2), **kw)
     prompts = [[1, 2, 3], [4, 5]]
     assert sharded.generate(prompts, 8).tokens == one.generate(prompts, 8).tokens
-    assert sharded.model_config.quantize == "int8"
+    assert sharded.options.quantize == "int8" and sharded.model_config == one.model_config
     # Quantized tensor by tensor as read: the same as quantizing the whole float load.
     float_config, float_params = jaxpar.load_hf_checkpoint(path)
-    _, want = quantize_params(float_config, float_params, "int8")
+    want = quantize_params(float_config, float_params, "int8")
+    assert sharded.model_config == float_config  # the checkpoint's config.json, unquantized
     for a, b in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -196,15 +195,14 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
 
 def model_config(args: argparse.Namespace):
-    """The model's configuration from ``--model`` or ``--hf`` (config.json only), in ``--dtype``."""
+    """The model as the command line runs it, a :class:`~jaxpar.models.ModelRun`: the
+    config of ``--model`` or ``--hf`` (config.json only) under the options of the flags
+    (``--dtype``, ``--moe-capacity-factor``, ``--quantize``)."""
     from jaxpar.engine import compute_dtype
-    from jaxpar.models import config_from_hf, preset
+    from jaxpar.models import ModelRun, config_from_hf, preset, stored_quantization
 
     if args.hf is None:
-        config = preset(args.model or args.default_model)
-        if args.dtype is not None:
-            config = dataclasses.replace(config, dtype=args.dtype, param_dtype=args.dtype)
-        return _with_capacity(config, args)
+        return ModelRun(preset(args.model or args.default_model), _options(args, args.dtype))
     path = Path(args.hf) / "config.json"
     if not path.is_file():
         hint = ""
@@ -223,7 +221,11 @@ def model_config(args: argparse.Namespace):
     # half-precision checkpoint); plan and explain keep the checkpoint's, for the target.
     runs_here = getattr(args, "command", None) in RUNS_HERE
     dtype = compute_dtype(hf, args.dtype) if runs_here else args.dtype
-    return _with_capacity(config_from_hf(hf, dtype=dtype, source=str(path)), args)
+    options = _options(args, dtype)
+    stored = stored_quantization(hf, source=str(path))  # a pre-quantized one runs as stored
+    if stored is not None and options.quantize is None:
+        options = options.merged(quantize=stored)
+    return ModelRun(config_from_hf(hf, source=str(path)), options)
 
 
 #: Commands that run the model on this host's devices.
@@ -247,24 +249,21 @@ def dtype_note(args: argparse.Namespace) -> str:
     )
 
 
-def _with_capacity(config, args: argparse.Namespace):
-    factor = getattr(args, "moe_capacity_factor", None)
-    if factor is not None:
-        config = dataclasses.replace(config, moe_capacity_factor=factor)
-    quantize = getattr(args, "quantize", None)
-    if quantize is not None:
-        config = dataclasses.replace(config, quantize=quantize)
-    return with_kv_cache(config, args)
+def _options(args: argparse.Namespace, dtype):
+    """The execution options the flags ask for."""
+    from jaxpar.models import ExecutionOptions
 
-
-def with_kv_cache(config, args: argparse.Namespace):
-    """``config`` with ``--kv-cache-dtype`` (an execution option) when given."""
-    kv = getattr(args, "kv_cache_dtype", None)
-    return config if kv is None else dataclasses.replace(config, kv_cache_dtype=kv)
+    return ExecutionOptions(
+        dtype=dtype,
+        moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
+        quantize=getattr(args, "quantize", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+    )
 
 
 def load_model(args: argparse.Namespace, console, *, seed: int = 0):
-    """(config, params) from ``--model`` (initialised) or ``--hf`` (read), with progress."""
+    """(run, params) from ``--model`` (initialised) or ``--hf`` (read), with progress:
+    ``run`` is :func:`model_config`'s, the parameters in its options' form."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
@@ -284,12 +283,9 @@ def load_model(args: argparse.Namespace, console, *, seed: int = 0):
             advance()
             return device
 
-        dtype = config.dtype if args.dtype is None else args.dtype
-        quantize = getattr(args, "quantize", None)  # each kernel as it is read
-        config, params = load_hf_checkpoint(
-            args.hf, dtype=dtype, shardings=on_device, quantize=quantize
-        )
-    return with_kv_cache(config, args), params
+        # Quantized (--quantize) each kernel as it is read.
+        _, params = load_hf_checkpoint(args.hf, shardings=on_device, options=config.options)
+    return config, params
 
 
 def join_option_values(argv: list[str], options: tuple[str, ...] = ("--prompt",)) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +104,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     else:
         with stage(console, f"teacher-forced logits: sharded, 1 device {dtype}, 1 device float32"):
             exact = _single_device(
-                dataclasses.replace(config, dtype="float32", param_dtype="float32"),
+                config.with_options(dtype="float32"),
                 jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params),
                 args,
             )

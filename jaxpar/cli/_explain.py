@@ -42,6 +42,7 @@ from jaxpar.models import (
     STACKED_PAGE_AXES,
     KVCache,
     ModelConfig,
+    ModelRun,
     abstract_model,
     element_bytes,
 )
@@ -249,7 +250,7 @@ def moe_rows(
     """The MoE's per-device buffers (inside its ``shard_map``: local shapes, no spec).
 
     A device's n tokens are one dispatch group; it sends each of its P expert peers a block
-    of C rows (:meth:`ModelConfig.expert_capacity`) and receives as many.
+    of C rows (:meth:`ModelRun.expert_capacity`) and receives as many.
     """
     axes = mesh_axes(Module.MOE, phase, parallel, dims=config)
     split = math.prod(parallel.degree(a) for a in (*axes["batch"], *axes["seq"]))
@@ -341,8 +342,16 @@ def to_dot(phases: dict[str, list[dict[str, str]]]) -> str:
     return "\n".join([*lines, "}"]) + "\n"
 
 
-def _config_of(args: argparse.Namespace) -> ModelConfig:
+def _config_of(args: argparse.Namespace) -> ModelRun:
     return model_config(args)  # --hf: config.json only (shapes), no tensor is read
+
+
+def _json_fields(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields for JSON: dtypes by name."""
+    return {
+        k: (str(v) if k in ("dtype", "param_dtype") and v is not None else v)
+        for k, v in dataclasses.asdict(obj).items()
+    }
 
 
 def explain(args: argparse.Namespace) -> dict[str, Any]:
@@ -357,10 +366,9 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
     phases = [Phase.PREFILL, Phase.DECODE] if args.phase == "both" else [Phase.coerce(args.phase)]
     decode = groups[Phase.DECODE]
     out: dict[str, Any] = {
-        "model": {
-            k: (str(v) if k in ("dtype", "param_dtype") else v)
-            for k, v in dataclasses.asdict(config).items()
-        },
+        # The architecture (config.json's) and the options this explanation runs it under.
+        "model": _json_fields(config.config),
+        "options": _json_fields(config.options),
         "strategy": describe_groups(groups),
         "degrees": dict(zip(("dp", "pp", "sp", "ep", "tp"), decode.parallel.shape, strict=True)),
         "batch": args.batch,

@@ -202,9 +202,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
                 max_batch=batch,
                 max_seq_len=args.max_seq_len,
                 mesh=mesh,
-                dtype=args.dtype,
-                quantize=getattr(args, "quantize", None),
-                kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+                options=config.options,  # --dtype (or float32 on CPU), --quantize, --kv-cache-dtype, capacity
                 on_tensor=lambda name: advance(),
             )
     else:

@@ -170,9 +170,7 @@ def _engine(args, config, group: DeviceGroup, batch: int, console, what: str) ->
             max_batch=batch,
             max_seq_len=_max_seq_len(args, config),
             mesh=group.mesh(),
-            dtype=args.dtype,
-            quantize=getattr(args, "quantize", None),
-            kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+            options=config.options,  # --dtype (or float32 on CPU), --quantize, --kv-cache-dtype, capacity
             on_tensor=lambda name: adv(),
         )
 

@@ -1,8 +1,9 @@
 """``AbstractEngine``: a strategy's layouts and step functions, from shapes alone.
 
-The one place that turns (model config, parallel config, shapes) into what the engine
-compiles: validation against the spec tables, the layer form (stacked when pipelined), the
-padded vocabulary, the mesh, every sharding (:class:`Layouts`) and the steps
+The one place that turns (model config, execution options, parallel config, shapes) into
+what the engine compiles: validation against the spec tables, the layer form (stacked when
+pipelined), the padded vocabulary, the mesh, the options' "auto" values resolved for the
+mesh's devices, every sharding (:class:`Layouts`) and the steps
 (:class:`Steps`). :class:`~jaxpar.engine.InferenceEngine` builds one and places real
 parameters in its shardings; ``jaxpar explain``, ``jaxpar.inspect`` and the benchmarks
 lower its steps over abstract parameters, so nothing is allocated.
@@ -19,32 +20,44 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar.engine._layouts import Layouts
-from jaxpar.engine._moe_probe import resolve_moe_dispatch
+from jaxpar.engine._moe_probe import mesh_compiles_ragged
 from jaxpar.engine._placement import param_shardings
 from jaxpar.engine._steps import Steps
-from jaxpar.engine._vocab import padded_config
+from jaxpar.engine._vocab import padded_run
 from jaxpar.errors import ConfigError
-from jaxpar.models import KVCache, ModelConfig, abstract_model
+from jaxpar.models import ExecutionOptions, KVCache, ModelConfig, ModelRun, abstract_model
 from jaxpar.spec import ParallelConfig, Phase, Plan, canonical_mesh, default_mesh, validate
 
 
-def layer_loop_for(model_config: ModelConfig, parallel: ParallelConfig) -> str:
+def layer_loop_for(options: ExecutionOptions | ModelRun, parallel: ParallelConfig) -> str:
     """The layer storage an engine runs: stacked (``"scan"``) when ``pp > 1``.
 
     Pipeline stages split the stacked ``[L, ...]`` layer parameters and cache over ``pp``
-    (one contiguous block of layers per stage). Without pipelining the model's own form is
+    (one contiguous block of layers per stage). Without pipelining the options' own form is
     kept.
     """
-    return "scan" if parallel.pp > 1 else model_config.layer_loop
+    return "scan" if parallel.pp > 1 else options.layer_loop
 
 
-def run_form(model_config: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
-    """The model an engine runs: in its :func:`layer_loop_for` form, the vocabulary padded
-    to a multiple of ``tp`` (see ``_vocab``)."""
-    loop = layer_loop_for(model_config, parallel)
-    if loop != model_config.layer_loop:
-        model_config = dataclasses.replace(model_config, layer_loop=loop)
-    return padded_config(model_config, parallel.tp)
+def run_form(
+    model: ModelConfig | ModelRun,
+    parallel: ParallelConfig,
+    options: ExecutionOptions | None = None,
+) -> ModelRun:
+    """The model as an engine runs it, before the ``"auto"`` options are resolved: in its
+    :func:`layer_loop_for` form, the vocabulary padded to a multiple of ``tp`` (see
+    ``_vocab``). The config itself is the one given."""
+    run = ModelRun.of(model, options)
+    loop = layer_loop_for(run, parallel)
+    if loop != run.layer_loop:
+        run = run.with_options(layer_loop=loop)
+    return padded_run(run, parallel.tp)
+
+
+def mesh_platform_of(mesh: Mesh) -> str:
+    """The platform of the mesh's devices: what its programs run on, whatever JAX's
+    default backend is (a CPU host may drive, or lower for, accelerators)."""
+    return mesh.devices.flat[0].platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +65,10 @@ class AbstractEngine:
     """An engine's layouts and steps over abstract parameters (``ShapeDtypeStruct``).
 
     Attributes:
-        model_config: the model as it runs (stacked layers if pipelined, padded vocabulary).
+        model_config: the model as given (the checkpoint's; never rewritten).
+        run: the model as it runs (:class:`~jaxpar.models.ModelRun`): the config with the
+            resolved options (stacked layers if pipelined, no ``"auto"`` left) and the
+            padded vocabulary.
         vocab_size: the true vocabulary (ids from it up are never chosen).
         parallel_config, mesh, plan: the strategy, its mesh, its validated plan.
         graphdef: the model's graph.
@@ -63,6 +79,7 @@ class AbstractEngine:
     """
 
     model_config: ModelConfig
+    run: ModelRun
     vocab_size: int
     parallel_config: ParallelConfig
     mesh: Mesh
@@ -74,6 +91,11 @@ class AbstractEngine:
     max_batch: int
     max_seq_len: int
 
+    @property
+    def options(self) -> ExecutionOptions:
+        """The resolved execution options (what "auto" became on this mesh)."""
+        return self.run.options
+
     @classmethod
     def build(
         cls,
@@ -84,11 +106,12 @@ class AbstractEngine:
         max_seq_len: int,
         mesh: Mesh | None = None,
         platform: str | None = None,
+        options: ExecutionOptions | None = None,
     ) -> AbstractEngine:
         """Validates the strategy (nothing is built for an illegal one), then lays it out.
 
         Args:
-            model_config: the model (any layer form, true vocabulary).
+            model_config: the model (the checkpoint's config).
             parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
             max_batch: sequences per step.
             max_seq_len: KV cache length per sequence.
@@ -97,45 +120,51 @@ class AbstractEngine:
                 devices' own: kernels are chosen for it, and :meth:`lower` emits its
                 StableHLO (which only that platform's compiler can compile). For TPU, a
                 mesh over a compile-only topology compiles with no such option.
+            options: how it runs (default ``ExecutionOptions()``); ``"auto"`` values are
+                resolved here, once, for ``platform`` or else the mesh's devices.
         """
+        if isinstance(model_config, ModelRun):  # a run's options stand unless given
+            options = options or model_config.options
+            model_config = model_config.config
         parallel = parallel_config or ParallelConfig()
-        config = run_form(model_config, parallel)
+        run = run_form(model_config, parallel, options)
         devices = mesh.devices.size if mesh is not None else parallel.size
-        plan = validate(
-            config, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len
-        )
+        plan = validate(run, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
         mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
-        if parallel.pp > 1 and config.moe_capacity_factor is not None:
+        if parallel.pp > 1 and run.moe_capacity_factor is not None:
             raise ConfigError(
-                f"moe_capacity_factor={config.moe_capacity_factor} with pp={parallel.pp}: the "
+                f"moe_capacity_factor={run.moe_capacity_factor} with pp={parallel.pp}: the "
                 "pipeline schedule does not carry the MoE drop counts out, and drops are never "
                 "left uncounted; use dropless (moe_capacity_factor=None) or pp=1"
             )
-        kv = getattr(config, "kv_cache_dtype", None)
-        if parallel.pp > 1 and kv is not None:  # the pipeline's stage caches are float
+        if parallel.pp > 1 and run.kv_cache_dtype is not None:  # stage caches are float
             raise ConfigError(
-                f"kv_cache_dtype={kv!r} runs unpipelined strategies; {parallel} has "
-                f"pp={parallel.pp}: use pp=1 (dp, sp, ep or tp), or kv_cache_dtype=None"
+                f"kv_cache_dtype={run.kv_cache_dtype!r} runs unpipelined strategies; {parallel} "
+                f"has pp={parallel.pp}: use pp=1 (dp, sp, ep or tp), or kv_cache_dtype=None"
             )
-        config = resolve_moe_dispatch(config, mesh, platform)
-        graphdef, state = nnx.split(abstract_model(config))
-        shardings = param_shardings(state, mesh, parallel, config)
+        target = platform or mesh_platform_of(mesh)
+        ragged = model_config.is_moe and mesh_compiles_ragged(mesh, platform)
+        resolved = run.options.resolve(model_config, target, ragged_compiles=ragged)
+        run = dataclasses.replace(run, options=resolved)
+        graphdef, state = nnx.split(abstract_model(run))
+        shardings = param_shardings(state, mesh, parallel, run)
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
         )
-        layouts = Layouts.build(mesh, parallel, config, shardings)
+        layouts = Layouts.build(mesh, parallel, run, shardings)
         steps = Steps(
             graphdef,
             layouts,
             mesh,
             parallel,
-            config,
+            run,
             max_seq_len,
             vocab_size=model_config.vocab_size,
             platform=platform,
         )
         return cls(
-            config,
+            model_config,
+            run,
             model_config.vocab_size,
             parallel,
             mesh,
@@ -160,7 +189,7 @@ class AbstractEngine:
             tokens = jax.ShapeDtypeStruct((batch, prompt_len), np.int32, sharding=lay.tokens_BT)
             lengths = jax.ShapeDtypeStruct((batch,), np.int32, sharding=lay.lengths_prefill_B)
             return self.steps.lower_prefill(params, tokens, lengths)
-        cache = KVCache.abstract(self.model_config, batch, self.max_seq_len)
+        cache = KVCache.abstract(self.run, batch, self.max_seq_len)
         cache = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, lay.cache
         )

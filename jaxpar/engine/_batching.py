@@ -212,13 +212,13 @@ class ContinuousBatcher:
             kv_budget or KVBudget(),
             config=engine.parallel_config,
             mesh=engine.mesh,
-            dims=program.model_config,
+            dims=program.run,
             rows=engine.max_batch,
             max_seq_len=engine.max_seq_len,
             step_temp_bytes=lambda: _step_temp_bytes(engine),
         )
         self.pages = PageTable(self.pool)
-        self.slot_steps = SlotSteps(engine.steps, program.model_config, self.pool)
+        self.slot_steps = SlotSteps(engine.steps, program.run, self.pool)
         #: The longest request (prompt + max_tokens - 1).
         self.max_seq_len = self.pool.max_seq_len
         if self.disaggregated:
@@ -235,7 +235,7 @@ class ContinuousBatcher:
             engine.model_config.vocab_size, self.max_seq_len, self.max_prompt_len
         )
         self.prefix_caching = prefix_caching
-        self._salt = cache_salt(program.model_config)
+        self._salt = cache_salt(program.run)
         self.max_prefill_tokens = max_prefill_tokens or default_max_prefill_tokens(
             engine.mesh.devices.flat[0].platform, self.pool.page_size
         )
@@ -301,12 +301,12 @@ class ContinuousBatcher:
             dataclasses.replace(budget, page_size=self.pool.page_size),
             config=eng.parallel_config,
             mesh=eng.mesh,
-            dims=eng.program.model_config,
+            dims=eng.program.run,
             rows=eng.max_batch,
             max_seq_len=self.max_prompt_len,
             step_temp_bytes=lambda: 0,  # no decode step runs there
         )
-        slot_steps = SlotSteps(eng.steps, eng.program.model_config, pool)
+        slot_steps = SlotSteps(eng.steps, eng.program.run, pool)
         owners = [None] * eng.max_batch
         return _Side(PREFILL, PageTable(pool), slot_steps, owners, self.prefix_caching)
 
@@ -865,7 +865,7 @@ class ContinuousBatcher:
         """The token masks of a prefill's first tokens (None: no request has a grammar)."""
         if not _constrained(streams):
             return None
-        vocab = self.prefill_engine.program.model_config.vocab_size  # the logits' (padded)
+        vocab = self.prefill_engine.program.run.vocab_size  # the logits' (padded)
         return _masks(streams, rows, vocab)
 
     def _context_pages(self, works: list[_Prefill], rows: int, side: _Side) -> np.ndarray:
@@ -1076,7 +1076,7 @@ class ContinuousBatcher:
 
     def _step_masks(self, owners) -> np.ndarray:
         """The decode rows' token masks, from their requests' grammars."""
-        vocab = self.engine.program.model_config.vocab_size  # the logits' (padded)
+        vocab = self.engine.program.run.vocab_size  # the logits' (padded)
         return _masks(owners, len(owners), vocab)
 
     def _reserve(self, owners) -> bool:
@@ -1290,7 +1290,7 @@ def _step_temp_bytes(engine: InferenceEngine) -> int:
     are of the same order), from the compiler's memory analysis: 0 if not reported."""
     cache = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(lambda: KVCache.empty(engine.program.model_config, engine.max_batch, 1)),
+        jax.eval_shape(lambda: KVCache.empty(engine.program.run, engine.max_batch, 1)),
         engine.layouts.cache,
     )
     tokens = jax.ShapeDtypeStruct((engine.max_batch,), np.int32, sharding=engine.layouts.tokens_B)
@@ -1333,6 +1333,12 @@ def _check_pair(decode: InferenceEngine, prefill: InferenceEngine) -> None:
     """A disaggregated pair: one model, disjoint devices, the same cache form."""
     if decode.model_config != prefill.model_config:
         raise ConfigError("prefill and decode engines must run the same model config")
+    forms = [(e.program.run.dtype, e.options.layer_loop) for e in (prefill, decode)]
+    if forms[0] != forms[1]:
+        raise ConfigError(
+            "prefill and decode engines must hold the same cache form (dtype, layer_loop); "
+            f"prefill has {forms[0]}, decode {forms[1]}"
+        )
     shared = set(decode.mesh.devices.flat) & set(prefill.mesh.devices.flat)
     if shared:
         raise ConfigError(

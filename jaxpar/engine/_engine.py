@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,7 +23,16 @@ from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import ConfigError, ShapeError
-from jaxpar.models import KVCache, ModelConfig, abstract_model, quantize_params, with_layer_loop
+from jaxpar.models import (
+    ExecutionOptions,
+    KVCache,
+    ModelConfig,
+    ModelRun,
+    abstract_model,
+    params_quantization,
+    quantize_params,
+    with_layer_loop,
+)
 from jaxpar.spec import ParallelConfig, Plan
 
 
@@ -57,17 +67,51 @@ class Generation:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else math.nan
 
 
-def pipeline_layer_form(
-    model_config: ModelConfig, params: nnx.State, parallel: ParallelConfig
-) -> tuple[ModelConfig, nnx.State]:
-    """The config and parameters in the layer form the engine runs (:func:`layer_loop_for`).
+def prepare_params(
+    model_config: ModelConfig,
+    params: nnx.State,
+    options: ExecutionOptions,
+    parallel: ParallelConfig,
+) -> tuple[ExecutionOptions, nnx.State]:
+    """The options with what the parameters already are, and the parameters in the form
+    the engine runs: quantized as ``options.quantize`` asks (parameters quantized already
+    say their mode, which the options take), in the :func:`layer_loop_for` layer form
+    (a pipelined engine restacks per-layer parameters once, here), in ``options.dtype``
+    when given.
 
-    A pipelined engine restacks per-layer parameters once, here.
+    Raises:
+        ConfigError: parameters quantized in another mode than ``options.quantize``.
     """
-    loop = layer_loop_for(model_config, parallel)
-    if loop != model_config.layer_loop:
-        return with_layer_loop(model_config, params, loop)
-    return model_config, params
+    held = params_quantization(params)
+    if held is not None and options.quantize not in (None, held):
+        raise ConfigError(
+            f"the parameters are quantized ({held}) but options.quantize="
+            f"{options.quantize!r}: pass float parameters to quantize them, or "
+            f"quantize={held!r} (or None) for these"
+        )
+    if held is None and options.quantize is not None:
+        params = quantize_params(model_config, params, options.quantize)
+    loop = layer_loop_for(options, parallel)
+    options = dataclasses.replace(options, quantize=options.quantize or held, layer_loop=loop)
+    params = with_layer_loop(model_config, params, loop)
+    if options.dtype is not None:
+        params = _cast_floats(params, abstract_model(model_config, options))
+    return options, params
+
+
+def _cast_floats(params: nnx.State, model: Any) -> nnx.State:
+    """Float parameters in the dtype the run's model holds them in (``options.dtype``),
+    converted where they lie; quantized values and their scales are left alone."""
+    wanted = dict(nnx.to_flat_state(nnx.state(model)))
+    loaded = []
+    for path, var in nnx.to_flat_state(params):
+        value, want = var.get_value(), wanted[path].get_value().dtype if path in wanted else None
+        # jnp's floating includes bfloat16 and the fp8 types (numpy's does not).
+        floating = want is not None and jnp.issubdtype(value.dtype, jnp.floating)
+        if floating and jnp.dtype(value.dtype) != jnp.dtype(want):
+            value = value.astype(want)
+        loaded.append((path, var.replace(value)))
+    return nnx.from_flat_state(loaded)
 
 
 class InferenceEngine:
@@ -79,7 +123,8 @@ class InferenceEngine:
     spec layer for their phase.
 
     Args:
-        model_config: the model.
+        model_config: the model: its architecture, as the checkpoint says (kept as given:
+            :attr:`model_config` is this object).
         params: its parameters (``nnx.State`` as from ``init_params`` or
             ``load_hf_checkpoint``); host or device arrays.
         parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
@@ -88,17 +133,23 @@ class InferenceEngine:
             token is returned, never cached).
         mesh: a mesh with axes ``dp, pp, sp, ep, tp``; default ``default_mesh(parallel_config)``:
             the first devices the strategy needs (every device under ``jax.distributed``).
-        quantize: weight-only quantization applied here to float parameters (None,
-            "int8", "fp8", "int4"; see :mod:`jaxpar.models._quant`): the attention and
-            dense-FFN kernels become low-precision values with float32 scales, sharded as
-            their kernels. Parameters already quantized (``model_config.quantize`` set,
-            e.g. ``init_params`` of a quantized config) are taken as they are.
-        kv_cache_dtype: the KV cache's storage (None: the compute dtype; "int8" or
-            "fp8"; see :mod:`jaxpar.models._kv_quant`): one float32 scale per token per
-            kv head, quantized where K/V are written, read by the XLA attention paths
-            and the Pallas GPU paged kernel; about half a bf16 cache's bytes, so twice
-            the tokens fit. Unpipelined strategies (``pp == 1``). None keeps
-            ``model_config.kv_cache_dtype``.
+        options: how this engine runs the model (:class:`~jaxpar.models.ExecutionOptions`:
+            attention kernels, layer form, MoE exchange and capacity, quantization, KV cache
+            storage, dtype); its ``"auto"`` values are resolved once, for the mesh's devices
+            (:attr:`options` holds the result). Parameters are taken in any layer form
+            and converted to the one the engine runs; with ``dtype`` set, float
+            parameters are converted to it.
+        quantize: same as ``options.quantize``: weight-only quantization applied here to
+            float parameters (None, "int8", "fp8", "int4"; see :mod:`jaxpar.models._quant`):
+            the attention and dense-FFN kernels become low-precision values with float32
+            scales, sharded as their kernels. Parameters already quantized (e.g.
+            ``init_params`` under quantized options, a pre-quantized checkpoint) are taken
+            as they are.
+        kv_cache_dtype: same as ``options.kv_cache_dtype``: the KV cache's storage (None:
+            the compute dtype; "int8" or "fp8"; see :mod:`jaxpar.models._kv_quant`): one
+            float32 scale per token per kv head, quantized where K/V are written, read by
+            the XLA attention paths and the Pallas GPU paged kernel; about half a bf16
+            cache's bytes, so twice the tokens fit. Unpipelined strategies (``pp == 1``).
     """
 
     def __init__(
@@ -110,22 +161,31 @@ class InferenceEngine:
         max_batch: int,
         max_seq_len: int,
         mesh: Mesh | None = None,
+        options: ExecutionOptions | None = None,
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
     ):
+        if isinstance(model_config, ModelRun):  # a run's options stand unless given
+            options = options or model_config.options
+            model_config = model_config.config
         config = parallel_config or ParallelConfig()
-        if quantize is not None:
-            model_config, params = quantize_params(model_config, params, quantize)
-        if kv_cache_dtype is not None:
-            model_config = dataclasses.replace(model_config, kv_cache_dtype=kv_cache_dtype)
-        _check_quantize_backend(model_config)
+        options = (options or ExecutionOptions()).merged(
+            quantize=quantize, kv_cache_dtype=kv_cache_dtype
+        )
+        options.check(model_config)  # before any parameter is touched
+        _check_quantize_backend(options.quantize or params_quantization(params))
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
-        model_config, params = pipeline_layer_form(model_config, params, config)
+        options, params = prepare_params(model_config, params, options, config)
         # Validated and laid out from shapes; a vocabulary tp does not divide is padded
         # (see _vocab): the engine runs the padded model, and everything callers see has
         # the true vocabulary.
         self.program = AbstractEngine.build(
-            model_config, config, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
+            model_config,
+            config,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            mesh=mesh,
+            options=options,
         )
         self.plan: Plan = self.program.plan
         self.mesh = self.program.mesh
@@ -133,16 +193,19 @@ class InferenceEngine:
         self.devices: tuple[jax.Device, ...] = tuple(
             sorted(self.mesh.devices.flat, key=lambda d: d.id)
         )
-        self.model_config = model_config
+        #: The model as given (the checkpoint's config); never rewritten.
+        self.model_config: ModelConfig = model_config
+        #: How it runs: the options with every "auto" resolved for the mesh's devices.
+        self.options: ExecutionOptions = self.program.options
         self.parallel_config = config
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
 
-        abstract_state = nnx.state(abstract_model(model_config))
+        abstract_state = nnx.state(abstract_model(model_config, options))
         _check_params(abstract_state, params)
-        padded = self.program.model_config
-        if padded.vocab_size != model_config.vocab_size:
-            params = pad_vocab_params(params, logical_axes_of(abstract_state), padded.vocab_size)
+        run = self.program.run
+        if run.vocab_size != model_config.vocab_size:
+            params = pad_vocab_params(params, logical_axes_of(abstract_state), run.vocab_size)
         self.layouts = self.program.layouts
         self.steps = self.program.steps
         self.params = jax.tree.map(place, params, self.layouts.params)
@@ -153,6 +216,12 @@ class InferenceEngine:
         #: The checkpoint's text side (engine_from_hf, when it has a tokenizer.json).
         self.tokenizer: Tokenizer | None = None
         self._grammars: Grammars | None = None  # structured output's compiler (first use)
+
+    @property
+    def run(self) -> ModelRun:
+        """The model as this engine runs it: :attr:`model_config` under :attr:`options`,
+        the vocabulary padded for tp (:attr:`AbstractEngine.run`)."""
+        return self.program.run
 
     def lower(self, phase: str, *, prompt_len: int) -> Any:
         """The ``jax.stages.Lowered`` prefill or decode step over this engine's parameters
@@ -539,10 +608,10 @@ def _stop_list(stop_tokens: Sequence[int]) -> np.ndarray:
     return out
 
 
-def _check_quantize_backend(model_config: ModelConfig) -> None:
+def _check_quantize_backend(mode: str | None) -> None:
     """int4 weights need jax >= 0.11: jax 0.10's placement of int4 arrays gives a layout
     its own compiled steps refuse."""
-    if model_config.quantize == "int4" and jax.__version_info__ < (0, 11):
+    if mode == "int4" and jax.__version_info__ < (0, 11):
         raise ConfigError(
             f"quantize='int4' needs jax >= 0.11 (this is {jax.__version__}); int8 and fp8 "
             "run on every supported jax"

@@ -124,7 +124,7 @@ class Executor:
         self.engine = engine
         self.prefill_engine = prefill_engine
         #: A quantized decode cache: prefilled K/V are quantized before they cross.
-        mode = engine.model_config.kv_cache_dtype
+        mode = engine.options.kv_cache_dtype
         self._quantizer = None if mode is None else KVQuantizer(prefill_engine.steps, mode)
         self._slot_steps = {DECODE: slot_steps, PREFILL: prefill_slot_steps or slot_steps}
         self._shared = prefill_slot_steps is None  # one pool for prefill and decode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -10,11 +11,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxpar.engine._abstract import layer_loop_for
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._text import Tokenizer, generation_defaults, load_tokenizer
-from jaxpar.engine._vocab import padded_config, unsplit_vocab
+from jaxpar.engine._vocab import padded_run, unsplit_vocab
 from jaxpar.errors import CheckpointError
-from jaxpar.models import config_from_hf, load_hf_checkpoint
+from jaxpar.models import ExecutionOptions, ModelRun, config_from_hf, load_hf_checkpoint
 from jaxpar.spec import (
     ParallelConfig,
     canonical_mesh,
@@ -28,15 +30,23 @@ _HALF_PRECISION = ("bfloat16", "float16")
 
 
 def compute_dtype(hf: Mapping[str, Any], dtype: Any = None, platform: str | None = None) -> Any:
-    """The dtype a checkpoint runs in: ``dtype`` when given; on CPU (``platform``, default
-    JAX's default backend) a half-precision checkpoint runs in float32, since XLA:CPU has no
-    fast bfloat16 or float16 path; else None (the checkpoint's own)."""
+    """The dtype a checkpoint runs in (``ExecutionOptions.dtype``): ``dtype`` when given; on
+    CPU (``platform``: the devices it runs on, default those of :func:`run_platform`) a
+    half-precision checkpoint runs in float32, since XLA:CPU has no fast bfloat16 or
+    float16 path; else None (the checkpoint's own)."""
     if dtype is not None:
         return dtype
     stored = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    if (platform or jax.default_backend()) == "cpu" and stored in _HALF_PRECISION:
+    if (platform or run_platform()) == "cpu" and stored in _HALF_PRECISION:
         return "float32"
     return None
+
+
+def run_platform(mesh: Mesh | None = None) -> str:
+    """The platform an engine on ``mesh`` runs on: its devices'; without a mesh, the
+    devices a default mesh takes (JAX's first devices)."""
+    devices = mesh.devices.flat if mesh is not None else jax.devices()
+    return devices[0].platform
 
 
 def engine_from_hf(
@@ -50,18 +60,22 @@ def engine_from_hf(
     on_tensor: Callable[[str], None] | None = None,
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
+    options: ExecutionOptions | None = None,
 ) -> InferenceEngine:
     """Validates the strategy against the checkpoint's config, then loads every tensor
     directly into its sharding: each device reads only its own slice from the
     safetensors files, so no device ever holds a full copy of a split weight.
 
     ``on_tensor(name)`` is called before each parameter tensor is read (for progress).
-    ``dtype`` None: the checkpoint's own, except that a half-precision checkpoint runs in
-    float32 on CPU (:func:`compute_dtype`). ``quantize`` ("int8", "fp8", "int4"):
-    weight-only quantization of the loaded weights, where they lie (see
+    ``options``: how the engine runs it (:class:`~jaxpar.models.ExecutionOptions`);
+    ``dtype`` and ``quantize`` are the same as its fields of those names. ``dtype`` None:
+    the checkpoint's own, except that a half-precision checkpoint runs in float32 on a CPU
+    mesh (:func:`compute_dtype`, for the mesh's devices). ``quantize`` ("int8", "fp8",
+    "int4"): weight-only quantization of the loaded weights, where they lie (see
     :class:`InferenceEngine`), each kernel as soon as it is read (one float tensor alive
     at a time: a model that fits only quantized loads). ``kv_cache_dtype`` ("int8",
-    "fp8"): the KV cache's storage (see :class:`InferenceEngine`).
+    "fp8"): the KV cache's storage (the field of that name). The engine's
+    ``model_config`` is the checkpoint's ``config.json``, whatever the options.
 
     Raises:
         IllegalStrategyError: before any tensor is read.
@@ -73,13 +87,16 @@ def engine_from_hf(
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{source}: cannot read the model config: {e}") from e
     parallel = parallel_config or ParallelConfig()
-    platform = mesh.devices.flat[0].platform if mesh is not None else None
-    dtype = compute_dtype(hf, dtype, platform)
-    # Pipelined engines run stacked layers (one block per stage): load them stacked.
-    layer_loop = "scan" if parallel.pp > 1 else "unrolled"
-    config = config_from_hf(hf, dtype=dtype, source=str(source), layer_loop=layer_loop)
+    options = (options or ExecutionOptions()).merged(
+        quantize=quantize, kv_cache_dtype=kv_cache_dtype
+    )
+    options = options.merged(dtype=compute_dtype(hf, dtype or options.dtype, run_platform(mesh)))
+    # Pipelined engines run stacked layers (one block per stage): load them in that form.
+    options = dataclasses.replace(options, layer_loop=layer_loop_for(options, parallel))
+    config = config_from_hf(hf, source=str(source))
+    options.check(config)
     devices = mesh.devices.size if mesh is not None else parallel.size
-    padded = padded_config(config, parallel.tp)
+    padded = padded_run(ModelRun(config, options), parallel.tp)
     validate(padded, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
     mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
 
@@ -87,13 +104,11 @@ def engine_from_hf(
         if on_tensor is not None:
             on_tensor(".".join(map(str, path_)))
         spec = param_partition_spec(axes, parallel, dims=padded)
-        if padded is not config:  # tp does not divide the vocabulary: the engine pads it
+        if padded.padded_vocab is not None:  # tp does not divide it: the engine pads it
             spec = unsplit_vocab(spec, axes)
         return NamedSharding(mesh, spec)
 
-    config, params = load_hf_checkpoint(
-        path, dtype=dtype, shardings=sharding, layer_loop=layer_loop, quantize=quantize
-    )
+    config, params = load_hf_checkpoint(path, shardings=sharding, options=options)
     engine = InferenceEngine(
         config,
         params,
@@ -101,7 +116,7 @@ def engine_from_hf(
         max_batch=max_batch,
         max_seq_len=max_seq_len,
         mesh=mesh,
-        kv_cache_dtype=kv_cache_dtype,
+        options=options,
     )
     # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
     engine.generation_defaults = generation_defaults(path)

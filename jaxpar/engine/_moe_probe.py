@@ -1,21 +1,17 @@
 """Which MoE exchange a backend runs: one probe per platform, when an engine is built.
 
-``moe_dispatch="auto"`` becomes ``"ragged"`` where XLA compiles ``ragged-all-to-all``
-(GPU, TPU) and the MoE is dropless, ``"padded"`` otherwise (XLA:CPU has no ragged
-all-to-all; a capacity factor needs fixed-size blocks anyway).
+``ExecutionOptions.moe_dispatch="auto"`` becomes ``"ragged"`` where XLA compiles
+``ragged-all-to-all`` (GPU, TPU) and the MoE is dropless, ``"padded"`` otherwise (XLA:CPU
+has no ragged all-to-all; a capacity factor needs fixed-size blocks anyway): this module
+answers whether it compiles, :meth:`ExecutionOptions.resolve` decides.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from jaxpar.errors import ConfigError
-from jaxpar.models import ModelConfig
 
 
 def ragged_all_to_all_compiles(device: jax.Device | str) -> bool:
@@ -69,31 +65,14 @@ def _probe_device(mesh: Mesh) -> jax.Device:
     return next((d for d in mesh.devices.flat if d.process_index == here), mesh.devices.flat[0])
 
 
-def resolve_moe_dispatch(
-    config: ModelConfig, mesh: Mesh, platform: str | None = None
-) -> ModelConfig:
-    """``config`` with ``moe_dispatch="auto"`` replaced by the path this mesh runs.
+def mesh_compiles_ragged(mesh: Mesh, platform: str | None = None) -> bool:
+    """Whether the mesh's backend compiles ragged-all-to-all (probed once per device kind).
 
     ``platform``: lowering for another platform than the mesh's (see
     ``AbstractEngine.build``), whose compiler cannot be probed here: GPU and TPU are taken
-    to compile ragged-all-to-all (XLA implements it on both), anything else not.
-
-    Raises:
-        ConfigError: ``moe_dispatch="ragged"`` on a backend that cannot compile it.
+    to compile it (XLA implements it on both), anything else not.
     """
-    if not config.is_moe or config.moe_dispatch == "padded":
-        return config
     device = _probe_device(mesh)
     if platform is None or platform == device.platform:
-        platform, compiles = device.platform, ragged_all_to_all_compiles(device)
-    else:
-        compiles = platform in ("gpu", "cuda", "rocm", "tpu")
-    if config.moe_dispatch == "ragged":
-        if not compiles:
-            raise ConfigError(
-                f"moe_dispatch='ragged': XLA:{platform} does not compile ragged-all-to-all; "
-                "use moe_dispatch='padded' or 'auto'"
-            )
-        return config
-    ragged = config.moe_capacity_factor is None and compiles
-    return dataclasses.replace(config, moe_dispatch="ragged" if ragged else "padded")
+        return ragged_all_to_all_compiles(device)
+    return platform in ("gpu", "cuda", "rocm", "tpu")

@@ -50,7 +50,7 @@ class OfflineCore:
     @classmethod
     def build(cls, engine: InferenceEngine) -> OfflineCore:
         program = engine.program
-        shards = batch_shards(engine.parallel_config, program.model_config)
+        shards = batch_shards(engine.parallel_config, program.run)
         page_size = min(PAGE_SIZE, engine.max_seq_len)
         rows_per_shard = engine.max_batch // shards
         per_row = -(-engine.max_seq_len // page_size)
@@ -61,7 +61,7 @@ class OfflineCore:
             rows=engine.max_batch,
             max_seq_len=engine.max_seq_len,
         )
-        return cls(SlotSteps(engine.steps, program.model_config, pool), FirstTokens(engine.steps))
+        return cls(SlotSteps(engine.steps, program.run, pool), FirstTokens(engine.steps))
 
     @property
     def pool(self) -> PagePool:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.models import ModelConfig
+from jaxpar.models import ModelConfig, ModelRun
 
 VOCAB = "vocab"
 
@@ -27,10 +27,14 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def padded_config(config: ModelConfig, tp: int) -> ModelConfig:
-    """``config`` with its vocabulary padded for ``tp`` (itself when tp divides it)."""
-    padded = padded_vocab_size(config.vocab_size, tp)
-    return config if padded == config.vocab_size else dataclasses.replace(config, vocab_size=padded)
+def padded_run(model: ModelConfig | ModelRun, tp: int) -> ModelRun:
+    """``model`` as a run whose vocabulary is padded for ``tp`` (``padded_vocab`` None when
+    tp divides it); the config itself keeps the true vocabulary."""
+    run = ModelRun.of(model)
+    padded = padded_vocab_size(run.config.vocab_size, tp)
+    return dataclasses.replace(
+        run, padded_vocab=None if padded == run.config.vocab_size else padded
+    )
 
 
 def pad_vocab_params(params: Any, axes: Any, padded: int) -> Any:

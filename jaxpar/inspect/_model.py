@@ -191,8 +191,9 @@ def communication_model(
     """The collectives jaxpar's design needs for one step of ``phase``.
 
     Args:
-        model: model sizes; a jaxpar ``ModelConfig`` also gives ``dtype`` and
-            ``expert_capacity`` (dropless capacity otherwise).
+        model: model sizes; a jaxpar ``ModelConfig`` also gives ``dtype`` (and runs
+            dropless), a ``ModelRun`` its options' ``moe_capacity_factor`` and
+            ``expert_capacity``.
         config: the parallel degrees.
         phase: prefill (``prompt_len`` padded tokens per sequence) or decode (one).
         batch: sequences per step (the engine's ``max_batch``).
@@ -363,8 +364,12 @@ def _moe(step: _Step) -> None:
     )
     factor = getattr(model, "moe_capacity_factor", None)
     peers = _split(ax["experts"], step.config)
-    if hasattr(model, "expert_capacity"):
+    cap = None
+    if hasattr(model, "expert_capacity"):  # a jaxpar ModelRun: its capacity factor's C
         cap = model.expert_capacity(b_l * t_l, peers)
+    elif hasattr(model, "top_k"):  # a bare ModelConfig runs dropless: min(k, E_l) per token
+        cap = b_l * t_l * min(model.top_k, model.n_experts // peers)
+    if cap is not None:
         step.notes.append(
             f"MoE: a device's {b_l * t_l} tokens are one dispatch group; "
             + (

@@ -395,8 +395,9 @@ def phase_report(
         ``(report, compiled)``; ``compiled.memory_analysis()`` gives per-device memory.
     """
     from jaxpar.inspect._model import communication_model
+    from jaxpar.models import ModelRun
 
-    config = engine.model_config
+    config = ModelRun(engine.model_config, engine.options)  # true vocabulary, run's MoE
     compiled = compile_step(engine, phase, prompt_len=prompt_len)
     model = communication_model(
         config, engine.parallel_config, phase, batch=engine.max_batch, prompt_len=prompt_len

@@ -29,11 +29,12 @@ from jaxpar.models._decoder import (
     init_model,
     init_params,
     param_logical_axes,
+    params_layer_loop,
     prefill,
     with_layer_loop,
 )
 from jaxpar.models._hf import load_hf_checkpoint
-from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf
+from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, stored_quantization
 from jaxpar.models._kv_quant import (
     KV_CACHE_DTYPES,
     QuantKV,
@@ -55,6 +56,7 @@ from jaxpar.models._moe import (
 )
 from jaxpar.models._moe_route import capacity_rows, dropless_capacity
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
+from jaxpar.models._options import ExecutionOptions
 from jaxpar.models._paged import (
     PAGE_AXES,
     SCRATCH_PAGE,
@@ -64,8 +66,15 @@ from jaxpar.models._paged import (
     read_pages,
     write_prompts,
 )
-from jaxpar.models._quant import QUANT_DTYPES, element_bytes, param_bytes, quantize_params
+from jaxpar.models._quant import (
+    QUANT_DTYPES,
+    element_bytes,
+    param_bytes,
+    params_quantization,
+    quantize_params,
+)
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxpar.models._run import ModelRun
 
 __all__ = [
     "DOWN_AXES",
@@ -77,6 +86,7 @@ __all__ = [
     "Q_AXES",
     "STACKED_KV_AXES",
     "config_from_hf",
+    "stored_quantization",
     "write_token",
     "ARCHS",
     "FFN",
@@ -100,6 +110,10 @@ __all__ = [
     "Llama3RopeScaling",
     "YarnRopeScaling",
     "ModelConfig",
+    "ModelRun",
+    "ExecutionOptions",
+    "params_layer_loop",
+    "params_quantization",
     "MoE",
     "RMSNorm",
     "Router",

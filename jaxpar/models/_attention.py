@@ -32,6 +32,7 @@ from jaxpar.models._layers import (
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
 
 
@@ -60,11 +61,12 @@ class Attention(nnx.Module):
 
     The attention core is :mod:`jaxpar.models._attention_ops`: exact grouped einsums
     (K/V never repeated; head n uses kv head n // G, as Hugging Face's ``repeat_kv``) or the
-    backend's fused kernel, as ``config.prefill_attention`` / ``decode_attention`` choose.
+    backend's fused kernel, as the run's ``prefill_attention`` / ``decode_attention`` /
+    ``paged_attention`` options choose (:class:`~jaxpar.models.ExecutionOptions`).
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        c = config
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        c = ModelRun.of(config)
         d, n, k, h, pd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.param_dtype
         self.dtype = c.dtype
         self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
@@ -75,6 +77,10 @@ class Attention(nnx.Module):
         self.scale = c.attn_scale if c.attn_scale is not None else h**-0.5
         self.softcap = c.attn_softcap
         self.prefill_impl, self.decode_impl = c.prefill_attention, c.decode_attention
+        # Paged "auto" follows a named decode_attention (as ExecutionOptions.resolve does);
+        # unresolved (a model built outside an engine) it is chosen at trace time.
+        paged = c.paged_attention
+        self.paged_impl = c.decode_attention if paged == "auto" else paged
         self.rope_theta = c.rope_theta if c.positional == "rope" else None
         self.rope_local_theta = c.rope_local_theta
         self.rope_scaling = c.rope_scaling
@@ -303,7 +309,7 @@ class Attention(nnx.Module):
                     kv,
                     lengths_B=pos_B + 1,
                     window=window,
-                    impl=self.decode_impl,
+                    impl=self.paged_impl,
                     scale=self.scale,
                     softcap=self.softcap,
                     sinks_N=self._sinks(),

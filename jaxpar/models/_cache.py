@@ -12,6 +12,7 @@ import numpy as np
 from jaxpar.errors import CacheOverflowError, ShapeError
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._kv_quant import QuantKV, as_stored, empty_kv, kv_axes, kv_map, quantize_kv
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
 
 
@@ -115,9 +116,10 @@ class KVCache:
         return (self.k if self.stacked else self.k[0]).shape[2]  # [L,B,S,K,H] / [B,K,S,H]
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig) -> KVCache:
+    def logical_axes(cls, config: ModelConfig | ModelRun) -> KVCache:
         """A KVCache-shaped pytree of logical axis tuples (for building shardings)."""
-        mode = getattr(config, "kv_cache_dtype", None)
+        config = ModelRun.of(config)
+        mode = config.kv_cache_dtype
         if config.layer_loop == "scan":
             kv: Any = kv_axes(STACKED_KV_AXES, mode)
         else:
@@ -125,12 +127,13 @@ class KVCache:
         return cls(k=kv, v=kv, lengths_B=cls.LENGTHS_AXES)
 
     @classmethod
-    def empty(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
-        """A zero cache with all lengths 0 (compute dtype, or ``config.kv_cache_dtype``),
-        in the config's storage form."""
+    def empty(cls, config: ModelConfig | ModelRun, batch: int, max_seq_len: int) -> KVCache:
+        """A zero cache with all lengths 0 (compute dtype, or the run's ``kv_cache_dtype``),
+        in the run's storage form."""
+        config = ModelRun.of(config)
         lengths_B = jnp.zeros((batch,), jnp.int32)
         k, h = config.n_kv_heads, config.head_dim
-        mode = getattr(config, "kv_cache_dtype", None)
+        mode = config.kv_cache_dtype
         if config.layer_loop == "scan":
             zeros = empty_kv((config.n_layers, batch, max_seq_len, k, h), config.dtype, mode)
             return cls(k=zeros, v=zeros, lengths_B=lengths_B)
@@ -140,7 +143,7 @@ class KVCache:
         return cls(k=layers, v=layers, lengths_B=lengths_B)
 
     @classmethod
-    def abstract(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
+    def abstract(cls, config: ModelConfig | ModelRun, batch: int, max_seq_len: int) -> KVCache:
         """Shapes and dtypes of a cache, without allocating."""
         return jax.eval_shape(lambda: cls.empty(config, batch, max_seq_len))
 

@@ -11,9 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import ConfigError
-from jaxpar.models._kv_quant import check_kv_cache_dtype
-from jaxpar.models._moe_route import capacity_rows
-from jaxpar.models._quant import check_quantize
 
 ARCHS: tuple[str, ...] = (
     "llama",
@@ -33,13 +30,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("rms", "layer"),
     "activation": ("silu", "gelu_tanh"),
     "positional": ("rope", "learned"),
-    "layer_loop": ("unrolled", "scan"),
-    # The attention cores of jaxpar.models._attention_ops (PREFILL_IMPLS, DECODE_IMPLS).
-    "prefill_attention": ("auto", "xla", "cudnn", "pallas_tpu"),
-    "decode_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
-    # The MoE exchange of jaxpar.models._moe_exchange: "auto" is resolved by the engine
-    # (ragged where the backend compiles ragged-all-to-all and the MoE is dropless).
-    "moe_dispatch": ("auto", "padded", "ragged"),
 }
 
 
@@ -195,7 +185,10 @@ def rope_scaling_from_mapping(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Sizes and architectural switches of a decoder-only Transformer.
+    """Sizes and architectural switches of a decoder-only Transformer: what a checkpoint's
+    ``config.json`` says. How an engine runs it (kernels, layer form, MoE exchange,
+    quantization, a compute dtype of its own) is :class:`~jaxpar.models.ExecutionOptions`;
+    no engine rewrites a config.
 
     Satisfies :class:`jaxpar.spec._dims.ModelDims`. Frozen and hashable, so it can live in
     an NNX graphdef as static data. ``rope_scaling`` may be given as a mapping; it is
@@ -257,36 +250,10 @@ class ModelConfig:
     #: Whether a token's top-k routing weights are renormalised to sum to 1 (Hugging Face
     #: ``norm_topk_prob``; Mixtral always does). False keeps the softmax probabilities.
     norm_topk_prob: bool = True
-    #: None: dropless (every routed token is computed, as in transformers). A factor cf:
-    #: each device sends at most ceil(cf * tokens * top_k / ep) rows to each expert peer;
-    #: assignments past that are dropped (earlier tokens first) and counted.
-    moe_capacity_factor: float | None = None
-    #: How MoE rows travel between expert peers: "padded" (all-to-all of capacity-sized
-    #: blocks, every backend), "ragged" (ragged all-to-all of the routed rows alone, GPU/TPU,
-    #: dropless), "auto" (the engine probes the backend once and picks).
-    moe_dispatch: str = "auto"
+    #: The checkpoint's compute and parameter dtypes (an engine may run another:
+    #: ``ExecutionOptions.dtype``).
     dtype: Any = "float32"
     param_dtype: Any = "float32"
-    #: Weight-only quantization of the attention and dense-FFN kernels (None, "int8",
-    #: "fp8", "int4"): see :mod:`jaxpar.models._quant`. Parameters quantized at load
-    #: time by ``quantize_params``; embedding, LM head and MoE experts stay in
-    #: ``param_dtype``.
-    quantize: str | None = None
-    #: Execution option (not the checkpoint's): the KV cache's storage, None (the compute
-    #: ``dtype``), "int8" or "fp8" (e4m3), one float32 scale per token per kv head,
-    #: quantized where K/V are written and dequantized where attention reads them: see
-    #: :mod:`jaxpar.models._kv_quant`. Kernels without scale inputs are refused.
-    kv_cache_dtype: str | None = None
-    #: How the layers are stored and run. "unrolled": one parameter array per layer and
-    #: a Python loop, so no step slices (copies) a weight or a layer's cache out of a stack;
-    #: compile time grows with depth. "scan": parameters stacked ``[L, ...]`` under
-    #: ``lax.scan``; compile time flat in depth, but XLA copies each layer's weights out of
-    #: the stack every step. Pipeline parallelism runs the stacked form (see the engine).
-    layer_loop: str = "unrolled"
-    #: Attention cores: "auto" takes the platform's fused kernel where one fits (GPU: cuDNN
-    #: in both phases; TPU: splash in prefill, XLA in decode; XLA on CPU and in float32).
-    prefill_attention: str = "auto"
-    decode_attention: str = "auto"
     #: GPT-OSS: a learned logit per query head (``sinks [N]``) joins every softmax
     #: denominator, as a key no query reads a value from: a head may attend to nothing.
     attn_sinks: bool = False
@@ -308,7 +275,7 @@ class ModelConfig:
                 rope_scaling_from_mapping(self.rope_scaling, self.max_position_embeddings),
             )
         for name in ("dtype", "param_dtype"):
-            object.__setattr__(self, name, _float_dtype(name, getattr(self, name)))
+            object.__setattr__(self, name, float_dtype(name, getattr(self, name)))
         self._check()
 
     def _check(self) -> None:
@@ -329,8 +296,6 @@ class ModelConfig:
             )
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
-        check_quantize(self.quantize)
-        self._check_kv_cache()
         if self.qk_norm and self.norm != "rms":
             raise ConfigError("qk_norm is an RMS norm per head: it needs norm='rms'")
         self._check_positions()
@@ -385,27 +350,6 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be None or positive, got {value}")
         if (self.norm_offset or self.sandwich_norm) and self.norm != "rms":
             raise ConfigError("norm_offset and sandwich_norm are RMS-norm options: norm='rms'")
-        if self.attn_softcap is not None:
-            # The fused kernels (cuDNN, splash, Pallas decode) have no soft-capping: "auto"
-            # runs XLA for such a model; a kernel named explicitly would be silently wrong.
-            for name in ("prefill_attention", "decode_attention"):
-                if getattr(self, name) not in ("auto", "xla"):
-                    raise ConfigError(
-                        f"{name}={getattr(self, name)!r} cannot soft-cap attention scores "
-                        f"(attn_softcap={self.attn_softcap}); legal: 'auto' or 'xla' (both run "
-                        "the XLA path)"
-                    )
-
-    def _check_kv_cache(self) -> None:
-        check_kv_cache_dtype(self.kv_cache_dtype)
-        # The contiguous decode kernels (cuDNN, Pallas) read K/V as they lie and take no
-        # scales; "auto" runs XLA (or, paged on GPU, the Pallas kernel that takes them).
-        if self.kv_cache_dtype is not None and self.decode_attention not in ("auto", "xla"):
-            raise ConfigError(
-                f"decode_attention={self.decode_attention!r} reads no KV cache scales "
-                f"(kv_cache_dtype={self.kv_cache_dtype!r}); legal: 'auto' (XLA, or the Pallas "
-                "GPU paged kernel with scales on GPU) or 'xla'"
-            )
 
     def layer_slides(self, layer: int) -> bool:
         """Whether layer ``layer`` attends through the sliding window."""
@@ -423,25 +367,13 @@ class ModelConfig:
                 "n_experts > 0"
             )
         if not self.is_moe:
-            moe_knobs = (self.top_k, self.moe_capacity_factor is not None, not self.norm_topk_prob)
-            if any(moe_knobs) or self.moe_dispatch != "auto":
-                raise ConfigError(
-                    "top_k, norm_topk_prob, moe_capacity_factor, moe_dispatch need n_experts > 0"
-                )
+            if self.top_k or not self.norm_topk_prob:
+                raise ConfigError("top_k and norm_topk_prob need n_experts > 0")
             return
         if not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if not self.gated_ffn or self.activation != "silu":
             raise ConfigError("experts are SwiGLU: MoE needs gated_ffn=True, activation='silu'")
-        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
-            raise ConfigError(
-                f"moe_capacity_factor must be None (dropless) or > 0, got {self.moe_capacity_factor}"
-            )
-        if self.moe_dispatch == "ragged" and self.moe_capacity_factor is not None:
-            raise ConfigError(
-                "moe_dispatch='ragged' is dropless; with moe_capacity_factor="
-                f"{self.moe_capacity_factor} use moe_dispatch='padded' (or 'auto')"
-            )
 
     def _check_gpt_oss(self) -> None:
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
@@ -459,15 +391,6 @@ class ModelConfig:
                 )
         if self.router_bias and not self.is_moe:
             raise ConfigError("router_bias needs n_experts > 0 (a dense model has no router)")
-        if self.attn_sinks:
-            # No fused kernel (cuDNN, splash, Pallas decode) takes a sink logit: "auto" runs
-            # XLA for such a model; a kernel named explicitly would drop the sinks.
-            for name in ("prefill_attention", "decode_attention"):
-                if getattr(self, name) not in ("auto", "xla"):
-                    raise ConfigError(
-                        f"{name}={getattr(self, name)!r} cannot add attention sinks to the "
-                        "softmax (attn_sinks=True); legal: 'auto' or 'xla' (both run the XLA path)"
-                    )
 
     @property
     def is_moe(self) -> bool:
@@ -495,17 +418,8 @@ class ModelConfig:
                 "positions of this model; lower max_seq_len"
             )
 
-    def expert_capacity(self, tokens: int, peers: int = 1) -> int:
-        """Rows a device sends to each of ``peers`` expert peers, for ``tokens`` tokens.
 
-        Dropless (``moe_capacity_factor=None``): ``tokens * min(top_k, E / peers)``, what
-        one peer can receive at most (a token's top-k experts are distinct). A factor
-        ``cf``: ``ceil(cf * tokens * top_k / peers)``, capped at the dropless bound.
-        """
-        return capacity_rows(tokens, self.top_k, self.n_experts, peers, self.moe_capacity_factor)
-
-
-def _float_dtype(name: str, value: Any) -> np.dtype:
+def float_dtype(name: str, value: Any) -> np.dtype:
     try:
         dt = jnp.dtype(value)
     except TypeError:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from typing import Any
 
@@ -11,13 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.errors import ConfigError
 from jaxpar.models._attention import Attention, Context
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
 from jaxpar.models._moe import MoE
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
-from jaxpar.models._quant import quantize_params
+from jaxpar.models._options import ExecutionOptions
+from jaxpar.models._quant import params_quantization, quantize_params
+from jaxpar.models._run import ModelRun
 
 
 class DecoderLayer(nnx.Module):
@@ -27,7 +29,8 @@ class DecoderLayer(nnx.Module):
     before its residual add: x + norm(attn(norm(x))), then x + norm(ffn(norm(x))).
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        config = ModelRun.of(config)
         self.attn_norm = make_norm(config, rngs=rngs)
         self.attn = Attention(config, rngs=rngs)
         sandwich = config.sandwich_norm
@@ -109,7 +112,8 @@ def _layer_list(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
 class Decoder(nnx.Module):
     """A decoder-only Transformer: embedding, L layers, final norm, LM head.
 
-    ``config.layer_loop`` picks how the layers are stored and run:
+    The run's ``layer_loop`` (:class:`~jaxpar.models.ExecutionOptions`) picks how the
+    layers are stored and run:
 
     * ``"unrolled"`` (default): a list of layers with their own parameter arrays, run by a
       Python loop. Every matmul reads its weight where it lies: a scan over stacked
@@ -123,7 +127,14 @@ class Decoder(nnx.Module):
     ``nnx.merge(graphdef, state).prefill(...)`` inside ``jax.jit``.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig | ModelRun,
+        options: ExecutionOptions | None = None,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        config = ModelRun.of(config, options)
         self.config = config
         self.embed = Embedding(config, rngs=rngs)
         scanned = config.layer_loop == "scan"
@@ -260,19 +271,23 @@ class Decoder(nnx.Module):
         return x_B1D, cache
 
 
-def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
+def init_params(
+    config: ModelConfig | ModelRun, seed: int = 0, options: ExecutionOptions | None = None
+) -> nnx.State:
     """Random parameters for tests and benchmarks, generated on the host with numpy.
 
     Each parameter is drawn from its own :class:`Init` metadata with a generator seeded
     by (seed, parameter path): deterministic, independent of devices and sharding, and
-    free of random-kernel compilation (which dominates small-model start-up). A quantized
-    config gets the float model's parameters quantized (:func:`quantize_params`).
+    free of random-kernel compilation (which dominates small-model start-up). In the
+    run's layer form and dtype; with ``quantize`` set, the float model's parameters
+    quantized (:func:`quantize_params`).
     """
-    if config.quantize is not None:
-        float_config = dataclasses.replace(config, quantize=None)
-        return quantize_params(float_config, init_params(float_config, seed), config.quantize)[1]
+    run = ModelRun.of(config, options)
+    if run.quantize is not None:
+        float_run = run.with_options(quantize=None)
+        return quantize_params(float_run, init_params(float_run, seed), run.quantize)
     loaded = []
-    for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(run))):
         want = var.get_value()
         rng = np.random.default_rng([seed, zlib.crc32("/".join(map(str, path)).encode())])
         value = var.get_metadata()["init"].host(rng, want.shape, want.dtype)
@@ -280,50 +295,68 @@ def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
     return nnx.from_flat_state(loaded)
 
 
-def init_model(config: ModelConfig, seed: int = 0) -> Decoder:
+def init_model(
+    config: ModelConfig | ModelRun, seed: int = 0, options: ExecutionOptions | None = None
+) -> Decoder:
     """A decoder holding :func:`init_params`."""
-    graphdef, _ = nnx.split(abstract_model(config))
-    return nnx.merge(graphdef, init_params(config, seed))
+    graphdef, _ = nnx.split(abstract_model(config, options))
+    return nnx.merge(graphdef, init_params(config, seed, options))
 
 
-def abstract_model(config: ModelConfig) -> Decoder:
+def abstract_model(
+    config: ModelConfig | ModelRun, options: ExecutionOptions | None = None
+) -> Decoder:
     """The decoder with ShapeDtypeStruct parameters: shapes and logical axes, no memory.
 
     ``nnx.split(abstract_model(c))`` gives the graphdef to merge real states into;
     ``nnx.update(model, params)`` fills it.
     """
-    return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(params=0)))
+    run = ModelRun.of(config, options)
+    return nnx.eval_shape(lambda: Decoder(run, rngs=nnx.Rngs(params=0)))
+
+
+def params_layer_loop(params: nnx.State) -> str:
+    """The layer form parameters are stored in: ``"unrolled"`` (``("layers", i, ...)``
+    paths) or ``"scan"`` (stacked ``("layers", ...)`` arrays)."""
+    for path, _ in nnx.to_flat_state(params):
+        if path[0] == "layers":
+            return "unrolled" if isinstance(path[1], int) else "scan"
+    raise ConfigError("the parameters have no 'layers': not a jaxpar Decoder's state")
 
 
 def with_layer_loop(
-    config: ModelConfig, params: nnx.State, layer_loop: str
-) -> tuple[ModelConfig, nnx.State]:
-    """The same model and weights with its layers stored the other way.
+    config: ModelConfig | ModelRun, params: nnx.State, layer_loop: str
+) -> nnx.State:
+    """The same weights with the layers stored the other way (the form they are in is read
+    off the parameter tree: :func:`params_layer_loop`).
 
     ``"unrolled"`` -> ``"scan"`` stacks each layer parameter into ``[L, ...]``; ``"scan"``
     -> ``"unrolled"`` splits them. A one-time copy (when an engine is built), never a
-    per-step one. Returns the inputs unchanged when the form already matches.
+    per-step one. Returns ``params`` unchanged when the form already matches.
     """
-    target = dataclasses.replace(config, layer_loop=layer_loop)
-    if layer_loop == config.layer_loop:
-        return target, params
+    run = ModelRun.of(config)
+    if layer_loop == params_layer_loop(params):
+        return params
+    target = run.with_options(layer_loop=layer_loop, quantize=params_quantization(params))
     source = dict(nnx.to_flat_state(params))
     loaded = []
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(target))):
         if path[0] != "layers":
             value = source[path].get_value()
         elif layer_loop == "scan":  # ("layers", *rest) <- stack of ("layers", i, *rest)
-            parts = [source[("layers", i, *path[1:])].get_value() for i in range(config.n_layers)]
+            parts = [source[("layers", i, *path[1:])].get_value() for i in range(run.n_layers)]
             value = jnp.stack(parts)
         else:  # ("layers", i, *rest) <- row i of ("layers", *rest)
             value = source[("layers", *path[2:])].get_value()[path[1]]
         loaded.append((path, var.replace(value)))
-    return target, nnx.from_flat_state(loaded)
+    return nnx.from_flat_state(loaded)
 
 
-def param_logical_axes(config: ModelConfig) -> nnx.State:
+def param_logical_axes(
+    config: ModelConfig | ModelRun, options: ExecutionOptions | None = None
+) -> nnx.State:
     """State of ``PartitionSpec`` of logical axis names, one per parameter."""
-    return nnx.get_partition_spec(nnx.state(abstract_model(config)))
+    return nnx.get_partition_spec(nnx.state(abstract_model(config, options)))
 
 
 def prefill(

@@ -28,7 +28,9 @@ from jaxpar.models._hf_config import config_from_hf, hf_arch
 from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes, per_layer
 from jaxpar.models._hf_mxfp4 import Mxfp4Tensors, is_mxfp4
 from jaxpar.models._hf_quant import UNUSED_SUFFIXES, fp8_array, prequantized, scale_recipe
+from jaxpar.models._options import ExecutionOptions
 from jaxpar.models._quant import SCALE_SUFFIX, quantize_array
+from jaxpar.models._run import ModelRun
 
 #: ``fn(param_path, logical_axes) -> Sharding``.
 ShardingFn = Callable[[tuple[str, ...], tuple[str | None, ...]], jax.sharding.Sharding]
@@ -42,8 +44,9 @@ def load_hf_checkpoint(
     *,
     dtype: Any = None,
     shardings: ShardingFn | Any | None = None,
-    layer_loop: str = "unrolled",
+    layer_loop: str | None = None,
     quantize: str | None = None,
+    options: ExecutionOptions | None = None,
 ) -> tuple[ModelConfig, nnx.State]:
     """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Mixtral/Qwen3-MoE/GPT-2/GPT-OSS
     checkpoint (GPT-OSS's MXFP4 experts dequantized to ``dtype``: :mod:`._hf_mxfp4`).
@@ -51,21 +54,28 @@ def load_hf_checkpoint(
     Args:
         path: Directory with ``config.json`` and ``model.safetensors`` (or shards listed
             in ``model.safetensors.index.json``).
-        dtype: Compute and parameter dtype; None keeps the checkpoint's (float32 if unset).
+        dtype: Parameter dtype; None keeps the checkpoint's (float32 if unset). Same as
+            ``options.dtype``.
         shardings: None to place every tensor on the default device; or a pytree of
             ``jax.sharding.Sharding`` shaped like the params, or a callable
             ``(param_path, logical_axes) -> Sharding``. With shardings each device's
             shard is read alone (``jax.make_array_from_callback``).
-        layer_loop: ``"unrolled"`` (one array per layer) or ``"scan"`` (stacked ``[L, ...]``).
+        layer_loop: ``"unrolled"`` (one array per layer) or ``"scan"`` (stacked ``[L, ...]``);
+            same as ``options.layer_loop``.
         quantize: "int8", "fp8" or "int4": each kernel the quantized model stores with
             scales is quantized as soon as it is read, where it lies (one float tensor
-            alive at a time, so a model that fits only quantized loads); the returned
-            config has ``quantize`` set (see :mod:`jaxpar.models._quant`).
+            alive at a time, so a model that fits only quantized loads; see
+            :mod:`jaxpar.models._quant`); same as ``options.quantize``. A pre-quantized
+            (fp8) checkpoint loads quantized without it.
+        options: the run the parameters are loaded for (:class:`ExecutionOptions`):
+            its ``dtype``, ``layer_loop`` and ``quantize`` shape the parameters.
 
     Returns:
-        (config, params): params has exactly the structure of
-        ``nnx.state(Decoder(config))``, so ``nnx.update(abstract_model(config), params)``
-        yields a ready model.
+        (config, params): the checkpoint's config (as its ``config.json`` says, whatever
+        the options); params has exactly the structure of ``nnx.state(Decoder(config,
+        options))``, so ``nnx.update(abstract_model(config, options), params)`` yields a
+        ready model. An :class:`~jaxpar.engine.InferenceEngine` reads the layer form and
+        quantization off the parameters.
 
     Raises:
         CheckpointError: Unsupported architecture; missing, extra or mis-shaped tensor;
@@ -76,15 +86,19 @@ def load_hf_checkpoint(
     source = str(root / "config.json")
     mxfp4 = is_mxfp4(hf, hf_arch(hf, source), source)
     prequant = None if mxfp4 else prequantized(hf, source)
-    config = config_from_hf(hf, dtype=dtype, source=source, layer_loop=layer_loop)
+    config = config_from_hf(hf, source=source)
+    options = (options or ExecutionOptions()).merged(
+        dtype=dtype, layer_loop=layer_loop, quantize=quantize
+    )
+    quantize = options.quantize
     if prequant is not None and quantize not in (None, prequant.mode):
         raise CheckpointError(
             f"{source}: the checkpoint is pre-quantized ({prequant.method}, {prequant.mode} "
             f"weights); quantize={quantize!r} would quantize it again: omit it (or give "
             f"{prequant.mode!r})"
         )
-    float_config = dataclasses.replace(config, quantize=None)
-    target = config if quantize is None else dataclasses.replace(config, quantize=quantize)
+    float_config = ModelRun(config, dataclasses.replace(options, quantize=None))
+    target = float_config.with_options(quantize=quantize or (prequant and prequant.mode))
     with _Checkpoint(root, mxfp4=mxfp4) as ckpt:
         recipes = _recipes(float_config, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
@@ -112,7 +126,7 @@ def load_hf_checkpoint(
                 loaded += [(scale_path, scale.replace(scales_))]
             else:
                 loaded.append((param_path, var.replace(arr)))
-    return target, nnx.from_flat_state(loaded)
+    return config, nnx.from_flat_state(loaded)
 
 
 def _read(recipe, var: nnx.Variable, ckpt: _Checkpoint, sharding_of, path) -> jax.Array:

@@ -41,17 +41,32 @@ def hf_arch(hf: Mapping[str, Any], source: str) -> str:
     )
 
 
-def config_from_hf(
-    hf: Mapping[str, Any], *, dtype: Any = None, source: str, layer_loop: str = "unrolled"
-) -> ModelConfig:
-    """Builds the :class:`ModelConfig` a Hugging Face ``config.json`` describes.
+def stored_quantization(hf: Mapping[str, Any], *, source: str) -> str | None:
+    """The weight quantization a checkpoint runs in as stored ("fp8" for the pre-quantized
+    formats jaxpar loads), None for a float checkpoint or GPT-OSS's MXFP4 (dequantized at
+    load).
+
+    Raises:
+        CheckpointError: a ``quantization_config`` jaxpar does not load.
+    """
+    from jaxpar.models._hf_mxfp4 import is_mxfp4
+    from jaxpar.models._hf_quant import prequantized
+
+    if is_mxfp4(hf, hf_arch(hf, source), source):
+        return None
+    prequant = prequantized(hf, source)
+    return None if prequant is None else prequant.mode
+
+
+def config_from_hf(hf: Mapping[str, Any], *, source: str) -> ModelConfig:
+    """Builds the :class:`ModelConfig` a Hugging Face ``config.json`` describes: the
+    architecture as stored, its dtype the checkpoint's ``dtype`` / ``torch_dtype`` (else
+    float32). How it runs (another dtype, quantization, layer form) is an
+    :class:`~jaxpar.models.ExecutionOptions`.
 
     Args:
         hf: Parsed ``config.json``.
-        dtype: Compute and parameter dtype; None takes the checkpoint's ``dtype`` /
-            ``torch_dtype``, else float32.
         source: File name for error messages.
-        layer_loop: How the layers are stored and run (see :class:`ModelConfig`).
 
     Raises:
         CheckpointError: Unsupported architecture or option, or a missing key.
@@ -63,8 +78,7 @@ def config_from_hf(
     # MXFP4 experts (GPT-OSS) are dequantized at load: a float model. Any other
     # quantization_config jaxpar does not load is refused by prequantized.
     prequant = None if is_mxfp4(hf, arch, source) else prequantized(hf, source)
-    if dtype is None:
-        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     try:
         if arch == "gpt2":
             fields = _gpt2_fields(hf, source)
@@ -79,8 +93,6 @@ def config_from_hf(
             arch=arch,
             dtype=dtype,
             param_dtype=dtype,
-            layer_loop=layer_loop,
-            quantize=prequant and prequant.mode,
             **fields,
         )
     except KeyError as e:

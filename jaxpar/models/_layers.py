@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._quant import QUANT_DTYPES, qmatmul, scale_layout
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -72,7 +73,7 @@ def kernel(
     init: Init,
     shape: Sequence[int],
     axes: tuple[str | None, ...],
-    config: ModelConfig,
+    config: ModelRun,
     *,
     contract: int = 1,
 ) -> tuple[nnx.Param, nnx.Param | None]:
@@ -251,7 +252,8 @@ class FFN(nnx.Module):
     and splitting F over tp gives every device matching gate and up columns.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        config = ModelRun.of(config)
         d, f, pd = config.d_model, config.d_ff, config.param_dtype
         self.dtype = config.dtype
         self.act = config.activation

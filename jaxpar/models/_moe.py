@@ -26,6 +26,7 @@ from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
 from jaxpar.models._moe_stats import record_dropped
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
 
 #: Named scope around the exchange and the expert computation on received rows; the
@@ -210,7 +211,8 @@ class _Local:
 class MoE(nnx.Module):
     """Sparse feed-forward block: route, dispatch to expert peers, run experts, combine."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        config = ModelRun.of(config)
         self.config = config
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)

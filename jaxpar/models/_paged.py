@@ -46,6 +46,7 @@ from jaxpar.models._kv_quant import (
     kv_bytes_per_vector,
     kv_map,
 )
+from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, logical_shard_map
 
 #: One layer's page pool: [K, A, Z, H].
@@ -108,9 +109,10 @@ class PagedKVCache:
         return self.block_tables_BN.shape[1] * self.page_size
 
     @classmethod
-    def logical_axes(cls, config: ModelConfig) -> PagedKVCache:
+    def logical_axes(cls, config: ModelConfig | ModelRun) -> PagedKVCache:
         """A PagedKVCache-shaped pytree of logical axis tuples (for building shardings)."""
-        mode = getattr(config, "kv_cache_dtype", None)
+        config = ModelRun.of(config)
+        mode = config.kv_cache_dtype
         stacked = config.layer_loop == "scan"
         pool: Any = (
             kv_axes(STACKED_PAGE_AXES, mode)
@@ -120,22 +122,22 @@ class PagedKVCache:
         return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
 
     @classmethod
-    def empty_pool(cls, config: ModelConfig, pages: int, page_size: int) -> Any:
-        """A zero pool of ``pages`` pages per layer (compute dtype, or quantized with
-        ``config.kv_cache_dtype``), in the config's form."""
+    def empty_pool(cls, config: ModelConfig | ModelRun, pages: int, page_size: int) -> Any:
+        """A zero pool of ``pages`` pages per layer (compute dtype, or quantized with the
+        run's ``kv_cache_dtype``), in the run's form."""
+        config = ModelRun.of(config)
         shape = (config.n_kv_heads, pages, page_size, config.head_dim)
-        mode = getattr(config, "kv_cache_dtype", None)
+        mode = config.kv_cache_dtype
         if config.layer_loop == "scan":
             return empty_kv((config.n_layers, *shape), config.dtype, mode)
         return tuple(empty_kv(shape, config.dtype, mode) for _ in range(config.n_layers))
 
     @staticmethod
-    def pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
+    def pool_bytes(config: ModelConfig | ModelRun, pages: int, page_size: int) -> int:
         """Bytes of the keys and values of ``pages`` pages, every layer (all shards):
         values in the stored dtype, plus their scales when quantized."""
-        per_vector = kv_bytes_per_vector(
-            config.head_dim, config.dtype, getattr(config, "kv_cache_dtype", None)
-        )
+        config = ModelRun.of(config)
+        per_vector = kv_bytes_per_vector(config.head_dim, config.dtype, config.kv_cache_dtype)
         return 2 * config.n_layers * config.n_kv_heads * per_vector * pages * page_size
 
     def write_layer(

@@ -1,8 +1,8 @@
 """Decode attention over the paged KV cache (:mod:`jaxpar.models._paged`).
 
-Implementations, chosen by the model's ``decode_attention`` as for the contiguous cache
-(its vocabulary, plus ``"pallas_tpu"`` by name here; :func:`paged_attention_impl` resolves
-``"auto"``):
+Implementations, chosen by the run's ``paged_attention`` option
+(:class:`~jaxpar.models.ExecutionOptions`; ``"auto"`` follows a named ``decode_attention``,
+else :func:`paged_attention_impl` for the platform):
 
 - ``"xla"`` (every backend, the reference): each row's pages are gathered from the pool,
   ``[K, B, N * Z, H]``, and attended to with f32 scores and softmax. The gather reads only
@@ -17,9 +17,8 @@ Implementations, chosen by the model's ``decode_attention`` as for the contiguou
   wrapper takes no page tables.
 - ``"pallas_tpu"`` (TPU): JAX's Pallas TPU paged-attention kernel
   (``pallas.ops.tpu.paged_attention``), same layout, pages DMA'd block by block into VMEM.
-  ``"auto"`` picks it on TPU for bf16. It is not among the model config's
-  ``decode_attention`` choices (they are the contiguous decode's): a model reaches it
-  through ``"auto"``; tests name it here.
+  ``"auto"`` picks it on TPU for bf16 (``decode_attention="pallas_tpu"`` names it for the
+  paged cache; the contiguous cache has no TPU decode kernel and runs XLA).
 - ``"auto"``: :func:`paged_attention_impl` for the platform the program is compiled for
   and the query dtype; f32 stays on XLA, the exact path, as for the contiguous cache.
 
@@ -66,7 +65,7 @@ from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.spec import Module, active_platform, logical_shard_map
 
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
-#: What :func:`paged_decode_attention` takes: the model's ``decode_attention`` choices.
+#: What :func:`paged_decode_attention` takes: ``ExecutionOptions.paged_attention``'s choices.
 PAGED_DECODE_IMPLS = DECODE_IMPLS
 
 
@@ -203,8 +202,7 @@ def paged_decode_attention(
         kv: The layer's pool ``[K, A, Z, H]`` and the rows' block tables ``[B, N]``.
         lengths_B: Valid keys per row, the new token included.
         window: Sliding-window size (static or traced), or None.
-        impl: The model's ``decode_attention`` choice, or ``"pallas_tpu"`` (see the module
-            docstring).
+        impl: The run's ``paged_attention`` choice (see the module docstring).
         interpret: Run a Pallas kernel in interpret mode (tests on CPU); default: whether
             an :func:`~jaxpar.models.interpret_kernels` context is active.
         scale: Score scale; None: ``1/sqrt(H)``.

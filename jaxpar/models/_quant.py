@@ -40,7 +40,6 @@ checkpoint loader and ``explain`` would all have to learn. What it would have gi
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -50,7 +49,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 
-#: ``ModelConfig.quantize`` values and their stored dtypes.
+#: ``ExecutionOptions.quantize`` values and their stored dtypes.
 QUANT_DTYPES: dict[str, Any] = {
     "int8": jnp.int8,
     "fp8": jnp.float8_e4m3fn,
@@ -160,20 +159,37 @@ def qmatmul(x_xC: jax.Array, w_CO: jax.Array, scale_gO: jax.Array, dtype: Any) -
     return jnp.sum(y * s, axis=0).astype(dtype)
 
 
-def quantize_params(config: Any, params: nnx.State, mode: str) -> tuple[Any, nnx.State]:
-    """A float model's parameters quantized (weight-only PTQ): ``(config with quantize=
-    mode, state)``. Every kernel the quantized model stores with a ``_scale`` is
-    quantized where it lies; every other parameter is passed through.
+def params_quantization(params: nnx.State) -> str | None:
+    """The weight-only quantization parameters hold (None: float): read off the stored
+    dtype of a kernel that has a ``_scale``, so quantized parameters say what they are."""
+    flat = dict(nnx.to_flat_state(params))
+    modes = {np.dtype(dt): mode for mode, dt in QUANT_DTYPES.items()}
+    for path in flat:
+        name = str(path[-1])
+        if name.endswith(SCALE_SUFFIX):
+            kernel = flat.get((*path[:-1], name[: -len(SCALE_SUFFIX)]))
+            if kernel is not None:
+                return modes.get(np.dtype(kernel.get_value().dtype))
+    return None
+
+
+def quantize_params(config: Any, params: nnx.State, mode: str) -> nnx.State:
+    """A float model's parameters quantized (weight-only PTQ): every kernel the quantized
+    model stores with a ``_scale`` is quantized where it lies; every other parameter is
+    passed through. ``config``: the model (a ``ModelConfig`` or ``ModelRun``); the
+    parameters' layer form is read off them.
 
     Raises:
         ConfigError: an unknown mode, or parameters that are already quantized.
     """
-    from jaxpar.models._decoder import abstract_model
+    from jaxpar.models._decoder import abstract_model, params_layer_loop
+    from jaxpar.models._run import ModelRun
 
     check_quantize(mode)
-    if config.quantize is not None:
-        raise ConfigError(f"parameters are already quantized ({config.quantize})")
-    target = dataclasses.replace(config, quantize=mode)
+    held = params_quantization(params)
+    if held is not None:
+        raise ConfigError(f"parameters are already quantized ({held})")
+    target = ModelRun.of(config).with_options(quantize=mode, layer_loop=params_layer_loop(params))
     source = dict(nnx.to_flat_state(params))
     wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
     loaded = []
@@ -189,7 +205,7 @@ def quantize_params(config: Any, params: nnx.State, mode: str) -> tuple[Any, nnx
             loaded += [(path, var.replace(q)), (scale_path, scale_var.replace(s))]
         else:
             loaded.append((path, var.replace(value)))
-    return target, nnx.from_flat_state(loaded)
+    return nnx.from_flat_state(loaded)
 
 
 def element_bytes(dtype: Any) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.inspect import CAUSES, CommModel, Expected, communication_model
-from jaxpar.models import ModelConfig
+from jaxpar.models import ModelConfig, ModelRun
 from jaxpar.plan._hardware import Hardware
 from jaxpar.spec import ParallelConfig, Phase
 
@@ -144,7 +144,7 @@ def known_excess(model: ModelConfig, analytic: CommModel) -> list[Expected]:
     :data:`jaxpar.inspect.CAUSES` (the pipeline's bubbles are in :func:`executions`).
 
     ``moe-dispatch-buffer``: the exchange is padded. A device sends each of its P expert
-    peers a block of C rows (:meth:`ModelConfig.expert_capacity`), so each all-to-all
+    peers a block of C rows (:meth:`ModelRun.expert_capacity`), so each all-to-all
     moves ``P x C`` rows where the minimum's ``top_k x n`` are routed, and each layer also
     exchanges its int32 row counts (``[P, E / P + 1]``). The ragged path's receive buffer
     (GPU, TPU) has the dropless size, so the same count holds there.
@@ -155,7 +155,7 @@ def known_excess(model: ModelConfig, analytic: CommModel) -> list[Expected]:
             continue
         rows, d = item.shape
         peers = math.prod(analytic.config.degree(a) for a in item.axes)
-        cap = model.expert_capacity(rows // model.top_k, peers)
+        cap = ModelRun.of(model).expert_capacity(rows // model.top_k, peers)
         why = CAUSES["moe-dispatch-buffer"]
         out.append(
             Expected(
@@ -199,8 +199,9 @@ def comm_costs(
 def ragged_moe(model: ModelConfig, hardware: Hardware) -> bool:
     """Whether the MoE exchange runs ragged there: dropless, on a GPU or TPU (the engine
     probes ``ragged_all_to_all`` on its backend; XLA:CPU has none)."""
-    dispatch = getattr(model, "moe_dispatch", "auto")
-    return model.moe_capacity_factor is None and dispatch != "padded" and hardware.name != "cpu"
+    run = ModelRun.of(model)  # a bare config runs the default options (dropless, "auto")
+    dropless = run.moe_capacity_factor is None
+    return dropless and run.moe_dispatch != "padded" and hardware.name != "cpu"
 
 
 def step_flops(model: ModelConfig, phase: Phase, *, batch: int, prompt_len: int, context: int):

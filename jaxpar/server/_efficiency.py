@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxpar.engine import StepFacts
 from jaxpar.inspect import collective_report, communication_model, parse_collectives
+from jaxpar.models import ModelRun
 from jaxpar.plan import Hardware, device_hardware, load_hardware, step_flops
 from jaxpar.spec import Phase
 
@@ -177,7 +178,7 @@ def _prefill_profile(batcher: Any) -> PhaseProfile:
 
 
 def _profile(eng, phase, compiled, *, step_bytes, kv_bytes, batch, prompt_len, program):
-    config = eng.model_config
+    config = ModelRun(eng.model_config, eng.options)  # the true vocabulary, the run's MoE
     minimum = communication_model(
         config, eng.parallel_config, phase, batch=batch, prompt_len=prompt_len
     )

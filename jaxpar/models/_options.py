@@ -1,0 +1,229 @@
+"""How an engine runs a model: the execution options, apart from the architecture.
+
+A :class:`~jaxpar.models.ModelConfig` says what a checkpoint is (its ``config.json``) and
+never changes once built; :class:`ExecutionOptions` says how one engine runs it (attention
+kernels, layer storage, MoE exchange and capacity, weight quantization, compute dtype).
+Two engines over the same checkpoint may run it differently, so the two are kept apart,
+and an engine resolves its options' ``"auto"`` values once, for the platform of its mesh's
+devices (:meth:`ExecutionOptions.resolve`), not for whatever JAX's default backend is: a
+CPU host that drives accelerators (or lowers for them) picks their kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar.errors import ConfigError
+from jaxpar.models._config import ModelConfig, float_dtype
+from jaxpar.models._kv_quant import check_kv_cache_dtype
+from jaxpar.models._quant import check_quantize
+
+#: The legal values of each choice field. The attention cores are those of
+#: :mod:`jaxpar.models._attention_ops` (``PREFILL_IMPLS``, ``DECODE_IMPLS``) and
+#: :mod:`jaxpar.models._paged_attention`; the MoE exchanges those of
+#: :mod:`jaxpar.models._moe_exchange`.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "layer_loop": ("unrolled", "scan"),
+    "prefill_attention": ("auto", "xla", "cudnn", "pallas_tpu"),
+    "decode_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
+    "paged_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
+    "moe_dispatch": ("auto", "padded", "ragged"),
+}
+_ATTENTION = ("prefill_attention", "decode_attention", "paged_attention")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExecutionOptions:
+    """How an engine runs a model: frozen and hashable (it lives in NNX graphdefs).
+
+    Attributes:
+        prefill_attention: the prefill attention core. "auto": the platform's fused kernel
+            where one fits (GPU: cuDNN; TPU: splash) for half precision, XLA on CPU and in
+            float32; "xla", "cudnn", "pallas_tpu" by name.
+        decode_attention: the decode core over the contiguous cache. "auto": cuDNN on GPU
+            for half precision, XLA otherwise; "xla", "cudnn", "pallas_gpu", "pallas_tpu".
+        paged_attention: the decode core over the paged cache (the serving core). "auto":
+            ``decode_attention``'s choice when that is named, else the platform's paged
+            kernel (Pallas on GPU and on TPU in bfloat16, XLA otherwise).
+        layer_loop: "unrolled" (one parameter array per layer, a Python loop: no step
+            copies a weight out of a stack; compile time grows with depth) or "scan"
+            (stacked ``[L, ...]`` under ``lax.scan``: compile time flat in depth, but XLA
+            copies each layer's weights out of the stack every step). Pipelined engines
+            (``pp > 1``) always run "scan".
+        moe_dispatch: how MoE rows travel between expert peers: "padded" (all-to-all of
+            capacity-sized blocks, every backend), "ragged" (the routed rows alone, GPU/TPU,
+            dropless), "auto" (ragged where the mesh's backend compiles it and the MoE is
+            dropless).
+        moe_capacity_factor: None: dropless (every routed token is computed, as in
+            transformers). A factor cf: each device sends at most ceil(cf * tokens * top_k
+            / ep) rows to each expert peer; assignments past that are dropped (earlier
+            tokens first) and counted.
+        quantize: weight-only quantization of the attention and dense-FFN kernels (None,
+            "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding, LM head and
+            MoE experts stay in the parameter dtype.
+        kv_cache_dtype: the KV cache's storage: None (the compute dtype), "int8" or "fp8"
+            (e4m3), one float32 scale per token per kv head, quantized where K/V are written
+            and dequantized where attention reads them (:mod:`jaxpar.models._kv_quant`).
+            Kernels without scale inputs are refused.
+        dtype: compute and parameter dtype of this run; None: the checkpoint's
+            (``ModelConfig.dtype`` and ``param_dtype``). A checkpoint stored in bfloat16
+            runs in float32 on a CPU this way (``engine_from_hf`` and the CLI choose that
+            for CPU meshes) without its config saying anything but what it is.
+    """
+
+    prefill_attention: str = "auto"
+    decode_attention: str = "auto"
+    paged_attention: str = "auto"
+    layer_loop: str = "unrolled"
+    moe_dispatch: str = "auto"
+    moe_capacity_factor: float | None = None
+    quantize: str | None = None
+    kv_cache_dtype: str | None = None
+    dtype: Any = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", float_dtype("dtype", self.dtype))
+        for name, legal in CHOICES.items():
+            value = getattr(self, name)
+            if value not in legal:
+                raise ConfigError(
+                    f"ExecutionOptions.{name}={value!r} is not an implementation jaxpar has; "
+                    f"legal: {', '.join(map(repr, legal))}"
+                )
+        check_quantize(self.quantize)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        # The contiguous decode kernels (cuDNN, Pallas) read K/V as they lie and take no
+        # scales; "auto" runs XLA (or, paged on GPU, the Pallas kernel that takes them).
+        if self.kv_cache_dtype is not None and self.decode_attention not in ("auto", "xla"):
+            raise ConfigError(
+                f"ExecutionOptions.decode_attention={self.decode_attention!r} reads no KV cache "
+                f"scales (kv_cache_dtype={self.kv_cache_dtype!r}); legal: 'auto' (XLA, or the "
+                "Pallas GPU paged kernel with scales on GPU) or 'xla'"
+            )
+        if self.kv_cache_dtype is not None and self.paged_attention not in (
+            "auto",
+            "xla",
+            "pallas_gpu",
+        ):
+            raise ConfigError(
+                f"ExecutionOptions.paged_attention={self.paged_attention!r} reads no KV cache "
+                f"scales (kv_cache_dtype={self.kv_cache_dtype!r}); legal: 'auto', 'xla' or "
+                "'pallas_gpu'"
+            )
+        cf = self.moe_capacity_factor
+        if cf is not None and not cf > 0:
+            raise ConfigError(
+                f"ExecutionOptions.moe_capacity_factor must be None (dropless) or > 0, got {cf}"
+            )
+        if self.moe_dispatch == "ragged" and cf is not None:
+            raise ConfigError(
+                "ExecutionOptions: moe_dispatch='ragged' is dropless; with moe_capacity_factor="
+                f"{cf} use moe_dispatch='padded' (or 'auto')"
+            )
+
+    def check(self, model: ModelConfig) -> None:
+        """Refuses options this model cannot run (before anything is built).
+
+        Raises:
+            ConfigError: MoE options on a dense model; a named fused attention kernel on a
+                model that soft-caps its scores or adds attention sinks (no kernel does).
+        """
+        if not model.is_moe and (
+            self.moe_capacity_factor is not None or self.moe_dispatch != "auto"
+        ):
+            raise ConfigError(
+                f"ExecutionOptions: moe_capacity_factor={self.moe_capacity_factor}, "
+                f"moe_dispatch={self.moe_dispatch!r} need a mixture of experts; "
+                f"arch {model.arch!r} is dense (n_experts=0): leave them at None and 'auto'"
+            )
+        if model.attn_softcap is not None:
+            # The fused kernels (cuDNN, splash, Pallas decode) have no soft-capping: "auto"
+            # runs XLA for such a model; a kernel named explicitly would be silently wrong.
+            for name in _ATTENTION:
+                if getattr(self, name) not in ("auto", "xla"):
+                    raise ConfigError(
+                        f"ExecutionOptions.{name}={getattr(self, name)!r} cannot soft-cap "
+                        f"attention scores (the model's attn_softcap={model.attn_softcap}); "
+                        "legal: 'auto' or 'xla' (both run the XLA path)"
+                    )
+        if model.attn_sinks:
+            # No fused kernel (cuDNN, splash, Pallas decode) takes a sink logit: "auto" runs
+            # XLA for such a model; a kernel named explicitly would drop the sinks.
+            for name in _ATTENTION:
+                if getattr(self, name) not in ("auto", "xla"):
+                    raise ConfigError(
+                        f"ExecutionOptions.{name}={getattr(self, name)!r} cannot add attention "
+                        "sinks to the softmax (the model's attn_sinks=True); legal: 'auto' or "
+                        "'xla' (both run the XLA path)"
+                    )
+
+    def resolve(
+        self, model: ModelConfig, platform: str, *, ragged_compiles: bool = False
+    ) -> ExecutionOptions:
+        """These options with every ``"auto"`` replaced by what ``platform`` runs.
+
+        Args:
+            model: the model (its dtype and soft cap choose the kernels too).
+            platform: the platform of the mesh's devices (``mesh.devices.flat[0].platform``)
+                or the one an engine lowers for: ``"cpu"``, ``"gpu"``/``"cuda"``, ``"tpu"``.
+            ragged_compiles: whether that platform's XLA compiles ragged-all-to-all (the
+                engine probes it once per device kind).
+
+        Raises:
+            ConfigError: ``moe_dispatch="ragged"`` where it does not compile.
+        """
+        from jaxpar.models._attention_ops import attention_impls
+        from jaxpar.models._paged_attention import paged_attention_impl
+
+        self.check(model)
+        dtype = self.dtype if self.dtype is not None else model.dtype
+        prefill, decode = attention_impls(platform, dtype)
+        paged = paged_attention_impl(platform, dtype)
+        if model.attn_softcap is not None or model.attn_sinks:
+            prefill = decode = paged = "xla"  # no fused kernel soft-caps scores or adds sinks
+        if self.kv_cache_dtype is not None:  # only XLA and the Pallas GPU paged kernel scale
+            decode = "xla"
+            paged = paged if paged == "pallas_gpu" else "xla"
+        out: dict[str, Any] = {}
+        if self.prefill_attention == "auto":
+            out["prefill_attention"] = prefill
+        if self.decode_attention == "auto":
+            out["decode_attention"] = decode
+        if self.paged_attention == "auto":
+            named = self.decode_attention != "auto" and model.attn_softcap is None
+            named = named and (self.kv_cache_dtype is None or self.decode_attention == "xla")
+            out["paged_attention"] = self.decode_attention if named else paged
+        if self.moe_dispatch == "ragged" and not ragged_compiles:
+            raise ConfigError(
+                f"moe_dispatch='ragged': XLA:{platform} does not compile ragged-all-to-all; "
+                "use moe_dispatch='padded' or 'auto'"
+            )
+        if self.moe_dispatch == "auto" and model.is_moe:
+            ragged = self.moe_capacity_factor is None and ragged_compiles
+            out["moe_dispatch"] = "ragged" if ragged else "padded"
+        return dataclasses.replace(self, **out)
+
+    def merged(self, **given: Any) -> ExecutionOptions:
+        """These options with the keyword arguments that are not None set (the engine's and
+        loaders' older keywords, e.g. ``quantize=``); a keyword that contradicts an option
+        set here raises.
+
+        Raises:
+            ConfigError: a keyword and the option of the same name differ.
+        """
+        default = ExecutionOptions()
+        out = {}
+        for name, value in given.items():
+            if value is None:
+                continue
+            mine = getattr(self, name)
+            if name == "dtype":
+                value = float_dtype("dtype", value)
+            if mine != getattr(default, name) and mine != value:
+                raise ConfigError(
+                    f"{name}={value!r} contradicts options.{name}={mine!r}: give it once"
+                )
+            out[name] = value
+        return dataclasses.replace(self, **out) if out else self

@@ -1,0 +1,93 @@
+"""``ModelRun``: one model as one engine runs it (architecture + execution options).
+
+The model modules read sizes, norms and RoPE (the architecture) and kernels, layer form,
+MoE exchange and quantization (the run) off one object. Rather than a rewritten copy of
+the :class:`ModelConfig` (which would leave an engine holding several configs that all
+claim to be the model), this view pairs the untouched config with the options and
+answers each attribute from the one that owns it. Architecture fields reach the modules
+by name through the view, so a field added to ``ModelConfig`` needs no change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._moe_route import capacity_rows
+from jaxpar.models._options import ExecutionOptions
+
+_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(ExecutionOptions)) - {"dtype"}
+_OWN_FIELDS = ("config", "options", "padded_vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRun:
+    """A model config with the options it runs under: frozen and hashable (the model
+    modules keep it as static graphdef data).
+
+    Attributes:
+        config: the architecture, as the checkpoint says.
+        options: how it runs (resolved by an engine: no ``"auto"`` left; as given when
+            the model is built outside an engine, where ``"auto"`` kernels are chosen at
+            trace time for the sharding context's platform).
+        padded_vocab: the vocabulary rows the run holds (an engine pads the vocabulary to a
+            multiple of tp; see ``jaxpar.engine._vocab``); None: the config's.
+
+    ``vocab_size``, ``dtype`` and ``param_dtype`` are the run's; every other
+    ``ModelConfig`` attribute and every option is read through by name.
+    """
+
+    config: ModelConfig
+    options: ExecutionOptions = ExecutionOptions()
+    padded_vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.config, ModelRun):
+            raise TypeError("ModelRun(config=...) takes a ModelConfig, not a ModelRun")
+        self.options.check(self.config)
+
+    @classmethod
+    def of(cls, model: ModelConfig | ModelRun, options: ExecutionOptions | None = None) -> ModelRun:
+        """``model`` as a run: a :class:`ModelRun` as it is (with ``options`` in place of its
+        own when given), a :class:`ModelConfig` under ``options`` (default: the defaults)."""
+        if isinstance(model, ModelRun):
+            return model if options is None else dataclasses.replace(model, options=options)
+        return cls(model, options or ExecutionOptions())
+
+    def with_options(self, **changes: Any) -> ModelRun:
+        """The same model with some options changed."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size if self.padded_vocab is None else self.padded_vocab
+
+    @property
+    def dtype(self) -> Any:
+        """The compute dtype: the options' when set, else the checkpoint's."""
+        return self.config.dtype if self.options.dtype is None else self.options.dtype
+
+    @property
+    def param_dtype(self) -> Any:
+        """The parameter dtype: the options' ``dtype`` when set, else the checkpoint's."""
+        return self.config.param_dtype if self.options.dtype is None else self.options.dtype
+
+    def expert_capacity(self, tokens: int, peers: int = 1) -> int:
+        """Rows a device sends to each of ``peers`` expert peers, for ``tokens`` tokens.
+
+        Dropless (``moe_capacity_factor=None``): ``tokens * min(top_k, E / peers)``, what
+        one peer can receive at most (a token's top-k experts are distinct). A factor
+        ``cf``: ``ceil(cf * tokens * top_k / peers)``, capped at the dropless bound.
+        """
+        c = self.config
+        return capacity_rows(tokens, c.top_k, c.n_experts, peers, self.options.moe_capacity_factor)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the view does not define itself. Guarded so that copying
+        # or unpickling (which look attributes up before the fields exist) cannot recurse.
+        if name in _OWN_FIELDS or name.startswith("__"):
+            raise AttributeError(name)
+        if name in _OPTION_FIELDS:
+            return getattr(self.options, name)
+        return getattr(self.config, name)
