@@ -170,7 +170,7 @@ class FixtureSpec:
 
     @property
     def is_moe(self) -> bool:
-        return "num_local_experts" in self.config or "num_experts" in self.config
+        return any(k in self.config for k in ("num_local_experts", "num_experts", "n_routed_experts"))
 
 
 _COMMON = dict(
@@ -237,6 +237,51 @@ _QWEN3_MOE = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
+
+# DeepSeek-V3: multi-head latent attention (q and kv low-rank projections, decoupled RoPE dims
+# laid out interleaved, v_head_dim != qk head dim), the first layer dense, the others 8 routed
+# experts top-4 chosen group-limited (4 groups, best 2) by sigmoid scores plus a correction
+# bias, 2 shared experts, routed weights renormalised and scaled by 2.5.
+_DEEPSEEK_V3 = dict(
+    _COMMON,
+    num_hidden_layers=3,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=8,
+    num_key_value_heads=4,
+    n_shared_experts=2,
+    n_routed_experts=8,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    rope_interleave=True,
+    max_position_embeddings=256,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+# YaRN as DeepSeek-V3 ships it (factor 40, mscale = mscale_all_dim = 1 there), scaled down: with
+# original_max_position_embeddings 16 and factor 4 the rope dims' wavelengths straddle the
+# beta_fast/beta_slow ramp, and mscale_all_dim 1 multiplies the score scale by mscale^2.
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 # Gemma 2 / Gemma 3 (text): 4 layers so sliding and global layers both occur (twice for Gemma 2,
 # whose default alternation starts sliding; Gemma 3's [s, s, s, f] differs between the two
@@ -471,6 +516,33 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         },
     ),
     FixtureSpec(
+        name="deepseek_v3",
+        model_class="DeepseekV3ForCausalLM",
+        config_class="DeepseekV3Config",
+        config=dict(_DEEPSEEK_V3),
+        base_seed=13000,
+        extra={"randomise_buffers": ("e_score_correction_bias",)},
+        notes="MLA (q_lora 24, kv_lora 16, rope 8 interleaved, nope 8, v 12), 3 layers: layer 0 "
+        "dense, 1-2 8 experts top-4 in 4 groups (best 2), sigmoid + correction bias, 2 shared, "
+        "scaling 2.5; the Hub's per-expert tensors",
+        effects={
+            "correction_bias": {"_zero_buffers": ("e_score_correction_bias",)},
+            "group_limit": {"topk_group": 4},
+        },
+    ),
+    FixtureSpec(
+        name="deepseek_v3_yarn",
+        model_class="DeepseekV3ForCausalLM",
+        config_class="DeepseekV3Config",
+        config=dict(_DEEPSEEK_V3, rope_parameters=dict(_DEEPSEEK_YARN)),
+        base_seed=14000,
+        fused_experts=True,
+        extra={"randomise_buffers": ("e_score_correction_bias",)},
+        notes="deepseek_v3 with YaRN RoPE (factor 4 over 16 positions, mscale_all_dim 1), "
+        "fused expert tensors",
+        effects={"yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    FixtureSpec(
         name="gpt2",
         model_class="GPT2LMHeadModel",
         config_class="GPT2Config",
@@ -609,6 +681,20 @@ def _randomise_1d_params(model: torch.nn.Module, seed: int, scale: float) -> Non
                 p.copy_(1.0 + noise)
 
 
+def _randomise_buffers(
+    model: torch.nn.Module, seed: int, suffixes: tuple[str, ...], scale: float
+) -> None:
+    """Persistent buffers named ``*<suffix>`` (DeepSeek's ``e_score_correction_bias``, zeros
+    from transformers) become ``scale * N(0, 1)``, so that a loader dropping them is caught."""
+    gen = torch.Generator().manual_seed(seed + 104729)
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name in sorted(buffers):
+            if name.endswith(suffixes):
+                b = buffers[name]
+                b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float32) * scale)
+
+
 def build_model(spec: FixtureSpec, seed: int) -> torch.nn.Module:
     """A freshly initialised float32 model for `spec`, deterministic in `seed`."""
     torch.manual_seed(seed)
@@ -616,6 +702,7 @@ def build_model(spec: FixtureSpec, seed: int) -> torch.nn.Module:
     model_cls = getattr(transformers, spec.model_class)
     model = model_cls(config).to(torch.float32)
     _randomise_1d_params(model, seed, scale=config.initializer_range)
+    _randomise_buffers(model, seed, spec.extra.get("randomise_buffers", ()), config.initializer_range)
     model.eval()
     _use_eager(model)
     return model
@@ -955,10 +1042,16 @@ def config_effect(
 ) -> float:
     """Max |logit difference| over the prompts between ``model`` and the same weights with
     ``overrides`` in its config: a feature the fixture is meant to exercise must bind."""
+    overrides = dict(overrides)
+    zero = overrides.pop("_zero_buffers", ())
     other = getattr(transformers, spec.model_class)(
         getattr(transformers, spec.config_class)(**{**copy.deepcopy(spec.config), **overrides})
     ).to(torch.float32)
     other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, b in other.named_buffers():
+            if name.endswith(tuple(zero)):
+                b.zero_()
     other.eval()
     _use_eager(other)
     diff = 0.0

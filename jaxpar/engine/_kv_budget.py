@@ -73,7 +73,7 @@ def page_bytes_per_device(
     kv_axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
     local_heads = dims.n_kv_heads // math.prod(mesh.shape[a] for a in kv_axes)
     itemsize = np.dtype(dims.dtype).itemsize
-    return 2 * dims.n_layers * local_heads * page_size * dims.head_dim * itemsize
+    return dims.n_layers * local_heads * page_size * sum(dims.cache_kv_dims) * itemsize
 
 
 def free_device_bytes(devices) -> int | None:

@@ -111,14 +111,21 @@ class KVCache:
     def empty(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
         """A zero cache with all lengths 0 (compute dtype), in the config's storage form."""
         lengths_B = jnp.zeros((batch,), jnp.int32)
-        k, h = config.n_kv_heads, config.head_dim
+        k = config.n_kv_heads
+        # Keys and values may differ in width (MLA: the RoPE key and the latent).
+        hk, hv = config.cache_kv_dims
         if config.layer_loop == "scan":
-            zeros = jnp.zeros((config.n_layers, batch, max_seq_len, k, h), config.dtype)
-            return cls(k=zeros, v=zeros, lengths_B=lengths_B)
-        layers = tuple(
-            jnp.zeros((batch, k, max_seq_len, h), config.dtype) for _ in range(config.n_layers)
-        )
-        return cls(k=layers, v=layers, lengths_B=lengths_B)
+
+            def stacked(h: int) -> jax.Array:
+                return jnp.zeros((config.n_layers, batch, max_seq_len, k, h), config.dtype)
+
+            return cls(k=stacked(hk), v=stacked(hv), lengths_B=lengths_B)
+
+        def layers(h: int) -> tuple[jax.Array, ...]:
+            shape = (batch, k, max_seq_len, h)
+            return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.n_layers))
+
+        return cls(k=layers(hk), v=layers(hv), lengths_B=lengths_B)
 
     @classmethod
     def abstract(cls, config: ModelConfig, batch: int, max_seq_len: int) -> KVCache:
@@ -142,9 +149,13 @@ class KVCache:
         k_shapes = [x.shape for x in k] if per_layer else [k.shape]
         v_shapes = [x.shape for x in v] if isinstance(v, tuple | list) else [v.shape]
         want_rank = 4 if per_layer else 5
-        if k_shapes != v_shapes or any(len(s) != want_rank for s in k_shapes) or not k_shapes:
+        # Keys and values agree in every dim but their width (MLA's differ).
+        same = [a[:-1] for a in k_shapes] == [a[:-1] for a in v_shapes]
+        if not same or any(len(s) != want_rank for s in k_shapes) or not k_shapes:
             form = "per-layer [B, T, K, H]" if per_layer else "[L, B, T, K, H]"
-            raise ShapeError(f"prefill k {k_shapes} and v {v_shapes} must be equal {form} arrays")
+            raise ShapeError(
+                f"prefill k {k_shapes} and v {v_shapes} must be matching {form} arrays"
+            )
         b, t = k_shapes[0][-4], k_shapes[0][-3]
         if lengths_B.shape != (b,):
             raise ShapeError(f"lengths shape {lengths_B.shape} != (batch={b},)")

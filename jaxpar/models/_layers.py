@@ -120,10 +120,18 @@ class RMSNorm(nnx.Module):
     its dtype, as Llama's does.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, axis: str = "embed"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        axis: str | None = "embed",
+        size: int | None = None,
+    ):
         self.eps = config.norm_eps
         self.offset = config.norm_offset
-        size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
+        if size is None:  # ``size`` (with axis None): a vector no primitive splits (MLA's latents)
+            size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
         init = ZEROS if self.offset else ONES  # an identity scale either way
         self.scale = param(rngs, init, (size,), (axis,), config.param_dtype)
 
@@ -251,8 +259,9 @@ class FFN(nnx.Module):
     and splitting F over tp gives every device matching gate and up columns.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        d, f, pd = config.d_model, config.d_ff, config.param_dtype
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        # ``d_ff``: another width than ``config.d_ff`` (DeepSeek's dense layers, shared experts).
+        d, f, pd = config.d_model, d_ff or config.d_ff, config.param_dtype
         self.dtype = config.dtype
         self.act = config.activation
         gated, biased = config.gated_ffn, config.mlp_bias

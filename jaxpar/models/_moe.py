@@ -23,7 +23,7 @@ from flax import nnx
 from jaxpar.models import _moe_exchange as xchg
 from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, fan_in_normal, param
+from jaxpar.models._layers import BTD, FFN, ZEROS, fan_in_normal, param
 from jaxpar.models._moe_stats import record_dropped
 from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
 
@@ -56,14 +56,64 @@ def route_tokens(
     return weights_nk, experts_nk
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's group-limited routing settings (``moe_router="sigmoid_grouped"``)."""
+
+    groups: int
+    topk_groups: int
+    scale: float
+
+
+def route_grouped(
+    x_nD: jax.Array,
+    kernel_DE: jax.Array,
+    bias_E: jax.Array,
+    top_k: int,
+    normalize: bool,
+    grouped: GroupedRouting,
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's gate, all in float32: sigmoid scores; the correction bias added for the
+    choice only; experts in ``groups`` contiguous groups, each scored by the sum of its two
+    best biased scores; a token picks its top-k experts within its best ``topk_groups``
+    groups; the weights are the unbiased scores of those experts, renormalised (``normalize``)
+    and multiplied by ``scale`` (``routed_scaling_factor``).
+
+    Returns (weights [n, k] float32, expert ids [n, k] int32).
+    """
+    logits_nE = jnp.einsum(
+        "nD,DE->nE",
+        x_nD.astype(jnp.float32),
+        kernel_DE.astype(jnp.float32),
+        preferred_element_type=jnp.float32,
+    )
+    scores_nE = jax.nn.sigmoid(logits_nE)
+    choice_nE = scores_nE + bias_E.astype(jnp.float32)
+    n, e = choice_nE.shape
+    g = grouped.groups
+    best2_nG2, _ = jax.lax.top_k(choice_nE.reshape(n, g, e // g), 2)
+    group_nG = jnp.sum(best2_nG2, axis=-1)
+    _, groups_nk = _top_k(group_nG, grouped.topk_groups)
+    keep_nG = jnp.any(jax.nn.one_hot(groups_nk, g, dtype=jnp.bool_), axis=1)
+    keep_nE = jnp.repeat(keep_nG, e // g, axis=1)
+    _, experts_nk = _top_k(jnp.where(keep_nE, choice_nE, -jnp.inf), top_k)
+    weights_nk = jnp.take_along_axis(scores_nE, experts_nk, axis=-1)
+    if normalize:
+        weights_nk = weights_nk / (jnp.sum(weights_nk, axis=-1, keepdims=True) + 1e-20)
+    return weights_nk * jnp.float32(grouped.scale), experts_nk
+
+
 class Router(nnx.Module):
-    """Top-k gate (:func:`route_tokens`); its ``[D, E]`` kernel stays replicated: every
-    device routes its own tokens."""
+    """Top-k gate (:func:`route_tokens`, or :func:`route_grouped` with its correction bias
+    ``[E]``, kept in float32 as transformers does); its ``[D, E]`` kernel stays replicated:
+    every device routes its own tokens."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e = config.d_model, config.n_experts
         self.dtype, self.top_k, self.normalize = config.dtype, config.top_k, config.norm_topk_prob
         self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, config.param_dtype)
+        grouped = config.moe_router == "sigmoid_grouped"
+        self.bias = param(rngs, ZEROS, (e,), (None,), jnp.float32) if grouped else None
 
     def __call__(self, x_nD: jax.Array) -> tuple[jax.Array, jax.Array]:
         return route_tokens(x_nD.astype(self.dtype), self.kernel[...], self.top_k, self.normalize)
@@ -109,11 +159,17 @@ class _Local:
     expert_axes: tuple[str, ...]
     mlp_axes: tuple[str, ...]
     cpu: bool = False
+    grouped: GroupedRouting | None = None
 
-    def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD):
+    def __call__(self, x_btD, router_DE, bias_E, gate_EDF, up_EDF, down_EFD):
         b, t, d = x_btD.shape
         x_nD = x_btD.reshape(b * t, d).astype(self.dtype)
-        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k, self.normalize)
+        if self.grouped is None:
+            weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k, self.normalize)
+        else:
+            weights_nk, experts_nk = route_grouped(
+                x_nD, router_DE, bias_E, self.top_k, self.normalize, self.grouped
+            )
         peers = self.n_experts // gate_EDF.shape[0]
         cap = route.capacity_rows(b * t, self.top_k, self.n_experts, peers, self.capacity_factor)
         plan = route.send_plan(experts_nk, self.n_experts, peers, cap)
@@ -159,6 +215,9 @@ class MoE(nnx.Module):
         self.config = config
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
+        # DeepSeek's shared experts: a dense SwiGLU every token runs, added to the routed sum.
+        shared = config.shared_d_ff
+        self.shared = FFN(config, rngs=rngs, d_ff=shared) if shared else None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]; each device's tokens are one dispatch group.
@@ -179,22 +238,32 @@ class MoE(nnx.Module):
                 expert_axes=active_mesh_axes("experts", Module.MOE),
                 mlp_axes=active_mesh_axes("mlp", Module.MOE),
                 cpu=active_platform() == "cpu",
+                grouped=(
+                    GroupedRouting(c.moe_groups, c.moe_topk_groups, c.routed_scaling_factor)
+                    if c.moe_router == "sigmoid_grouped"
+                    else None
+                ),
             )
             run = logical_shard_map(
                 local,
-                (BTD, ROUTER_AXES, GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES),
+                (BTD, ROUTER_AXES, (None,), GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES),
                 (BTD, DROPPED_AXES),
                 Module.MOE,
                 multiple_outputs=True,
             )
             e = self.experts
+            bias = self.router.bias
             y_BTD, dropped = run(
                 x_BTD,
                 self.router.kernel[...],
+                jnp.zeros((c.n_experts,), jnp.float32) if bias is None else bias[...],
                 e.gate_kernel[...],
                 e.up_kernel[...],
                 e.down_kernel[...],
             )
             if c.moe_capacity_factor is not None:
                 record_dropped(dropped)
-            return constrain(y_BTD.astype(x_BTD.dtype), BTD, Module.MOE)
+            y_BTD = y_BTD.astype(x_BTD.dtype)
+            if self.shared is not None:
+                y_BTD = y_BTD + self.shared(x_BTD)
+            return constrain(y_BTD, BTD, Module.MOE)

@@ -99,9 +99,11 @@ class PagedKVCache:
         return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
 
     @classmethod
-    def empty_pool(cls, config: ModelConfig, pages: int, page_size: int) -> Any:
-        """A zero pool of ``pages`` pages per layer (compute dtype), in the config's form."""
-        shape = (config.n_kv_heads, pages, page_size, config.head_dim)
+    def empty_pool(cls, config: ModelConfig, pages: int, page_size: int, part: str = "k") -> Any:
+        """A zero pool of ``pages`` pages per layer (compute dtype), in the config's form:
+        of the keys (``part="k"``) or the values (``"v"``), whose widths may differ (MLA)."""
+        width = config.cache_kv_dims[0 if part == "k" else 1]
+        shape = (config.n_kv_heads, pages, page_size, width)
         if config.layer_loop == "scan":
             return jnp.zeros((config.n_layers, *shape), config.dtype)
         return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.n_layers))
@@ -109,8 +111,7 @@ class PagedKVCache:
     @staticmethod
     def pool_bytes(config: ModelConfig, pages: int, page_size: int) -> int:
         """Bytes of the keys and values of ``pages`` pages, every layer (all shards)."""
-        per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim
-        return per_token * pages * page_size * jnp.dtype(config.dtype).itemsize
+        return config.cache_bytes_per_token * pages * page_size
 
     def write_layer(
         self, layer: int | jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array
