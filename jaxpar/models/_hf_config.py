@@ -6,7 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models._config import ROPE_SCALINGS, ModelConfig, RopeScaling, rope_scaling_from_mapping
+from jaxpar.models._config import (
+    ROPE_SCALINGS,
+    ModelConfig,
+    RopeScaling,
+    YarnRopeScaling,
+    rope_scaling_from_mapping,
+)
 
 #: Hugging Face architecture class -> jaxpar arch.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -175,8 +181,7 @@ def _deepseek_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         qk_rope_head_dim=rope,
         v_head_dim=hf["v_head_dim"],
         rope_interleave=bool(hf.get("rope_interleave", True)),
-        # Scores over the expanded heads are scaled by (nope + rope)^-1/2.
-        attn_scale=float(nope + rope) ** -0.5,
+        attn_scale=_deepseek_score_scale(nope + rope, scaling),
         n_experts=experts,
         top_k=hf["num_experts_per_tok"],
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
@@ -188,6 +193,16 @@ def _deepseek_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         moe_topk_groups=int(hf.get("topk_group") or 1),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
     )
+
+
+def _deepseek_score_scale(qk_head_dim: int, scaling: RopeScaling | None) -> float:
+    """Scores over the expanded heads are scaled by ``qk_head_dim ** -0.5``; with YaRN and
+    ``mscale_all_dim`` DeepSeek multiplies that by ``mscale(factor, mscale_all_dim) ** 2``
+    (transformers' ``yarn_apply_mscale``), apart from the cos/sin attention factor."""
+    scale = float(qk_head_dim) ** -0.5
+    if isinstance(scaling, YarnRopeScaling) and scaling.mscale_all_dim:
+        scale *= YarnRopeScaling.mscale_of(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale
 
 
 def _default_head_dim(hf: Mapping[str, Any], arch: str) -> int:

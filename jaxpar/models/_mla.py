@@ -39,7 +39,7 @@ from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, RMSNorm, fan_in_normal, param
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
-from jaxpar.models._rope import apply_rope, rope_inv_freq
+from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxpar.spec import Module, constrain, logical_shard_map
 
 #: Absorbed queries and latent outputs [B, T, N, R or P]: heads split like any query.
@@ -127,7 +127,8 @@ class LatentAttention(nnx.Module):
     def _rope(self, x_BTXP: jax.Array, pos_BT: jax.Array) -> jax.Array:
         if self.interleave:
             x_BTXP = _deinterleave(x_BTXP)
-        return apply_rope(x_BTXP, pos_BT, rope_inv_freq(*self.rope))
+        scale = rope_attention_factor(self.rope[2])
+        return apply_rope(x_BTXP, pos_BT, rope_inv_freq(*self.rope), scale)
 
     def _project(self, x_BTD: jax.Array, pos_BT: jax.Array):
         """Absorbed queries ``q_lat [B,T,N,R]``, rotated ``q_pe [B,T,N,P]``, the new tokens'
