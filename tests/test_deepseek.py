@@ -1,0 +1,144 @@
+"""DeepSeek-V3 (multi-head latent attention, group-limited MoE) sharded and served equal
+transformers.
+
+The fixture (``scripts/make_hf_fixtures.py``: ``deepseek_v3``) has 3 layers: layer 0
+dense, layers 1-2 with 8 routed experts (top-4 within the best 2 of 4 groups, sigmoid
+scores and a random correction bias, both shown at build time to move the logits) plus 2
+shared experts. One-device equality with transformers (both fixtures, YaRN included) is
+``test_hf_fixtures.py``; here every strategy the family allows must give the same prefill
+logits (1e-4) and the same 16 greedy tokens through the paged serving core, the latent
+cache must keep no head axis (replicated over tp), and the continuous batcher (chunked
+prefill, prefix hits: prefill over cached latents; paged decode) must give each request
+the tokens of one whole-sequence prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import ParallelConfig
+from jaxpar.engine import ContinuousBatcher, InferenceEngine
+from jaxpar.engine._kv_budget import KVBudget
+from jaxpar.engine._load import engine_from_hf
+from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.models import load_hf_checkpoint
+from jaxpar.models._hf_config import config_from_hf
+from jaxpar.models._paged import PAGE_AXES
+from jaxpar.spec import Module, Phase, make_mesh, partition_spec
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
+
+
+def _reference():
+    ref = np.load(FIXTURE / "reference.npz")
+    prompts = [ref[f"tokens_{i}"].tolist() for i in range(int(ref["n_prompts"]))]
+    return ref, prompts
+
+
+def _hf_config() -> dict:
+    return json.loads((FIXTURE / "config.json").read_text())
+
+
+def test_config_mapping():
+    """config.json's MLA and MoE fields land where the model reads them; the cache keeps
+    the latent and the RoPE key per token and layer, no heads."""
+    c = config_from_hf(_hf_config(), source="config.json")
+    assert (c.n_kv_heads, c.head_dim, c.cache_kv_dims) == (1, 16 + 8, (8, 16))
+    assert c.cache_bytes_per_token == 3 * (16 + 8) * 4  # layers x (latent + rope) x f32
+    assert (c.first_dense_layers, c.dense_d_ff, c.shared_d_ff, c.d_ff) == (1, 48, 16, 8)
+    assert (c.moe_router, c.moe_groups, c.moe_topk_groups) == ("sigmoid_grouped", 4, 2)
+    assert c.routed_scaling_factor == 2.5 and c.rope_interleave
+    assert c.attn_scale == pytest.approx((8 + 8) ** -0.5)
+    assert [c.layer_is_moe(i) for i in range(3)] == [False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "names"),
+    [
+        ("attention_bias", True, "attention_bias"),
+        ("topk_method", "greedy", "topk_method"),
+        ("first_k_dense_replace", 3, "first_k_dense_replace"),
+        ("n_group", 3, "moe_groups"),
+    ],
+)
+def test_unsupported_settings_refused(key, value, names):
+    with pytest.raises(CheckpointError, match=names):
+        config_from_hf({**_hf_config(), key: value}, source="config.json")
+
+
+def test_stacked_layers_refused_naming_the_reason():
+    """Dense and MoE layers cannot stack (scan, pipeline stages): refused before compile."""
+    with pytest.raises(CheckpointError, match="first_dense_layers=1.*layer_loop='unrolled'"):
+        config_from_hf(_hf_config(), source="config.json", layer_loop="scan")
+    c = config_from_hf(_hf_config(), source="config.json")
+    with pytest.raises(ConfigError, match="pp=1"):
+        InferenceEngine(c, None, ParallelConfig(pp=2), max_batch=2, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        # Heads over tp, the latent cache replicated (it has no head axis); dp splits rows.
+        ParallelConfig(dp=2, tp=4),
+        # Prefill tokens over sp: each shard's queries read the gathered latent.
+        ParallelConfig(sp=2, tp=2),
+        # Routed experts over ep (group-limited routing per token on its device), the
+        # shared experts and the dense layer tensor-parallel.
+        ParallelConfig(ep=4, tp=2),
+    ],
+    ids=str,
+)
+def test_sharded_matches_transformers(parallel):
+    ref, prompts = _reference()
+    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    eng = engine_from_hf(FIXTURE, parallel, max_batch=4, max_seq_len=32, mesh=mesh)
+    # The latent pool is split by pages (rows) only, never by tp: no head axis to split.
+    spec = partition_spec(
+        PAGE_AXES, Module.ATTENTION, Phase.DECODE, parallel, dims=eng.model_config
+    )
+    assert spec[0] is None and "tp" not in jax.tree.leaves(tuple(spec))
+    tokens, lengths = eng.pad_prompts(prompts)
+    logits = np.asarray(eng.prefill_logits(tokens, lengths))
+    for i, prompt in enumerate(prompts):
+        np.testing.assert_allclose(
+            logits[i, : len(prompt)], ref[f"logits_{i}"], atol=1e-4, rtol=0, err_msg=f"row {i}"
+        )
+    gen = eng.generate(prompts, 16, stop_tokens=())  # the fixture ran with EOS disabled
+    assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
+
+
+def test_served_over_pages_equals_prefill_argmax():
+    """Chunked prefill and prefix hits (attention over cached latents) and paged decode
+    under the continuous batcher, tp=2: each request's greedy tokens are the argmaxes of
+    one whole-sequence prefill (the path checked against transformers)."""
+    config, params = load_hf_checkpoint(FIXTURE)
+    parallel = ParallelConfig(tp=2)
+    engine = InferenceEngine(
+        config,
+        params,
+        parallel,
+        max_batch=4,
+        max_seq_len=40,
+        mesh=make_mesh(parallel, jax.devices()[:2]),
+    )
+    budget = KVBudget(page_size=4, tokens=160)
+    batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, config.vocab_size, 9).tolist()
+    prompts = [system + rng.integers(3, config.vocab_size, n).tolist() for n in (2, 13, 6)]
+    with batcher:
+        got = [batcher.submit(prompt=prompts[0], max_tokens=8).result(timeout=120)]
+        streams = [batcher.submit(prompt=p, max_tokens=8) for p in prompts[1:]]
+        got += [s.result(timeout=120) for s in streams]
+    assert batcher.stats.prompt_tokens_cached > 0  # later prompts continued cached pages
+    assert batcher.stats.prefill_chunks >= 1  # the 22-token prompt came in chunks
+    padded, lengths = engine.pad_prompts([p + t[:-1] for p, t in zip(prompts, got, strict=True)])
+    logits = np.asarray(engine.prefill_logits(padded, lengths))
+    for row, (prompt, tokens) in enumerate(zip(prompts, got, strict=True)):
+        start = len(prompt) - 1
+        assert logits[row, start : start + len(tokens)].argmax(-1).tolist() == tokens
