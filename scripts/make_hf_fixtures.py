@@ -535,7 +535,7 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         model_class="DeepseekV3ForCausalLM",
         config_class="DeepseekV3Config",
         config=dict(_DEEPSEEK_V3, rope_parameters=dict(_DEEPSEEK_YARN)),
-        base_seed=14000,
+        base_seed=14200,
         fused_experts=True,
         extra={"randomise_buffers": ("e_score_correction_bias",)},
         notes="deepseek_v3 with YaRN RoPE (factor 4 over 16 positions, mscale_all_dim 1), "
