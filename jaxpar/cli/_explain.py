@@ -133,28 +133,39 @@ def tensor_rows(
     """
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
     size = c.dtype.itemsize
+    # What the cache keeps per token and kv head: K and V of head_dim each, or (MLA) the
+    # shared RoPE key and the compressed latent, one "head" (no head axis to split).
+    parts = (
+        [("K and V each", c.head_dim)]
+        if not c.is_mla
+        else [("MLA RoPE key", c.cache_kv_dims[0]), ("MLA latent", c.cache_kv_dims[1])]
+    )
     if phase is Phase.PREFILL or parallel.pp > 1:
         cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
         table = [
             (
-                "KV cache (K and V each)",
+                f"KV cache ({what})",
                 Module.ATTENTION,
                 KVCache.KV_AXES,
-                (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim),
+                (c.n_layers, batch, cache_len, c.n_kv_heads, width),
                 size,
             )
+            for what, width in parts
         ]
     else:
         shards = batch_shards(parallel, c)
         pages = shards * pages_per_shard(kv_cache_tokens or batch * max_seq_len, page_size, shards)
         table = [
             (
-                f"KV page pool (K and V each; {pages} pages incl. {shards} scratch)",
+                f"KV page pool ({what}; {pages} pages incl. {shards} scratch)",
                 Module.ATTENTION,
                 STACKED_PAGE_AXES,
-                (c.n_layers, c.n_kv_heads, pages, page_size, c.head_dim),
+                (c.n_layers, c.n_kv_heads, pages, page_size, width),
                 size,
-            ),
+            )
+            for what, width in parts
+        ]
+        table += [
             (
                 "block tables (page ids per row)",
                 Module.ATTENTION,
@@ -169,15 +180,16 @@ def tensor_rows(
         ("queries", Module.ATTENTION, Q_AXES, (batch, t, c.n_heads, c.head_dim), size),
     ]
     if phase is Phase.PREFILL:
-        table.append(
+        table += [
             (
-                "K/V for scores",
+                "K/V for scores" if not c.is_mla else f"{what} for scores",
                 Module.ATTENTION,
                 KV_SCORE_AXES,
-                (batch, t, c.n_kv_heads, c.head_dim),
+                (batch, t, c.n_kv_heads, width),
                 size,
             )
-        )
+            for what, width in parts
+        ]
     if not c.is_moe:
         table.append(("FFN hidden", Module.FFN, ("batch", "seq", "mlp"), (batch, t, c.d_ff), size))
     table.append(

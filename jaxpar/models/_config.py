@@ -440,6 +440,9 @@ class ModelConfig:
                 f"kv_lora_rank + qk_rope_head_dim = {width}; got n_kv_heads={self.n_kv_heads}, "
                 f"head_dim={self.head_dim}"
             )
+        self._check_mla_options()
+
+    def _check_mla_options(self) -> None:
         if self.positional != "rope" or self.qk_rope_head_dim % 2:
             raise ConfigError("MLA needs positional='rope' and an even qk_rope_head_dim")
         if self.qkv_bias or self.out_bias or self.qk_norm or self.sliding_window is not None:
@@ -552,6 +555,9 @@ class ModelConfig:
             )
         if self.shared_d_ff < 0 or self.dense_d_ff < 0:
             raise ConfigError("shared_d_ff and dense_d_ff must be >= 0")
+        self._check_moe_router()
+
+    def _check_moe_router(self) -> None:
         g, tg = self.moe_groups, self.moe_topk_groups
         if self.moe_router == "softmax":
             if (g, tg, self.routed_scaling_factor) != (1, 1, 1.0):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from jaxpar.models import ModelConfig
 from jaxpar.plan._enumerate import Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
@@ -22,11 +20,10 @@ MAX_BATCH_GROWTH = 64
 
 def kv_transfer_bytes(model: ModelConfig, workload: Workload) -> int:
     """What one prefilled batch sends to the decode group: K and V of every layer
-    ``[B, T, K, H]``, and each row's prompt length and first token (int32); ``B`` is the
-    prefill batch when serving."""
+    ``[B, T, K, H]`` (MLA: its latent and RoPE key, no heads), and each row's prompt length
+    and first token (int32); ``B`` is the prefill batch when serving."""
     b, t = workload.prefill_rows, workload.prompt_len
-    kv = 2 * model.n_layers * b * t * model.n_kv_heads * model.head_dim
-    return kv * np.dtype(model.dtype).itemsize + 2 * b * 4
+    return b * t * model.cache_bytes_per_token + 2 * b * 4
 
 
 def _best_group(
