@@ -170,7 +170,9 @@ class FixtureSpec:
 
     @property
     def is_moe(self) -> bool:
-        return any(k in self.config for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+        return any(
+            k in self.config for k in ("num_local_experts", "num_experts", "n_routed_experts")
+        )
 
 
 _COMMON = dict(
@@ -702,7 +704,9 @@ def build_model(spec: FixtureSpec, seed: int) -> torch.nn.Module:
     model_cls = getattr(transformers, spec.model_class)
     model = model_cls(config).to(torch.float32)
     _randomise_1d_params(model, seed, scale=config.initializer_range)
-    _randomise_buffers(model, seed, spec.extra.get("randomise_buffers", ()), config.initializer_range)
+    _randomise_buffers(
+        model, seed, spec.extra.get("randomise_buffers", ()), config.initializer_range
+    )
     model.eval()
     _use_eager(model)
     return model
