@@ -15,6 +15,7 @@ the tokens of one whole-sequence prefill.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -25,11 +26,21 @@ from jaxpar import ParallelConfig
 from jaxpar.engine import ContinuousBatcher, InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._load import engine_from_hf
-from jaxpar.errors import CheckpointError, ConfigError
+from jaxpar.errors import CheckpointError, ConfigError, IllegalStrategyError, SpecFileError
 from jaxpar.models import load_hf_checkpoint
 from jaxpar.models._hf_config import config_from_hf
 from jaxpar.models._paged import PAGE_AXES
-from jaxpar.spec import Module, Phase, make_mesh, partition_spec
+from jaxpar.spec import (
+    Module,
+    Phase,
+    load_spec_table,
+    make_mesh,
+    mesh_axes,
+    partition_spec,
+    spec_table,
+    validate,
+)
+from jaxpar.spec._tables import default_spec_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
 
@@ -142,3 +153,32 @@ def test_served_over_pages_equals_prefill_argmax():
     for row, (prompt, tokens) in enumerate(zip(prompts, got, strict=True)):
         start = len(prompt) - 1
         assert logits[row, start : start + len(tokens)].argmax(-1).tolist() == tokens
+
+
+def test_spec_rows_for_mla(tmp_path):
+    """The tables' [variant.mla] rows replace attention's for an MLA model: tp splits the
+    query heads alone (never kv_heads: the latent has none), the validator's plan and
+    explain show those rows; a variant missing a primitive's row is refused on load."""
+    c = config_from_hf(_hf_config(), source="config.json")
+    table = spec_table()
+    mla = table.for_model(c)
+    assert mla.entry("attention", "tp").splits == ("heads",)
+    assert "kv_heads" not in mla.entry("attention", "tp").may_split
+    assert table.entry("attention", "tp").splits == ("heads", "kv_heads")  # others unchanged
+    for phase in Phase:
+        axes = mesh_axes(Module.ATTENTION, phase, ParallelConfig(tp=2), dims=c)
+        assert (axes["heads"], axes["kv_heads"]) == (("tp",), ())
+    plan = validate(c, ParallelConfig(ep=2, tp=2))
+    rows = {(a.module.value, a.primitive.value): a.row for a in plan.for_phase("decode")}
+    assert rows["attention", "tp"] == mla.entry("attention", "tp").row
+    assert "latent replicated" in rows["attention", "tp"]
+    assert ("ffn", "tp") in rows  # the dense first layer and the shared experts
+    with pytest.raises(IllegalStrategyError, match="heads=4 does not divide over tp=8"):
+        validate(c, ParallelConfig(tp=8))
+    specs = tmp_path / "specs"
+    shutil.copytree(default_spec_dir(), specs)
+    text = (specs / "attention.toml").read_text()
+    start = text.index("[variant.mla.ep]")
+    (specs / "attention.toml").write_text(text[:start])
+    with pytest.raises(SpecFileError, match=r"missing row \[variant.mla.ep\]"):
+        load_spec_table(specs)

@@ -470,6 +470,12 @@ class ModelConfig:
         return self.kv_lora_rank is not None
 
     @property
+    def attention_variant(self) -> str | None:
+        """The attention variant whose rows of the spec tables apply (``"mla"``), or None
+        for the module's own rows (read by :meth:`jaxpar.spec.SpecTable.for_model`)."""
+        return "mla" if self.is_mla else None
+
+    @property
     def cache_kv_dims(self) -> tuple[int, int]:
         """Widths of what the cache keeps per token and kv head, (keys, values).
 
