@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from jaxpar import ParallelConfig
+from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._load import engine_from_hf
@@ -30,6 +31,7 @@ from jaxpar.errors import CheckpointError, ConfigError, IllegalStrategyError, Sp
 from jaxpar.models import load_hf_checkpoint
 from jaxpar.models._hf_config import config_from_hf
 from jaxpar.models._paged import PAGE_AXES
+from jaxpar.plan._enumerate import Workload, check
 from jaxpar.spec import (
     Module,
     Phase,
@@ -182,3 +184,26 @@ def test_spec_rows_for_mla(tmp_path):
     (specs / "attention.toml").write_text(text[:start])
     with pytest.raises(SpecFileError, match=r"missing row \[variant.mla.ep\]"):
         load_spec_table(specs)
+
+
+def test_plan_and_explain(capsys):
+    """The fixture planned on 6 devices (pp=3 is legal by the tables and the layer count,
+    but no pipelined plan is offered: its layers do not stack);
+    DeepSeek-V3's published shapes (config.json only) explained without compiling: its
+    cache is the latent (512) and RoPE key (64) per token and layer, one "head", split over
+    the decode batch shards only."""
+    c = config_from_hf(_hf_config(), source="config.json")
+    refused = check(c, ParallelConfig(pp=3, tp=2), Workload(batch=8, prompt_len=16, gen_len=8))
+    assert refused is not None and "pp=3 runs the layers stacked" in refused.reason
+    args = ["plan", "--hf", str(FIXTURE), "--devices", "6", "--hardware", "h100", "--json"]
+    assert main([*args, "--batch", "6", "--prompt-len", "12", "--gen-len", "8"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plans"] and all("pp" not in p["strategy"] for p in plan["plans"])
+    shapes = str(FIXTURE.parent.parent / "configs" / "deepseek-v3")
+    assert main(["explain", "--hf", shapes, "--ep", "8", "--no-compile", "--json"]) == 0
+    tensors = json.loads(capsys.readouterr().out)["phases"]["decode"]["tensors"]
+    pools = {t["tensor"].split(";")[0]: t for t in tensors if "page pool" in t["tensor"]}
+    rope, latent = pools["KV page pool (MLA RoPE key"], pools["KV page pool (MLA latent"]
+    assert (rope["shape"][:2], rope["shape"][-1]) == ([61, 1], 64)
+    assert (latent["shape"][:2], latent["shape"][-1]) == ([61, 1], 512)
+    assert latent["spec"] == "P(None, None, ep, None, None)"

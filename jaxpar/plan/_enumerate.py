@@ -111,12 +111,30 @@ def check(model: ModelDims, config: ParallelConfig, workload: Workload) -> Refus
         first = e.violations[0] if e.violations else None
         rule = first.rule if first else "illegal"
         return Refused(config, rule, first.message if first else str(e))
+    if config.pp > 1 and (why := _unstackable(model)) is not None:
+        return Refused(config, "model", f"pp={config.pp} runs the layers stacked: {why}")
     if workload.prompt_len % config.sp:
         return Refused(
             config,
             "sp-prefill-tokens",
             f"prompt_len {workload.prompt_len} does not divide into sp={config.sp} token shards",
         )
+    return None
+
+
+def _unstackable(model: ModelDims) -> str | None:
+    """Why a jaxpar model cannot run stacked layers (pipeline stages), or None: DeepSeek's
+    dense and MoE layers differ, MLA's caches are per layer (``ModelConfig`` refuses
+    ``layer_loop="scan"`` with the reason)."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.models import ModelConfig
+
+    if not isinstance(model, ModelConfig) or model.layer_loop == "scan":
+        return None
+    try:
+        dataclasses.replace(model, layer_loop="scan")
+    except ConfigError as e:
+        return str(e)
     return None
 
 
