@@ -58,9 +58,17 @@ gemma2             Gemma2ForCausalLM    4 layers: window 4 on 0, 2, global 1, 3;
 gemma3_text        Gemma3ForCausalLM    4 layers: window 4 on 0-2, global 3; q/k norms; RoPE base
                                         100 (sliding), 1e4 linear x2 (global); scalar 24, head_dim 12
 gpt2               GPT2LMHeadModel      n_positions 64, tied, Conv1D weights stored [in, out]
+deepseek_v3        DeepseekV3ForCausalLM  3 layers: MLA (q_lora 24, kv_lora 16, rope 8 interleaved,
+                                        nope 8, v 12); layer 0 dense, 1-2 8 experts top-4 in 4
+                                        groups (best 2), sigmoid + random correction bias, 2
+                                        shared, x2.5; the Hub's per-expert tensors
+deepseek_v3_yarn   DeepseekV3ForCausalLM  deepseek_v3 with YaRN (x4 over 16 positions,
+                                        mscale_all_dim 1); fused expert tensors
 =================  ===================  ==========================================================
 
-The Gemma fixtures have 4 layers (the others 2) and record in reference.json how much each
+The DeepSeek fixtures have 3 layers, the Gemma fixtures 4 (the others 2); DeepSeek's
+``e_score_correction_bias`` buffers (zeros from transformers) are randomised like the 1-D
+parameters. The Gemma and DeepSeek fixtures record in reference.json how much each
 feature they exercise moves the logits (soft caps, window, RoPE bases: "effects"), asserted
 above 1e-2 at build time.
 

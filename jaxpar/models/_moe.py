@@ -263,7 +263,9 @@ class MoE(nnx.Module):
             )
             if c.moe_capacity_factor is not None:
                 record_dropped(dropped)
-            y_BTD = y_BTD.astype(x_BTD.dtype)
-            if self.shared is not None:
-                y_BTD = y_BTD + self.shared(x_BTD)
-            return constrain(y_BTD, BTD, Module.MOE)
+            y_BTD = constrain(y_BTD.astype(x_BTD.dtype), BTD, Module.MOE)
+        if self.shared is None:
+            return y_BTD
+        # Outside the MoE scope: the shared experts are an FFN block (its own tp row and
+        # all-reduce, which the inspection counts as the FFN's).
+        return y_BTD + self.shared(x_BTD)
