@@ -59,9 +59,9 @@ gemma3_text        Gemma3ForCausalLM    4 layers: window 4 on 0-2, global 3; q/k
                                         100 (sliding), 1e4 linear x2 (global); scalar 24, head_dim 12
 gpt2               GPT2LMHeadModel      n_positions 64, tied, Conv1D weights stored [in, out]
 deepseek_v3        DeepseekV3ForCausalLM  3 layers: MLA (q_lora 24, kv_lora 16, rope 8 interleaved,
-                                        nope 8, v 12); layer 0 dense, 1-2 8 experts top-4 in 4
-                                        groups (best 2), sigmoid + random correction bias, 2
-                                        shared, x2.5; the Hub's per-expert tensors
+                                        nope 8, v 12); layer 0 dense, 1-2 16 experts top-4 in 4
+                                        groups of 4 (best 2), sigmoid + random correction bias,
+                                        2 shared, x2.5; the Hub's per-expert tensors
 deepseek_v3_yarn   DeepseekV3ForCausalLM  deepseek_v3 with YaRN (x4 over 16 positions,
                                         mscale_all_dim 1); fused expert tensors
 =================  ===================  ==========================================================
@@ -249,9 +249,10 @@ _QWEN3_MOE = dict(
 )
 
 # DeepSeek-V3: multi-head latent attention (q and kv low-rank projections, decoupled RoPE dims
-# laid out interleaved, v_head_dim != qk head dim), the first layer dense, the others 8 routed
-# experts top-4 chosen group-limited (4 groups, best 2) by sigmoid scores plus a correction
-# bias, 2 shared experts, routed weights renormalised and scaled by 2.5.
+# laid out interleaved, v_head_dim != qk head dim), the first layer dense, the others 16 routed
+# experts top-4 chosen group-limited (4 groups of 4, best 2: 8 candidates, so both the group
+# choice and the choice within the groups bind) by sigmoid scores plus a correction bias, 2
+# shared experts, routed weights renormalised and scaled by 2.5.
 _DEEPSEEK_V3 = dict(
     _COMMON,
     num_hidden_layers=3,
@@ -261,7 +262,7 @@ _DEEPSEEK_V3 = dict(
     moe_intermediate_size=8,
     num_key_value_heads=4,
     n_shared_experts=2,
-    n_routed_experts=8,
+    n_routed_experts=16,
     num_experts_per_tok=4,
     n_group=4,
     topk_group=2,
@@ -533,8 +534,8 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         base_seed=13000,
         extra={"randomise_buffers": ("e_score_correction_bias",)},
         notes="MLA (q_lora 24, kv_lora 16, rope 8 interleaved, nope 8, v 12), 3 layers: layer 0 "
-        "dense, 1-2 8 experts top-4 in 4 groups (best 2), sigmoid + correction bias, 2 shared, "
-        "scaling 2.5; the Hub's per-expert tensors",
+        "dense, 1-2 16 experts top-4 in 4 groups of 4 (best 2), sigmoid + correction bias, 2 "
+        "shared, scaling 2.5; the Hub's per-expert tensors",
         effects={
             "correction_bias": {"_zero_buffers": ("e_score_correction_bias",)},
             "group_limit": {"topk_group": 4},
@@ -545,7 +546,7 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         model_class="DeepseekV3ForCausalLM",
         config_class="DeepseekV3Config",
         config=dict(_DEEPSEEK_V3, rope_parameters=dict(_DEEPSEEK_YARN)),
-        base_seed=14200,
+        base_seed=14000,
         fused_experts=True,
         extra={"randomise_buffers": ("e_score_correction_bias",)},
         notes="deepseek_v3 with YaRN RoPE (factor 4 over 16 positions, mscale_all_dim 1), "
@@ -764,6 +765,40 @@ def _router_gap(router_logits: Any, top_k: int) -> float:
     return min(gaps)
 
 
+def _grouped_margins(model: torch.nn.Module) -> list[float] | None:
+    """DeepSeek's group-limited routing: hooks on every router recording, per call, the
+    smallest margin of each choice it makes on the biased scores (the topk_group-th vs the
+    next group score, the top_k-th vs the next expert within the chosen groups). The router
+    logits alone (:func:`_router_gap`) miss near ties the correction bias creates. None for
+    other models."""
+    if not getattr(model.config, "n_group", None):
+        return None
+    margins: list[float] = []
+
+    def hook(gate: torch.nn.Module, inputs: tuple, _out: Any) -> None:
+        x = inputs[0].reshape(-1, gate.hidden_dim).float()
+        scores = torch.nn.functional.linear(x, gate.weight.float()).sigmoid()
+        choice = scores + gate.e_score_correction_bias
+        per_group = gate.num_experts // gate.num_group
+        groups = choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        ranked = groups.sort(dim=-1, descending=True).values
+        if gate.topk_group < gate.num_group:
+            margins.append(
+                float((ranked[:, gate.topk_group - 1] - ranked[:, gate.topk_group]).min())
+            )
+        chosen = torch.zeros_like(groups).scatter_(1, groups.topk(gate.topk_group, -1)[1], 1)
+        keep = chosen.bool().unsqueeze(-1).expand(-1, -1, per_group).reshape(choice.shape)
+        within = choice.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True).values
+        if gate.top_k < gate.topk_group * per_group:
+            margins.append(float((within[:, gate.top_k - 1] - within[:, gate.top_k]).min()))
+
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.register_forward_hook(hook)
+    return margins
+
+
 @torch.no_grad()
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, moe: bool, **kwargs: Any) -> Any:
     if moe:
@@ -779,6 +814,7 @@ def compute_reference(model: torch.nn.Module, prompts: list[np.ndarray]) -> Refe
     GREEDY_TOKENS tokens come out.
     """
     moe = bool(getattr(model.config, "num_local_experts", None))
+    grouped = _grouped_margins(model)
     top_k = getattr(model.config, "num_experts_per_tok", 0)
     arrays: dict[str, np.ndarray] = {"n_prompts": np.asarray(len(prompts), dtype=np.int32)}
     min_gap = math.inf
@@ -813,6 +849,8 @@ def compute_reference(model: torch.nn.Module, prompts: list[np.ndarray]) -> Refe
         arrays[f"greedy_{i}"] = np.asarray(greedy, dtype=np.int32)
         arrays[f"greedy_logits_{i}"] = torch.stack(step_logits).numpy().astype(np.float32)
 
+    if grouped:  # the biased group and expert choices, not the raw logits
+        min_router_gap = min(grouped)
     return Reference(arrays=arrays, min_gap=min_gap, min_router_gap=min_router_gap)
 
 

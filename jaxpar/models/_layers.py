@@ -127,8 +127,9 @@ class RMSNorm(nnx.Module):
         rngs: nnx.Rngs,
         axis: str | None = "embed",
         size: int | None = None,
+        eps: float | None = None,
     ):
-        self.eps = config.norm_eps
+        self.eps = config.norm_eps if eps is None else eps
         self.offset = config.norm_offset
         if size is None:  # ``size`` (with axis None): a vector no primitive splits (MLA's latents)
             size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]

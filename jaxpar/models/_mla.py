@@ -42,6 +42,10 @@ from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxpar.spec import Module, constrain, logical_shard_map
 
+#: The latents' RMS norms (``q_a_layernorm``, ``kv_a_layernorm``) use 1e-6 whatever
+#: ``rms_norm_eps`` says: DeepSeek's reference code and transformers build them with the
+#: norm's default epsilon (``rms_norm_eps`` applies to the residual-stream norms only).
+LATENT_NORM_EPS = 1e-6
 #: Absorbed queries and latent outputs [B, T, N, R or P]: heads split like any query.
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
 
@@ -110,11 +114,11 @@ class LatentAttention(nnx.Module):
         else:
             rq = c.q_lora_rank
             self.q_a_kernel = param(rngs, fan_in_normal(d), (d, rq), ("embed", None), pd)
-            self.q_a_norm = RMSNorm(c, rngs=rngs, axis=None, size=rq)
+            self.q_a_norm = RMSNorm(c, rngs=rngs, axis=None, size=rq, eps=LATENT_NORM_EPS)
             self.q_kernel = param(rngs, fan_in_normal(rq), (rq, n, qk), q_axes, pd)
         r, p = c.kv_lora_rank, c.qk_rope_head_dim
         self.kv_a_kernel = param(rngs, fan_in_normal(d), (d, r + p), ("embed", None), pd)
-        self.kv_a_norm = RMSNorm(c, rngs=rngs, axis=None, size=r)
+        self.kv_a_norm = RMSNorm(c, rngs=rngs, axis=None, size=r, eps=LATENT_NORM_EPS)
         kv_b = (r, n, c.qk_nope_head_dim + c.v_head_dim)
         self.kv_b_kernel = param(rngs, fan_in_normal(r), kv_b, q_axes, pd)
         self.o_kernel = param(
