@@ -98,11 +98,11 @@ def test_stacked_layers_refused_naming_the_reason():
     [
         # Heads over tp, the latent cache replicated (it has no head axis); dp splits rows.
         ParallelConfig(dp=2, tp=4),
-        # Prefill tokens over sp: each shard's queries read the gathered latent.
-        ParallelConfig(sp=2, tp=2),
-        # Routed experts over ep (group-limited routing per token on its device), the
-        # shared experts and the dense layer tensor-parallel.
-        ParallelConfig(ep=4, tp=2),
+        # Prefill tokens over sp (each shard's queries read the gathered latent; sp carries
+        # rows in decode); routed experts over ep (group-limited routing per token on its
+        # device); heads, the shared experts and the dense layer over tp. One engine for
+        # sp·tp and ep·tp: each compile costs ~15-40 s on a loaded 2-core machine.
+        ParallelConfig(sp=2, ep=2, tp=2),
     ],
     ids=str,
 )
