@@ -40,7 +40,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, RMSNorm, fan_in_normal, param
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
-from jaxpar.spec import Module, constrain, logical_shard_map
+from jaxpar.spec import Module, active_platform, constrain, logical_shard_map
 
 #: The latents' RMS norms (``q_a_layernorm``, ``kv_a_layernorm``) use 1e-6 whatever
 #: ``rms_norm_eps`` says: DeepSeek's reference code and transformers build them with the
@@ -62,13 +62,20 @@ def latent_attend(q_lat_BTNR, q_pe_BTNP, c_BSR, kpe_BSP, mask_BTS, scale):
     """Softmax attention of absorbed queries over latent keys; returns ``[B, T, N, R]``.
 
     Scores in float32 from the two parts of each key (latent, RoPE); values are the latent.
+    XLA:CPU runs no batched half-precision dot into float32 ("Unsupported element type for
+    DotThunk"), so there half-precision operands are widened to float32 first.
     """
+    dtype = q_lat_BTNR.dtype
+    if active_platform() == "cpu" and jnp.dtype(dtype).itemsize < 4:
+        q_lat_BTNR, q_pe_BTNP, c_BSR, kpe_BSP = (
+            x.astype(jnp.float32) for x in (q_lat_BTNR, q_pe_BTNP, c_BSR, kpe_BSP)
+        )
     s_BNTS = jnp.einsum("BTNR,BSR->BNTS", q_lat_BTNR, c_BSR, preferred_element_type=jnp.float32)
     s_BNTS += jnp.einsum("BTNP,BSP->BNTS", q_pe_BTNP, kpe_BSP, preferred_element_type=jnp.float32)
     s_BNTS = jnp.where(mask_BTS[:, None], s_BNTS * scale, MASKED)
     p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(c_BSR.dtype)
     out = jnp.einsum("BNTS,BSR->BTNR", p_BNTS, c_BSR, preferred_element_type=jnp.float32)
-    return out.astype(q_lat_BTNR.dtype)
+    return out.astype(dtype)
 
 
 def _paged_latent(q_lat_BNR, q_pe_BNP, kpe_KAZP, c_KAZR, tables_BN, lengths_B, *, scale):
