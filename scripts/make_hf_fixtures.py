@@ -65,9 +65,17 @@ gpt_oss            GptOssForCausalLM    4 layers: window 4 on 0, 2, full 1, 3; a
 gpt_oss_mxfp4      GptOssForCausalLM    gpt_oss with its expert projections quantized to MXFP4
                                         (``*_blocks`` + ``*_scales``, quant_method mxfp4); the
                                         reference is transformers' on it (dequantized on load)
+deepseek_v3        DeepseekV3ForCausalLM  3 layers: MLA (q_lora 24, kv_lora 16, rope 8 interleaved,
+                                        nope 8, v 12); layer 0 dense, 1-2 16 experts top-4 in 4
+                                        groups of 4 (best 2), sigmoid + random correction bias,
+                                        2 shared, x2.5; the Hub's per-expert tensors
+deepseek_v3_yarn   DeepseekV3ForCausalLM  deepseek_v3 with YaRN (x4 over 16 positions,
+                                        mscale_all_dim 1); fused expert tensors
 =================  ===================  ==========================================================
 
-The Gemma and GPT-OSS fixtures have 4 layers (the others 2) and record in reference.json how much each
+The DeepSeek fixtures have 3 layers, the Gemma and GPT-OSS fixtures 4 (the others 2);
+DeepSeek's ``e_score_correction_bias`` buffers (zeros from transformers) are randomised like
+the 1-D parameters. The Gemma, GPT-OSS and DeepSeek fixtures record in reference.json how much each
 feature they exercise moves the logits (soft caps, window, RoPE bases: "effects"), asserted
 above 1e-2 at build time.
 
@@ -178,7 +186,9 @@ class FixtureSpec:
 
     @property
     def is_moe(self) -> bool:
-        return "num_local_experts" in self.config or "num_experts" in self.config
+        return any(
+            k in self.config for k in ("num_local_experts", "num_experts", "n_routed_experts")
+        )
 
 
 _COMMON = dict(
@@ -245,6 +255,52 @@ _QWEN3_MOE = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
+
+# DeepSeek-V3: multi-head latent attention (q and kv low-rank projections, decoupled RoPE dims
+# laid out interleaved, v_head_dim != qk head dim), the first layer dense, the others 16 routed
+# experts top-4 chosen group-limited (4 groups of 4, best 2: 8 candidates, so both the group
+# choice and the choice within the groups bind) by sigmoid scores plus a correction bias, 2
+# shared experts, routed weights renormalised and scaled by 2.5.
+_DEEPSEEK_V3 = dict(
+    _COMMON,
+    num_hidden_layers=3,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=8,
+    num_key_value_heads=4,
+    n_shared_experts=2,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    rope_interleave=True,
+    max_position_embeddings=256,
+    initializer_range=INIT_RANGE,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+# YaRN as DeepSeek-V3 ships it (factor 40, mscale = mscale_all_dim = 1 there), scaled down: with
+# original_max_position_embeddings 16 and factor 4 the rope dims' wavelengths straddle the
+# beta_fast/beta_slow ramp, and mscale_all_dim 1 multiplies the score scale by mscale^2.
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 # Gemma 2 / Gemma 3 (text): 4 layers so sliding and global layers both occur (twice for Gemma 2,
 # whose default alternation starts sliding; Gemma 3's [s, s, s, f] differs between the two
@@ -519,6 +575,33 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         },
     ),
     FixtureSpec(
+        name="deepseek_v3",
+        model_class="DeepseekV3ForCausalLM",
+        config_class="DeepseekV3Config",
+        config=dict(_DEEPSEEK_V3),
+        base_seed=13000,
+        extra={"randomise_buffers": ("e_score_correction_bias",)},
+        notes="MLA (q_lora 24, kv_lora 16, rope 8 interleaved, nope 8, v 12), 3 layers: layer 0 "
+        "dense, 1-2 16 experts top-4 in 4 groups of 4 (best 2), sigmoid + correction bias, 2 "
+        "shared, scaling 2.5; the Hub's per-expert tensors",
+        effects={
+            "correction_bias": {"_zero_buffers": ("e_score_correction_bias",)},
+            "group_limit": {"topk_group": 4},
+        },
+    ),
+    FixtureSpec(
+        name="deepseek_v3_yarn",
+        model_class="DeepseekV3ForCausalLM",
+        config_class="DeepseekV3Config",
+        config=dict(_DEEPSEEK_V3, rope_parameters=dict(_DEEPSEEK_YARN)),
+        base_seed=14000,
+        fused_experts=True,
+        extra={"randomise_buffers": ("e_score_correction_bias",)},
+        notes="deepseek_v3 with YaRN RoPE (factor 4 over 16 positions, mscale_all_dim 1), "
+        "fused expert tensors",
+        effects={"yarn": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    FixtureSpec(
         name="gpt2",
         model_class="GPT2LMHeadModel",
         config_class="GPT2Config",
@@ -685,6 +768,20 @@ def _randomise_1d_params(model: torch.nn.Module, seed: int, scale: float) -> Non
                 p.copy_(1.0 + noise)
 
 
+def _randomise_buffers(
+    model: torch.nn.Module, seed: int, suffixes: tuple[str, ...], scale: float
+) -> None:
+    """Persistent buffers named ``*<suffix>`` (DeepSeek's ``e_score_correction_bias``, zeros
+    from transformers) become ``scale * N(0, 1)``, so that a loader dropping them is caught."""
+    gen = torch.Generator().manual_seed(seed + 104729)
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name in sorted(buffers):
+            if name.endswith(suffixes):
+                b = buffers[name]
+                b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float32) * scale)
+
+
 def build_model(spec: FixtureSpec, seed: int) -> torch.nn.Module:
     """A freshly initialised float32 model for `spec`, deterministic in `seed`."""
     torch.manual_seed(seed)
@@ -692,6 +789,9 @@ def build_model(spec: FixtureSpec, seed: int) -> torch.nn.Module:
     model_cls = getattr(transformers, spec.model_class)
     model = model_cls(config).to(torch.float32)
     _randomise_1d_params(model, seed, scale=config.initializer_range)
+    _randomise_buffers(
+        model, seed, spec.extra.get("randomise_buffers", ()), config.initializer_range
+    )
     model.eval()
     _use_eager(model)
     return model
@@ -745,6 +845,40 @@ def _router_gap(router_logits: Any, top_k: int) -> float:
     return min(gaps)
 
 
+def _grouped_margins(model: torch.nn.Module) -> list[float] | None:
+    """DeepSeek's group-limited routing: hooks on every router recording, per call, the
+    smallest margin of each choice it makes on the biased scores (the topk_group-th vs the
+    next group score, the top_k-th vs the next expert within the chosen groups). The router
+    logits alone (:func:`_router_gap`) miss near ties the correction bias creates. None for
+    other models."""
+    if not getattr(model.config, "n_group", None):
+        return None
+    margins: list[float] = []
+
+    def hook(gate: torch.nn.Module, inputs: tuple, _out: Any) -> None:
+        x = inputs[0].reshape(-1, gate.hidden_dim).float()
+        scores = torch.nn.functional.linear(x, gate.weight.float()).sigmoid()
+        choice = scores + gate.e_score_correction_bias
+        per_group = gate.num_experts // gate.num_group
+        groups = choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        ranked = groups.sort(dim=-1, descending=True).values
+        if gate.topk_group < gate.num_group:
+            margins.append(
+                float((ranked[:, gate.topk_group - 1] - ranked[:, gate.topk_group]).min())
+            )
+        chosen = torch.zeros_like(groups).scatter_(1, groups.topk(gate.topk_group, -1)[1], 1)
+        keep = chosen.bool().unsqueeze(-1).expand(-1, -1, per_group).reshape(choice.shape)
+        within = choice.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True).values
+        if gate.top_k < gate.topk_group * per_group:
+            margins.append(float((within[:, gate.top_k - 1] - within[:, gate.top_k]).min()))
+
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.register_forward_hook(hook)
+    return margins
+
+
 @torch.no_grad()
 def _forward(model: torch.nn.Module, input_ids: torch.Tensor, moe: bool, **kwargs: Any) -> Any:
     if moe:
@@ -760,6 +894,7 @@ def compute_reference(model: torch.nn.Module, prompts: list[np.ndarray]) -> Refe
     GREEDY_TOKENS tokens come out.
     """
     moe = bool(getattr(model.config, "num_local_experts", None))
+    grouped = _grouped_margins(model)
     top_k = getattr(model.config, "num_experts_per_tok", 0)
     arrays: dict[str, np.ndarray] = {"n_prompts": np.asarray(len(prompts), dtype=np.int32)}
     min_gap = math.inf
@@ -794,6 +929,8 @@ def compute_reference(model: torch.nn.Module, prompts: list[np.ndarray]) -> Refe
         arrays[f"greedy_{i}"] = np.asarray(greedy, dtype=np.int32)
         arrays[f"greedy_logits_{i}"] = torch.stack(step_logits).numpy().astype(np.float32)
 
+    if grouped:  # the biased group and expert choices, not the raw logits
+        min_router_gap = min(grouped)
     return Reference(arrays=arrays, min_gap=min_gap, min_router_gap=min_router_gap)
 
 
@@ -1035,10 +1172,16 @@ def config_effect(
 ) -> float:
     """Max |logit difference| over the prompts between ``model`` and the same weights with
     ``overrides`` in its config: a feature the fixture is meant to exercise must bind."""
+    overrides = dict(overrides)
+    zero = overrides.pop("_zero_buffers", ())
     other = getattr(transformers, spec.model_class)(
         getattr(transformers, spec.config_class)(**{**copy.deepcopy(spec.config), **overrides})
     ).to(torch.float32)
     other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, b in other.named_buffers():
+            if name.endswith(tuple(zero)):
+                b.zero_()
     other.eval()
     _use_eager(other)
     diff = 0.0

@@ -130,7 +130,10 @@ def test_unknown_preset_lists_names() -> None:
         (dict(top_k=2), "need n_experts"),
         (dict(norm_topk_prob=False), "norm_topk_prob.*need n_experts"),
         (dict(qk_norm=True, norm="layer"), "qk_norm .*norm='rms'"),
-        (dict(arch="qwen3_moe"), "'mixtral' and 'qwen3_moe'.* are mixtures of experts"),
+        (
+            dict(arch="qwen3_moe"),
+            "'mixtral' and 'qwen3_moe' and 'deepseek_v3' and 'gpt_oss' are mixtures of experts",
+        ),
         (dict(dtype="int32"), "floating"),
         (dict(d_model=0), "d_model must be positive"),
         (dict(sliding_window=4, sliding_layers=(True, False)), "2 flags for n_layers=4"),

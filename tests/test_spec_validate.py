@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -22,6 +23,18 @@ MOE = Dims(
     head_dim=8,
     d_ff=64,
     n_experts=8,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _LatentDims(Dims):
+    """Sizes of a model with multi-head latent attention: one latent "kv head"."""
+
+    attention_variant: str = "mla"
+
+
+MLA = _LatentDims(
+    vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=1, head_dim=24, d_ff=128
 )
 
 
@@ -69,6 +82,17 @@ def _ep_on_embedding(tmp_path):
     )
 
 
+def _dp_splits_latent(tmp_path):
+    return _table_with(
+        tmp_path,
+        "attention.toml",
+        'splits = ["batch"]\nsync = "none: per-sequence independence, each replica keeps its '
+        "sequences' latent cache\"",
+        'splits = ["batch", "kv_heads"]\nsync = "none: per-sequence independence, each replica '
+        "keeps its sequences' latent cache\"",
+    )
+
+
 # rule -> (model, config, validate kwargs, table factory or None, text the message must hold)
 TRIGGERS = {
     "sp-not-across-decode": (DENSE, ParallelConfig(sp=2), {}, _sp_decode_allowed, "split 'seq'"),
@@ -113,6 +137,14 @@ TRIGGERS = {
     ),
     "sp-prefill-tokens": (DENSE, ParallelConfig(sp=4), {"max_seq_len": 30}, None, "max_seq_len 30"),
     "devices-product": (DENSE, ParallelConfig(tp=2), {"n_devices": 8}, None, "multiply to 2"),
+    # An edited MLA row splitting the latent cache by head (it has none).
+    "latent-cache-no-heads": (
+        MLA,
+        ParallelConfig(dp=2),
+        {},
+        _dp_splits_latent,
+        "[variant.mla] rows make ['dp'] split 'kv_heads'",
+    ),
 }
 
 

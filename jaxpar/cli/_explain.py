@@ -140,19 +140,27 @@ def tensor_rows(
     # (``--kv-cache-dtype``); prefill's K/V leave the step in the compute dtype.
     kv = getattr(c, "kv_cache_dtype", None)
     kv_dtype = np.dtype(KV_CACHE_DTYPES[kv]) if kv else c.dtype
+    # What the cache keeps per token and kv head: K and V of head_dim each, or (MLA) the
+    # shared RoPE key and the compressed latent, one "head" (no head axis to split).
+    parts = (
+        [("K and V each", c.head_dim)]
+        if not c.is_mla
+        else [("MLA RoPE key", c.cache_kv_dims[0]), ("MLA latent", c.cache_kv_dims[1])]
+    )
     if phase is Phase.PREFILL or parallel.pp > 1:
         cache_len = prompt_len if phase is Phase.PREFILL else max_seq_len
         cache_dtype = c.dtype if phase is Phase.PREFILL else kv_dtype
         shape = (c.n_layers, batch, cache_len, c.n_kv_heads, c.head_dim)
         table = [
             (
-                "KV cache (K and V each)",
+                f"KV cache ({what})",
                 Module.ATTENTION,
                 KVCache.KV_AXES,
-                shape,
+                (c.n_layers, batch, cache_len, c.n_kv_heads, width),
                 cache_dtype.itemsize,
                 cache_dtype.name,
             )
+            for what, width in parts
         ]
         scale_axes, scale_shape = KVCache.KV_AXES, shape
     else:
@@ -162,13 +170,16 @@ def tensor_rows(
         scale_shape = (c.n_layers, c.n_kv_heads, pages, page_size, c.head_dim)
         table = [
             (
-                f"KV page pool (K and V each; {pages} pages incl. {shards} scratch)",
+                f"KV page pool ({what}; {pages} pages incl. {shards} scratch)",
                 Module.ATTENTION,
                 STACKED_PAGE_AXES,
-                scale_shape,
+                (c.n_layers, c.n_kv_heads, pages, page_size, width),
                 kv_dtype.itemsize,
                 kv_dtype.name,
-            ),
+            )
+            for what, width in parts
+        ]
+        table += [
             (
                 "block tables (page ids per row)",
                 Module.ATTENTION,
@@ -203,16 +214,17 @@ def tensor_rows(
         ("queries", Module.ATTENTION, Q_AXES, (batch, t, c.n_heads, c.head_dim), size, name_of),
     ]
     if phase is Phase.PREFILL:
-        table.append(
+        table += [
             (
-                "K/V for scores",
+                "K/V for scores" if not c.is_mla else f"{what} for scores",
                 Module.ATTENTION,
                 KV_SCORE_AXES,
-                (batch, t, c.n_kv_heads, c.head_dim),
+                (batch, t, c.n_kv_heads, width),
                 size,
                 name_of,
             )
-        )
+            for what, width in parts
+        ]
     if not c.is_moe:
         table.append(
             ("FFN hidden", Module.FFN, ("batch", "seq", "mlp"), (batch, t, c.d_ff), size, name_of)

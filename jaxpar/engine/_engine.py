@@ -172,7 +172,9 @@ class InferenceEngine:
         options = (options or ExecutionOptions()).merged(
             quantize=quantize, kv_cache_dtype=kv_cache_dtype
         )
-        options.check(model_config)  # before any parameter is touched
+        # Checked before any parameter is touched, in the layer form the strategy runs
+        # (pipeline stages stack the layers).
+        dataclasses.replace(options, layer_loop=layer_loop_for(options, config)).check(model_config)
         _check_quantize_backend(options.quantize or params_quantization(params))
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
         options, params = prepare_params(model_config, params, options, config)

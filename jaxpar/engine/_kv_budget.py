@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxpar.engine._pages import PagePool
 from jaxpar.errors import ConfigError
-from jaxpar.models import PAGE_AXES, ModelConfig, kv_bytes_per_vector
+from jaxpar.models import PAGE_AXES, ModelConfig, ModelRun
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, partition_spec
 
 #: Tokens of KV cache on CPU when neither a token budget nor a memory fraction is given.
@@ -73,9 +73,8 @@ def page_bytes_per_device(
     spec = partition_spec(PAGE_AXES, Module.ATTENTION, Phase.DECODE, config, dims=dims)
     kv_axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
     local_heads = dims.n_kv_heads // math.prod(mesh.shape[a] for a in kv_axes)
-    mode = getattr(dims, "kv_cache_dtype", None)
-    per_vector = kv_bytes_per_vector(dims.head_dim, dims.dtype, mode)
-    return 2 * dims.n_layers * local_heads * page_size * per_vector
+    per_head = ModelRun.of(dims).cache_bytes_per_token // dims.n_kv_heads
+    return local_heads * page_size * per_head
 
 
 def free_device_bytes(devices) -> int | None:

@@ -189,10 +189,10 @@ class SlotSteps:
 
     def _empty(self) -> Slots:
         b = self.n_slots
-        pool = PagedKVCache.empty_pool(self.model_config, self.pool.pages, self.pool.page_size)
+        c, pages, size = self.model_config, self.pool.pages, self.pool.page_size
         return Slots(
-            k=pool,
-            v=pool,
+            k=PagedKVCache.empty_pool(c, pages, size, "k"),
+            v=PagedKVCache.empty_pool(c, pages, size, "v"),
             lengths_B=jnp.zeros(b, jnp.int32),
             tokens_B=jnp.zeros(b, jnp.int32),
             active_B=jnp.zeros(b, bool),

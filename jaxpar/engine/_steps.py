@@ -257,14 +257,18 @@ class Steps:
         def spec(shape, dtype, sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        k_shape = (rows, context, self.dims.n_kv_heads, self.dims.head_dim)
-        if self.dims.layer_loop == "scan":
-            kv = spec((self.dims.n_layers, *k_shape), self.dims.dtype, lay.kv_prefill)
-        else:
-            kv = tuple(spec(k_shape, self.dims.dtype, s) for s in lay.kv_prefill)
+        d = self.dims
+
+        def context_kv(width: int):  # keys and values may differ in width (MLA)
+            shape = (rows, context, d.n_kv_heads, width)
+            if d.layer_loop == "scan":
+                return spec((d.n_layers, *shape), d.dtype, lay.kv_prefill)
+            return tuple(spec(shape, d.dtype, s) for s in lay.kv_prefill)
+
+        k, v = (context_kv(w) for w in d.cache_kv_dims)
         lengths = spec((rows,), jnp.int32, lay.lengths_prefill_B)
         tokens = spec((rows, length), jnp.int32, lay.tokens_BT)
-        self._prefill_context_program((params, tokens, lengths, lengths, kv, kv))
+        self._prefill_context_program((params, tokens, lengths, lengths, k, v))
 
     def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts

@@ -219,7 +219,15 @@ def communication_model(
     )
     _embedding(step)
     _attention(step)
-    _moe(step) if model.n_experts else _ffn(step)
+    if model.n_experts:
+        # DeepSeek: the first layers dense; shared experts a dense FFN in every MoE layer.
+        dense = getattr(model, "first_dense_layers", 0)
+        moe_layers = model.n_layers - dense
+        _moe(step, step.count * moe_layers // model.n_layers)
+        ffn_layers = dense + (moe_layers if getattr(model, "shared_d_ff", 0) else 0)
+        _ffn(step, step.count * ffn_layers // model.n_layers)
+    else:
+        _ffn(step, step.count)
     _lm_head(step)
     _pipeline(step)
     if not step.items:
@@ -276,7 +284,9 @@ def _attention(step: _Step) -> None:
         )
 
 
-def _ffn(step: _Step) -> None:
+def _ffn(step: _Step, count: int) -> None:
+    """``count``: the FFN blocks' runs per step (a MoE model's dense layers and shared
+    experts; every layer of a dense model)."""
     ffn = step.axes(Module.FFN)
     b_l, t_l = step.rows(ffn)
     step.add(
@@ -285,7 +295,7 @@ def _ffn(step: _Step) -> None:
         "ffn",
         "FFN down-proj",
         (b_l, t_l, step.model.d_model),
-        step.count,
+        count,
         "row-parallel second linear: partial sums over the intermediate shards",
     )
 
@@ -336,8 +346,9 @@ def moe_routed_rows(model: ModelDims, tokens: int) -> int:
     return model.top_k * tokens
 
 
-def _moe(step: _Step) -> None:
-    """MoE layer at the routed-token minimum: ep all-to-alls, expert TP all-reduce."""
+def _moe(step: _Step, count: int) -> None:
+    """MoE layers (``count`` runs per step) at the routed-token minimum: ep all-to-alls,
+    expert TP all-reduce."""
     model, ax = step.model, step.axes(Module.MOE)
     b_l, t_l = step.rows(ax)
     rows = moe_routed_rows(model, b_l * t_l)
@@ -348,7 +359,7 @@ def _moe(step: _Step) -> None:
         "moe",
         "dispatch + combine",
         (rows, d),
-        2 * step.count,
+        2 * count,
         f"each of the {b_l * t_l} tokens on a device goes to top_k={model.top_k} experts and "
         "back: top_k x tokens rows each way, (ep-1)/ep of them to other expert peers",
     )
@@ -358,7 +369,7 @@ def _moe(step: _Step) -> None:
         "moe",
         "expert down-proj",
         (b_l * t_l, d),
-        step.count,
+        count,
         "row-parallel second linear inside each expert: its partial sums, combined per "
         "token (a linear map), are reduced once per token, as a dense FFN's",
     )
@@ -453,6 +464,18 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     if config.is_moe:
         renorm = "" if getattr(config, "norm_topk_prob", True) else " (weights not renormalised)"
         biased = " (biased logits)" if getattr(config, "router_bias", False) else ""
+        if getattr(config, "moe_router", "softmax") == "sigmoid_grouped":
+            renorm += (
+                f" of sigmoid scores + correction bias within the best {config.moe_topk_groups}"
+                f" of {config.moe_groups} expert groups, weights x {config.routed_scaling_factor:g}"
+            )
+        if getattr(config, "first_dense_layers", 0):
+            step(
+                layer,
+                f"the first {config.first_dense_layers} layer(s): a dense FFN in place of the "
+                "MoE below",
+                "FFN down-proj",
+            )
         step(
             layer,
             f"router top-{config.top_k}{biased}{renorm}; sort this device's assignments by expert",
@@ -465,6 +488,13 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
             "expert down-proj",
             "combine:dispatch + combine",
         )
+        if getattr(config, "shared_d_ff", 0):
+            step(
+                layer,
+                "shared experts: a dense SwiGLU on every token (column-, then row-parallel), "
+                "added to the routed sum",
+                "FFN down-proj",
+            )
         step(layer, "weighted sum of each token's expert outputs; residual add")
     else:
         step(
@@ -510,6 +540,12 @@ def _attention_variant(config: Any) -> str:
     """What a model's attention adds to plain causal scores: soft cap, sinks, sliding
     windows."""
     text = ""
+    if getattr(config, "kv_lora_rank", None) is not None:
+        text += (
+            f" (multi-head latent attention, absorbed: each head's query projected into the "
+            f"{config.kv_lora_rank}-wide latent; scores over the cached latent and "
+            f"{config.qk_rope_head_dim}-wide RoPE key, no heads; values expanded after)"
+        )
     if getattr(config, "attn_softcap", None):
         text += f" (soft-capped at {config.attn_softcap:g}, XLA path)"
     if getattr(config, "attn_sinks", False):

@@ -132,15 +132,22 @@ class KVCache:
         in the run's storage form."""
         config = ModelRun.of(config)
         lengths_B = jnp.zeros((batch,), jnp.int32)
-        k, h = config.n_kv_heads, config.head_dim
+        k = config.n_kv_heads
         mode = config.kv_cache_dtype
+        # Keys and values may differ in width (MLA: the RoPE key and the latent).
+        hk, hv = config.cache_kv_dims
         if config.layer_loop == "scan":
-            zeros = empty_kv((config.n_layers, batch, max_seq_len, k, h), config.dtype, mode)
-            return cls(k=zeros, v=zeros, lengths_B=lengths_B)
-        layers = tuple(
-            empty_kv((batch, k, max_seq_len, h), config.dtype, mode) for _ in range(config.n_layers)
-        )
-        return cls(k=layers, v=layers, lengths_B=lengths_B)
+
+            def stacked(h: int) -> Any:
+                return empty_kv((config.n_layers, batch, max_seq_len, k, h), config.dtype, mode)
+
+            return cls(k=stacked(hk), v=stacked(hv), lengths_B=lengths_B)
+
+        def layers(h: int) -> tuple[Any, ...]:
+            shape = (batch, k, max_seq_len, h)
+            return tuple(empty_kv(shape, config.dtype, mode) for _ in range(config.n_layers))
+
+        return cls(k=layers(hk), v=layers(hv), lengths_B=lengths_B)
 
     @classmethod
     def abstract(cls, config: ModelConfig | ModelRun, batch: int, max_seq_len: int) -> KVCache:
@@ -172,9 +179,13 @@ class KVCache:
         k_shapes = [x.shape for x in k] if per_layer else [k.shape]
         v_shapes = [x.shape for x in v] if isinstance(v, tuple | list) else [v.shape]
         want_rank = 4 if per_layer else 5
-        if k_shapes != v_shapes or any(len(s) != want_rank for s in k_shapes) or not k_shapes:
+        # Keys and values agree in every dim but their width (MLA's differ).
+        same = [a[:-1] for a in k_shapes] == [a[:-1] for a in v_shapes]
+        if not same or any(len(s) != want_rank for s in k_shapes) or not k_shapes:
             form = "per-layer [B, T, K, H]" if per_layer else "[L, B, T, K, H]"
-            raise ShapeError(f"prefill k {k_shapes} and v {v_shapes} must be equal {form} arrays")
+            raise ShapeError(
+                f"prefill k {k_shapes} and v {v_shapes} must be matching {form} arrays"
+            )
         b, t = k_shapes[0][-4], k_shapes[0][-3]
         if lengths_B.shape != (b,):
             raise ShapeError(f"lengths shape {lengths_B.shape} != (batch={b},)")

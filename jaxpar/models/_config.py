@@ -21,15 +21,21 @@ ARCHS: tuple[str, ...] = (
     "gemma3",
     "mixtral",
     "qwen3_moe",
+    "deepseek_v3",
     "gpt2",
     "gpt_oss",
 )
-#: The archs whose feed-forward blocks are mixtures of experts (every layer's).
-MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "gpt_oss")
+#: The archs whose feed-forward blocks are mixtures of experts (every layer's but the first
+#: ``first_dense_layers``).
+MOE_ARCHS: tuple[str, ...] = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 _CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("rms", "layer"),
     "activation": ("silu", "gelu_tanh"),
     "positional": ("rope", "learned"),
+    # How a MoE layer picks its experts: "softmax" (Mixtral, Qwen3-MoE: top-k of the softmax
+    # probabilities); "sigmoid_grouped" (DeepSeek-V3: sigmoid scores, a correction bias that
+    # steers selection only, the best ``moe_topk_groups`` of ``moe_groups`` expert groups).
+    "moe_router": ("softmax", "sigmoid_grouped"),
 }
 
 
@@ -245,8 +251,40 @@ class ModelConfig:
     attn_softcap: float | None = None
     #: Gemma 2: final logits become ``c * tanh(logits / c)``.
     final_softcap: float | None = None
+    #: Multi-head latent attention (DeepSeek-V3) when set: keys and values are expanded per
+    #: head from one compressed latent of this width (``kv_lora_rank``), which is what the
+    #: cache keeps, with one RoPE key of ``qk_rope_head_dim`` shared by all heads. The
+    #: cache's layout is then ``n_kv_heads=1`` "head" whose keys are the RoPE key and whose
+    #: values are the latent (:attr:`cache_kv_dims`); ``head_dim`` is the absorbed query's
+    #: width, ``kv_lora_rank + qk_rope_head_dim``.
+    kv_lora_rank: int | None = None
+    #: MLA: the queries' low-rank bottleneck (``q_a_proj`` -> RMS norm -> ``q_b_proj``);
+    #: None projects queries directly (``q_proj``).
+    q_lora_rank: int | None = None
+    #: MLA: per-head query/key widths without and with RoPE, and the value width.
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    #: MLA: the RoPE dims of q and k are laid out in interleaved pairs (x0, x1), (x2, x3), ...
+    #: (Hugging Face ``rope_interleave``, DeepSeek's default), de-interleaved before rotating.
+    rope_interleave: bool = False
     n_experts: int = 0
     top_k: int = 0
+    #: The first layers whose feed-forward block is a dense SwiGLU of width ``dense_d_ff``
+    #: (DeepSeek-V3's ``first_k_dense_replace``); the others are mixtures of experts.
+    first_dense_layers: int = 0
+    dense_d_ff: int = 0
+    #: Width of the shared experts, a dense SwiGLU every MoE layer adds to its routed
+    #: output (DeepSeek-V3: ``n_shared_experts * moe_intermediate_size``); 0: none.
+    shared_d_ff: int = 0
+    moe_router: str = "softmax"
+    #: ``moe_router="sigmoid_grouped"``: experts in ``moe_groups`` contiguous groups, each
+    #: scored by the sum of its best two biased scores; a token's experts come from the
+    #: best ``moe_topk_groups`` groups. The routed weights are multiplied by
+    #: ``routed_scaling_factor`` (after renormalising, with ``norm_topk_prob``).
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     #: Whether a token's top-k routing weights are renormalised to sum to 1 (Hugging Face
     #: ``norm_topk_prob``; Mixtral always does). False keeps the softmax probabilities.
     norm_topk_prob: bool = True
@@ -302,6 +340,7 @@ class ModelConfig:
         self._check_gemma()
         self._check_moe()
         self._check_gpt_oss()
+        self._check_mla()
 
     def _check_positions(self) -> None:
         if self.positional == "rope":
@@ -351,6 +390,79 @@ class ModelConfig:
         if (self.norm_offset or self.sandwich_norm) and self.norm != "rms":
             raise ConfigError("norm_offset and sandwich_norm are RMS-norm options: norm='rms'")
 
+    def _check_mla(self) -> None:
+        if self.kv_lora_rank is None:
+            mla_knobs = (self.q_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim)
+            if (
+                any(x not in (None, 0) for x in mla_knobs)
+                or self.v_head_dim
+                or self.rope_interleave
+            ):
+                raise ConfigError(
+                    "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave "
+                    "are multi-head "
+                    "latent attention sizes: they need kv_lora_rank"
+                )
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"MLA: {name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ConfigError(f"MLA: q_lora_rank must be None or positive, got {self.q_lora_rank}")
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.n_kv_heads != 1 or self.head_dim != width:
+            raise ConfigError(
+                f"MLA caches one latent per token: n_kv_heads must be 1 and head_dim "
+                f"kv_lora_rank + qk_rope_head_dim = {width}; got n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}"
+            )
+        self._check_mla_options()
+
+    def _check_mla_options(self) -> None:
+        if self.positional != "rope" or self.qk_rope_head_dim % 2:
+            raise ConfigError("MLA needs positional='rope' and an even qk_rope_head_dim")
+        if self.qkv_bias or self.out_bias or self.qk_norm or self.sliding_window is not None:
+            raise ConfigError(
+                "MLA has no q/k/v/o biases, q/k norms or sliding window here (attention_bias "
+                "and windows are unsupported with kv_lora_rank)"
+            )
+        if self.attn_softcap is not None:
+            raise ConfigError("MLA: attention soft caps are unsupported")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def attention_variant(self) -> str | None:
+        """The attention variant whose rows of the spec tables apply (``"mla"``), or None
+        for the module's own rows (read by :meth:`jaxpar.spec.SpecTable.for_model`)."""
+        return "mla" if self.is_mla else None
+
+    @property
+    def cache_kv_dims(self) -> tuple[int, int]:
+        """Widths of what the cache keeps per token and kv head, (keys, values).
+
+        Multi-head attention: ``(head_dim, head_dim)`` over ``n_kv_heads`` heads. MLA: one
+        "head" holding the shared RoPE key ``qk_rope_head_dim`` wide as its key and the
+        compressed latent ``kv_lora_rank`` wide as its value; each head's keys and values
+        are expanded from them after the cache (absorbed into the query and output).
+        """
+        if self.is_mla:
+            return self.qk_rope_head_dim, self.kv_lora_rank
+        return self.head_dim, self.head_dim
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Bytes the cache keeps per token over all layers (compute dtype, unsharded)."""
+        k, v = self.cache_kv_dims
+        return self.n_layers * self.n_kv_heads * (k + v) * jnp.dtype(self.dtype).itemsize
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s feed-forward block is a mixture of experts."""
+        return self.is_moe and layer >= self.first_dense_layers
+
     def layer_slides(self, layer: int) -> bool:
         """Whether layer ``layer`` attends through the sliding window."""
         if self.sliding_window is None:
@@ -367,9 +479,20 @@ class ModelConfig:
                 "n_experts > 0"
             )
         if not self.is_moe:
-            if self.top_k or not self.norm_topk_prob:
-                raise ConfigError("top_k and norm_topk_prob need n_experts > 0")
+            moe_knobs = (
+                self.top_k,
+                not self.norm_topk_prob,
+                self.first_dense_layers,
+                self.shared_d_ff,
+                self.moe_router != "softmax",
+            )
+            if any(moe_knobs):
+                raise ConfigError(
+                    "top_k, norm_topk_prob, first_dense_layers, shared_d_ff, moe_router "
+                    "need n_experts > 0"
+                )
             return
+        self._check_moe_layers()
         if not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}")
         if not self.gated_ffn or self.activation != "silu":
@@ -391,6 +514,46 @@ class ModelConfig:
                 )
         if self.router_bias and not self.is_moe:
             raise ConfigError("router_bias needs n_experts > 0 (a dense model has no router)")
+
+    def _check_moe_layers(self) -> None:
+        if not 0 <= self.first_dense_layers < self.n_layers:
+            raise ConfigError(
+                f"first_dense_layers must be in [0, n_layers={self.n_layers}), got "
+                f"{self.first_dense_layers}"
+            )
+        if self.first_dense_layers and self.dense_d_ff <= 0:
+            raise ConfigError("first_dense_layers > 0 needs the dense layers' width dense_d_ff > 0")
+        if self.shared_d_ff < 0 or self.dense_d_ff < 0:
+            raise ConfigError("shared_d_ff and dense_d_ff must be >= 0")
+        self._check_moe_router()
+
+    def _check_moe_router(self) -> None:
+        g, tg = self.moe_groups, self.moe_topk_groups
+        if self.moe_router == "softmax":
+            if (g, tg, self.routed_scaling_factor) != (1, 1, 1.0):
+                raise ConfigError(
+                    "moe_groups, moe_topk_groups and routed_scaling_factor belong to "
+                    "moe_router='sigmoid_grouped'"
+                )
+            return
+        if g <= 0 or self.n_experts % g or not 1 <= tg <= g:
+            raise ConfigError(
+                f"moe_groups={g} must divide n_experts={self.n_experts} and moe_topk_groups={tg} "
+                f"lie in [1, {g}]"
+            )
+        if self.n_experts // g < 2:
+            raise ConfigError(
+                "sigmoid_grouped scores each group by its best two experts: >= 2 each"
+            )
+        if self.top_k > tg * (self.n_experts // g):
+            raise ConfigError(
+                f"top_k={self.top_k} exceeds the {tg * (self.n_experts // g)} experts of the "
+                f"moe_topk_groups={tg} groups a token may use"
+            )
+        if self.routed_scaling_factor <= 0:
+            raise ConfigError(
+                f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}"
+            )
 
     @property
     def is_moe(self) -> bool:

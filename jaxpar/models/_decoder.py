@@ -15,6 +15,7 @@ from jaxpar.models._attention import Attention, Context
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
+from jaxpar.models._mla import LatentAttention
 from jaxpar.models._moe import MoE
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
 from jaxpar.models._options import ExecutionOptions
@@ -29,14 +30,23 @@ class DecoderLayer(nnx.Module):
     before its residual add: x + norm(attn(norm(x))), then x + norm(ffn(norm(x))).
     """
 
-    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs, layer: int = 0):
+        # ``layer``: which layer this is (DeepSeek's first layers are dense, the rest MoE);
+        # stacked layers are all alike (the options refuse to stack mixed ones).
         config = ModelRun.of(config)
         self.attn_norm = make_norm(config, rngs=rngs)
-        self.attn = Attention(config, rngs=rngs)
+        self.attn = (
+            LatentAttention(config, rngs=rngs) if config.is_mla else Attention(config, rngs=rngs)
+        )
         sandwich = config.sandwich_norm
         self.post_attn_norm = make_norm(config, rngs=rngs) if sandwich else None
         self.ffn_norm = make_norm(config, rngs=rngs)
-        self.ffn = MoE(config, rngs=rngs) if config.is_moe else FFN(config, rngs=rngs)
+        if config.layer_is_moe(layer):
+            self.ffn = MoE(config, rngs=rngs)
+        elif config.is_moe:
+            self.ffn = FFN(config, rngs=rngs, d_ff=config.dense_d_ff)
+        else:
+            self.ffn = FFN(config, rngs=rngs)
         self.post_ffn_norm = make_norm(config, rngs=rngs) if sandwich else None
 
     def _attn_out(self, y_BxD: jax.Array) -> jax.Array:
@@ -106,7 +116,7 @@ def _stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
 
 def _layer_list(config: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     """L layers, each with parameter arrays of its own (``layer_loop="unrolled"``)."""
-    return nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.n_layers)])
+    return nnx.List([DecoderLayer(config, rngs=rngs, layer=i) for i in range(config.n_layers)])
 
 
 class Decoder(nnx.Module):

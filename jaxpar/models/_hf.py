@@ -25,7 +25,14 @@ from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._decoder import abstract_model
 from jaxpar.models._hf_config import config_from_hf, hf_arch
-from jaxpar.models._hf_layout import Fused, Recipe, gpt2_recipes, llama_recipes, per_layer
+from jaxpar.models._hf_layout import (
+    Fused,
+    Recipe,
+    deepseek_recipes,
+    gpt2_recipes,
+    llama_recipes,
+    per_layer,
+)
 from jaxpar.models._hf_mxfp4 import Mxfp4Tensors, is_mxfp4
 from jaxpar.models._hf_quant import UNUSED_SUFFIXES, fp8_array, prequantized, scale_recipe
 from jaxpar.models._options import ExecutionOptions
@@ -275,7 +282,10 @@ class _Checkpoint:
 def _recipes(
     config: ModelConfig, hf: Mapping[str, Any], names: Mapping[str, Any], root: Path
 ) -> dict[tuple[Any, ...], Recipe | Fused]:
-    if hf_arch(hf, str(root)) == "gpt2":
+    arch = hf_arch(hf, str(root))
+    if arch == "deepseek_v3":  # per layer already (unrolled only: its layers differ)
+        return deepseek_recipes(config, _moe_layout(names))
+    if arch == "gpt2":
         recipes = gpt2_recipes(config, "transformer." if "wte.weight" not in names else "")
     else:
         layout = "gpt_oss" if config.arch == "gpt_oss" else _moe_layout(names)

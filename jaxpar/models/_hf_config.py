@@ -6,7 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models._config import ROPE_SCALINGS, ModelConfig, RopeScaling, rope_scaling_from_mapping
+from jaxpar.models._config import (
+    ROPE_SCALINGS,
+    ModelConfig,
+    RopeScaling,
+    YarnRopeScaling,
+    rope_scaling_from_mapping,
+)
 
 #: Hugging Face architecture class -> jaxpar arch.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -18,6 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "GPT2LMHeadModel": "gpt2",
     "GptOssForCausalLM": "gpt_oss",
 }
@@ -86,6 +93,8 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str) -> ModelConfig:
             fields = _gemma_fields(hf, arch, source)
         elif arch == "gpt_oss":
             fields = _gpt_oss_fields(hf, source)
+        elif arch == "deepseek_v3":
+            fields = _deepseek_fields(hf, source)
         else:
             fields = _llama_fields(hf, arch, source)
         check_model(prequant, arch, bool(fields.get("n_experts")), source)
@@ -135,6 +144,83 @@ def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     elif arch == "qwen3_moe":
         fields.update(_qwen3_moe_fields(hf, source))
     return fields
+
+
+def _deepseek_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V3: multi-head latent attention, the first ``first_k_dense_replace`` layers
+    dense, the others routed experts (group-limited sigmoid routing) plus shared experts.
+
+    The cache keeps the latent and the RoPE key (one "kv head", see
+    :attr:`ModelConfig.cache_kv_dims`), so ``n_kv_heads`` is 1 whatever
+    ``num_key_value_heads`` says (transformers expands every head from the latent).
+    """
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; 'silu'")
+    if hf.get("attention_bias", False):
+        raise CheckpointError(
+            f"{source}: attention_bias=true (biases on q_a_proj, kv_a_proj_with_mqa, o_proj) "
+            "is unsupported for DeepseekV3ForCausalLM; it must be false"
+        )
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != (
+        "sigmoid"
+    ):
+        raise CheckpointError(
+            f"{source}: topk_method={hf.get('topk_method')!r}, scoring_func="
+            f"{hf.get('scoring_func')!r}: only DeepSeek-V3's 'noaux_tc' with 'sigmoid' scores "
+            "is supported"
+        )
+    theta, scaling = _rope(hf, source)
+    rank, rope, nope = hf["kv_lora_rank"], hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
+    n_layers = hf["num_hidden_layers"]
+    first_dense = int(hf.get("first_k_dense_replace", 0) or 0)
+    if first_dense >= n_layers:
+        raise CheckpointError(
+            f"{source}: first_k_dense_replace={first_dense} makes every layer dense "
+            f"(num_hidden_layers={n_layers}); a DeepSeek-V3 needs MoE layers"
+        )
+    experts = hf["n_routed_experts"]
+    moe_width = hf["moe_intermediate_size"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=n_layers,
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=1,
+        head_dim=rank + rope,
+        d_ff=moe_width,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        kv_lora_rank=rank,
+        q_lora_rank=hf.get("q_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=hf["v_head_dim"],
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        attn_scale=_deepseek_score_scale(nope + rope, scaling),
+        n_experts=experts,
+        top_k=hf["num_experts_per_tok"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        first_dense_layers=first_dense,
+        dense_d_ff=hf["intermediate_size"] if first_dense else 0,
+        shared_d_ff=int(hf.get("n_shared_experts") or 0) * moe_width,
+        moe_router="sigmoid_grouped",
+        moe_groups=int(hf.get("n_group") or 1),
+        moe_topk_groups=int(hf.get("topk_group") or 1),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _deepseek_score_scale(qk_head_dim: int, scaling: RopeScaling | None) -> float:
+    """Scores over the expanded heads are scaled by ``qk_head_dim ** -0.5``; with YaRN and
+    ``mscale_all_dim`` DeepSeek multiplies that by ``mscale(factor, mscale_all_dim) ** 2``
+    (transformers' ``yarn_apply_mscale``), apart from the cos/sin attention factor."""
+    scale = float(qk_head_dim) ** -0.5
+    if isinstance(scaling, YarnRopeScaling) and scaling.mscale_all_dim:
+        scale *= YarnRopeScaling.mscale_of(scaling.factor, scaling.mscale_all_dim) ** 2
+    return scale
 
 
 def _default_head_dim(hf: Mapping[str, Any], arch: str) -> int:

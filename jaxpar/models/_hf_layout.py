@@ -241,9 +241,10 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
     return r
 
 
-def _ffn_recipes(c: ModelConfig, lay: str) -> dict[Path, Recipe | Fused]:
-    """The dense SwiGLU MLP: gate and up joined into our ``[D, 2, F]`` kernel."""
-    d, f, st = c.d_model, c.d_ff, (c.n_layers,)
+def _ffn_recipes(c: ModelConfig, lay: str, d_ff: int | None = None) -> dict[Path, Recipe | Fused]:
+    """The dense SwiGLU MLP: gate and up joined into our ``[D, 2, F]`` kernel (``d_ff``:
+    another width than ``c.d_ff``: DeepSeek's dense layers and shared experts)."""
+    d, f, st = c.d_model, d_ff or c.d_ff, (c.n_layers,)
     r: dict[Path, Recipe | Fused] = {
         ("layers", "ffn", "gate_up_kernel"): Fused(
             tuple(_linear(lay + f"mlp.{x}_proj.weight", (f,), (d,), st) for x in ("gate", "up")), 1
@@ -381,3 +382,76 @@ def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe | Fused]:
     if not c.tie_embeddings:
         r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
     return r
+
+
+def deepseek_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe | Fused]:
+    """Recipes for DeepSeek-V3, per layer (``("layers", i, ...)``: its layers differ, dense
+    first, MoE after, and it runs unrolled).
+
+    Multi-head latent attention keeps the checkpoint's projections, transposed:
+    ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``), ``kv_a_proj_with_mqa`` ``[R + P, D]``,
+    ``kv_b_proj`` ``[N * (Dn + Dv), R]`` viewed per head, ``o_proj``. MoE layers add the
+    router's ``e_score_correction_bias`` and ``shared_experts``; the experts are the Hub's
+    per-expert tensors or transformers 5.x's fused ones (``moe_layout``).
+    """
+    d, n, v, r = c.d_model, c.n_heads, c.vocab_size, c.kv_lora_rank
+    qk, p, st = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim, (c.n_layers,)
+    lay = "model.layers.{layer}."
+    att = lay + "self_attn."
+    stacked: dict[Path, Recipe | Fused] = {
+        ("layers", "attn_norm", "scale"): _plain(lay + "input_layernorm.weight", ((d,),), st),
+        ("layers", "ffn_norm", "scale"): _plain(
+            lay + "post_attention_layernorm.weight", ((d,),), st
+        ),
+        ("layers", "attn", "kv_a_kernel"): _linear(
+            att + "kv_a_proj_with_mqa.weight", (r + p,), (d,), st
+        ),
+        ("layers", "attn", "kv_a_norm", "scale"): _plain(
+            att + "kv_a_layernorm.weight", ((r,),), st
+        ),
+        ("layers", "attn", "kv_b_kernel"): _linear(
+            att + "kv_b_proj.weight", (n, c.qk_nope_head_dim + c.v_head_dim), (r,), st
+        ),
+        ("layers", "attn", "o_kernel"): _linear(att + "o_proj.weight", (d,), (n, c.v_head_dim), st),
+    }
+    if c.q_lora_rank is None:
+        stacked[("layers", "attn", "q_kernel")] = _linear(att + "q_proj.weight", (n, qk), (d,), st)
+    else:
+        rq = c.q_lora_rank
+        stacked[("layers", "attn", "q_a_kernel")] = _linear(
+            att + "q_a_proj.weight", (rq,), (d,), st
+        )
+        stacked[("layers", "attn", "q_a_norm", "scale")] = _plain(
+            att + "q_a_layernorm.weight", ((rq,),), st
+        )
+        stacked[("layers", "attn", "q_kernel")] = _linear(
+            att + "q_b_proj.weight", (n, qk), (rq,), st
+        )
+    dense = _ffn_recipes(c, lay, d_ff=c.dense_d_ff)
+    moe: dict[Path, Recipe | Fused] = dict(_expert_recipes(c, moe_layout, lay))
+    moe[("layers", "ffn", "router", "bias")] = _plain(
+        lay + "mlp.gate.e_score_correction_bias", ((c.n_experts,),), st
+    )
+    if c.shared_d_ff:
+        shared = _ffn_recipes(c, lay + "mlp.shared_experts.", d_ff=c.shared_d_ff)
+        for path, recipe in shared.items():
+            fixed = _rename(recipe, lay + "mlp.shared_experts.mlp.", lay + "mlp.shared_experts.")
+            moe[("layers", "ffn", "shared", *path[2:])] = fixed
+    r_out: dict[Path, Recipe | Fused] = {
+        ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
+        ("final_norm", "scale"): _plain("model.norm.weight", ((d,),), ()),
+    }
+    if not c.tie_embeddings:
+        r_out[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
+    for i in range(c.n_layers):
+        ffn = moe if c.layer_is_moe(i) else dense
+        for path, recipe in {**stacked, **ffn}.items():
+            r_out[("layers", i, *path[1:])] = recipe.layer(i)
+    return r_out
+
+
+def _rename(recipe: Recipe | Fused, old: str, new: str) -> Recipe | Fused:
+    """The recipe reading tensors named with ``old`` replaced by ``new``."""
+    if isinstance(recipe, Fused):
+        return Fused(tuple(_rename(part, old, new) for part in recipe.parts), recipe.axis)
+    return dataclasses.replace(recipe, name=recipe.name.replace(old, new))

@@ -121,10 +121,19 @@ class RMSNorm(nnx.Module):
     its dtype, as Llama's does.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, axis: str = "embed"):
-        self.eps = config.norm_eps
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rngs: nnx.Rngs,
+        axis: str | None = "embed",
+        size: int | None = None,
+        eps: float | None = None,
+    ):
+        self.eps = config.norm_eps if eps is None else eps
         self.offset = config.norm_offset
-        size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
+        if size is None:  # ``size`` (with axis None): a vector no primitive splits (MLA's latents)
+            size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
         init = ZEROS if self.offset else ONES  # an identity scale either way
         self.scale = param(rngs, init, (size,), (axis,), config.param_dtype)
 
@@ -252,9 +261,10 @@ class FFN(nnx.Module):
     and splitting F over tp gives every device matching gate and up columns.
     """
 
-    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs, d_ff: int | None = None):
+        # ``d_ff``: another width than ``config.d_ff`` (DeepSeek's dense layers, shared experts).
         config = ModelRun.of(config)
-        d, f, pd = config.d_model, config.d_ff, config.param_dtype
+        d, f, pd = config.d_model, d_ff or config.d_ff, config.param_dtype
         self.dtype = config.dtype
         self.act = config.activation
         gated, biased = config.gated_ffn, config.mlp_bias

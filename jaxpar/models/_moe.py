@@ -24,7 +24,7 @@ from flax import nnx
 from jaxpar.models import _moe_exchange as xchg
 from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, bias_init, fan_in_normal, param
+from jaxpar.models._layers import BTD, FFN, ZEROS, bias_init, fan_in_normal, param
 from jaxpar.models._moe_stats import record_dropped
 from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
@@ -71,21 +71,82 @@ def route_tokens(
     return weights_nk, experts_nk
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's group-limited routing settings (``moe_router="sigmoid_grouped"``)."""
+
+    groups: int
+    topk_groups: int
+    scale: float
+
+
+def route_grouped(
+    x_nD: jax.Array,
+    kernel_DE: jax.Array,
+    bias_E: jax.Array,
+    top_k: int,
+    normalize: bool,
+    grouped: GroupedRouting,
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's gate, all in float32: sigmoid scores; the correction bias added for the
+    choice only; experts in ``groups`` contiguous groups, each scored by the sum of its two
+    best biased scores; a token picks its top-k experts within its best ``topk_groups``
+    groups; the weights are the unbiased scores of those experts, renormalised (``normalize``)
+    and multiplied by ``scale`` (``routed_scaling_factor``).
+
+    Returns (weights [n, k] float32, expert ids [n, k] int32).
+    """
+    logits_nE = jnp.einsum(
+        "nD,DE->nE",
+        x_nD.astype(jnp.float32),
+        kernel_DE.astype(jnp.float32),
+        preferred_element_type=jnp.float32,
+    )
+    scores_nE = jax.nn.sigmoid(logits_nE)
+    choice_nE = scores_nE + bias_E.astype(jnp.float32)
+    n, e = choice_nE.shape
+    g = grouped.groups
+    best2_nG2, _ = jax.lax.top_k(choice_nE.reshape(n, g, e // g), 2)
+    group_nG = jnp.sum(best2_nG2, axis=-1)
+    _, groups_nk = _top_k(group_nG, grouped.topk_groups)
+    keep_nG = jnp.any(jax.nn.one_hot(groups_nk, g, dtype=jnp.bool_), axis=1)
+    keep_nE = jnp.repeat(keep_nG, e // g, axis=1)
+    _, experts_nk = _top_k(jnp.where(keep_nE, choice_nE, -jnp.inf), top_k)
+    weights_nk = jnp.take_along_axis(scores_nE, experts_nk, axis=-1)
+    if normalize:
+        weights_nk = weights_nk / (jnp.sum(weights_nk, axis=-1, keepdims=True) + 1e-20)
+    return weights_nk * jnp.float32(grouped.scale), experts_nk
+
+
 class Router(nnx.Module):
-    """Top-k gate (:func:`route_tokens`); its ``[D, E]`` kernel stays replicated: every
-    device routes its own tokens."""
+    """Top-k gate (:func:`route_tokens`, or :func:`route_grouped` with its correction bias
+    ``[E]``, kept in float32 as transformers does); its ``[D, E]`` kernel stays replicated:
+    every device routes its own tokens."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e, pd = config.d_model, config.n_experts, config.param_dtype
         self.dtype, self.top_k, self.normalize = config.dtype, config.top_k, config.norm_topk_prob
         self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, pd)
-        self.bias = bias_init(rngs, (e,), ROUTER_BIAS_AXES, pd) if config.router_bias else None
+        if config.moe_router == "sigmoid_grouped":  # DeepSeek's correction bias, float32
+            self.bias = param(rngs, ZEROS, (e,), ROUTER_BIAS_AXES, jnp.float32)
+            self.grouped = grouped_routing(config)
+        else:  # GPT-OSS's logit bias, or none
+            self.bias = bias_init(rngs, (e,), ROUTER_BIAS_AXES, pd) if config.router_bias else None
+            self.grouped = None
 
     def __call__(self, x_nD: jax.Array) -> tuple[jax.Array, jax.Array]:
         bias = None if self.bias is None else self.bias[...]
-        return route_tokens(
-            x_nD.astype(self.dtype), self.kernel[...], self.top_k, self.normalize, bias
-        )
+        x_nD = x_nD.astype(self.dtype)
+        if self.grouped is not None:
+            return route_grouped(
+                x_nD, self.kernel[...], bias, self.top_k, self.normalize, self.grouped
+            )
+        return route_tokens(x_nD, self.kernel[...], self.top_k, self.normalize, bias)
+
+
+def grouped_routing(config: ModelConfig | ModelRun) -> GroupedRouting:
+    """DeepSeek-V3's group-limited routing settings of ``config``."""
+    return GroupedRouting(config.moe_groups, config.moe_topk_groups, config.routed_scaling_factor)
 
 
 def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -139,17 +200,26 @@ class _Local:
     expert_axes: tuple[str, ...]
     mlp_axes: tuple[str, ...]
     cpu: bool = False
-    #: GPT-OSS: a router bias (the first extra argument), the clamped SwiGLU's (limit,
-    #: alpha); expert biases arrive as the last three extra arguments when present.
+    #: A router bias array is the first extra argument (GPT-OSS's logit bias, DeepSeek's
+    #: correction bias); GPT-OSS's clamped SwiGLU's (limit, alpha); expert biases arrive
+    #: as the last three extra arguments when present.
     router_bias: bool = False
     clamp: tuple[float, float] | None = None
+    grouped: GroupedRouting | None = None
 
     def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD, *extra):
         b, t, d = x_btD.shape
         x_nD = x_btD.reshape(b * t, d).astype(self.dtype)
         bias_E = extra[0] if self.router_bias else None
         biases = extra[1:] if self.router_bias else extra  # () or (gate, up, down)
-        weights_nk, experts_nk = route_tokens(x_nD, router_DE, self.top_k, self.normalize, bias_E)
+        if self.grouped is None:
+            weights_nk, experts_nk = route_tokens(
+                x_nD, router_DE, self.top_k, self.normalize, bias_E
+            )
+        else:
+            weights_nk, experts_nk = route_grouped(
+                x_nD, router_DE, bias_E, self.top_k, self.normalize, self.grouped
+            )
         peers = self.n_experts // gate_EDF.shape[0]
         cap = route.capacity_rows(b * t, self.top_k, self.n_experts, peers, self.capacity_factor)
         plan = route.send_plan(experts_nk, self.n_experts, peers, cap)
@@ -216,6 +286,9 @@ class MoE(nnx.Module):
         self.config = config
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
+        # DeepSeek's shared experts: a dense SwiGLU every token runs, added to the routed sum.
+        shared = config.shared_d_ff
+        self.shared = FFN(config, rngs=rngs, d_ff=shared) if shared else None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         """x [B, T, D] -> [B, T, D]; each device's tokens are one dispatch group.
@@ -236,14 +309,15 @@ class MoE(nnx.Module):
                 expert_axes=active_mesh_axes("experts", Module.MOE),
                 mlp_axes=active_mesh_axes("mlp", Module.MOE),
                 cpu=active_platform() == "cpu",
-                router_bias=c.router_bias,
+                router_bias=self.router.bias is not None,
                 clamp=None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha),
+                grouped=self.router.grouped,
             )
             e = self.experts
             args = [x_BTD, self.router.kernel[...], e.gate_kernel[...], e.up_kernel[...]]
             args.append(e.down_kernel[...])
             in_axes = [BTD, ROUTER_AXES, GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES]
-            if c.router_bias:
+            if self.router.bias is not None:
                 args.append(self.router.bias[...])
                 in_axes.append(ROUTER_BIAS_AXES)
             if c.mlp_bias:
@@ -255,4 +329,9 @@ class MoE(nnx.Module):
             y_BTD, dropped = run(*args)
             if c.moe_capacity_factor is not None:
                 record_dropped(dropped)
-            return constrain(y_BTD.astype(x_BTD.dtype), BTD, Module.MOE)
+            y_BTD = constrain(y_BTD.astype(x_BTD.dtype), BTD, Module.MOE)
+        if self.shared is None:
+            return y_BTD
+        # Outside the MoE scope: the shared experts are an FFN block (its own tp row and
+        # all-reduce, which the inspection counts as the FFN's).
+        return y_BTD + self.shared(x_BTD)

@@ -128,7 +128,8 @@ class ExecutionOptions:
 
         Raises:
             ConfigError: MoE options on a dense model; a named fused attention kernel on a
-                model that soft-caps its scores or adds attention sinks (no kernel does).
+                model that soft-caps its scores or adds attention sinks (no kernel does);
+                what multi-head latent attention or dense-then-MoE layers cannot run yet.
         """
         if not model.is_moe and (
             self.moe_capacity_factor is not None or self.moe_dispatch != "auto"
@@ -159,6 +160,37 @@ class ExecutionOptions:
                         "'xla' (both run the XLA path)"
                     )
 
+        if model.first_dense_layers and self.layer_loop == "scan":
+            raise ConfigError(
+                f"the model's first_dense_layers={model.first_dense_layers}: dense and MoE "
+                "layers differ in structure and cannot stack under layer_loop='scan' (nor "
+                "split into pipeline stages, which run the stacked form); use "
+                "layer_loop='unrolled' and pp=1"
+            )
+        self._check_mla(model)
+
+    def _check_mla(self, model: ModelConfig) -> None:
+        if not model.is_mla:
+            return
+        if self.quantize is not None or self.kv_cache_dtype is not None:
+            raise ConfigError(
+                f"ExecutionOptions: quantize={self.quantize!r}, kv_cache_dtype="
+                f"{self.kv_cache_dtype!r}: multi-head latent attention (kv_lora_rank) runs "
+                "unquantized weights and cache here; leave both None"
+            )
+        if self.layer_loop != "unrolled":
+            raise ConfigError(
+                "MLA caches keys and values of different widths, which the stacked (scan and "
+                "pipeline-stage) caches do not hold yet: MLA needs layer_loop='unrolled' and pp=1"
+            )
+        for name in _ATTENTION:
+            if getattr(self, name) not in ("auto", "xla"):
+                raise ConfigError(
+                    f"ExecutionOptions.{name}={getattr(self, name)!r}: MLA attends over its "
+                    "latent with its own XLA core (no fused kernel reads it); legal: 'auto' "
+                    "or 'xla'"
+                )
+
     def resolve(
         self, model: ModelConfig, platform: str, *, ragged_compiles: bool = False
     ) -> ExecutionOptions:
@@ -181,7 +213,7 @@ class ExecutionOptions:
         dtype = self.dtype if self.dtype is not None else model.dtype
         prefill, decode = attention_impls(platform, dtype)
         paged = paged_attention_impl(platform, dtype)
-        if model.attn_softcap is not None or model.attn_sinks:
+        if model.attn_softcap is not None or model.attn_sinks or model.is_mla:
             prefill = decode = paged = "xla"  # no fused kernel soft-caps scores or adds sinks
         if self.kv_cache_dtype is not None:  # only XLA and the Pallas GPU paged kernel scale
             decode = "xla"

@@ -43,7 +43,6 @@ from jaxpar.models._kv_quant import (
     dequantize_kv,
     empty_kv,
     kv_axes,
-    kv_bytes_per_vector,
     kv_map,
 )
 from jaxpar.models._run import ModelRun
@@ -122,11 +121,15 @@ class PagedKVCache:
         return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
 
     @classmethod
-    def empty_pool(cls, config: ModelConfig | ModelRun, pages: int, page_size: int) -> Any:
+    def empty_pool(
+        cls, config: ModelConfig | ModelRun, pages: int, page_size: int, part: str = "k"
+    ) -> Any:
         """A zero pool of ``pages`` pages per layer (compute dtype, or quantized with the
-        run's ``kv_cache_dtype``), in the run's form."""
+        run's ``kv_cache_dtype``), in the run's form: of the keys (``part="k"``) or the
+        values (``"v"``), whose widths may differ (MLA)."""
         config = ModelRun.of(config)
-        shape = (config.n_kv_heads, pages, page_size, config.head_dim)
+        width = config.cache_kv_dims[0 if part == "k" else 1]
+        shape = (config.n_kv_heads, pages, page_size, width)
         mode = config.kv_cache_dtype
         if config.layer_loop == "scan":
             return empty_kv((config.n_layers, *shape), config.dtype, mode)
@@ -136,9 +139,7 @@ class PagedKVCache:
     def pool_bytes(config: ModelConfig | ModelRun, pages: int, page_size: int) -> int:
         """Bytes of the keys and values of ``pages`` pages, every layer (all shards):
         values in the stored dtype, plus their scales when quantized."""
-        config = ModelRun.of(config)
-        per_vector = kv_bytes_per_vector(config.head_dim, config.dtype, config.kv_cache_dtype)
-        return 2 * config.n_layers * config.n_kv_heads * per_vector * pages * page_size
+        return ModelRun.of(config).cache_bytes_per_token * pages * page_size
 
     def write_layer(
         self, layer: int | jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array

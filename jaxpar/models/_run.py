@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kv_quant import kv_bytes_per_vector
 from jaxpar.models._moe_route import capacity_rows
 from jaxpar.models._options import ExecutionOptions
 
@@ -72,6 +73,15 @@ class ModelRun:
     def param_dtype(self) -> Any:
         """The parameter dtype: the options' ``dtype`` when set, else the checkpoint's."""
         return self.config.param_dtype if self.options.dtype is None else self.options.dtype
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Bytes the cache keeps per token over all layers (unsharded): keys and values of
+        :attr:`ModelConfig.cache_kv_dims` in the run's dtype, or stored as the run's
+        ``kv_cache_dtype`` with their scales."""
+        c, mode = self.config, self.options.kv_cache_dtype
+        widths = sum(kv_bytes_per_vector(h, self.dtype, mode) for h in c.cache_kv_dims)
+        return c.n_layers * c.n_kv_heads * widths
 
     def expert_capacity(self, tokens: int, peers: int = 1) -> int:
         """Rows a device sends to each of ``peers`` expert peers, for ``tokens`` tokens.

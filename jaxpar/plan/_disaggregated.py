@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.models import ModelConfig, kv_bytes_per_vector
+from jaxpar.models import ModelConfig, ModelRun
 from jaxpar.plan._enumerate import Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
 from jaxpar.plan._prediction import Prediction, predict
@@ -20,13 +20,11 @@ MAX_BATCH_GROWTH = 64
 
 def kv_transfer_bytes(model: ModelConfig, workload: Workload) -> int:
     """What one prefilled batch sends to the decode group: K and V of every layer
-    ``[B, T, K, H]`` (quantized with their scales under ``kv_cache_dtype``: they cross
-    as the cache stores them), and each row's prompt length and first token (int32);
-    ``B`` is the prefill batch when serving."""
+    ``[B, T, K, H]`` (MLA: its latent and RoPE key, no heads; quantized with their scales
+    under ``kv_cache_dtype``: they cross as the cache stores them), and each row's prompt
+    length and first token (int32); ``B`` is the prefill batch when serving."""
     b, t = workload.prefill_rows, workload.prompt_len
-    mode = getattr(model, "kv_cache_dtype", None)
-    per_vector = kv_bytes_per_vector(model.head_dim, model.dtype, mode)
-    return 2 * model.n_layers * b * t * model.n_kv_heads * per_vector + 2 * b * 4
+    return b * t * ModelRun.of(model).cache_bytes_per_token + 2 * b * 4
 
 
 def _best_group(

@@ -118,12 +118,33 @@ def check(model: ModelDims, config: ParallelConfig, workload: Workload) -> Refus
             "kv-cache-dtype-pp",
             f"kv_cache_dtype={kv!r} runs unpipelined strategies (pp=1), not pp={config.pp}",
         )
+    if config.pp > 1 and (why := _unstackable(model)) is not None:
+        return Refused(config, "model", f"pp={config.pp} runs the layers stacked: {why}")
     if workload.prompt_len % config.sp:
         return Refused(
             config,
             "sp-prefill-tokens",
             f"prompt_len {workload.prompt_len} does not divide into sp={config.sp} token shards",
         )
+    return None
+
+
+def _unstackable(model: ModelDims) -> str | None:
+    """Why a jaxpar model cannot run stacked layers (pipeline stages), or None: DeepSeek's
+    dense and MoE layers differ, MLA's caches are per layer (``ExecutionOptions`` refuses
+    ``layer_loop="scan"`` for such a model, with the reason)."""
+    from jaxpar.errors import ConfigError
+    from jaxpar.models import ModelConfig, ModelRun
+
+    if not isinstance(model, (ModelConfig, ModelRun)):
+        return None
+    run = ModelRun.of(model)
+    if run.layer_loop == "scan":
+        return None
+    try:
+        run.with_options(layer_loop="scan")
+    except ConfigError as e:
+        return str(e)
     return None
 
 

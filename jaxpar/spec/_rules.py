@@ -83,13 +83,14 @@ def mesh_axes(
     dims: ModelDims | None = None,
     table: SpecTable | None = None,
 ) -> dict[str, MeshAxes]:
-    """Every logical axis name -> the mesh axes that split it, for ``module`` in ``phase``."""
+    """Every logical axis name -> the mesh axes that split it, for ``module`` in ``phase``
+    (the rows of ``dims``' attention variant where it has one: :meth:`SpecTable.for_model`)."""
     return _resolve(
         Module.coerce(module),
         Phase.coerce(phase),
         config,
         _kv_heads_replicated(config, dims),
-        table or spec_table(),
+        (table or spec_table()).for_model(dims),
     )
 
 
@@ -209,7 +210,8 @@ def param_partition_spec(
     so weights are placed once and never move between phases.
     """
     _require_dims(logical_axes, config, dims)
-    rules = _param_rules(config, _kv_heads_replicated(config, dims), table or spec_table())
+    table = (table or spec_table()).for_model(dims)
+    rules = _param_rules(config, _kv_heads_replicated(config, dims), table)
     out = []
     for name in logical_axes:
         if name is not None and name not in rules:

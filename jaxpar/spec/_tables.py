@@ -42,6 +42,8 @@ class Entry:
     row: str
     source: str
     placement: str | None = None
+    #: The attention variant this row is for (``[variant.<name>.<primitive>]``), or None.
+    variant: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,30 @@ class SpecTable:
     roles: tuple[Role, ...]
     directory: Path
     follows: tuple[Follows, ...] = ()
+    #: Rows that replace a module's rows for models of one variant (``[variant.mla.tp]`` in
+    #: ``attention.toml``: multi-head latent attention), by variant name.
+    variants: Mapping[str, Mapping[tuple[Module, Primitive], Entry]] = dataclasses.field(
+        default_factory=dict
+    )
+    #: The variant whose rows are already in ``entries`` (a table from :meth:`for_model`).
+    applied: str | None = None
+
+    def for_model(self, dims: Any) -> SpecTable:
+        """The tables as they apply to ``dims``: its variant's rows in place of the module's
+        own (``dims.attention_variant``, e.g. ``"mla"``), else these tables unchanged.
+
+        Raises:
+            SpecFileError: the model names a variant the tables have no rows for.
+        """
+        name = getattr(dims, "attention_variant", None)
+        if name is None or name == self.applied:
+            return self
+        if name not in self.variants:
+            raise SpecFileError(
+                f"{self.directory}: the model's attention variant {name!r} has no rows "
+                f"([variant.{name}.<primitive>]); variants in the tables: {sorted(self.variants)}"
+            )
+        return _with_variant(self, name)
 
     def entry(self, module: Module | str, primitive: Primitive | str) -> Entry:
         return self.entries[Module.coerce(module), Primitive.coerce(primitive)]
@@ -116,6 +142,13 @@ def default_spec_dir() -> Path:
 
 
 @functools.cache
+def _with_variant(table: SpecTable, name: str) -> SpecTable:
+    """``table`` with variant ``name``'s rows in place (cached: tables key other caches)."""
+    entries = {**table.entries, **table.variants[name]}
+    return dataclasses.replace(table, entries=entries, applied=name)
+
+
+@functools.cache
 def _cached(directory: Path) -> SpecTable:
     return load_spec_table(directory)
 
@@ -129,9 +162,12 @@ def load_spec_table(directory: str | Path) -> SpecTable:
     """Loads and checks every table in ``directory``; raises SpecFileError on any defect."""
     directory = Path(directory)
     entries: dict[tuple[Module, Primitive], Entry] = {}
+    variants: dict[str, dict[tuple[Module, Primitive], Entry]] = {}
     for module in Module:
         path = directory / f"{module.value}.toml"
         entries.update(_load_module(path, module))
+        for name, rows in _load_variants(path, module).items():
+            variants.setdefault(name, {}).update(rows)
     rules, roles, follows = _load_rules(
         directory / "rules.toml", _display(directory) + "/rules.toml"
     )
@@ -142,7 +178,12 @@ def load_spec_table(directory: str | Path) -> SpecTable:
             f"{[m.value for m in Module]} plus rules.toml"
         )
     return SpecTable(
-        entries=entries, rules=rules, roles=roles, directory=directory, follows=follows
+        entries=entries,
+        rules=rules,
+        roles=roles,
+        directory=directory,
+        follows=follows,
+        variants=variants,
     )
 
 
@@ -183,7 +224,8 @@ def _load_module(path: Path, module: Module) -> dict[tuple[Module, Primitive], E
         )
     source = _text(path, "source", data.get("source"))
     components = _words(path, "components", data.get("components"))
-    unknown = set(data) - {"module", "source", "components"} - {p.value for p in Primitive}
+    unknown = set(data) - {"module", "source", "components", "variant"}
+    unknown -= {p.value for p in Primitive}
     if unknown:
         raise SpecFileError(
             f"{path}: unknown key(s) {sorted(unknown)}; primitives are {[p.value for p in Primitive]}"
@@ -195,6 +237,35 @@ def _load_module(path: Path, module: Module) -> dict[tuple[Module, Primitive], E
         if not isinstance(row, dict):
             raise SpecFileError(f"{path}: missing row [{key}] (every primitive needs a row)")
         out[module, primitive] = _entry(path, module, primitive, row, source, components)
+    return out
+
+
+def _load_variants(path: Path, module: Module) -> dict[str, dict[tuple[Module, Primitive], Entry]]:
+    """``[variant.<name>]`` of a module file: its own ``components`` and a full row per
+    primitive (``[variant.<name>.<primitive>]``), which replace the module's rows for models
+    of that variant (:meth:`SpecTable.for_model`)."""
+    data = _read(path)
+    out: dict[str, dict[tuple[Module, Primitive], Entry]] = {}
+    for name, raw in (data.get("variant") or {}).items():
+        where = f"{path}: [variant.{name}]"
+        if not isinstance(raw, dict):
+            raise SpecFileError(f"{where}: must be a table")
+        if unknown := set(raw) - {"components", "why"} - {p.value for p in Primitive}:
+            raise SpecFileError(f"{where}: unknown key(s) {sorted(unknown)}")
+        _text(path, f"variant.{name}.why", raw.get("why"))
+        components = _words(path, f"variant.{name}.components", raw.get("components"))
+        rows = {}
+        for primitive in Primitive:
+            row = raw.get(primitive.value)
+            if not isinstance(row, dict):
+                raise SpecFileError(
+                    f"{where}: missing row [variant.{name}.{primitive.value}] (a variant "
+                    "needs a row for every primitive)"
+                )
+            source = _text(path, "source", data.get("source"))
+            entry = _entry(path, module, primitive, row, source, components)
+            rows[module, primitive] = dataclasses.replace(entry, variant=name)
+        out[name] = rows
     return out
 
 

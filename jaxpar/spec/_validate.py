@@ -60,9 +60,13 @@ class Plan:
 
 
 def modules_of(model: ModelDims) -> tuple[Module, ...]:
-    """The modules a model has: MoE layers replace the dense FFN."""
-    ffn = Module.MOE if model.n_experts > 0 else Module.FFN
-    return (Module.EMBEDDING, Module.ATTENTION, ffn, Module.LM_HEAD)
+    """The modules a model has: MoE layers replace the dense FFN, which a MoE model keeps
+    for its dense first layers or shared experts (DeepSeek-V3)."""
+    if model.n_experts <= 0:
+        return (Module.EMBEDDING, Module.ATTENTION, Module.FFN, Module.LM_HEAD)
+    dense = getattr(model, "first_dense_layers", 0) or getattr(model, "shared_d_ff", 0)
+    ffn = (Module.FFN, Module.MOE) if dense else (Module.MOE,)
+    return (Module.EMBEDDING, Module.ATTENTION, *ffn, Module.LM_HEAD)
 
 
 def _divisors(n: int) -> list[int]:
@@ -110,7 +114,7 @@ def validate(
     Raises:
         IllegalStrategyError: listing every violated rule.
     """
-    table = table or spec_table()
+    table = (table or spec_table()).for_model(model)
     out = _Collector(table)
     _check_tables(model, config, table, out)
     _check_sizes(model, config, out)
@@ -194,7 +198,7 @@ def batch_multiple(model: ModelDims, config: ParallelConfig, table: SpecTable | 
     Every legal ``batch`` is a multiple of it (rule ``dp-batch-split``); e.g. 2 for
     ``ep=2, tp=4``, 8 for ``dp=2, sp=2, ep=2``.
     """
-    table = table or spec_table()
+    table = (table or spec_table()).for_model(model)
     return math.lcm(*(_batch_split(model, config, phase, table)[2] for phase in Phase))
 
 
@@ -219,6 +223,17 @@ def _check_tables(
                     )
             if module in (Module.EMBEDDING, Module.LM_HEAD) and config.ep > 1:
                 _check_ep_embedding(axes, module, phase, config, table, out)
+            variant = getattr(model, "attention_variant", None)
+            if module is Module.ATTENTION and variant is not None and axes["kv_heads"]:
+                out.add(
+                    "latent-cache-no-heads",
+                    f"the [variant.{variant}] rows make {list(axes['kv_heads'])} split "
+                    "'kv_heads', but its cache holds one latent per token and no head axis",
+                    "kv_heads split by no primitive (tp splits the query heads after the cache)",
+                    module,
+                    Primitive.coerce(axes["kv_heads"][0]),
+                    phase,
+                )
 
 
 def _check_decode_axes(axes, module: Module, config: ParallelConfig, out: _Collector) -> None:
@@ -284,12 +299,17 @@ def _check_sizes(model: ModelDims, config: ParallelConfig, out: _Collector) -> N
             (Module.MOE if model.n_experts else Module.FFN, "d_ff", model.d_ff),
             (Module.LM_HEAD, "vocab_size", model.vocab_size),
         ]
+        # DeepSeek-V3's dense first layers and shared experts split their width like an FFN.
+        for name in ("dense_d_ff", "shared_d_ff"):
+            if getattr(model, name, 0):
+                checks.append((Module.FFN, name, getattr(model, name)))
+        legal = _divisors(math.gcd(*(size for _, _, size in checks)))
         for module, name, size in checks:
             if size % tp:
                 out.add(
                     "tp-decomposable",
                     f"{name}={size} does not divide over tp={tp}",
-                    f"tp in {_divisors(math.gcd(model.n_heads, model.d_ff, model.vocab_size))}",
+                    f"tp in {legal}",
                     module,
                     Primitive.TP,
                 )
