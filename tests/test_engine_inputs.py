@@ -43,6 +43,17 @@ def test_bad_prompts(eng, prompts, kwargs, error, match):
     assert eng.steps.compile_seconds == compiled_before  # raised before any compile
 
 
+def test_padding_refuses_ids_outside_the_vocabulary(eng):
+    """``pad_prompts`` feeds the lower-level steps (``prefill_logits``): an id past the
+    embedding table would read past it (NaN logits), so it is refused there too."""
+    with pytest.raises(jaxpar.ShapeError, match=r"prompt 1 has token id\(s\) \[300\] outside"):
+        eng.pad_prompts([[1, 2], [300]])
+    with pytest.raises(jaxpar.ShapeError, match="5 prompts exceed max_batch=4"):
+        eng.pad_prompts([[1]] * 5)
+    tokens, lengths = eng.pad_prompts([[5, 6, 7]])
+    assert tokens[0, :3].tolist() == [5, 6, 7] and lengths.tolist() == [3, 1, 1, 1]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

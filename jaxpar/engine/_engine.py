@@ -261,11 +261,19 @@ class InferenceEngine:
         """Right-pads prompts into ``tokens [max_batch, T]`` and ``lengths [max_batch]``.
 
         Rows past ``len(prompts)`` hold a one-token dummy prompt (they are never returned).
+
+        Raises:
+            ShapeError: more prompts than ``max_batch``, or a prompt that is empty, not 1-D
+                integers, or holds an id outside the vocabulary (an embedding lookup past
+                the table would give NaN logits, not an error).
         """
+        if len(prompts) > self.max_batch:
+            raise ShapeError(f"{len(prompts)} prompts exceed max_batch={self.max_batch}")
+        ids = [self.admission.token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         lengths = np.ones(self.max_batch, np.int32)
-        lengths[: len(prompts)] = [len(p) for p in prompts]
+        lengths[: len(ids)] = [len(p) for p in ids]
         tokens = np.zeros((self.max_batch, self.bucket(int(lengths.max()))), np.int32)
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(ids):
             tokens[i, : len(prompt)] = prompt
         return tokens, lengths
 
