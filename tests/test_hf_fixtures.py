@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.models import KVCache, abstract_model, check_room, load_hf_checkpoint
+from jaxpar.models import (
+    ExecutionOptions,
+    KVCache,
+    ModelRun,
+    abstract_model,
+    check_room,
+    load_hf_checkpoint,
+    params_quantization,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 FIXTURE_DIRS = sorted(p.parent for p in FIXTURES.glob("*/reference.npz"))
@@ -41,7 +49,9 @@ def _reference(fixture: Path) -> list[dict[str, np.ndarray]]:
 @pytest.mark.parametrize("fixture", FIXTURE_DIRS, ids=lambda p: p.name)
 def test_matches_transformers(fixture: Path) -> None:
     config, params = load_hf_checkpoint(fixture)
-    graphdef, _ = nnx.split(abstract_model(config))
+    # A pre-quantized checkpoint's parameters say their mode; the model is built to match.
+    run = ModelRun(config, ExecutionOptions(quantize=params_quantization(params)))
+    graphdef, _ = nnx.split(abstract_model(run))
     prompts = _reference(fixture)
     lengths = np.array([len(p["tokens"]) for p in prompts], np.int32)
     tokens = np.zeros((len(prompts), lengths.max()), np.int32)

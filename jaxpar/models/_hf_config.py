@@ -110,26 +110,34 @@ def config_from_hf(hf: Mapping[str, Any], *, source: str) -> ModelConfig:
         raise CheckpointError(f"{source}: unsupported configuration: {e}") from None
 
 
-def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; 'silu'")
+def _sizes(
+    hf: Mapping[str, Any], *, head_dim: int, eps: float, positions: int, tied: bool
+) -> dict[str, Any]:
+    """The sizes every decoder's ``config.json`` names alike; the arguments are the family's
+    defaults where a key is absent (``head_dim``, ``rms_norm_eps``,
+    ``max_position_embeddings``, ``tie_word_embeddings``)."""
     n_heads = hf["num_attention_heads"]
-    theta, scaling = _rope(hf, source)
-    fields: dict[str, Any] = dict(
+    return dict(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or _default_head_dim(hf, arch),
+        head_dim=hf.get("head_dim") or head_dim,
         d_ff=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=_window(hf, arch, source),
+        norm_eps=hf.get("rms_norm_eps", eps),
+        max_position_embeddings=hf.get("max_position_embeddings", positions),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", tied)),
     )
+
+
+def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{source}: hidden_act {hf['hidden_act']!r} unsupported; 'silu'")
+    theta, scaling = _rope(hf, source)
+    head_dim = _default_head_dim(hf, arch)
+    fields = _sizes(hf, head_dim=head_dim, eps=1e-6, positions=2048, tied=False)
+    fields.update(rope_theta=theta, rope_scaling=scaling, sliding_window=_window(hf, arch, source))
     if arch == "qwen2":
         fields["qkv_bias"] = True  # Qwen2 hard-codes q/k/v biases, none on o_proj.
     elif arch == "llama":
@@ -181,18 +189,12 @@ def _deepseek_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     experts = hf["n_routed_experts"]
     moe_width = hf["moe_intermediate_size"]
     return dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=n_layers,
-        n_heads=hf["num_attention_heads"],
+        _sizes(hf, head_dim=rank + rope, eps=1e-6, positions=4096, tied=False),
         n_kv_heads=1,
         head_dim=rank + rope,
         d_ff=moe_width,
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         kv_lora_rank=rank,
         q_lora_rank=hf.get("q_lora_rank"),
         qk_nope_head_dim=nope,
@@ -338,7 +340,6 @@ def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
             f"{source}: use_bidirectional_attention=true (an encoder-style Gemma) is "
             "unsupported; jaxpar decodes causally (it must be false or absent)"
         )
-    n_heads = hf["num_attention_heads"]
     layers, window = _gemma_layers(hf, arch, source)
     theta, local_theta, linear = _gemma_rope(hf, arch, source)
     bias = bool(hf.get("attention_bias", False))
@@ -350,20 +351,12 @@ def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
         value = hf.get(theirs)
         caps[ours] = None if value is None else float(value)
     return dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or 256,  # Gemma2Config's and Gemma3TextConfig's default
-        d_ff=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        # head_dim 256: Gemma2Config's and Gemma3TextConfig's default.
+        _sizes(hf, head_dim=256, eps=1e-6, positions=8192, tied=True),
         activation="gelu_tanh",
         rope_theta=theta,
         rope_local_theta=local_theta if layers else None,
         rope_linear_factor=linear,
-        max_position_embeddings=hf.get("max_position_embeddings", 8192),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         sliding_window=window,
         sliding_layers=layers,
         qkv_bias=bias,
@@ -456,23 +449,14 @@ def _gpt_oss_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     experts with a biased router (top-k of the logits, softmax over the k), expert biases and
     the clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``: transformers' defaults 7.0 and
     1.702 where config.json has none)."""
-    n_heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf, source)
     layers, window = _gemma_layers(hf, "gpt_oss", source)
     bias = bool(hf.get("attention_bias", True))
     return dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or 64,  # GptOssConfig's default
-        d_ff=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-5),
+        # GptOssConfig's defaults: head_dim 64, eps 1e-5, 131072 positions.
+        _sizes(hf, head_dim=64, eps=1e-5, positions=131072, tied=False),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 131072),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         sliding_window=window,
         sliding_layers=layers,
         qkv_bias=bias,
