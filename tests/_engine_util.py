@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 
 import jax
 import numpy as np
 
-from jaxpar.engine import InferenceEngine
+from jaxpar.engine import InferenceEngine, engine_from_hf
 from jaxpar.models._config import preset
 from jaxpar.models._decoder import init_params
 from jaxpar.spec import ParallelConfig, make_mesh
@@ -42,3 +43,28 @@ def factorizations(total: int, n: int) -> list[tuple[int, ...]]:
     """Every ordered n-tuple of positive ints whose product is ``total``."""
     divisors = [d for d in range(1, total + 1) if total % d == 0]
     return [c for c in itertools.product(divisors, repeat=n) if np.prod(c) == total]
+
+
+def hf_reference(fixture: Path):
+    """A transformers fixture's ``reference.npz`` and its prompts (token-id lists)."""
+    ref = np.load(fixture / "reference.npz")
+    prompts = [ref[f"tokens_{i}"].tolist() for i in range(int(ref["n_prompts"]))]
+    return ref, prompts
+
+
+def check_matches_hf(fixture: Path, parallel: ParallelConfig) -> InferenceEngine:
+    """``engine_from_hf`` of ``fixture`` under ``parallel`` equals transformers: every
+    prompt's prefill logits within 1e-4 (f32) and its 16 greedy tokens identical (the
+    fixtures ran with EOS disabled). Returns the engine for further checks."""
+    ref, prompts = hf_reference(fixture)
+    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    eng = engine_from_hf(fixture, parallel, max_batch=4, max_seq_len=32, mesh=mesh)
+    tokens, lengths = eng.pad_prompts(prompts)
+    logits = np.asarray(eng.prefill_logits(tokens, lengths))
+    for i, prompt in enumerate(prompts):
+        np.testing.assert_allclose(
+            logits[i, : len(prompt)], ref[f"logits_{i}"], atol=1e-4, rtol=0, err_msg=f"row {i}"
+        )
+    gen = eng.generate(prompts, 16, stop_tokens=())
+    assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
+    return eng

@@ -26,7 +26,6 @@ from jaxpar import ParallelConfig
 from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget
-from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError, ConfigError, IllegalStrategyError, SpecFileError
 from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
 from jaxpar.models._hf_config import config_from_hf
@@ -43,14 +42,9 @@ from jaxpar.spec import (
     validate,
 )
 from jaxpar.spec._tables import default_spec_dir
+from tests._engine_util import check_matches_hf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
-
-
-def _reference():
-    ref = np.load(FIXTURE / "reference.npz")
-    prompts = [ref[f"tokens_{i}"].tolist() for i in range(int(ref["n_prompts"]))]
-    return ref, prompts
 
 
 def _hf_config() -> dict:
@@ -111,22 +105,12 @@ def test_stacked_layers_refused_naming_the_reason():
     ids=str,
 )
 def test_sharded_matches_transformers(parallel):
-    ref, prompts = _reference()
-    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    eng = engine_from_hf(FIXTURE, parallel, max_batch=4, max_seq_len=32, mesh=mesh)
+    eng = check_matches_hf(FIXTURE, parallel)
     # The latent pool is split by pages (rows) only, never by tp: no head axis to split.
     spec = partition_spec(
         PAGE_AXES, Module.ATTENTION, Phase.DECODE, parallel, dims=eng.model_config
     )
     assert spec[0] is None and "tp" not in jax.tree.leaves(tuple(spec))
-    tokens, lengths = eng.pad_prompts(prompts)
-    logits = np.asarray(eng.prefill_logits(tokens, lengths))
-    for i, prompt in enumerate(prompts):
-        np.testing.assert_allclose(
-            logits[i, : len(prompt)], ref[f"logits_{i}"], atol=1e-4, rtol=0, err_msg=f"row {i}"
-        )
-    gen = eng.generate(prompts, 16, stop_tokens=())  # the fixture ran with EOS disabled
-    assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
 
 
 def test_served_over_pages_equals_prefill_argmax():

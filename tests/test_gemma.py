@@ -15,7 +15,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -23,20 +22,13 @@ from jaxpar import ParallelConfig
 from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.engine._kv_budget import KVBudget
-from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
 from jaxpar.models._hf_config import config_from_hf
-from jaxpar.spec import make_mesh
+from tests._engine_util import check_matches_hf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 PAGE = 4
-
-
-def _reference(name: str):
-    ref = np.load(FIXTURES / name / "reference.npz")
-    prompts = [ref[f"tokens_{i}"].tolist() for i in range(int(ref["n_prompts"]))]
-    return ref, prompts
 
 
 @pytest.mark.parametrize(
@@ -56,17 +48,7 @@ def _reference(name: str):
     ids=str,
 )
 def test_sharded_gemma_matches_transformers(name, parallel):
-    ref, prompts = _reference(name)
-    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    eng = engine_from_hf(FIXTURES / name, parallel, max_batch=4, max_seq_len=32, mesh=mesh)
-    tokens, lengths = eng.pad_prompts(prompts)
-    logits = np.asarray(eng.prefill_logits(tokens, lengths))
-    for i, prompt in enumerate(prompts):
-        np.testing.assert_allclose(
-            logits[i, : len(prompt)], ref[f"logits_{i}"], atol=1e-4, rtol=0, err_msg=f"row {i}"
-        )
-    gen = eng.generate(prompts, 16, stop_tokens=())  # the fixtures ran with EOS disabled
-    assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
+    check_matches_hf(FIXTURES / name, parallel)
 
 
 def _requests(vocab: int) -> list[dict]:

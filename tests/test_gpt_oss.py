@@ -28,7 +28,6 @@ from jaxpar import ParallelConfig
 from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine
 from jaxpar.engine._kv_budget import KVBudget
-from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError, ConfigError, IllegalStrategyError
 from jaxpar.models import (
     ExecutionOptions,
@@ -39,16 +38,11 @@ from jaxpar.models import (
 from jaxpar.models import _moe_route as route
 from jaxpar.models._hf_config import config_from_hf
 from jaxpar.models._hf_mxfp4 import FP4_VALUES, Mxfp4Tensors, dequantize
-from jaxpar.spec import make_mesh, validate
+from jaxpar.spec import validate
+from tests._engine_util import check_matches_hf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "gpt_oss"
 PAGE = 4
-
-
-def _reference():
-    ref = np.load(FIXTURE / "reference.npz")
-    prompts = [ref[f"tokens_{i}"].tolist() for i in range(int(ref["n_prompts"]))]
-    return ref, prompts
 
 
 def _hf_config() -> dict:
@@ -67,17 +61,7 @@ def _hf_config() -> dict:
     ids=str,
 )
 def test_sharded_gpt_oss_matches_transformers(parallel):
-    ref, prompts = _reference()
-    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
-    eng = engine_from_hf(FIXTURE, parallel, max_batch=4, max_seq_len=32, mesh=mesh)
-    tokens, lengths = eng.pad_prompts(prompts)
-    logits = np.asarray(eng.prefill_logits(tokens, lengths))
-    for i, prompt in enumerate(prompts):
-        np.testing.assert_allclose(
-            logits[i, : len(prompt)], ref[f"logits_{i}"], atol=1e-4, rtol=0, err_msg=f"row {i}"
-        )
-    gen = eng.generate(prompts, 16, stop_tokens=())  # the fixture ran with EOS disabled
-    assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
+    check_matches_hf(FIXTURE, parallel)
 
 
 def test_served_over_pages_equals_whole_sequence_prefill():
