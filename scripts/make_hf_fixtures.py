@@ -46,6 +46,8 @@ llama              LlamaForCausalLM     GQA 4 q / 2 kv heads, untied, rope_theta
 llama3_rope        LlamaForCausalLM     rope_type llama3 (theta 5e5), tied embeddings, head_dim 16
 llama_sharded      LlamaForCausalLM     like llama, saved in several safetensors shards + index
 qwen2              Qwen2ForCausalLM     q/k/v biases, GQA 4/2, tied embeddings
+qwen2_window       Qwen2ForCausalLM     qwen2 with use_sliding_window: layer 0 full (max_window_layers
+                                        1), layer 1 a 4-token window (layer_types as saved)
 qwen3              Qwen3ForCausalLM     q/k norms, head_dim 16 (4 x 16 != hidden 32), GQA 4/2, tied
 mistral            MistralForCausalLM   MHA 4/4, sliding_window 4096 (longer than any sequence)
 mixtral_fused      MixtralForCausalLM   4 experts top-2, fused expert tensors (transformers 5.x)
@@ -421,6 +423,29 @@ FIXTURES: tuple[FixtureSpec, ...] = (
         ),
         base_seed=4000,
         notes="q/k/v biases, GQA 4/2, tied embeddings",
+    ),
+    FixtureSpec(
+        name="qwen2_window",
+        model_class="Qwen2ForCausalLM",
+        config_class="Qwen2Config",
+        config=dict(
+            _COMMON,
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=96,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=INIT_RANGE,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        ),
+        base_seed=4500,
+        notes="qwen2 with use_sliding_window: layer 0 full, layer 1 a 4-token window",
+        effects={"sliding_window": {"use_sliding_window": False}},
     ),
     FixtureSpec(
         name="qwen3",

@@ -38,6 +38,9 @@ def _check_prefill(eng, ref, prompts) -> None:
         ("gpt2", ParallelConfig(sp=2, tp=4)),
         # One query head per device, kv heads (2) replicated; the q/k norms split nowhere.
         ("qwen3", ParallelConfig(dp=2, tp=4)),
+        # Qwen2 with use_sliding_window: layer 0 full, layer 1 a 4-token window; prompt
+        # tokens over sp (the window reaches into the other shard's keys), heads over tp.
+        ("qwen2_window", ParallelConfig(sp=2, tp=2)),
         # Qwen3-MoE: test_qwen3_moe_capacity_mode_* (padded, sp2-ep2-tp2) and
         # test_qwen3_moe_ragged_dispatch_* (ep4-tp2).
     ],

@@ -485,9 +485,19 @@ def test_qwen3_config_mapping() -> None:
     # use_sliding_window without layer_types: layers from max_window_layers on slide.
     slide = dict(use_sliding_window=True, sliding_window=8, layer_types=_DROP)
     every = config_from_hf(_fixture_config("qwen3", max_window_layers=0, **slide), source="x")
-    assert every.sliding_window == 8
-    with pytest.raises(CheckpointError, match="per-layer attention types"):
-        config_from_hf(_fixture_config("qwen3", max_window_layers=1, **slide), source="x")
+    assert every.sliding_window == 8 and every.sliding_layers is None  # every layer
+    mixed = config_from_hf(_fixture_config("qwen3", max_window_layers=1, **slide), source="x")
+    assert mixed.sliding_window == 8 and mixed.sliding_layers == (False, True)
+    named = dict(slide, layer_types=["sliding_attention", "full_attention"])
+    assert config_from_hf(_fixture_config("qwen3", **named), source="x").sliding_layers == (
+        True,
+        False,
+    )
+    with pytest.raises(
+        CheckpointError, match="layer_types must list 2 entries .* with \\['chunked'\\]"
+    ):
+        bad = dict(slide, layer_types=["chunked", "full_attention"])
+        config_from_hf(_fixture_config("qwen3", **bad), source="x")
 
 
 def test_qwen3_moe_config_mapping() -> None:

@@ -137,7 +137,9 @@ def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     theta, scaling = _rope(hf, source)
     head_dim = _default_head_dim(hf, arch)
     fields = _sizes(hf, head_dim=head_dim, eps=1e-6, positions=2048, tied=False)
-    fields.update(rope_theta=theta, rope_scaling=scaling, sliding_window=_window(hf, arch, source))
+    window, sliding = _window(hf, arch, source)
+    fields.update(rope_theta=theta, rope_scaling=scaling, sliding_window=window)
+    fields.update(sliding_layers=sliding)
     if arch == "qwen2":
         fields["qkv_bias"] = True  # Qwen2 hard-codes q/k/v biases, none on o_proj.
     elif arch == "llama":
@@ -295,33 +297,45 @@ def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def _window(hf: Mapping[str, Any], arch: str, source: str) -> int | None:
+def _window(
+    hf: Mapping[str, Any], arch: str, source: str
+) -> tuple[int | None, tuple[bool, ...] | None]:
+    """The sliding window and which layers take it (None: every layer): Mistral's window is
+    on every layer; Qwen2/Qwen3 slide only with ``use_sliding_window``, on the layers
+    ``layer_types`` names, else (transformers' rule) those from ``max_window_layers`` on."""
     window = hf.get("sliding_window")
-    kinds = set(hf.get("layer_types") or ())
+    kinds = hf.get("layer_types")
     if arch in ("qwen2", "qwen3", "qwen3_moe"):
-        if not hf.get("use_sliding_window", False):
-            return None
+        if not hf.get("use_sliding_window", False) or window is None:
+            return None, None
         if arch == "qwen3_moe":
             raise CheckpointError(
                 f"{source}: use_sliding_window=true is unsupported for Qwen3MoeForCausalLM "
                 "(transformers releases disagree on which of its layers slide)"
             )
-        if not kinds and window is not None:
-            # transformers' rule when config.json has no layer_types: layers from
-            # max_window_layers on slide, the ones before attend to everything.
+        if kinds is None:
             first = hf.get("max_window_layers", 28)
-            kinds = {
+            kinds = [
                 "sliding_attention" if i >= first else "full_attention"
                 for i in range(hf["num_hidden_layers"])
-            }
-    if kinds == {"full_attention"}:
-        return None
-    if kinds - {"sliding_attention"}:
+            ]
+    if not kinds:
+        return window, None
+    n = hf["num_hidden_layers"]
+    unknown = sorted(set(kinds) - set(_LAYER_TYPES))
+    if unknown or len(kinds) != n:
         raise CheckpointError(
-            f"{source}: per-layer attention types {sorted(kinds)} are "
-            "unsupported; all layers must be full or all sliding"
+            f"{source}: layer_types must list {n} entries of {', '.join(_LAYER_TYPES)}; got "
+            f"{len(kinds)} entries" + (f" with {unknown}" if unknown else "")
         )
-    return window
+    sliding = tuple(kind == "sliding_attention" for kind in kinds)
+    if not any(sliding):
+        return None, None
+    if window is None:
+        raise CheckpointError(
+            f"{source}: layer_types has sliding_attention layers but sliding_window is null"
+        )
+    return int(window), None if all(sliding) else sliding
 
 
 def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, Any]:
