@@ -18,6 +18,7 @@ from jaxpar.inspect import (
     classify,
     collective_report,
     communication_model,
+    execution_steps,
     parse_collectives,
 )
 from jaxpar.models import ExecutionOptions, ModelRun, preset
@@ -105,6 +106,22 @@ def test_pipeline_permutes_once_per_boundary_per_microbatch():
     assert (perm.axes, perm.shape, perm.count) == (("pp",), (B // 2, T, D), 2 * (2 - 1))
     attn = next(i for i in m.items if i.step == "attention out-proj")
     assert attn.count == (L // 2) * 2  # this stage's layers, once per microbatch
+
+
+def test_execution_steps_name_the_layer_form():
+    """The layer block's label says how the layers run: a loop over per-layer weights
+    (unrolled, the default), or a scan over stacked ones (asked for, or pipelined)."""
+
+    def label(config, cfg):
+        steps = execution_steps(
+            config, communication_model(config, cfg, "decode", batch=B, prompt_len=T)
+        )
+        return {s["section"] for s in steps if s["section"].startswith("layer")}
+
+    assert label(DENSE, ParallelConfig(tp=2)) == {"layer x4 (unrolled)"}
+    scan = ModelRun(DENSE, ExecutionOptions(layer_loop="scan"))
+    assert label(scan, ParallelConfig(tp=2)) == {"layer x4 (scan)"}
+    assert label(DENSE, ParallelConfig(pp=2, tp=2)) == {"layer x2 (scan)"}
 
 
 def test_bf16_halves_the_bytes():

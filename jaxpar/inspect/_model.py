@@ -408,8 +408,8 @@ def _moe(step: _Step, count: int) -> None:
 def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     """The sequence of compute and communication steps of one phase, per section.
 
-    Sections are the embedding, the layer block (run once per layer by the scan) and the
-    head; each communication step names its collective, mesh axes and per-device shape.
+    Sections are the embedding, the layer block (run once per layer: a Python loop over
+    per-layer weights, or a scan over stacked ones) and the head; each communication step names its collective, mesh axes and per-device shape.
 
     Args:
         config: a jaxpar ``ModelConfig`` (``positional``, ``is_moe``, ``top_k``, ...).
@@ -421,7 +421,9 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         for item in model.items
     }
     prefill = model.phase is Phase.PREFILL
-    layer = f"layer x{config.n_layers // model.config.pp} (scan)"
+    stacked = getattr(config, "layer_loop", "unrolled") == "scan" or model.config.pp > 1
+    loop = "scan" if stacked else "unrolled"
+    layer = f"layer x{config.n_layers // model.config.pp} ({loop})"
     out: list[dict[str, str]] = []
 
     def step(section: str, text: str, *comm_steps: str) -> None:
