@@ -12,6 +12,7 @@ what the tables forbid.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -106,12 +107,36 @@ def test_config_mapping():
     assert c.attn_sinks and c.router_bias and c.mlp_bias and c.norm_topk_prob
     assert (c.swiglu_limit, c.swiglu_alpha) == (1.0, 1.702)
     assert c.qkv_bias and c.out_bias and c.head_dim == 12 and not c.tie_embeddings
+    assert c.norm_scale_f32 and not c.norm_offset
     assert type(c.rope_scaling).__name__ == "YarnRopeScaling"
     # Older files: no layer_types (every other layer slides), no swiglu_alpha (1.702).
     old = {k: v for k, v in _hf_config().items() if k not in ("layer_types", "swiglu_alpha")}
     c_old = config_from_hf({**old, "swiglu_limit": 7.0}, source="old")
     assert c_old.sliding_layers == (True, False, True, False)
     assert (c_old.swiglu_limit, c_old.swiglu_alpha) == (7.0, 1.702)
+
+
+def test_bf16_norms_scale_in_float32_as_transformers():
+    """GPT-OSS's RMS norm multiplies its weight into the float32 normalised vector and casts
+    once (``(w * x_f32).to(bf16)``); Llama's casts first, then scales in bfloat16. The two
+    round differently in bfloat16 (f32 fixtures cannot tell), so the mapping must say which."""
+    from jaxpar.models._layers import RMSNorm
+
+    bf16 = dataclasses.replace(
+        config_from_hf(_hf_config(), source="gpt_oss"), dtype="bfloat16", param_dtype="bfloat16"
+    )
+    norm = RMSNorm(bf16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(1.0, 0.5, bf16.d_model), jnp.bfloat16)
+    norm.scale.set_value(w)
+    x = jnp.asarray(rng.normal(size=(64, bf16.d_model)), jnp.bfloat16)
+    x32 = np.asarray(x, np.float32)
+    n32 = x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + bf16.norm_eps)
+    f32_scale = (np.asarray(w, np.float32) * n32).astype(jnp.bfloat16)
+    cast_first = n32.astype(jnp.bfloat16) * np.asarray(w)
+    got = np.asarray(norm(x))
+    np.testing.assert_array_equal(got, f32_scale)
+    assert np.any(got != cast_first)  # the other order would have been caught
 
 
 @pytest.mark.parametrize(

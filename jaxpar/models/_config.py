@@ -241,6 +241,10 @@ class ModelConfig:
     #: Gemma: RMS norms scale by ``1 + w`` (the stored weight is the offset from 1), in
     #: float32 before the cast back (Llama casts first, then scales by ``w``).
     norm_offset: bool = False
+    #: GPT-OSS: RMS norms scale by ``w`` in float32, then cast back (as ``norm_offset``
+    #: does); False (Llama): cast the normalised vector first, then scale in its dtype.
+    #: The same in float32; in bfloat16 the two round differently.
+    norm_scale_f32: bool = False
     #: Gemma 2/3: norms after attention and after the feed-forward block too, before each
     #: residual add (``post_attention_layernorm``, ``post_feedforward_layernorm``).
     sandwich_norm: bool = False

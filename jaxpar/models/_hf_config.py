@@ -476,6 +476,7 @@ def _gpt_oss_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         qkv_bias=bias,
         out_bias=bias,
         attn_sinks=True,
+        norm_scale_f32=True,
         n_experts=hf["num_local_experts"],
         top_k=hf["num_experts_per_tok"],
         norm_topk_prob=True,  # softmax over the chosen logits: renormalised probabilities

@@ -117,8 +117,9 @@ class RMSNorm(nnx.Module):
     Each vector is normalised alone, so a split of the other dimensions (heads over tp,
     tokens over dp/sp) needs no collective. With ``config.norm_offset`` (Gemma) the scale
     is ``1 + w`` and is applied in float32 before the cast back, as Gemma's
-    ``RMSNorm`` does; otherwise the normalised vector is cast first and scaled by ``w`` in
-    its dtype, as Llama's does.
+    ``RMSNorm`` does; with ``config.norm_scale_f32`` (GPT-OSS) ``w`` is applied in float32
+    before the cast back; otherwise the normalised vector is cast first and scaled by ``w``
+    in its dtype, as Llama's does.
     """
 
     def __init__(
@@ -132,6 +133,7 @@ class RMSNorm(nnx.Module):
     ):
         self.eps = config.norm_eps if eps is None else eps
         self.offset = config.norm_offset
+        self.f32_scale = config.norm_offset or config.norm_scale_f32
         if size is None:  # ``size`` (with axis None): a vector no primitive splits (MLA's latents)
             size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
         init = ZEROS if self.offset else ONES  # an identity scale either way
@@ -141,8 +143,9 @@ class RMSNorm(nnx.Module):
         """Normalises the last dimension of ``x [..., D]`` (or ``[..., H]``); returns its dtype."""
         x = x_xD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            return (x * (1.0 + self.scale[...].astype(jnp.float32))).astype(x_xD.dtype)
+        if self.f32_scale:
+            scale = self.scale[...].astype(jnp.float32) + (1.0 if self.offset else 0.0)
+            return (x * scale).astype(x_xD.dtype)
         # Cast before scaling, as Hugging Face's Llama does.
         return x.astype(x_xD.dtype) * self.scale[...].astype(x_xD.dtype)
 
