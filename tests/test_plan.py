@@ -1,6 +1,6 @@
 """``jaxpar plan`` against the compiled programs it predicts, on 8 simulated CPU devices.
 
-For the top 5 plans of each preset under two workloads, the planner's collective bytes per
+For the top 3 plans of each preset under two workloads, the planner's collective bytes per
 step must equal what ``jaxpar.inspect`` reads from the compiled prefill and decode programs
 (within 1%), and its parameter + KV cache + input bytes per device what
 ``memory_analysis()`` reports as the steps' arguments (within 2%). Every program is
@@ -61,7 +61,8 @@ def compiled(name: str, config: ParallelConfig, workload: str) -> dict[str, tupl
     return out
 
 
-TOP = [(m, w, i) for m in MODELS for w in WORKLOADS for i in range(5)]
+# The top 3 of each; the MoE's 4th under b2 (a pipelined plan) as well, for the JAX releases.
+TOP = [(m, w, i) for m in MODELS for w in WORKLOADS for i in range(3)] + [("tiny-moe", "b2", 3)]
 # Version-sensitive (scripts/test.sh runs them on both JAX releases): MoE with dp and pp.
 COMPAT = {("tiny-moe", "b2", 0), ("tiny-moe", "b2", 3)}
 TOP = [pytest.param(*t, marks=pytest.mark.jax_compat) if t in COMPAT else t for t in TOP]
