@@ -91,6 +91,15 @@ def test_stacked_layers_refused_naming_the_reason():
         InferenceEngine(c, None, ParallelConfig(pp=2), max_batch=2, max_seq_len=16)
 
 
+def test_mla_refuses_kernels_and_quantization_it_cannot_run():
+    c = config_from_hf(_hf_config(), source="config.json")
+    with pytest.raises(ConfigError, match="decode_attention='cudnn' cannot attend over MLA"):
+        ModelRun(c, ExecutionOptions(decode_attention="cudnn"))
+    for options in (ExecutionOptions(quantize="int8"), ExecutionOptions(kv_cache_dtype="fp8")):
+        with pytest.raises(ConfigError, match="multi-head latent attention .* leave both None"):
+            ModelRun(c, options)
+
+
 @pytest.mark.parametrize(
     "parallel",
     [

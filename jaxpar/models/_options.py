@@ -139,27 +139,22 @@ class ExecutionOptions:
                 f"moe_dispatch={self.moe_dispatch!r} need a mixture of experts; "
                 f"arch {model.arch!r} is dense (n_experts=0): leave them at None and 'auto'"
             )
-        if model.attn_softcap is not None:
-            # The fused kernels (cuDNN, splash, Pallas decode) have no soft-capping: "auto"
-            # runs XLA for such a model; a kernel named explicitly would be silently wrong.
+        # No fused kernel (cuDNN, splash, Pallas decode) soft-caps scores, adds a sink logit
+        # or reads MLA's latent: "auto" runs XLA for such a model; a kernel named explicitly
+        # would be silently wrong.
+        xla_only = {
+            "cannot soft-cap attention scores": model.attn_softcap is not None,
+            "cannot add attention sinks to the softmax": model.attn_sinks,
+            "cannot attend over MLA's latent (its own XLA core does)": model.is_mla,
+        }
+        for why in (why for why, applies in xla_only.items() if applies):
             for name in _ATTENTION:
                 if getattr(self, name) not in ("auto", "xla"):
                     raise ConfigError(
-                        f"ExecutionOptions.{name}={getattr(self, name)!r} cannot soft-cap "
-                        f"attention scores (the model's attn_softcap={model.attn_softcap}); "
-                        "legal: 'auto' or 'xla' (both run the XLA path)"
+                        f"ExecutionOptions.{name}={getattr(self, name)!r} {why} (the model's "
+                        f"attn_softcap={model.attn_softcap}, attn_sinks={model.attn_sinks}, "
+                        f"MLA={model.is_mla}); legal: 'auto' or 'xla' (both run the XLA path)"
                     )
-        if model.attn_sinks:
-            # No fused kernel (cuDNN, splash, Pallas decode) takes a sink logit: "auto" runs
-            # XLA for such a model; a kernel named explicitly would drop the sinks.
-            for name in _ATTENTION:
-                if getattr(self, name) not in ("auto", "xla"):
-                    raise ConfigError(
-                        f"ExecutionOptions.{name}={getattr(self, name)!r} cannot add attention "
-                        "sinks to the softmax (the model's attn_sinks=True); legal: 'auto' or "
-                        "'xla' (both run the XLA path)"
-                    )
-
         if model.first_dense_layers and self.layer_loop == "scan":
             raise ConfigError(
                 f"the model's first_dense_layers={model.first_dense_layers}: dense and MoE "
@@ -183,13 +178,6 @@ class ExecutionOptions:
                 "MLA caches keys and values of different widths, which the stacked (scan and "
                 "pipeline-stage) caches do not hold yet: MLA needs layer_loop='unrolled' and pp=1"
             )
-        for name in _ATTENTION:
-            if getattr(self, name) not in ("auto", "xla"):
-                raise ConfigError(
-                    f"ExecutionOptions.{name}={getattr(self, name)!r}: MLA attends over its "
-                    "latent with its own XLA core (no fused kernel reads it); legal: 'auto' "
-                    "or 'xla'"
-                )
 
     def resolve(
         self, model: ModelConfig, platform: str, *, ragged_compiles: bool = False
