@@ -71,9 +71,10 @@ _TIMES = os.environ.get("JAXPAR_TEST_TIMES")
 
 def pytest_runtest_logreport(report) -> None:
     """With JAXPAR_TEST_TIMES=FILE, appends each test phase's wall seconds to FILE as it
-    ends (``worker seconds phase nodeid``): where the suite's time goes, even from a run
-    that is stopped before pytest's own ``--durations`` summary."""
+    ends (``worker seconds phase outcome nodeid``): where the suite's time goes, and what
+    failed, even from a run that is stopped before pytest's own summary."""
     if _TIMES:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(_TIMES, "a") as f:
-            f.write(f"{worker} {report.duration:.2f} {report.when} {report.nodeid}\n")
+            line = f"{worker} {report.duration:.2f} {report.when} {report.outcome} {report.nodeid}"
+            f.write(line + "\n")
