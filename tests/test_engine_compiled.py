@@ -38,7 +38,7 @@ def _decode_compiled(name: str, parallel: ParallelConfig):
         config, parallel, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, mesh=mesh
     )
     compiled = eng.lower("decode", prompt_len=1).compile()  # decode: no prompt
-    cache = KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN)
+    cache = KVCache.abstract(eng.run, MAX_BATCH, MAX_SEQ_LEN)
     cache = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache, eng.layouts.cache
     )

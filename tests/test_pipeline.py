@@ -63,7 +63,7 @@ def _decode_step(name: str, parallel: ParallelConfig):
     lay = eng.layouts
     cache = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN),
+        KVCache.abstract(eng.run, MAX_BATCH, MAX_SEQ_LEN),
         lay.cache,
     )
     tokens = jax.ShapeDtypeStruct((MAX_BATCH,), np.int32, sharding=lay.tokens_B)
@@ -199,7 +199,7 @@ def _arg_bytes(name: str, parallel: ParallelConfig) -> tuple[int, int]:
         for p, v in jax.tree_util.tree_flatten_with_path(eng.params)[0]
         if "layers" in jax.tree_util.keystr(p)
     )
-    cache = KVCache.abstract(eng.model_config, MAX_BATCH, MAX_SEQ_LEN)
+    cache = KVCache.abstract(eng.run, MAX_BATCH, MAX_SEQ_LEN)
     # The flat engine keeps one [B, K, S, H] array per layer, the pipelined one a stack.
     shardings, shapes = jax.tree.leaves(eng.layouts.cache.k), jax.tree.leaves(cache.k)
     kv = (
