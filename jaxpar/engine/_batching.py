@@ -60,7 +60,13 @@ from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import DECODE, PREFILL, Executor
 from jaxpar.engine._grammar import Constraint, Grammar, all_allowed, fill_masks
-from jaxpar.engine._kv_budget import KVBudget, cache_dtype_name, describe, size_pool
+from jaxpar.engine._kv_budget import (
+    KVBudget,
+    cache_dtype_name,
+    describe,
+    release_window,
+    size_pool,
+)
 from jaxpar.engine._lockstep import (
     HEARTBEAT_S,
     Heartbeat,
@@ -216,6 +222,7 @@ class ContinuousBatcher:
             rows=engine.max_batch,
             max_seq_len=engine.max_seq_len,
             step_temp_bytes=lambda: _step_temp_bytes(engine),
+            window=release_window(program.model_config),
         )
         self.pages = PageTable(self.pool)
         self.slot_steps = SlotSteps(engine.steps, program.run, self.pool)
@@ -1080,7 +1087,11 @@ class ContinuousBatcher:
         return _masks(owners, len(owners), vocab)
 
     def _reserve(self, owners) -> bool:
-        """Pages for every running row's next token; False if some shard ran out."""
+        """Pages for every running row's next token, after giving back those that left
+        every layer's window (sliding-window models); False if some shard ran out."""
+        for i, stream in enumerate(owners):
+            if stream is not None:
+                self.pages.trim(i, int(self._lengths[i]))
         return all(
             self.pages.grow(i, int(self._lengths[i]) + 1)
             for i, s in enumerate(owners)
@@ -1205,11 +1216,12 @@ class ContinuousBatcher:
             work.done = batch.contexts[i]
             if side.caching:
                 side.pages.register(work.row, work.keys[: work.done // side.pages.pool.page_size])
-            if batch.final:
-                if decodes and batch.streams[i] is None:
-                    side.pages.release(work.row)
-                if self._chunking is work:
-                    self._chunking = None
+            if batch.final and decodes and batch.streams[i] is None:
+                side.pages.release(work.row)
+            else:  # its next query (chunk or decode) sits at ``done``: the window's pages
+                side.pages.trim(work.row, work.done)
+            if batch.final and self._chunking is work:
+                self._chunking = None
 
     def _release_cancelled(self, owners, release_B) -> None:
         for i, stream in enumerate(owners):

@@ -52,6 +52,18 @@ class KVBudget:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
 
 
+def release_window(dims: ModelConfig) -> int | None:
+    """The sliding window whose pages a paged cache gives back: the model's window when
+    every layer attends through it (Mistral), else None. Where sliding layers mix with
+    full ones (Gemma 2/3, GPT-OSS) every layer reads one block table, so the full layers'
+    pages are the sliding layers' too: none are given back (per-layer-kind tables and
+    pools are not built yet)."""
+    window = getattr(dims, "sliding_window", None)
+    if window is None or not all(dims.layer_slides(i) for i in range(dims.n_layers)):
+        return None
+    return window
+
+
 def batch_shards(config: ParallelConfig, dims: ModelConfig) -> int:
     """Decode's batch shards: the pool splits into one slice per shard."""
     axes = mesh_axes(Module.ATTENTION, Phase.DECODE, config, dims=dims)["pages"]
@@ -109,6 +121,7 @@ def size_pool(
     rows: int,
     max_seq_len: int,
     step_temp_bytes: Callable[[], int] | None = None,
+    window: int | None = None,
 ) -> PagePool:
     """The page pool for ``budget`` on ``mesh``.
 
@@ -120,6 +133,8 @@ def size_pool(
             pages hold.
         step_temp_bytes: the decode step's temporaries per device (compiled on demand:
             only when sizing from memory).
+        window: the sliding window whose earlier pages rows give back
+            (:func:`release_window`), or None.
     """
     shards = batch_shards(config, dims)
     page_bytes = page_bytes_per_device(config, mesh, dims, budget.page_size)
@@ -147,7 +162,7 @@ def size_pool(
             pages = (usable // page_bytes - 1) * shards  # one scratch page per shard
     per_shard = pages_per_shard(pages * budget.page_size, budget.page_size, shards)
     longest = min(max_seq_len, (per_shard - 1) * budget.page_size)
-    return PagePool(budget.page_size, per_shard, shards, rows, longest)
+    return PagePool(budget.page_size, per_shard, shards, rows, longest, window)
 
 
 def cache_dtype_name(dims: ModelConfig) -> str:
@@ -160,9 +175,10 @@ def cache_dtype_name(dims: ModelConfig) -> str:
 def describe(pool: PagePool, bytes_per_device: int, cache_dtype: str | None = None) -> str:
     """One line: pages, tokens (and their storage, ``cache_dtype``: see
     :func:`cache_dtype_name`), GiB per device, and how many sequences of half the longest
-    request's length fit together."""
+    request's length fit together (with a released window, each holding at most the
+    pages its window spans)."""
     mean = max(pool.max_seq_len // 2, 1)
-    fit = min(pool.rows, pool.usable_pages // pool.pages_for(mean))
+    fit = min(pool.rows, pool.usable_pages // pool.seq_pages(mean))
     size = (
         f"{bytes_per_device / 2**30:.2f} GiB"
         if bytes_per_device >= 2**30
@@ -172,4 +188,10 @@ def describe(pool: PagePool, bytes_per_device: int, cache_dtype: str | None = No
         f"KV cache: {pool.usable_pages} pages x {pool.page_size} tokens = {pool.tokens} "
         f"tokens{f' ({cache_dtype})' if cache_dtype else ''}, {size} per device; {fit} sequences of "
         f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
+        + (
+            f"; pages before the {pool.window}-token window are released "
+            f"(at most {pool.row_pages} per decoding row)"
+            if pool.window is not None
+            else ""
+        )
     )

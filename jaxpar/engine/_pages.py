@@ -9,6 +9,16 @@ It is plain Python on the host (no device reads): pages are taken when a request
 admitted and as it grows, and given back when it ends or is preempted; with the prefix
 cache, full pages stay cached after that until a shard needs room (least recently used
 first), and requests that start with the same tokens share them (reference counts).
+
+Sliding windows: where every layer attends through a window of ``W`` tokens
+(``PagePool.window``), a row's pages that lie wholly before the window of the next query
+it computes are given back as it grows (:meth:`PageTable.trim`): a decode query at
+position ``p`` (or a prefill chunk whose first query is ``p``) attends from ``p - W + 1``,
+so a page whose last position is below that is never read again. Its column in the block
+table points at the scratch page (the window masks those scores; the gather stays in
+bounds), and a page the prefix cache indexes stays cached, as at release. A row then holds
+about ``W / page_size + 1`` pages however long it grows.
+
 Freeing a page twice, or a page whose count is not the rows holding it, raises: a leak
 would otherwise only show as a pool that slowly fills up.
 """
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -40,6 +51,8 @@ class PagePool:
         shards: decode's batch shards (the product of the mesh axes ``batch`` splits over).
         rows: decode rows (``B``, the most sequences decoded together).
         max_seq_len: the longest sequence a row may hold (prompt + new tokens - 1).
+        window: the sliding window every layer attends through (tokens), whose pages
+            before it a row gives back (:meth:`PageTable.trim`); None: rows keep every page.
     """
 
     page_size: int
@@ -47,6 +60,7 @@ class PagePool:
     shards: int
     rows: int
     max_seq_len: int
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -58,6 +72,8 @@ class PagePool:
             )
         if self.rows % self.shards:
             raise ConfigError(f"{self.rows} decode rows do not split over {self.shards} shards")
+        if self.window is not None and self.window < 1:
+            raise ConfigError(f"a sliding window must be >= 1 token, got {self.window}")
 
     @property
     def pages(self) -> int:
@@ -87,6 +103,28 @@ class PagePool:
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
+    def first_kept(self, query: int) -> int:
+        """The first page a row keeps when the earliest query it will still compute sits
+        at position ``query``: every earlier page lies wholly before that query's window
+        (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(query - self.window + 1, 0) // self.page_size
+
+    def seq_pages(self, tokens: int) -> int:
+        """The most pages a decoding sequence of ``tokens`` tokens holds: all of them, or
+        with a window at most :attr:`row_pages`."""
+        return min(self.pages_for(tokens), self.row_pages)
+
+    @property
+    def row_pages(self) -> int:
+        """The most pages a decoding row ever holds: ``pages_per_row``, or with a window
+        the most pages ``window`` consecutive positions span (the new token's included:
+        ``window / page_size + 1`` for a whole number of pages), whichever is fewer."""
+        if self.window is None:
+            return self.pages_per_row
+        return min(self.pages_per_row, -(-(self.window - 1) // self.page_size) + 1)
+
 
 class PageTable:
     """Pages per shard, the pages each row holds, and the prefix cache over them (host side).
@@ -101,7 +139,10 @@ class PageTable:
     def __init__(self, pool: PagePool):
         self.pool = pool
         self.tables_BN = np.full((pool.rows, pool.pages_per_row), SCRATCH_PAGE, np.int32)
-        self.held_B = np.zeros(pool.rows, np.int32)  # pages each row holds
+        self.held_B = np.zeros(pool.rows, np.int32)  # columns each row has covered
+        # A row's first column it still holds (> 0 once a window released earlier pages):
+        # it holds columns [first_B, held_B).
+        self.first_B = np.zeros(pool.rows, np.int32)
         first = SCRATCH_PAGE + 1
         self._free = [
             list(range(pool.pages_per_shard - 1, first - 1, -1)) for _ in range(pool.shards)
@@ -178,34 +219,54 @@ class PageTable:
         self.version += 1
         return True
 
-    def lookup(self, shard: int, keys: Sequence[bytes]) -> list[int]:
-        """The cached pages of ``shard`` holding the longest run of ``keys`` from the first."""
-        index, pages = self._index[shard], []
-        for key in keys:
-            page = index.get(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+    def lookup(self, shard: int, keys: Sequence[bytes]) -> list[int | None]:
+        """The cached pages of ``shard`` for the longest prefix of ``keys`` it can serve.
 
-    def reusable(self, shard: int, pages: Sequence[int]) -> int:
+        Without a window: the longest run of ``keys`` from the first. With one, a hit of
+        ``n`` pages needs only the pages the window of its first computed query (position
+        ``n * page_size``) reaches: the ones before are None (not shared, never read), so
+        a hit survives the eviction of a prompt's head; a hit whose window reaches an
+        evicted page is shortened to one whose window does not."""
+        index = self._index[shard]
+        if self.pool.window is None:
+            pages = []
+            for key in keys:
+                page = index.get(key)
+                if page is None:
+                    break
+                pages.append(page)
+            return pages
+        found = [index.get(key) for key in keys]
+        n = len(found)
+        while n and any(
+            p is None for p in found[self.pool.first_kept(n * self.pool.page_size) : n]
+        ):
+            n -= 1
+        first = self.pool.first_kept(n * self.pool.page_size)
+        return [None] * first + found[first:n]
+
+    def reusable(self, shard: int, pages: Sequence[int | None]) -> int:
         """How many of ``pages`` are cached and unheld (sharing them takes them off the
         evictable list)."""
-        return sum(p in self._lru[shard] for p in pages)
+        return sum(p in self._lru[shard] for p in pages if p is not None)
 
-    def share(self, row: int, pages: Sequence[int]) -> None:
-        """Gives an empty ``row`` the cached ``pages`` (from :meth:`lookup`) as its first."""
+    def share(self, row: int, pages: Sequence[int | None]) -> None:
+        """Gives an empty ``row`` the cached ``pages`` (from :meth:`lookup`) as its first;
+        leading Nones (before a window) are columns it does not hold."""
         if self.held_B[row]:
             raise RuntimeError(f"row {row} already holds pages; shared pages come first")
         shard = self.shard(row)
-        for page in pages:
-            if page not in self._key_of[shard]:
+        first = sum(1 for _ in itertools.takewhile(lambda p: p is None, pages))
+        kept = list(pages[first:])
+        for page in kept:
+            if page is None or page not in self._key_of[shard]:
                 raise RuntimeError(f"page {page} of shard {shard} is not in the prefix cache")
             self._lru[shard].pop(page, None)
         n = len(pages)
-        self.refs[shard, list(pages)] += 1
-        self.tables_BN[row, :n] = pages
+        self.refs[shard, kept] += 1
+        self.tables_BN[row, first:n] = kept
         self.held_B[row] = n
+        self.first_B[row] = first
         if n:
             self.version += 1
 
@@ -214,7 +275,9 @@ class PageTable:
         requests starting with those tokens reuse them. A key already cached keeps its page."""
         shard = self.shard(row)
         index, key_of = self._index[shard], self._key_of[shard]
-        for page, key in zip(self.tables_BN[row, : len(keys)].tolist(), keys, strict=True):
+        first = min(int(self.first_B[row]), len(keys))  # columns before it: released
+        pages = self.tables_BN[row, first : len(keys)].tolist()
+        for page, key in zip(pages, keys[first:], strict=True):
             if key not in index and page not in key_of:
                 index[key] = page
                 key_of[page] = key
@@ -222,10 +285,34 @@ class PageTable:
     def release(self, row: int) -> int:
         """Gives back every page of ``row``; returns how many. A page no row holds any
         more stays cached if it is indexed (most recently used), else it becomes free."""
-        held = int(self.held_B[row])
-        pages = self.tables_BN[row, :held].tolist()
+        held = self._give_back(row, int(self.first_B[row]), int(self.held_B[row]))
+        self.tables_BN[row] = SCRATCH_PAGE
+        if self.held_B[row]:
+            self.version += 1
+        self.held_B[row] = 0
+        self.first_B[row] = 0
+        return held
+
+    def trim(self, row: int, query: int) -> int:
+        """Gives back ``row``'s pages that lie wholly before the window of its earliest
+        query still to compute (position ``query``: its cached length); returns how many.
+        Nothing without a window. Their columns point at the scratch page; a page the
+        prefix cache indexes stays cached."""
+        first, end = int(self.first_B[row]), int(self.held_B[row])
+        upto = min(self.pool.first_kept(query), end)
+        if upto <= first:
+            return 0
+        freed = self._give_back(row, first, upto)
+        self.tables_BN[row, first:upto] = SCRATCH_PAGE
+        self.first_B[row] = upto
+        self.version += 1
+        return freed
+
+    def _give_back(self, row: int, first: int, end: int) -> int:
+        """Drops ``row``'s hold on its columns ``[first, end)`` (the table is the caller's)."""
+        pages = self.tables_BN[row, first:end].tolist()
         shard = self.shard(row)
-        if len(set(pages)) != held or (self.refs[shard, pages] < 1).any():
+        if len(set(pages)) != len(pages) or (self.refs[shard, pages] < 1).any():
             raise RuntimeError(f"row {row} frees page(s) {pages} that are already free")
         # Last page first: a prefix's tail then becomes the least recently used, so
         # eviction shortens cached prefixes from their end and never strands their tail.
@@ -238,11 +325,7 @@ class PageTable:
             else:
                 self._is_free[shard, page] = True
                 self._free[shard].append(page)
-        self.tables_BN[row] = SCRATCH_PAGE
-        self.held_B[row] = 0
-        if held:
-            self.version += 1
-        return held
+        return len(pages)
 
     def global_ids(self, row: int, n: int, first: int = 0) -> np.ndarray:
         """``n`` pages of ``row`` from its page ``first`` on, as ids into the whole pool
@@ -252,6 +335,8 @@ class PageTable:
         held = max(min(int(self.held_B[row]) - first, n), 0)
         local = self.tables_BN[row, first : first + held]
         ids[:held] = local + self.shard(row) * self.pool.pages_per_shard
+        # Columns a window released hold no page (a read gives zeros, masked).
+        ids[: max(min(int(self.first_B[row]) - first, n), 0)] = self.pool.pages
         return ids
 
     def check(self) -> None:
@@ -260,8 +345,11 @@ class PageTable:
         for shard in range(self.pool.shards):
             rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
             counts = collections.Counter(
-                int(p) for r in rows for p in self.tables_BN[r, : self.held_B[r]]
+                int(p) for r in rows for p in self.tables_BN[r, self.first_B[r] : self.held_B[r]]
             )
+            for r in rows:
+                if (self.tables_BN[r, : self.first_B[r]] != SCRATCH_PAGE).any():
+                    raise RuntimeError(f"row {r}: a released column does not point at scratch")
             for page in range(self.pool.pages_per_shard):
                 if page == SCRATCH_PAGE:
                     continue

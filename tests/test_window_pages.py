@@ -1,0 +1,202 @@
+"""Sliding-window layers give back their pages: the page table's rule, the batcher's tokens
+and logprobs against a whole-sequence prefill, and the sizing figures.
+
+The model is the ``mistral`` fixture (every layer slides) with its window shortened to 4
+tokens, far below the 11- to 22-token prompts and the 40-token rows: a row then holds at
+most 2 pages of 4 tokens while it decodes. The reference is one prefill of the whole
+sequence (no cache at all), which masks the same window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar import ParallelConfig
+from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
+from jaxpar.engine._kv_budget import KVBudget, describe, release_window
+from jaxpar.engine._pages import PagePool, PageTable
+from jaxpar.engine._prefix import cache_salt, page_keys
+from jaxpar.models import SCRATCH_PAGE, load_hf_checkpoint
+from jaxpar.spec import make_mesh
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "mistral"
+Z = 4  # page size
+WINDOW = 4
+SALT = cache_salt("test_window_pages")
+
+
+# -- the page table's rule ---------------------------------------------------------------
+
+
+def _table(window: int | None = WINDOW, pages: int = 12) -> PageTable:
+    return PageTable(PagePool(Z, pages, 1, 2, 40, window))
+
+
+def test_pages_leave_when_they_leave_every_querys_window():
+    """A query at position p attends from p - W + 1: page c goes exactly when its last
+    position 4c + 3 falls below that, i.e. at p = 4c + 3 + W; never without a window."""
+    table = _table()
+    table.grow(0, 40)
+    for query in range(41):
+        table.trim(0, query)
+        first = int(table.first_B[0])
+        # Every released page is wholly before the window; the first kept one is not.
+        assert all(4 * c + 3 < query - WINDOW + 1 for c in range(first))
+        assert first == 10 or 4 * first + 3 >= query - WINDOW + 1
+        assert (table.tables_BN[0, :first] == SCRATCH_PAGE).all()
+        table.check()
+    assert first == 9  # query 40 (past the row) reaches back to position 37: page 9
+    assert table.free_pages(0) == 11 - 1  # one page still held
+    no_window = _table(None)
+    no_window.grow(0, 40)
+    assert no_window.trim(0, 40) == 0 and no_window.first_B[0] == 0
+
+
+def test_a_released_page_the_prefix_cache_holds_survives_and_serves_a_hit():
+    table = _table()
+    tokens = list(range(100, 116))  # four full pages
+    keys = page_keys(tokens, Z, SALT)
+    table.grow(0, 17)
+    table.register(0, keys)
+    held = table.tables_BN[0, :4].tolist()
+    assert table.trim(0, 16) == 3  # the query at 16 reads from 13: page 3 on
+    assert table.cached_pages == 3  # indexed: cached, not freed
+    table.check()
+    # Another row's prompt starts with the same 16 tokens and one more: its first computed
+    # query sits at 16, whose window needs page 3 only; pages 0-2 are not shared.
+    hit = table.lookup(0, keys)
+    assert hit == [None, None, None, held[3]]
+    table.share(1, hit)
+    assert table.first_B[1] == 3 and table.held_B[1] == 4
+    assert table.refs[0, held[3]] == 2
+    table.check()
+    ids = table.global_ids(1, 4)
+    assert ids[:3].tolist() == [table.pool.pages] * 3  # released columns read zeros
+    table.release(0)
+    table.release(1)
+    table.check()
+    assert table.used_pages == 0
+
+
+def test_a_hit_whose_window_reaches_an_evicted_page_is_shortened():
+    table = _table(pages=6)  # five usable pages
+    tokens = list(range(100, 116))
+    keys = page_keys(tokens, Z, SALT)
+    table.grow(0, 16)
+    table.register(0, keys)
+    pages = table.tables_BN[0, :4].tolist()
+    table.release(0)  # all four cached; the last is least recently used
+    table.grow(1, 8)  # takes the free page, then evicts page 3 (the prefix's tail)
+    assert table.evictions == 1
+    hit = table.lookup(0, keys)
+    # Four pages would need page 3 (gone); three need page 2 only (query 12 reads from 9).
+    assert hit == [None, None, pages[2]]
+    table.release(1)
+    table.check()
+
+
+# -- sizing --------------------------------------------------------------------------------
+
+
+def test_pool_figures_count_the_window():
+    pool = PagePool(Z, 41, 1, 8, 128, WINDOW)
+    assert pool.row_pages == 2  # the window's page and the new token's
+    assert pool.seq_pages(64) == 2 and pool.seq_pages(3) == 1
+    assert PagePool(Z, 41, 1, 8, 128, 9).row_pages == 3  # 9 positions span up to 3 pages
+    assert PagePool(Z, 41, 1, 8, 128, 10).row_pages == 4
+    assert PagePool(Z, 41, 1, 8, 128).seq_pages(64) == 16
+    line = describe(pool, 1 << 20)
+    assert "8 sequences of 64 tokens fit" in line  # 40 pages / 2 per row, at most 8 rows
+    assert "4-token window are released (at most 2 per decoding row)" in line
+    assert "2 sequences of 64 tokens" in describe(PagePool(Z, 41, 1, 8, 128), 1 << 20)
+
+
+# -- served over pages ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    config, params = load_hf_checkpoint(FIXTURE)
+    config = dataclasses.replace(config, sliding_window=WINDOW)
+    assert release_window(config) == WINDOW
+    return config, params
+
+
+def _requests(vocab: int) -> list[dict]:
+    """A 9-token prefix shared by every prompt (two full pages cached for later ones), one
+    prompt longer than an 8-token chunk; all greedy, with logprobs."""
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, vocab, 9).tolist()
+    return [
+        dict(prompt=system + rng.integers(3, vocab, n).tolist(), max_tokens=m, logprobs=0)
+        for n, m in [(2, 24), (13, 16), (6, 20)]
+    ]
+
+
+def _serve_and_check(engine: InferenceEngine) -> ContinuousBatcher:
+    budget = KVBudget(page_size=Z, tokens=96)
+    batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
+    assert batcher.pool.window == WINDOW
+    reserve, held = batcher._reserve, []
+
+    def spy(owners):  # pages each decoding row holds once its next token has one
+        ok = reserve(owners)
+        pages = batcher.pages
+        held.extend(int(pages.held_B[i] - pages.first_B[i]) for i, s in enumerate(owners) if s)
+        pages.check()
+        return ok
+
+    batcher._reserve = spy
+    requests = _requests(engine.model_config.vocab_size)
+    with batcher:
+        first = batcher.submit(**requests[0])
+        first.result(timeout=120)
+        streams = [first] + [batcher.submit(**r) for r in requests[1:]]
+        got = [s.result(timeout=120) for s in streams]
+    assert batcher.stats.prompt_tokens_cached > 0  # later prompts continued cached pages
+    assert batcher.stats.prefill_chunks >= 1  # the 22-token prompt came in chunks
+    assert held and max(held) == batcher.pool.row_pages == 2  # rows of up to 37 tokens
+    batcher.pages.check()
+    assert batcher.pages.used_pages == 0
+    padded, lengths = engine.pad_prompts(
+        [r["prompt"] + t[:-1] for r, t in zip(requests, got, strict=True)]
+    )
+    logits = np.asarray(engine.prefill_logits(padded, lengths), np.float32)
+    for row, (request, tokens, stream) in enumerate(zip(requests, got, streams, strict=True)):
+        start = len(request["prompt"]) - 1
+        want = logits[row, start : start + len(tokens)]
+        assert want.argmax(-1).tolist() == tokens, f"row {row}"
+        logprob = jax.nn.log_softmax(want, -1)[np.arange(len(tokens)), tokens]
+        served = [lp.logprob for lp in stream.logprobs]
+        np.testing.assert_allclose(served, logprob, atol=1e-4, rtol=0, err_msg=f"row {row}")
+    return batcher
+
+
+@pytest.mark.parametrize(
+    "parallel", [ParallelConfig(), ParallelConfig(dp=2, tp=2)], ids=["single", "dp2-tp2"]
+)
+def test_served_with_released_pages_equals_whole_prefill(windowed, parallel):
+    """Chunked prefill, prefix hits (whose head pages were released: the hit serves from
+    the window on) and decode over released pages give every greedy token and its logprob
+    of one whole-sequence prefill, on one device and with the pool split over dp."""
+    config, params = windowed
+    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    engine = InferenceEngine(config, params, parallel, max_batch=4, max_seq_len=40, mesh=mesh)
+    _serve_and_check(engine)
+
+
+def test_sampling_is_not_changed_by_the_window(windowed):
+    """A sampled request over released pages draws its offline tokens (same seed)."""
+    config, params = windowed
+    engine = InferenceEngine(config, params, ParallelConfig(), max_batch=4, max_seq_len=40)
+    sampling = Sampling(temperature=0.8, top_k=20)
+    prompt = np.random.default_rng(3).integers(3, config.vocab_size, 13).tolist()
+    batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=KVBudget(Z, tokens=64))
+    with batcher:
+        got = batcher.submit(prompt, max_tokens=20, sampling=sampling, seed=4).result(120)
+    assert got == engine.generate([prompt], 20, sampling=sampling, seed=4).tokens[0]
