@@ -18,10 +18,10 @@ import pytest
 
 from jaxpar import ParallelConfig
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
-from jaxpar.engine._kv_budget import KVBudget, describe, release_window
+from jaxpar.engine._kv_budget import KVBudget, describe
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._prefix import cache_salt, page_keys
-from jaxpar.models import SCRATCH_PAGE, load_hf_checkpoint
+from jaxpar.models import SCRATCH_PAGE, kv_windows, load_hf_checkpoint
 from jaxpar.spec import make_mesh
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "mistral"
@@ -34,7 +34,7 @@ SALT = cache_salt("test_window_pages")
 
 
 def _table(window: int | None = WINDOW, pages: int = 12) -> PageTable:
-    return PageTable(PagePool(Z, pages, 1, 2, 40, window))
+    return PageTable(PagePool(Z, pages, 1, 2, 40, (window,)))
 
 
 def test_pages_leave_when_they_leave_every_querys_window():
@@ -104,11 +104,11 @@ def test_a_hit_whose_window_reaches_an_evicted_page_is_shortened():
 
 
 def test_pool_figures_count_the_window():
-    pool = PagePool(Z, 41, 1, 8, 128, WINDOW)
+    pool = PagePool(Z, 41, 1, 8, 128, (WINDOW,))
     assert pool.row_pages == 2  # the window's page and the new token's
     assert pool.seq_pages(64) == 2 and pool.seq_pages(3) == 1
-    assert PagePool(Z, 41, 1, 8, 128, 9).row_pages == 3  # 9 positions span up to 3 pages
-    assert PagePool(Z, 41, 1, 8, 128, 10).row_pages == 4
+    assert PagePool(Z, 41, 1, 8, 128, (9,)).row_pages == 3  # 9 positions span up to 3 pages
+    assert PagePool(Z, 41, 1, 8, 128, (10,)).row_pages == 4
     assert PagePool(Z, 41, 1, 8, 128).seq_pages(64) == 16
     line = describe(pool, 1 << 20)
     assert "8 sequences of 64 tokens fit" in line  # 40 pages / 2 per row, at most 8 rows
@@ -123,7 +123,7 @@ def test_pool_figures_count_the_window():
 def windowed():
     config, params = load_hf_checkpoint(FIXTURE)
     config = dataclasses.replace(config, sliding_window=WINDOW)
-    assert release_window(config) == WINDOW
+    assert kv_windows(config) == (WINDOW,)
     return config, params
 
 

@@ -64,7 +64,6 @@ from jaxpar.engine._kv_budget import (
     KVBudget,
     cache_dtype_name,
     describe,
-    release_window,
     size_pool,
 )
 from jaxpar.engine._lockstep import (
@@ -222,7 +221,6 @@ class ContinuousBatcher:
             rows=engine.max_batch,
             max_seq_len=engine.max_seq_len,
             step_temp_bytes=lambda: _step_temp_bytes(engine),
-            window=release_window(program.model_config),
         )
         self.pages = PageTable(self.pool)
         self.slot_steps = SlotSteps(engine.steps, program.run, self.pool)
@@ -312,6 +310,7 @@ class ContinuousBatcher:
             rows=eng.max_batch,
             max_seq_len=self.max_prompt_len,
             step_temp_bytes=lambda: 0,  # no decode step runs there
+            release=False,  # whole prompts move to the decode group
         )
         slot_steps = SlotSteps(eng.steps, eng.program.run, pool)
         owners = [None] * eng.max_batch
@@ -761,7 +760,7 @@ class ContinuousBatcher:
             seen.add(shard)
             hit = pages.lookup(shard, lookup_keys)
             room = pages.free_pages(shard) - pages.reusable(shard, hit)
-            if pages.pool.pages_for(tokens) - len(hit) > room:
+            if pages.pool.groups * (pages.pool.pages_for(tokens) - len(hit)) > room:
                 continue
             score = (len(hit), pages.free_pages(shard))
             if best is None or score > best[0]:
@@ -880,10 +879,10 @@ class ContinuousBatcher:
         (a power of two: few compiles); out of range past a row's cached pages."""
         need = max(self.pool.pages_for(w.done) for w in works)
         n = 1 << (need - 1).bit_length()
-        pages_PN = np.full((rows, n), side.pages.pool.pages, np.int32)
+        pages_PN = np.full((rows, *side.pages.pool.ids_shape(n)), side.pages.pool.pages, np.int32)
         for i, work in enumerate(works):
             held = self.pool.pages_for(work.done)
-            pages_PN[i, :held] = side.pages.global_ids(work.row, held)
+            pages_PN[i, ..., :held] = side.pages.global_ids(work.row, held)
         return pages_PN
 
     def _first(
@@ -959,7 +958,7 @@ class ContinuousBatcher:
         rows = batch.shape[0]
         length = eng.bucket(max(batch.contexts))
         n = side.pages.pool.pages_for(length)
-        pages_PN = np.full((rows, n), side.pages.pool.pages, np.int32)
+        pages_PN = np.full((rows, *side.pages.pool.ids_shape(n)), side.pages.pool.pages, np.int32)
         lengths_P = np.ones(rows, np.int32)
         for i, row in enumerate(batch.rows):
             pages_PN[i] = side.pages.global_ids(row, n)
@@ -1133,7 +1132,7 @@ class ContinuousBatcher:
         if self._tables == key:
             return None
         self._tables = key
-        return self.slot_steps.table_rows(self.pages.tables_BN[:, :width], rows)
+        return self.slot_steps.table_rows(self.pages.step_tables(width), rows)
 
     def _deliver(self, handle: int, holders, owners, release_B) -> None:
         """Streams one step's tokens (and logprobs, read only if some request asked) to the
@@ -1169,7 +1168,7 @@ class ContinuousBatcher:
         rows = batch.shape[0]  # the row bucket: padding rows are dropped
         n_pages = pool.pages_for(batch.shape[1])
         slot_P = np.full(rows, pool.rows, np.int32)
-        pages_PN = np.full((rows, n_pages), pool.pages, np.int32)
+        pages_PN = np.full((rows, *pool.ids_shape(n_pages)), pool.pages, np.int32)
         started = 0
         for i, row in enumerate(batch.rows):
             if row is None:  # disaggregated: finished at its first token, never placed

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxpar.engine._pages import PagePool
 from jaxpar.errors import ConfigError
-from jaxpar.models import PAGE_AXES, ModelConfig, ModelRun
+from jaxpar.models import PAGE_AXES, ModelConfig, ModelRun, kv_positions, kv_windows
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, partition_spec
 
 #: Tokens of KV cache on CPU when neither a token budget nor a memory fraction is given.
@@ -52,18 +52,6 @@ class KVBudget:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
 
 
-def release_window(dims: ModelConfig) -> int | None:
-    """The sliding window whose pages a paged cache gives back: the model's window when
-    every layer attends through it (Mistral), else None. Where sliding layers mix with
-    full ones (Gemma 2/3, GPT-OSS) every layer reads one block table, so the full layers'
-    pages are the sliding layers' too: none are given back (per-layer-kind tables and
-    pools are not built yet)."""
-    window = getattr(dims, "sliding_window", None)
-    if window is None or not all(dims.layer_slides(i) for i in range(dims.n_layers)):
-        return None
-    return window
-
-
 def batch_shards(config: ParallelConfig, dims: ModelConfig) -> int:
     """Decode's batch shards: the pool splits into one slice per shard."""
     axes = mesh_axes(Module.ATTENTION, Phase.DECODE, config, dims=dims)["pages"]
@@ -79,14 +67,16 @@ def pages_per_shard(tokens: int, page_size: int, shards: int) -> int:
 def page_bytes_per_device(
     config: ParallelConfig, mesh: jax.sharding.Mesh, dims: ModelConfig, page_size: int
 ) -> int:
-    """Bytes one page takes on each device holding it: keys and values of every layer,
-    for the kv heads the device keeps (all of them when replicated over tp); a quantized
+    """Bytes one page takes on each device holding it: keys and values of every layer
+    (with KV groups, of one group's layers: :func:`~jaxpar.models.kv_positions`), for
+    the kv heads the device keeps (all of them when replicated over tp); a quantized
     cache's values at their stored width plus one float32 scale per token per kv head."""
     spec = partition_spec(PAGE_AXES, Module.ATTENTION, Phase.DECODE, config, dims=dims)
     kv_axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
     local_heads = dims.n_kv_heads // math.prod(mesh.shape[a] for a in kv_axes)
     per_head = ModelRun.of(dims).cache_bytes_per_token // dims.n_kv_heads
-    return local_heads * page_size * per_head
+    # With KV groups a page holds one group's layers (kv_positions of n_layers).
+    return local_heads * page_size * per_head * kv_positions(dims) // dims.n_layers
 
 
 def free_device_bytes(devices) -> int | None:
@@ -121,7 +111,7 @@ def size_pool(
     rows: int,
     max_seq_len: int,
     step_temp_bytes: Callable[[], int] | None = None,
-    window: int | None = None,
+    release: bool = True,
 ) -> PagePool:
     """The page pool for ``budget`` on ``mesh``.
 
@@ -133,13 +123,21 @@ def size_pool(
             pages hold.
         step_temp_bytes: the decode step's temporaries per device (compiled on demand:
             only when sizing from memory).
-        window: the sliding window whose earlier pages rows give back
-            (:func:`release_window`), or None.
+        release: rows give back the pages before a sliding window (a decode pool);
+            False: every page is kept (a disaggregated prefill group's, which hands
+            whole prompts on).
+
+    A token budget is tokens of every layer: with KV groups (a page holds one group's
+    layers, ``kv_positions`` of them) it buys ``n_layers / kv_positions`` times as many
+    pages, the same bytes. All groups share the pages, so memory splits between them as
+    the rows need it: a full group's row holds a page per ``page_size`` tokens, a window
+    group's at most the pages its window spans (``PagePool.group_pages``).
     """
     shards = batch_shards(config, dims)
     page_bytes = page_bytes_per_device(config, mesh, dims, budget.page_size)
+    windows = kv_windows(dims) if release else (None,) * len(kv_windows(dims))
     if budget.tokens is not None:
-        pages = math.ceil(budget.tokens / budget.page_size)
+        pages = math.ceil(budget.tokens * dims.n_layers / kv_positions(dims) / budget.page_size)
     else:
         free = free_device_bytes(mesh.devices.flat)
         if free is None or mesh.devices.flat[0].platform == "cpu":
@@ -148,7 +146,7 @@ def size_pool(
                     "kv_cache_memory_fraction needs devices that report their memory; "
                     f"{mesh.devices.flat[0].platform} does not: give kv_cache_tokens"
                 )
-            pages = math.ceil(CPU_KV_TOKENS / budget.page_size)
+            pages = math.ceil(CPU_KV_TOKENS * dims.n_layers / kv_positions(dims) / budget.page_size)
         else:
             fraction = budget.memory_fraction or MEMORY_FRACTION
             temp = step_temp_bytes() if step_temp_bytes is not None else 0
@@ -161,8 +159,9 @@ def size_pool(
                 )
             pages = (usable // page_bytes - 1) * shards  # one scratch page per shard
     per_shard = pages_per_shard(pages * budget.page_size, budget.page_size, shards)
-    longest = min(max_seq_len, (per_shard - 1) * budget.page_size)
-    return PagePool(budget.page_size, per_shard, shards, rows, longest, window)
+    # A row takes its whole prompt's pages in every group at admission.
+    longest = min(max_seq_len, (per_shard - 1) // len(windows) * budget.page_size)
+    return PagePool(budget.page_size, per_shard, shards, rows, longest, windows)
 
 
 def cache_dtype_name(dims: ModelConfig) -> str:
@@ -190,7 +189,8 @@ def describe(pool: PagePool, bytes_per_device: int, cache_dtype: str | None = No
         f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
         + (
             f"; pages before the {pool.window}-token window are released "
-            f"(at most {pool.row_pages} per decoding row)"
+            f"(at most {pool.row_pages} per decoding row"
+            + (f", over {pool.groups} KV groups)" if pool.groups > 1 else ")")
             if pool.window is not None
             else ""
         )

@@ -35,6 +35,7 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.errors import GrammarError
+from jaxpar.models import kv_windows
 
 if TYPE_CHECKING:
     from jaxpar.engine._engine import InferenceEngine
@@ -54,12 +55,14 @@ class OfflineCore:
         page_size = min(PAGE_SIZE, engine.max_seq_len)
         rows_per_shard = engine.max_batch // shards
         per_row = -(-engine.max_seq_len // page_size)
+        groups = len(kv_windows(program.model_config))  # a block table per KV group
         pool = PagePool(
             page_size=page_size,
-            pages_per_shard=rows_per_shard * per_row + 1,  # every row at max_seq_len
+            pages_per_shard=groups * rows_per_shard * per_row + 1,  # every row at max_seq_len
             shards=shards,
             rows=engine.max_batch,
             max_seq_len=engine.max_seq_len,
+            windows=(None,) * groups,  # sized for every page: none is given back
         )
         return cls(SlotSteps(engine.steps, program.run, pool), FirstTokens(engine.steps))
 
@@ -240,7 +243,7 @@ def _prefill_into_pages(
     )
     slot_B = np.where(np.arange(b) < n_rows, np.arange(b), b).astype(np.int32)
     n_pages = core.pool.pages_for(tokens_BT.shape[1])
-    pages_BN = np.full((b, n_pages), core.pool.pages, np.int32)
+    pages_BN = np.full((b, *core.pool.ids_shape(n_pages)), core.pool.pages, np.int32)
     for row in range(n_rows):
         table.grow(row, int(lengths_B[row]) + 1)
         pages_BN[row] = table.global_ids(row, n_pages)
@@ -260,7 +263,7 @@ def _step(engine, core, table, slots, cached, loop: _Loop, allowed):
         table.grow(row, int(cached[row]) + 1)
     width = table.width(int(cached[running].max()) + 1)
     rows = core.slot_steps.rows_for(~done)
-    tables = core.slot_steps.tables(table.tables_BN[:, :width], rows)
+    tables = core.slot_steps.tables(table.step_tables(width), rows)
     out = core.slot_steps.step(engine.params, slots, loop.release.copy(), tables, allowed)
     loop.release[:] = False
     cached[running] += 1

@@ -51,8 +51,9 @@ class PagePool:
         shards: decode's batch shards (the product of the mesh axes ``batch`` splits over).
         rows: decode rows (``B``, the most sequences decoded together).
         max_seq_len: the longest sequence a row may hold (prompt + new tokens - 1).
-        window: the sliding window every layer attends through (tokens), whose pages
-            before it a row gives back (:meth:`PageTable.trim`); None: rows keep every page.
+        windows: per block table of a row (one per KV group,
+            :mod:`jaxpar.models._kv_groups`), the sliding window whose earlier pages it
+            gives back (:meth:`PageTable.trim`); None: it keeps every page.
     """
 
     page_size: int
@@ -60,7 +61,7 @@ class PagePool:
     shards: int
     rows: int
     max_seq_len: int
-    window: int | None = None
+    windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -72,8 +73,22 @@ class PagePool:
             )
         if self.rows % self.shards:
             raise ConfigError(f"{self.rows} decode rows do not split over {self.shards} shards")
-        if self.window is not None and self.window < 1:
-            raise ConfigError(f"a sliding window must be >= 1 token, got {self.window}")
+        if not self.windows or any(w is not None and w < 1 for w in self.windows):
+            raise ConfigError(f"windows must be >= 1 token or None per group, got {self.windows}")
+
+    @property
+    def groups(self) -> int:
+        """Block tables per row (KV groups)."""
+        return len(self.windows)
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window some group gives its pages back by (None: none does)."""
+        return next((w for w in self.windows if w is not None), None)
+
+    def ids_shape(self, n: int) -> tuple[int, ...]:
+        """Shape of one row's ``n`` page ids per group: ``(n,)``, or ``(G, n)``."""
+        return (n,) if self.groups == 1 else (self.groups, n)
 
     @property
     def pages(self) -> int:
@@ -87,13 +102,14 @@ class PagePool:
 
     @property
     def tokens(self) -> int:
-        """Tokens the pool holds (every shard)."""
+        """Tokens the pool holds (every shard; with KV groups, tokens of one group)."""
         return self.usable_pages * self.page_size
 
     @property
     def shard_tokens(self) -> int:
-        """Tokens one shard holds: the longest sequence that can ever fit."""
-        return (self.pages_per_shard - 1) * self.page_size
+        """Tokens one shard holds: the longest sequence that can ever fit (with KV groups,
+        each group holding its pages of it)."""
+        return (self.pages_per_shard - 1) // self.groups * self.page_size
 
     @property
     def pages_per_row(self) -> int:
@@ -103,27 +119,34 @@ class PagePool:
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
-    def first_kept(self, query: int) -> int:
-        """The first page a row keeps when the earliest query it will still compute sits
-        at position ``query``: every earlier page lies wholly before that query's window
-        (0 without a window)."""
-        if self.window is None:
+    def first_kept(self, query: int, group: int = 0) -> int:
+        """The first page a row keeps in ``group`` when the earliest query it will still
+        compute sits at position ``query``: every earlier page lies wholly before that
+        query's window (0 without a window)."""
+        window = self.windows[group]
+        if window is None:
             return 0
-        return max(query - self.window + 1, 0) // self.page_size
+        return max(query - window + 1, 0) // self.page_size
 
-    def seq_pages(self, tokens: int) -> int:
-        """The most pages a decoding sequence of ``tokens`` tokens holds: all of them, or
-        with a window at most :attr:`row_pages`."""
-        return min(self.pages_for(tokens), self.row_pages)
+    def group_pages(self, group: int) -> int:
+        """The most pages a decoding row holds in ``group``: ``pages_per_row``, or with a
+        window the most pages ``window`` consecutive positions span (the new token's
+        included: ``window / page_size + 1`` for a whole number of pages)."""
+        window = self.windows[group]
+        if window is None:
+            return self.pages_per_row
+        return min(self.pages_per_row, -(-(window - 1) // self.page_size) + 1)
 
     @property
     def row_pages(self) -> int:
-        """The most pages a decoding row ever holds: ``pages_per_row``, or with a window
-        the most pages ``window`` consecutive positions span (the new token's included:
-        ``window / page_size + 1`` for a whole number of pages), whichever is fewer."""
-        if self.window is None:
-            return self.pages_per_row
-        return min(self.pages_per_row, -(-(self.window - 1) // self.page_size) + 1)
+        """The most pages a decoding row ever holds, every group's together."""
+        return sum(self.group_pages(g) for g in range(self.groups))
+
+    def seq_pages(self, tokens: int) -> int:
+        """The most pages a decoding sequence of ``tokens`` tokens holds: in each group
+        all of them, or with a window at most what the window spans."""
+        need = self.pages_for(tokens)
+        return sum(min(need, self.group_pages(g)) for g in range(self.groups))
 
 
 class PageTable:
@@ -134,15 +157,21 @@ class PageTable:
     for a later request that starts with those tokens, and evicted least recently used
     when a shard needs room. Only full pages are indexed, and a row only ever writes past
     its context, so a page shared by several rows is never written.
+
+    With KV groups each row has one block table per group (``tables_GBN``), all drawing
+    on the shard's one free list; a page belongs to one group at a time, and the prefix
+    cache keys a group's pages apart (the key and the group). A column's entry of a hit
+    (:meth:`lookup`) is then a tuple of one page per group.
     """
 
     def __init__(self, pool: PagePool):
         self.pool = pool
-        self.tables_BN = np.full((pool.rows, pool.pages_per_row), SCRATCH_PAGE, np.int32)
-        self.held_B = np.zeros(pool.rows, np.int32)  # columns each row has covered
-        # A row's first column it still holds (> 0 once a window released earlier pages):
-        # it holds columns [first_B, held_B).
-        self.first_B = np.zeros(pool.rows, np.int32)
+        g = pool.groups
+        self.tables_GBN = np.full((g, pool.rows, pool.pages_per_row), SCRATCH_PAGE, np.int32)
+        self.held_GB = np.zeros((g, pool.rows), np.int32)  # columns each row has covered
+        # A row's first column it still holds per group (> 0 once a window released
+        # earlier pages): it holds columns [first, held).
+        self.first_GB = np.zeros((g, pool.rows), np.int32)
         first = SCRATCH_PAGE + 1
         self._free = [
             list(range(pool.pages_per_shard - 1, first - 1, -1)) for _ in range(pool.shards)
@@ -158,7 +187,27 @@ class PageTable:
             collections.OrderedDict() for _ in range(pool.shards)
         ]
         self.evictions = 0
-        self.version = 0  # bumped on every change of tables_BN
+        self.version = 0  # bumped on every change of the tables
+
+    @property
+    def tables_BN(self) -> np.ndarray:
+        """The first group's block tables (every row's, with one group)."""
+        return self.tables_GBN[0]
+
+    @property
+    def held_B(self) -> np.ndarray:
+        """Columns each row has covered (the same in every group); 0: a free row."""
+        return self.held_GB[0]
+
+    @property
+    def first_B(self) -> np.ndarray:
+        """The first group's first held column per row."""
+        return self.first_GB[0]
+
+    def step_tables(self, width: int) -> np.ndarray:
+        """The first ``width`` columns a step reads: ``[B, width]``, or ``[G, B, width]``."""
+        tables = self.tables_GBN[..., :width]
+        return tables[0] if self.pool.groups == 1 else tables
 
     @property
     def rows_per_shard(self) -> int:
@@ -186,9 +235,12 @@ class PageTable:
         """Fraction of the usable pages held by rows."""
         return self.used_pages / self.pool.usable_pages
 
+    def _need(self, row: int, tokens: int) -> int:
+        want = self.pool.pages_for(min(tokens, self.pool.max_seq_len))
+        return sum(max(want - int(held), 0) for held in self.held_GB[:, row])
+
     def can_grow(self, row: int, tokens: int) -> bool:
-        need = self.pool.pages_for(tokens) - int(self.held_B[row])
-        return need <= self.free_pages(self.shard(row))
+        return self._need(row, tokens) <= self.free_pages(self.shard(row))
 
     def _take(self, shard: int) -> int:
         """A page for a row: a free one, else the least recently used cached one."""
@@ -202,33 +254,41 @@ class PageTable:
         return page
 
     def grow(self, row: int, tokens: int) -> bool:
-        """Gives ``row`` pages for ``tokens`` tokens; False (nothing taken) if its shard
-        has too few free pages."""
+        """Gives ``row`` pages for ``tokens`` tokens in every group; False (nothing taken)
+        if its shard has too few free pages."""
         tokens = min(tokens, self.pool.max_seq_len)
         want = self.pool.pages_for(tokens)
-        held = int(self.held_B[row])
-        if want <= held:
+        if not self._need(row, tokens):
             return True
         if not self.can_grow(row, tokens):
             return False
         shard = self.shard(row)
-        taken = [self._take(shard) for _ in range(want - held)]
-        self.refs[shard, taken] = 1
-        self.tables_BN[row, held:want] = taken
-        self.held_B[row] = want
+        for g in range(self.pool.groups):
+            held = int(self.held_GB[g, row])
+            if want <= held:
+                continue
+            taken = [self._take(shard) for _ in range(want - held)]
+            self.refs[shard, taken] = 1
+            self.tables_GBN[g, row, held:want] = taken
+            self.held_GB[g, row] = want
         self.version += 1
         return True
 
-    def lookup(self, shard: int, keys: Sequence[bytes]) -> list[int | None]:
-        """The cached pages of ``shard`` for the longest prefix of ``keys`` it can serve.
+    def _key(self, key: bytes, group: int) -> bytes:
+        """A group's prefix key: its pages hold other layers' K/V than another group's."""
+        return key if self.pool.groups == 1 else key + bytes([group])
 
-        Without a window: the longest run of ``keys`` from the first. With one, a hit of
-        ``n`` pages needs only the pages the window of its first computed query (position
-        ``n * page_size``) reaches: the ones before are None (not shared, never read), so
-        a hit survives the eviction of a prompt's head; a hit whose window reaches an
-        evicted page is shortened to one whose window does not."""
-        index = self._index[shard]
-        if self.pool.window is None:
+    def lookup(self, shard: int, keys: Sequence[bytes]) -> list:
+        """The cached pages of ``shard`` for the longest prefix of ``keys`` every group can
+        serve, one entry per column (with KV groups, a tuple of one page per group).
+
+        Without a window: the longest run of ``keys`` from the first. A window group needs
+        for a hit of ``n`` pages only the pages the window of its first computed query
+        (position ``n * page_size``) reaches: the ones before are None (not shared, never
+        read), so a hit survives the eviction of a prompt's head; a hit whose window reaches
+        an evicted page is shortened to one whose window does not, in every group."""
+        index, pool = self._index[shard], self.pool
+        if pool.groups == 1 and pool.window is None:
             pages = []
             for key in keys:
                 page = index.get(key)
@@ -236,81 +296,107 @@ class PageTable:
                     break
                 pages.append(page)
             return pages
-        found = [index.get(key) for key in keys]
-        n = len(found)
-        while n and any(
-            p is None for p in found[self.pool.first_kept(n * self.pool.page_size) : n]
-        ):
+        found = [[index.get(self._key(key, g)) for key in keys] for g in range(pool.groups)]
+
+        def serves(n: int) -> bool:
+            firsts = (pool.first_kept(n * pool.page_size, g) for g in range(pool.groups))
+            return all(p is not None for g, first in enumerate(firsts) for p in found[g][first:n])
+
+        n = len(keys)
+        while n and not serves(n):
             n -= 1
-        first = self.pool.first_kept(n * self.pool.page_size)
-        return [None] * first + found[first:n]
+        columns = []
+        for g in range(pool.groups):
+            first = pool.first_kept(n * pool.page_size, g)
+            columns.append([None] * first + found[g][first:n])
+        if pool.groups == 1:
+            return columns[0]
+        return list(zip(*columns, strict=True))
 
-    def reusable(self, shard: int, pages: Sequence[int | None]) -> int:
-        """How many of ``pages`` are cached and unheld (sharing them takes them off the
-        evictable list)."""
-        return sum(p in self._lru[shard] for p in pages if p is not None)
+    def _by_group(self, pages: Sequence) -> list[list[int | None]]:
+        """A hit's columns as one list per group."""
+        if self.pool.groups == 1:
+            return [list(pages)]
+        return [[column[g] for column in pages] for g in range(self.pool.groups)]
 
-    def share(self, row: int, pages: Sequence[int | None]) -> None:
+    def reusable(self, shard: int, pages: Sequence) -> int:
+        """How many of a hit's pages are cached and unheld (sharing them takes them off
+        the evictable list)."""
+        lru = self._lru[shard]
+        return sum(p in lru for group in self._by_group(pages) for p in group if p is not None)
+
+    def share(self, row: int, pages: Sequence) -> None:
         """Gives an empty ``row`` the cached ``pages`` (from :meth:`lookup`) as its first;
         leading Nones (before a window) are columns it does not hold."""
-        if self.held_B[row]:
+        if self.held_GB[:, row].any():
             raise RuntimeError(f"row {row} already holds pages; shared pages come first")
         shard = self.shard(row)
-        first = sum(1 for _ in itertools.takewhile(lambda p: p is None, pages))
-        kept = list(pages[first:])
-        for page in kept:
-            if page is None or page not in self._key_of[shard]:
-                raise RuntimeError(f"page {page} of shard {shard} is not in the prefix cache")
-            self._lru[shard].pop(page, None)
         n = len(pages)
-        self.refs[shard, kept] += 1
-        self.tables_BN[row, first:n] = kept
-        self.held_B[row] = n
-        self.first_B[row] = first
+        for g, group in enumerate(self._by_group(pages)):
+            first = sum(1 for _ in itertools.takewhile(lambda p: p is None, group))
+            kept = group[first:]
+            for page in kept:
+                if page is None or page not in self._key_of[shard]:
+                    raise RuntimeError(f"page {page} of shard {shard} is not in the prefix cache")
+                self._lru[shard].pop(page, None)
+            self.refs[shard, kept] += 1
+            self.tables_GBN[g, row, first:n] = kept
+            self.held_GB[g, row] = n
+            self.first_GB[g, row] = first
         if n:
             self.version += 1
 
     def register(self, row: int, keys: Sequence[bytes]) -> None:
         """Indexes ``row``'s first pages under ``keys`` (full pages it has written): later
-        requests starting with those tokens reuse them. A key already cached keeps its page."""
+        requests starting with those tokens reuse them. A key already cached keeps its
+        page; columns a window released are skipped."""
         shard = self.shard(row)
         index, key_of = self._index[shard], self._key_of[shard]
-        first = min(int(self.first_B[row]), len(keys))  # columns before it: released
-        pages = self.tables_BN[row, first : len(keys)].tolist()
-        for page, key in zip(pages, keys[first:], strict=True):
-            if key not in index and page not in key_of:
-                index[key] = page
-                key_of[page] = key
+        for g in range(self.pool.groups):
+            first = min(int(self.first_GB[g, row]), len(keys))
+            pages = self.tables_GBN[g, row, first : len(keys)].tolist()
+            for page, key in zip(pages, keys[first:], strict=True):
+                key = self._key(key, g)
+                if key not in index and page not in key_of:
+                    index[key] = page
+                    key_of[page] = key
 
     def release(self, row: int) -> int:
         """Gives back every page of ``row``; returns how many. A page no row holds any
         more stays cached if it is indexed (most recently used), else it becomes free."""
-        held = self._give_back(row, int(self.first_B[row]), int(self.held_B[row]))
-        self.tables_BN[row] = SCRATCH_PAGE
-        if self.held_B[row]:
+        held = sum(
+            self._give_back(row, int(self.first_GB[g, row]), int(self.held_GB[g, row]), g)
+            for g in range(self.pool.groups)
+        )
+        self.tables_GBN[:, row] = SCRATCH_PAGE
+        if self.held_GB[:, row].any():
             self.version += 1
-        self.held_B[row] = 0
-        self.first_B[row] = 0
+        self.held_GB[:, row] = 0
+        self.first_GB[:, row] = 0
         return held
 
     def trim(self, row: int, query: int) -> int:
         """Gives back ``row``'s pages that lie wholly before the window of its earliest
-        query still to compute (position ``query``: its cached length); returns how many.
-        Nothing without a window. Their columns point at the scratch page; a page the
-        prefix cache indexes stays cached."""
-        first, end = int(self.first_B[row]), int(self.held_B[row])
-        upto = min(self.pool.first_kept(query), end)
-        if upto <= first:
-            return 0
-        freed = self._give_back(row, first, upto)
-        self.tables_BN[row, first:upto] = SCRATCH_PAGE
-        self.first_B[row] = upto
-        self.version += 1
+        query still to compute (position ``query``: its cached length), in every group
+        with a window; returns how many. Their columns point at the scratch page; a page
+        the prefix cache indexes stays cached."""
+        freed = 0
+        for g in range(self.pool.groups):
+            first, end = int(self.first_GB[g, row]), int(self.held_GB[g, row])
+            upto = min(self.pool.first_kept(query, g), end)
+            if upto <= first:
+                continue
+            freed += self._give_back(row, first, upto, g)
+            self.tables_GBN[g, row, first:upto] = SCRATCH_PAGE
+            self.first_GB[g, row] = upto
+        if freed:
+            self.version += 1
         return freed
 
-    def _give_back(self, row: int, first: int, end: int) -> int:
-        """Drops ``row``'s hold on its columns ``[first, end)`` (the table is the caller's)."""
-        pages = self.tables_BN[row, first:end].tolist()
+    def _give_back(self, row: int, first: int, end: int, group: int) -> int:
+        """Drops ``row``'s hold on its columns ``[first, end)`` of ``group`` (the table is
+        the caller's)."""
+        pages = self.tables_GBN[group, row, first:end].tolist()
         shard = self.shard(row)
         if len(set(pages)) != len(pages) or (self.refs[shard, pages] < 1).any():
             raise RuntimeError(f"row {row} frees page(s) {pages} that are already free")
@@ -329,27 +415,36 @@ class PageTable:
 
     def global_ids(self, row: int, n: int, first: int = 0) -> np.ndarray:
         """``n`` pages of ``row`` from its page ``first`` on, as ids into the whole pool
-        (shard-major); columns past what it holds are ``pages`` (out of range: a write
+        (shard-major): ``[n]``, or ``[G, n]`` with KV groups. Columns it does not hold
+        (past its pages, or released by a window) are ``pages`` (out of range: a write
         there is dropped, a read gives zeros)."""
-        ids = np.full(n, self.pool.pages, np.int32)
-        held = max(min(int(self.held_B[row]) - first, n), 0)
-        local = self.tables_BN[row, first : first + held]
-        ids[:held] = local + self.shard(row) * self.pool.pages_per_shard
-        # Columns a window released hold no page (a read gives zeros, masked).
-        ids[: max(min(int(self.first_B[row]) - first, n), 0)] = self.pool.pages
-        return ids
+        ids = np.full((self.pool.groups, n), self.pool.pages, np.int32)
+        offset = self.shard(row) * self.pool.pages_per_shard
+        for g in range(self.pool.groups):
+            lo = max(int(self.first_GB[g, row]), first)
+            hi = min(int(self.held_GB[g, row]), first + n)
+            if hi > lo:
+                ids[g, lo - first : hi - first] = self.tables_GBN[g, row, lo:hi] + offset
+        return ids[0] if self.pool.groups == 1 else ids
 
     def check(self) -> None:
-        """Every page is free, cached or held; a held page's count is the rows holding it;
-        an indexed page is held or cached (raises otherwise)."""
+        """Every page is free, cached or held; a held page's count is the rows (and
+        groups) holding it; an indexed page is held or cached; a released column points
+        at scratch (raises otherwise)."""
         for shard in range(self.pool.shards):
             rows = range(shard * self.rows_per_shard, (shard + 1) * self.rows_per_shard)
             counts = collections.Counter(
-                int(p) for r in rows for p in self.tables_BN[r, self.first_B[r] : self.held_B[r]]
+                int(p)
+                for g in range(self.pool.groups)
+                for r in rows
+                for p in self.tables_GBN[g, r, self.first_GB[g, r] : self.held_GB[g, r]]
             )
-            for r in rows:
-                if (self.tables_BN[r, : self.first_B[r]] != SCRATCH_PAGE).any():
-                    raise RuntimeError(f"row {r}: a released column does not point at scratch")
+            for g in range(self.pool.groups):
+                for r in rows:
+                    if (self.tables_GBN[g, r, : self.first_GB[g, r]] != SCRATCH_PAGE).any():
+                        raise RuntimeError(
+                            f"row {r} group {g}: a released column does not point at scratch"
+                        )
             for page in range(self.pool.pages_per_shard):
                 if page == SCRATCH_PAGE:
                     continue

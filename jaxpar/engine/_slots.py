@@ -52,6 +52,7 @@ from jaxpar.models import (
     ModelConfig,
     PagedKVCache,
     count_dropped,
+    kv_groups,
     quantize_tree,
     read_pages,
     total_dropped,
@@ -145,6 +146,13 @@ class SlotSteps:
         self.steps = steps
         self.model_config = model_config
         self.pool = pool
+        #: The KV groups of the pool (None: one block table, every layer a position).
+        self.groups = kv_groups(model_config)
+        if pool.groups != (1 if self.groups is None else self.groups.n_groups):
+            raise ConfigError(
+                f"a pool of {pool.groups} block table(s) per row for a model with "
+                f"{1 if self.groups is None else self.groups.n_groups} KV group(s)"
+            )
         self.n_slots = pool.rows
         # Programs are cached on ``steps`` (shared with other SlotSteps of the engine, e.g.
         # offline generation's): keyed by the pool's shape too.
@@ -235,8 +243,8 @@ class SlotSteps:
             seen_P = seen_P.add(new.first_P, jnp.ones_like(slot_P, bool))
 
             return Slots(
-                k=write_prompts(slots.k, new.k, pages_PN),
-                v=write_prompts(slots.v, new.v, pages_PN),
+                k=write_prompts(slots.k, new.k, pages_PN, self.groups),
+                v=write_prompts(slots.v, new.v, pages_PN, self.groups),
                 lengths_B=put(slots.lengths_B, new.lengths_P + start_P),
                 tokens_B=put(slots.tokens_B, new.first_P),
                 active_B=put(slots.active_B, jnp.ones_like(slot_P, bool)),
@@ -270,7 +278,7 @@ class SlotSteps:
         logprobs (zeros unless some row asks; of the model's distribution, unmasked) and,
         for a capacity-limited MoE, the step's dropped expert assignments."""
         with self.steps._context(DECODE), count_dropped() as drops:
-            take, put = self._row_views(tables_RN.shape[0])
+            take, put = self._row_views(tables_RN.shape[-2])
             # Released rows (finished requests) are freed wherever they lie.
             active_B = slots.active_B & ~release_B
             lengths_B = jnp.where(active_B, slots.lengths_B, 0)
@@ -282,8 +290,10 @@ class SlotSteps:
             cache = PagedKVCache(
                 k=slots.k,
                 v=slots.v,
+                # [R, N], or [G, R, N] with KV groups: rows last but one either way
                 block_tables_BN=jnp.where(active_R[:, None], tables_RN, 0),
                 lengths_B=jnp.where(active_R, take(lengths_B), 0),
+                groups=self.groups,
             )
             logits_RV, cache = self.steps._model(params).decode(take(tokens_B), cache)
             logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
@@ -380,7 +390,8 @@ class SlotSteps:
         )
         host = RowSampling.rows([Sampling()] * rows, [0] * rows)
         t = jax.tree.leaves(new.k)[0].shape[-3]
-        pages = jax.ShapeDtypeStruct((rows, self.pool.pages_for(t)), np.int32, sharding=rep)
+        shape = (rows, *self.pool.ids_shape(self.pool.pages_for(t)))
+        pages = jax.ShapeDtypeStruct(shape, np.int32, sharding=rep)
         row_ints = spec(np.zeros(rows, np.int32))
         history = jax.tree.map(spec, History.empty(rows, self.history_width))
         self._insert_program(
@@ -401,7 +412,7 @@ class SlotSteps:
 
             def read(pool):
                 # [(L,) P, N * Z, K, H], dequantized (a quantized pool) in the model dtype
-                x = read_pages(pool, pages_PN, self.model_config.dtype)
+                x = read_pages(pool, pages_PN, self.model_config.dtype, self.groups)
                 return jax.tree.map(lambda a: a[..., :length, :, :], x)
 
             return read(slots.k), read(slots.v)
@@ -433,7 +444,8 @@ class SlotSteps:
     ) -> None:
         """Compiles :meth:`context` for ``[rows, n_pages]`` page ids ahead of its first call."""
         rep = self.steps.layouts.replicated
-        pages = jax.ShapeDtypeStruct((rows, n_pages), np.int32, sharding=rep)
+        shape = (rows, *self.pool.ids_shape(n_pages))
+        pages = jax.ShapeDtypeStruct(shape, np.int32, sharding=rep)
         self._context_program(self.abstract(), pages, out_layout, length)
 
     def _step_program(self, params, slots, release, tables, allowed):
@@ -469,8 +481,9 @@ class SlotSteps:
         """:meth:`tables` on the host: the first ``rows / shards`` rows of every shard."""
         rows = rows or self.n_slots
         shards, per = self.pool.shards, self.n_slots // self.pool.shards
-        tables_RN = tables_BN.reshape(shards, per, -1)[:, : rows // shards].reshape(rows, -1)
-        return np.ascontiguousarray(tables_RN, np.int32)
+        lead = tables_BN.shape[:-2]  # (G,) with KV groups
+        tables = tables_BN.reshape(*lead, shards, per, -1)[..., : rows // shards, :]
+        return np.ascontiguousarray(tables.reshape(*lead, rows, -1), np.int32)
 
     def rows_for(self, live: np.ndarray, floor: int = 8) -> int:
         """The rows a step computes: per batch shard, a power of two (at least ``floor``,
@@ -518,7 +531,8 @@ class SlotSteps:
         (default all) ahead of its first call; returns the compiled program."""
         rows = rows or self.n_slots
         release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
-        tables = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=self.tables_layout)
+        shape = (rows, width) if self.groups is None else (self.groups.n_groups, rows, width)
+        tables = jax.ShapeDtypeStruct(shape, np.int32, sharding=self.tables_layout)
         allowed = jax.ShapeDtypeStruct(
             (self.n_slots, self.mask_words), np.int32, sharding=self.mask_layout
         )

@@ -18,6 +18,13 @@ they use, so ``block_tables_BN`` holds *local* page ids: a shard's rows index it
 of the pool, and writes and reads never leave the shard. Local page 0 of every shard is a
 scratch page no sequence owns: free rows (length 0, block table of zeros) write there.
 
+KV groups (:mod:`jaxpar.models._kv_groups`): where sliding-window layers mix with full
+ones, the pool has ``width`` positions instead of ``L`` layers and the block tables are
+``[G, B, N]``, one per group: layer ``l`` reads and writes position ``position_of[l]``
+through table ``group_of[l]`` (static for unrolled layers, two small gathers under scan).
+Page ids passed to :func:`write_prompts` and :func:`read_pages` are then ``[P, G, N]``.
+A model without groups keeps the ``[B, N]`` tables and per-layer pool it always had.
+
 Quantized (``config.kv_cache_dtype``): each pool is a :class:`~jaxpar.models.QuantKV`,
 int8/fp8 values ``[K, A, Z, H]`` and float32 scales ``[K, A, Z, 1]`` (one per token per
 kv head), the layout the Pallas GPU kernel's scale inputs take (``[K, A, Z]``, a free
@@ -37,6 +44,7 @@ import jax.numpy as jnp
 
 from jaxpar.errors import ShapeError
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kv_groups import KVGroups, kv_groups
 from jaxpar.models._kv_quant import (
     QuantKV,
     as_stored,
@@ -54,6 +62,8 @@ PAGE_AXES = ("kv_heads", "pages", "page_pos", "head_dim")
 STACKED_PAGE_AXES = ("layers", *PAGE_AXES)
 #: Block tables [B, N]: row b's N page ids (local to its batch shard).
 TABLE_AXES = ("batch", None)
+#: Block tables of KV groups [G, B, N]: one table per group.
+GROUP_TABLE_AXES = (None, *TABLE_AXES)
 #: The new token's keys or values of each row: [B, K, H].
 ROW_KV_AXES = ("batch", "kv_heads", "head_dim")
 #: Local page id of each shard's scratch page (written by free rows, owned by none).
@@ -82,8 +92,9 @@ class PagedKVCache:
 
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
-    block_tables_BN: jax.Array
+    block_tables_BN: jax.Array  # [B, N], or [G, B, N] with KV groups
     lengths_B: jax.Array
+    groups: KVGroups | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def stacked(self) -> bool:
@@ -105,7 +116,7 @@ class PagedKVCache:
     @property
     def max_seq_len(self) -> int:
         """Positions the block tables address per row."""
-        return self.block_tables_BN.shape[1] * self.page_size
+        return self.block_tables_BN.shape[-1] * self.page_size
 
     @classmethod
     def logical_axes(cls, config: ModelConfig | ModelRun) -> PagedKVCache:
@@ -113,33 +124,48 @@ class PagedKVCache:
         config = ModelRun.of(config)
         mode = config.kv_cache_dtype
         stacked = config.layer_loop == "scan"
+        groups = kv_groups(config)
+        positions = config.n_layers if groups is None else groups.width
         pool: Any = (
-            kv_axes(STACKED_PAGE_AXES, mode)
-            if stacked
-            else (kv_axes(PAGE_AXES, mode),) * config.n_layers
+            kv_axes(STACKED_PAGE_AXES, mode) if stacked else (kv_axes(PAGE_AXES, mode),) * positions
         )
-        return cls(k=pool, v=pool, block_tables_BN=TABLE_AXES, lengths_B=("batch",))
+        tables = TABLE_AXES if groups is None else GROUP_TABLE_AXES
+        return cls(k=pool, v=pool, block_tables_BN=tables, lengths_B=("batch",), groups=groups)
 
     @classmethod
     def empty_pool(
         cls, config: ModelConfig | ModelRun, pages: int, page_size: int, part: str = "k"
     ) -> Any:
-        """A zero pool of ``pages`` pages per layer (compute dtype, or quantized with the
-        run's ``kv_cache_dtype``), in the run's form: of the keys (``part="k"``) or the
-        values (``"v"``), whose widths may differ (MLA)."""
+        """A zero pool of ``pages`` pages per position (every layer, or with KV groups
+        each group's layers; compute dtype, or quantized with the run's
+        ``kv_cache_dtype``), in the run's form: of the keys (``part="k"``) or the values
+        (``"v"``), whose widths may differ (MLA)."""
         config = ModelRun.of(config)
         width = config.cache_kv_dims[0 if part == "k" else 1]
         shape = (config.n_kv_heads, pages, page_size, width)
         mode = config.kv_cache_dtype
+        positions = _positions(config)
         if config.layer_loop == "scan":
-            return empty_kv((config.n_layers, *shape), config.dtype, mode)
-        return tuple(empty_kv(shape, config.dtype, mode) for _ in range(config.n_layers))
+            return empty_kv((positions, *shape), config.dtype, mode)
+        return tuple(empty_kv(shape, config.dtype, mode) for _ in range(positions))
 
     @staticmethod
     def pool_bytes(config: ModelConfig | ModelRun, pages: int, page_size: int) -> int:
-        """Bytes of the keys and values of ``pages`` pages, every layer (all shards):
+        """Bytes of the keys and values of ``pages`` pages, every position (all shards):
         values in the stored dtype, plus their scales when quantized."""
-        return ModelRun.of(config).cache_bytes_per_token * pages * page_size
+        run = ModelRun.of(config)
+        return run.cache_bytes_per_token * _positions(run) // run.n_layers * pages * page_size
+
+    def _where(self, layer: int | jax.Array) -> tuple[Any, jax.Array]:
+        """Layer ``layer``'s pool index and block tables (its group's, with KV groups)."""
+        groups = self.groups
+        if groups is None:
+            return layer, self.block_tables_BN
+        if isinstance(layer, int):
+            return groups.position_of[layer], self.block_tables_BN[groups.group_of[layer]]
+        position = jnp.asarray(groups.position_of, jnp.int32)[layer]
+        group = jnp.asarray(groups.group_of, jnp.int32)[layer]
+        return position, self.block_tables_BN[group]
 
     def write_layer(
         self, layer: int | jax.Array, k_new_BKH: jax.Array, v_new_BKH: jax.Array
@@ -149,7 +175,8 @@ class PagedKVCache:
         Per batch shard (its rows address its pages): a scatter into the donated pool,
         in place. Lengths are unchanged until :meth:`advance`.
         """
-        tables, lengths = self.block_tables_BN, self.lengths_B
+        layer, tables = self._where(layer)
+        lengths = self.lengths_B
         if self.stacked:
             write = logical_shard_map(
                 _write_stacked,
@@ -177,11 +204,17 @@ class PagedKVCache:
 
     def layer(self, layer: int | jax.Array) -> PagedLayer:
         """Layer ``layer``'s pool and the block tables (read after :meth:`write_layer`)."""
-        return PagedLayer(self.k[layer], self.v[layer], self.block_tables_BN)
+        layer, tables = self._where(layer)
+        return PagedLayer(self.k[layer], self.v[layer], tables)
 
     def advance(self) -> PagedKVCache:
         """Lengths + 1, after every layer wrote this step's token."""
         return self.replace(lengths_B=self.lengths_B + 1)
+
+
+def _positions(config: ModelConfig) -> int:
+    groups = kv_groups(config)
+    return config.n_layers if groups is None else groups.width
 
 
 def _page_slot(z: int, tables_BN: jax.Array, pos_B: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -206,7 +239,25 @@ def _write_stacked(pool_LKAZH, layer, tables_BN, pos_B, new_BKH):
     return kv_map(lambda p, n: p.at[layer, :, page_B, slot_B].set(n), pool_LKAZH, new_BKH)
 
 
-def write_prompts(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
+def write_prompts(pool: Any, new: Any, pages_PN: jax.Array, groups: KVGroups | None = None) -> Any:
+    """:func:`write_layers`, per KV group where there are groups: ``pages_PN`` is then
+    ``[P, G, N]``, and each group's layers (``new`` per layer) go to its positions."""
+    if groups is None:
+        return write_layers(pool, new, pages_PN)
+    for group in range(groups.n_groups):
+        pool = write_layers(pool, _group_layers(new, groups, group), pages_PN[:, group])
+    return pool
+
+
+def _group_layers(x: Any, groups: KVGroups, group: int) -> Any:
+    """Per-layer ``x`` (a tuple, or stacked ``[L, ...]``) at ``group``'s positions."""
+    layers = [groups.layer_at(group, j) for j in range(groups.width)]
+    if isinstance(x, tuple):
+        return tuple(x[layer] for layer in layers)
+    return jax.tree.map(lambda a: a[jnp.asarray(layers)], x)
+
+
+def write_layers(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
     """Writes prefilled K/V into pages: row p's positions ``[0, T)`` into its pages
     (quantized first where the pool is).
 
@@ -244,7 +295,26 @@ def write_prompts(pool: Any, new: Any, pages_PN: jax.Array) -> Any:
     )
 
 
-def read_pages(pool: Any, pages_PN: jax.Array, dtype: Any = None) -> Any:
+def read_pages(
+    pool: Any, pages_PN: jax.Array, dtype: Any = None, groups: KVGroups | None = None
+) -> Any:
+    """:func:`read_layers`, per KV group where there are groups (``pages_PN`` then
+    ``[P, G, N]``): each layer read from its position through its group's pages, the
+    result per layer (a tuple, or stacked ``[L, ...]``) as without groups."""
+    if groups is None:
+        return read_layers(pool, pages_PN, dtype)
+    reads = [read_layers(pool, pages_PN[:, g], dtype) for g in range(groups.n_groups)]
+    layers = [reads[g] if isinstance(reads[g], tuple) else None for g in range(groups.n_groups)]
+    per_layer = [
+        layers[g][j] if layers[g] is not None else jax.tree.map(lambda a, j=j: a[j], reads[g])
+        for g, j in zip(groups.group_of, groups.position_of, strict=True)
+    ]
+    if isinstance(pool, tuple):
+        return tuple(per_layer)
+    return jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+
+
+def read_layers(pool: Any, pages_PN: jax.Array, dtype: Any = None) -> Any:
     """The K or V of ``N`` pages per row as prefill lays them out: per layer
     ``[P, N * Z, K, H]`` (stacked ``[L, P, N * Z, K, H]``); the inverse of
     :func:`write_prompts`. A quantized pool is dequantized right after the gather, into
