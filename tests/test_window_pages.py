@@ -10,6 +10,7 @@ sequence (no cache at all), which masks the same window.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -21,13 +22,27 @@ from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.engine._kv_budget import KVBudget, describe
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._prefix import cache_salt, page_keys
-from jaxpar.models import SCRATCH_PAGE, kv_windows, load_hf_checkpoint
+from jaxpar.models import (
+    SCRATCH_PAGE,
+    PagedKVCache,
+    config_from_hf,
+    kv_groups,
+    kv_positions,
+    kv_windows,
+    load_hf_checkpoint,
+)
 from jaxpar.spec import make_mesh
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "mistral"
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURE = FIXTURES / "mistral"
+HUB = Path(__file__).parent / "fixtures" / "configs"
 Z = 4  # page size
 WINDOW = 4
 SALT = cache_salt("test_window_pages")
+
+
+def _hub_config(name: str) -> dict:
+    return json.loads((HUB / name / "config.json").read_text())
 
 
 # -- the page table's rule ---------------------------------------------------------------
@@ -141,13 +156,18 @@ def _requests(vocab: int) -> list[dict]:
 def _serve_and_check(engine: InferenceEngine) -> ContinuousBatcher:
     budget = KVBudget(page_size=Z, tokens=96)
     batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
-    assert batcher.pool.window == WINDOW
-    reserve, held = batcher._reserve, []
+    pool = batcher.pool
+    assert pool.window == WINDOW
+    reserve = batcher._reserve
+    held = {g: [] for g in range(pool.groups)}
 
-    def spy(owners):  # pages each decoding row holds once its next token has one
+    def spy(owners):  # pages each decoding row holds per group once its next token has one
         ok = reserve(owners)
         pages = batcher.pages
-        held.extend(int(pages.held_B[i] - pages.first_B[i]) for i, s in enumerate(owners) if s)
+        for g in held:
+            held[g] += [
+                int(pages.held_GB[g, i] - pages.first_GB[g, i]) for i, s in enumerate(owners) if s
+            ]
         pages.check()
         return ok
 
@@ -160,7 +180,8 @@ def _serve_and_check(engine: InferenceEngine) -> ContinuousBatcher:
         got = [s.result(timeout=120) for s in streams]
     assert batcher.stats.prompt_tokens_cached > 0  # later prompts continued cached pages
     assert batcher.stats.prefill_chunks >= 1  # the 22-token prompt came in chunks
-    assert held and max(held) == batcher.pool.row_pages == 2  # rows of up to 37 tokens
+    for g, window in enumerate(pool.windows):  # rows of up to 37 tokens: 10 pages
+        assert max(held[g]) == (10 if window is None else 2), f"group {g}"
     batcher.pages.check()
     assert batcher.pages.used_pages == 0
     padded, lengths = engine.pad_prompts(
@@ -200,3 +221,101 @@ def test_sampling_is_not_changed_by_the_window(windowed):
     with batcher:
         got = batcher.submit(prompt, max_tokens=20, sampling=sampling, seed=4).result(120)
     assert got == engine.generate([prompt], 20, sampling=sampling, seed=4).tokens[0]
+
+
+# -- KV groups: sliding layers mixed with full ones -----------------------------------------
+
+
+def test_layers_fall_into_groups_of_the_rarer_kinds_count():
+    """Gemma 3 1B's 26 layers (every sixth global): 4 global ones make the width; the 22
+    sliding ones fill 6 window groups, the last with 2 of its 4 positions."""
+    config = config_from_hf(_hub_config("gemma-3-1b"), source="gemma-3-1b")
+    groups = kv_groups(config)
+    assert groups.width == 4 and groups.windows == (None,) + (512,) * 6
+    for g in range(groups.n_groups):
+        layers = [i for i in range(26) if groups.group_of[i] == g]
+        assert all(config.layer_slides(i) == (groups.windows[g] is not None) for i in layers)
+        assert sorted(groups.position_of[i] for i in layers) == list(range(len(layers)))
+    assert [groups.group_of.count(g) for g in range(7)] == [4, 4, 4, 4, 4, 4, 2]
+    assert kv_positions(config) == 4 and kv_windows(config) == groups.windows
+    every = dataclasses.replace(config, sliding_layers=None)  # all sliding: one table
+    assert kv_groups(every) is None and kv_windows(every) == (512,)
+
+
+def _grouped(pages: int = 16) -> PageTable:
+    return PageTable(PagePool(Z, pages, 1, 2, 40, (None, WINDOW)))
+
+
+def test_only_the_window_group_gives_pages_back():
+    table = _grouped()
+    assert table.grow(0, 21)  # 6 pages per group from one free list
+    assert table.free_pages(0) == 15 - 12
+    assert not table.can_grow(0, 29)  # two more per group: 4 > 3
+    assert table.trim(0, 20) == 4  # the window group keeps pages 4 and 5 (query 20 reads 17)
+    assert table.first_GB[:, 0].tolist() == [0, 4]
+    assert table.free_pages(0) == 7 and table.grow(0, 29)
+    ids = table.global_ids(0, 8)
+    assert ids.shape == (2, 8) and (ids[1, :4] == table.pool.pages).all()
+    assert (ids[0] < table.pool.pages).all()
+    steps = table.step_tables(8)
+    assert steps.shape == (2, 2, 8) and (steps[1, 0, :4] == SCRATCH_PAGE).all()
+    table.check()
+    table.release(0)
+    table.check()
+    assert table.used_pages == 0 and table.free_pages(0) == 15
+
+
+def test_a_grouped_hit_is_what_every_group_can_serve():
+    """The full group needs every page of a hit, the window group the pages its window
+    reaches; each group's pages are keyed apart. Window pages released while the row ran
+    are cached (evicted first: released first); losing those before the hit's window
+    costs nothing, losing a full-group page the hit needs shortens it."""
+    table = _grouped(pages=15)  # 14 usable
+    keys = page_keys(list(range(100, 124)), Z, SALT)  # six full pages
+    table.grow(0, 24)
+    table.register(0, keys)
+    full, window = (table.tables_GBN[g, 0, :6].tolist() for g in range(2))
+    assert table.trim(0, 24) == 5  # window pages 0-4 released, still cached
+    assert table.cached_pages == 5
+    hit = table.lookup(0, keys)
+    assert hit == [(full[c], None) for c in range(5)] + [(full[5], window[5])]
+    table.release(0)  # LRU: window 4, 3, 2, 1, 0, then full 5, ..., 0, then window 5
+    assert table.grow(1, 12)  # 6 pages: the 2 free ones, and window pages 4, 3, 2, 1
+    assert table.evictions == 4
+    assert table.lookup(0, keys) == hit  # none of them in the window of position 24
+    table.release(1)  # not indexed: freed
+    assert table.grow(1, 20)  # 10 pages: 6 free, then window page 0, full pages 5, 4, 3
+    assert table.evictions == 8
+    # Every hit needs a full page now gone or a window page gone before: none is left
+    # (3 pages: full 0-2 are cached, but the window of position 12 needs window page 2).
+    assert table.lookup(0, keys) == []
+    table.check()
+    table.release(1)
+    table.check()
+
+
+@pytest.fixture(scope="module")
+def gemma2():
+    return load_hf_checkpoint(FIXTURES / "gemma2", layer_loop="scan")
+
+
+@pytest.mark.parametrize(
+    "parallel", [ParallelConfig(), ParallelConfig(dp=2, tp=2)], ids=["single", "dp2-tp2"]
+)
+def test_gemma2_served_with_released_window_pages_equals_whole_prefill(gemma2, parallel):
+    """Gemma 2 (sliding layers 0 and 2, soft caps, stacked layers): two block tables per
+    row; the window group's rows hold at most 2 pages, the full group's all 10; tokens and
+    logprobs as one whole-sequence prefill gives them."""
+    config, params = gemma2
+    assert kv_windows(config) == (None, WINDOW)
+    mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+    engine = InferenceEngine(config, params, parallel, max_batch=4, max_seq_len=40, mesh=mesh)
+    _serve_and_check(engine)
+
+
+def test_a_model_without_windows_keeps_one_table_and_its_layers():
+    config = config_from_hf(_hub_config("llama-3-8b"), source="llama-3-8b")
+    assert kv_groups(config) is None and kv_windows(config) == (None,)
+    assert kv_positions(config) == config.n_layers
+    axes = PagedKVCache.logical_axes(config)
+    assert axes.block_tables_BN == ("batch", None) and axes.groups is None
