@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -18,7 +19,15 @@ import numpy as np
 import pytest
 
 from jaxpar import ParallelConfig
-from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
+from jaxpar.cli._explain import tensor_rows
+from jaxpar.engine import (
+    ContinuousBatcher,
+    InferenceEngine,
+    Sampling,
+    cache_fraction,
+    kv_cache_tokens_for,
+    sequence_pages,
+)
 from jaxpar.engine._kv_budget import KVBudget, describe
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._prefix import cache_salt, page_keys
@@ -31,7 +40,9 @@ from jaxpar.models import (
     kv_windows,
     load_hf_checkpoint,
 )
-from jaxpar.spec import make_mesh
+from jaxpar.plan import Workload, load_hardware, predict, serve_flags
+from jaxpar.plan._memory import memory
+from jaxpar.spec import Phase, make_mesh
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FIXTURE = FIXTURES / "mistral"
@@ -319,3 +330,50 @@ def test_a_model_without_windows_keeps_one_table_and_its_layers():
     assert kv_positions(config) == config.n_layers
     axes = PagedKVCache.logical_axes(config)
     assert axes.block_tables_BN == ("batch", None) and axes.groups is None
+
+
+# -- what plan and explain count -------------------------------------------------------------
+
+
+def test_sequence_pages_and_budget_of_hub_shapes():
+    """Gemma 2 9B at 8,192 tokens in pages of 16: the 21 global layers hold 512 pages, the
+    21 sliding ones (4,096-token window) 257; GPT-OSS 20B's 128-token window 9 of 2,048.
+    A served plan counts that share of the full cache, and its ``--kv-cache-tokens``."""
+    gemma = config_from_hf(_hub_config("gemma-2-9b"), source="gemma-2-9b")
+    need = sequence_pages(gemma, 8192, 16)
+    assert [(g.layers, g.window, g.pages) for g in need] == [(21, None, 512), (21, 4096, 257)]
+    assert cache_fraction(gemma, 8192, 16) == (512 + 257) / (2 * 512)
+    oss = config_from_hf(_hub_config("gpt-oss-20b"), source="gpt-oss-20b")
+    assert [g.pages for g in sequence_pages(oss, 32768, 16)] == [2048, 9]
+    # 8 rows: 8 x (512 + 257) pages of 21 layers, as tokens of every layer.
+    assert kv_cache_tokens_for(gemma, 8, 8192, 16) == 8 * (512 + 257) * 16 // 2
+    llama = config_from_hf(_hub_config("llama-3-8b"), source="llama-3-8b")
+    assert kv_cache_tokens_for(llama, 8, 8192, 16) == 8 * 8192
+    served = memory(gemma, ParallelConfig(tp=8), batch=8, prompt_len=512, max_seq_len=8192)
+    windowed = memory(
+        gemma, ParallelConfig(tp=8), batch=8, prompt_len=512, max_seq_len=8192, release_windows=True
+    )
+    assert windowed.kv_cache == math.ceil(served.kv_cache * (512 + 257) / 1024)
+    pred = predict(
+        gemma,
+        ParallelConfig(tp=8),
+        Workload(batch=8, prompt_len=512, gen_len=7680, prefill_batch=8),
+        load_hardware("h100"),
+    )
+    assert pred.memory.kv_cache == windowed.kv_cache
+    assert f"--kv-cache-tokens {8 * (512 + 257) * 8}" in serve_flags(pred, "--hf DIR")
+
+
+def test_explain_counts_the_groups_pages(gemma2):
+    """The gemma2 fixture (2 sliding and 2 full layers) for 4 rows of 40 tokens in pages of
+    4: a row holds 10 + 2 pages of 2 layers, so the pool is 48 pages (+ scratch) of 2
+    positions, not 40 of 4 layers; one block table per group."""
+    config, _ = gemma2
+    rows = tensor_rows(
+        config, ParallelConfig(), Phase.DECODE, batch=4, prompt_len=8, max_seq_len=40, page_size=4
+    )
+    pool, tables = rows[0], rows[1]
+    assert list(pool["shape"]) == [2, 2, 49, 4, 12]
+    assert "holds 10 + 2 (4-token window) pages" in pool["tensor"]
+    assert list(tables["shape"]) == [2, 4, 10]
+    assert kv_cache_tokens_for(config, 4, 40, 4) == 96  # 48 pages of half the layers

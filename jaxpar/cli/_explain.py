@@ -27,7 +27,14 @@ from rich.table import Table
 from jaxpar.cli._common import model_config, parallel_config
 from jaxpar.cli._groups import DeviceGroup, describe_groups, device_groups, handoff
 from jaxpar.cli._progress import stage
-from jaxpar.engine import AbstractEngine, batch_shards, pages_per_shard, run_form
+from jaxpar.engine import (
+    AbstractEngine,
+    batch_shards,
+    kv_cache_tokens_for,
+    pages_per_shard,
+    run_form,
+    sequence_pages,
+)
 from jaxpar.inspect import (
     CAUSES,
     MOE_EXCHANGES,
@@ -45,6 +52,7 @@ from jaxpar.models import (
     ModelRun,
     abstract_model,
     element_bytes,
+    kv_positions,
 )
 from jaxpar.spec import (
     Module,
@@ -131,7 +139,9 @@ def tensor_rows(
     """The KV cache and the main activations of ``phase`` in the layouts the model applies.
 
     Decode's cache is the page pool continuous batching and (unpipelined) ``generate`` run
-    on, ``kv_cache_tokens`` (default ``batch * max_seq_len``) in pages of ``page_size``,
+    on, ``kv_cache_tokens`` (default: what ``batch`` sequences of ``max_seq_len`` hold,
+    ``batch * max_seq_len`` tokens less the pages before sliding windows, which served
+    rows give back: :func:`~jaxpar.engine.kv_cache_tokens_for`) in pages of ``page_size``,
     with the rows' block tables; pipelined decode keeps the contiguous ``[L, B, S, K, H]``.
     """
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
@@ -165,15 +175,25 @@ def tensor_rows(
         scale_axes, scale_shape = KVCache.KV_AXES, shape
     else:
         shards = batch_shards(parallel, c)
-        pages = shards * pages_per_shard(kv_cache_tokens or batch * max_seq_len, page_size, shards)
+        # Tokens of every layer; with KV groups a page holds one group's layers (positions).
+        tokens = kv_cache_tokens or kv_cache_tokens_for(c, batch, max_seq_len, page_size)
+        positions = kv_positions(c)
+        pages = shards * pages_per_shard(
+            math.ceil(tokens * c.n_layers / positions), page_size, shards
+        )
+        need = sequence_pages(c, max_seq_len, page_size)
         scale_axes = STACKED_PAGE_AXES
-        scale_shape = (c.n_layers, c.n_kv_heads, pages, page_size, c.head_dim)
+        scale_shape = (positions, c.n_kv_heads, pages, page_size, c.head_dim)
+        held = " + ".join(
+            f"{g.pages}" + (f" ({g.window}-token window)" if g.window else "") for g in need
+        )
         table = [
             (
-                f"KV page pool ({what}; {pages} pages incl. {shards} scratch)",
+                f"KV page pool ({what}; {pages} pages incl. {shards} scratch; "
+                f"a sequence of {max_seq_len} holds {held} pages)",
                 Module.ATTENTION,
                 STACKED_PAGE_AXES,
-                (c.n_layers, c.n_kv_heads, pages, page_size, width),
+                (positions, c.n_kv_heads, pages, page_size, width),
                 kv_dtype.itemsize,
                 kv_dtype.name,
             )
@@ -181,10 +201,13 @@ def tensor_rows(
         ]
         table += [
             (
-                "block tables (page ids per row)",
+                "block tables (page ids per row"
+                + (f", one table per KV group: {len(need)})" if len(need) > 1 else ")"),
                 Module.ATTENTION,
-                ("batch", None),
-                (batch, -(-max_seq_len // page_size)),
+                ("batch", None) if len(need) == 1 else (None, "batch", None),
+                (batch, -(-max_seq_len // page_size))
+                if len(need) == 1
+                else (len(need), batch, -(-max_seq_len // page_size)),
                 4,
                 "int32",
             ),

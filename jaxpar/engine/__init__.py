@@ -20,9 +20,13 @@ from jaxpar.engine._engine import Generation, InferenceEngine, prompt_bucket
 from jaxpar.engine._grammar import Constraint, Grammar, Grammars, Matcher, allow_only
 from jaxpar.engine._kv_budget import (
     CPU_KV_TOKENS,
+    GroupPages,
     KVBudget,
     batch_shards,
+    cache_fraction,
+    kv_cache_tokens_for,
     pages_per_shard,
+    sequence_pages,
 )
 from jaxpar.engine._kv_budget import MEMORY_FRACTION as KV_MEMORY_FRACTION
 from jaxpar.engine._kv_budget import PAGE_SIZE as KV_PAGE_SIZE
@@ -81,6 +85,10 @@ __all__ = [
     "PagePool",
     "PhaseLog",
     "PageTable",
+    "GroupPages",
+    "cache_fraction",
+    "kv_cache_tokens_for",
+    "sequence_pages",
     "ProcessInfo",
     "Request",
     "RequestStream",

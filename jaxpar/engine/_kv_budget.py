@@ -17,7 +17,14 @@ import numpy as np
 
 from jaxpar.engine._pages import PagePool
 from jaxpar.errors import ConfigError
-from jaxpar.models import PAGE_AXES, ModelConfig, ModelRun, kv_positions, kv_windows
+from jaxpar.models import (
+    PAGE_AXES,
+    ModelConfig,
+    ModelRun,
+    kv_groups,
+    kv_positions,
+    kv_windows,
+)
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, partition_spec
 
 #: Tokens of KV cache on CPU when neither a token budget nor a memory fraction is given.
@@ -50,6 +57,57 @@ class KVBudget:
             )
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPages:
+    """One KV group's share of a decoding sequence (:func:`sequence_pages`)."""
+
+    layers: int  # layers in the group
+    window: int | None  # the sliding window its pages are released by (None: full)
+    pages: int  # the most pages one sequence of max_seq_len holds in it
+
+
+def sequence_pages(dims: ModelConfig, max_seq_len: int, page_size: int) -> list[GroupPages]:
+    """Per KV group (one, without groups), the most pages of ``page_size`` tokens a
+    decoding sequence of up to ``max_seq_len`` tokens holds: every page in a full group,
+    at most what the window spans (``window / page_size + 1``) in a window group. A
+    prompt being prefilled holds its pages until its chunks pass them."""
+    windows = kv_windows(dims)
+    pool = PagePool(page_size, 2, 1, 1, max_seq_len, windows)
+    groups = kv_groups(dims)
+    counts = (
+        [dims.n_layers]
+        if groups is None
+        else [groups.group_of.count(g) for g in range(pool.groups)]
+    )
+    return [GroupPages(counts[g], windows[g], pool.group_pages(g)) for g in range(pool.groups)]
+
+
+def cache_fraction(dims: ModelConfig, max_seq_len: int, page_size: int) -> float:
+    """The share of a full cache (every layer holding ``max_seq_len`` tokens) a decoding
+    sequence holds over pages with released windows: 1.0 without windows. A group's
+    positions no layer uses (Gemma 3's last window group) count: they take memory."""
+    need = sequence_pages(dims, max_seq_len, page_size)
+    if all(g.window is None for g in need):
+        return 1.0
+    width = kv_positions(dims)
+    tokens = sum(width * min(max_seq_len, g.pages * page_size) for g in need)
+    return tokens / (dims.n_layers * max_seq_len)
+
+
+def kv_cache_tokens_for(dims: ModelConfig, rows: int, max_seq_len: int, page_size: int) -> int:
+    """The token budget (:class:`KVBudget` ``tokens``, ``--kv-cache-tokens``: tokens of
+    every layer) whose pool holds ``rows`` sequences of ``max_seq_len`` decoding
+    together, their windows released (``rows * max_seq_len`` without windows), and at
+    least one prompt of ``max_seq_len`` whole: a row takes its prompt's pages in every
+    group at admission and gives a window's back as its chunks pass them."""
+    need = sequence_pages(dims, max_seq_len, page_size)
+    if all(g.window is None for g in need):
+        return rows * max_seq_len
+    whole = len(need) * math.ceil(max_seq_len / page_size)
+    pages = max(rows * sum(g.pages for g in need), whole)  # of kv_positions layers each
+    return math.ceil(pages * kv_positions(dims) / dims.n_layers) * page_size
 
 
 def batch_shards(config: ParallelConfig, dims: ModelConfig) -> int:

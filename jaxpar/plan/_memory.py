@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxpar.engine import run_form
+from jaxpar.engine import KV_PAGE_SIZE, cache_fraction, run_form
 from jaxpar.models import KVCache, ModelConfig, abstract_model, element_bytes
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, param_partition_spec
 from jaxpar.spec import partition_spec as logical_spec
@@ -164,11 +164,20 @@ def memory(
     prompt_len: int,
     max_seq_len: int,
     prefill_batch: int | None = None,
+    release_windows: bool = False,
 ) -> Memory:
     """Per-device memory of a strategy decoding ``batch`` sequences, prefilling
-    ``prefill_batch`` prompts at a time (default: all ``batch`` at once)."""
+    ``prefill_batch`` prompts at a time (default: all ``batch`` at once).
+
+    ``release_windows``: served over pages (continuous batching, ``pp == 1``), where a
+    sliding-window layer's sequence holds only the pages its window spans
+    (:func:`~jaxpar.engine.cache_fraction` of the full cache, in pages of the server's
+    default size); otherwise every layer holds ``max_seq_len`` tokens."""
     run = run_form(model, config)
     rows = batch if prefill_batch is None else prefill_batch
+    fraction = 1.0
+    if release_windows and config.pp == 1:
+        fraction = cache_fraction(model, max_seq_len, KV_PAGE_SIZE)
     prompt_kv = cache_bytes(model, config, rows, prompt_len) if prompt_len else 0
     acts = max(
         activation_bytes(run, config, Phase.PREFILL, rows, prompt_len, prompt_len),
@@ -176,7 +185,7 @@ def memory(
     )
     return Memory(
         params=param_bytes(model, config),
-        kv_cache=cache_bytes(model, config, batch, max_seq_len),
+        kv_cache=math.ceil(cache_bytes(model, config, batch, max_seq_len) * fraction),
         prompt_kv=prompt_kv,
         prefill_inputs=input_bytes(run, config, Phase.PREFILL, rows, prompt_len),
         decode_inputs=input_bytes(run, config, Phase.DECODE, batch, 1),

@@ -253,6 +253,7 @@ def largest_batch(
                 prompt_len=w.prompt_len,
                 max_seq_len=w.max_seq_len,
                 prefill_batch=step if serving else None,
+                release_windows=serving,
             )
             return need.total <= budget
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxpar.engine import KV_PAGE_SIZE, kv_cache_tokens_for
 from jaxpar.models import ModelConfig
 from jaxpar.plan._cost import PhaseCost, phase_cost
 from jaxpar.plan._enumerate import Workload
 from jaxpar.plan._hardware import Hardware
-from jaxpar.plan._memory import Memory, memory
+from jaxpar.plan._memory import Memory, cache_bytes, memory
 from jaxpar.spec import MESH_AXES, ParallelConfig, Phase
 
 
@@ -33,6 +34,9 @@ class Prediction:
     prefill_memory: Memory | None = None
     transfer_bytes: int = 0
     transfer_s: float = 0.0
+    #: The served pool's token budget (``--kv-cache-tokens``) that holds the batch at
+    #: ``max_seq_len``, windows released: ``batch * max_seq_len`` without windows.
+    kv_tokens: int | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -159,12 +163,15 @@ def predict(
         prompt_len=workload.prompt_len,
         max_seq_len=workload.max_seq_len,
         prefill_batch=workload.prefill_batch,
+        release_windows=workload.serving,
     )
     kw = dict(
         prompt_len=workload.prompt_len,
         max_seq_len=workload.max_seq_len,
         params_bytes=mem.params,
-        cache_bytes=mem.kv_cache,
+        # What a decode step reads: a window layer's step still gathers every column of
+        # its block table (released ones point at the scratch page).
+        cache_bytes=cache_bytes(model, config, workload.batch, workload.max_seq_len),
     )
     return Prediction(
         config,
@@ -173,4 +180,5 @@ def predict(
         phase_cost(model, config, Phase.DECODE, hardware, batch=workload.batch, **kw),
         mem,
         hardware.hbm_bytes if budget is None else budget,
+        kv_tokens=kv_cache_tokens_for(model, workload.batch, workload.max_seq_len, KV_PAGE_SIZE),
     )

@@ -125,7 +125,8 @@ def max_prefill_tokens(pred: Prediction) -> int:
 def serve_flags(pred: Prediction, source: str) -> str:
     """The ``jaxpar serve`` command line of a serving plan (``source``: ``--hf DIR`` and
     ``--quantize``): decode's degrees, ``--prefill STRATEGY`` when disaggregated, the slots,
-    the KV cache the plan counted (``batch x max_seq_len`` tokens), the longest request and
+    the KV cache the plan counted (``batch x max_seq_len`` tokens, less with sliding windows
+    released: :func:`~jaxpar.engine.kv_cache_tokens_for`), the longest request and
     the prefill batch and tokens."""
     c, w = pred.config, pred.workload
     flags = [f"--{a} {c.degree(a)}" for a in MESH_AXES if c.degree(a) > 1]
@@ -133,7 +134,7 @@ def serve_flags(pred: Prediction, source: str) -> str:
         flags.append(f"--prefill {pred.prefill_config}")
     flags += [
         f"--max-num-seqs {w.batch}",
-        f"--kv-cache-tokens {w.batch * w.max_seq_len}",
+        f"--kv-cache-tokens {pred.kv_tokens or w.batch * w.max_seq_len}",
         f"--max-seq-len {w.max_seq_len}",
         f"--prefill-batch {w.prefill_rows}",
         f"--max-prefill-tokens {max_prefill_tokens(pred)}",
