@@ -224,10 +224,13 @@ def _param_bytes(eng: Any) -> int:
 
 
 def _kv_bytes_per_position(slot_steps: Any) -> float:
-    """Bytes of one position of the page pool on all devices (replicas included)."""
+    """Bytes of one position of the page pool on all devices (replicas included), every
+    layer: with KV groups a page holds one group's layers, and a step reads a page per
+    group."""
     pool = slot_steps.pool
     devices = slot_steps.steps.mesh.size
-    return slot_steps.pool_bytes_per_device() * devices / (pool.pages * pool.page_size)
+    per_page = slot_steps.pool_bytes_per_device() * devices / (pool.pages * pool.page_size)
+    return per_page * pool.groups
 
 
 # --- what a scrape reports --------------------------------------------------------------
