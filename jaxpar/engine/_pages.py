@@ -10,14 +10,16 @@ admitted and as it grows, and given back when it ends or is preempted; with the 
 cache, full pages stay cached after that until a shard needs room (least recently used
 first), and requests that start with the same tokens share them (reference counts).
 
-Sliding windows: where every layer attends through a window of ``W`` tokens
-(``PagePool.window``), a row's pages that lie wholly before the window of the next query
+Sliding windows: a row has one block table per KV group (:mod:`jaxpar.models._kv_groups`;
+one table for a model whose layers are all of one kind), all drawing on the shard's one
+free list. In a group whose layers attend through a window of ``W`` tokens
+(``PagePool.windows``), a row's pages that lie wholly before the window of the next query
 it computes are given back as it grows (:meth:`PageTable.trim`): a decode query at
 position ``p`` (or a prefill chunk whose first query is ``p``) attends from ``p - W + 1``,
 so a page whose last position is below that is never read again. Its column in the block
 table points at the scratch page (the window masks those scores; the gather stays in
 bounds), and a page the prefix cache indexes stays cached, as at release. A row then holds
-about ``W / page_size + 1`` pages however long it grows.
+about ``W / page_size + 1`` pages of that group however long it grows.
 
 Freeing a page twice, or a page whose count is not the rows holding it, raises: a leak
 would otherwise only show as a pool that slowly fills up.
