@@ -164,9 +164,11 @@ def _requests(vocab: int) -> list[dict]:
     ]
 
 
-def _serve_and_check(engine: InferenceEngine) -> ContinuousBatcher:
+def _serve_and_check(engine: InferenceEngine, prefill: InferenceEngine | None = None):
     budget = KVBudget(page_size=Z, tokens=96)
-    batcher = ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8)
+    batcher = ContinuousBatcher(
+        engine, prefill_engine=prefill, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8
+    )
     pool = batcher.pool
     assert pool.window == WINDOW
     reserve = batcher._reserve
@@ -322,6 +324,21 @@ def test_gemma2_served_with_released_window_pages_equals_whole_prefill(gemma2, p
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
     engine = InferenceEngine(config, params, parallel, max_batch=4, max_seq_len=40, mesh=mesh)
     _serve_and_check(engine)
+
+
+def test_gemma2_disaggregated_decode_releases_what_the_prefill_group_sent(gemma2):
+    """Prefill tp=2 on devices 0-1 keeps every page of its own pool (whole prompts move
+    on, read back through both groups' tables); decode tp=2 on devices 2-3 releases."""
+    config, params = gemma2
+
+    def engine(parallel, first, rows):
+        mesh = make_mesh(parallel, jax.devices()[first : first + parallel.size])
+        return InferenceEngine(config, params, parallel, max_batch=rows, max_seq_len=40, mesh=mesh)
+
+    prefill = engine(ParallelConfig(tp=2), 0, 2)
+    batcher = _serve_and_check(engine(ParallelConfig(tp=2), 2, 4), prefill)
+    assert batcher._side.pages.pool.windows == (None, None)
+    batcher._side.pages.check()
 
 
 def test_a_model_without_windows_keeps_one_table_and_its_layers():
