@@ -152,19 +152,27 @@ def windowed():
     return config, params
 
 
-def _requests(vocab: int) -> list[dict]:
+def _requests(vocab: int, n: int = 3) -> list[dict]:
     """A 9-token prefix shared by every prompt (two full pages cached for later ones), one
     prompt longer than an 8-token chunk; all greedy, with logprobs."""
     rng = np.random.default_rng(7)
     system = rng.integers(3, vocab, 9).tolist()
     return [
         dict(prompt=system + rng.integers(3, vocab, n).tolist(), max_tokens=m, logprobs=0)
-        for n, m in [(2, 24), (13, 16), (6, 20)]
+        for n, m in [(2, 24), (13, 16), (6, 20), (4, 22)][:n]
     ]
 
 
-def _serve_and_check(engine: InferenceEngine, prefill: InferenceEngine | None = None):
-    budget = KVBudget(page_size=Z, tokens=96)
+def _serve_and_check(
+    engine: InferenceEngine,
+    prefill: InferenceEngine | None = None,
+    tokens: int = 96,
+    together: bool = False,
+):
+    """Serves the requests (the first alone, its pages cached, unless ``together``: four
+    at once) on a pool of ``tokens`` tokens; checks the pages each decoding row holds per
+    group, and every token and logprob against one whole-sequence prefill."""
+    budget = KVBudget(page_size=Z, tokens=tokens)
     batcher = ContinuousBatcher(
         engine, prefill_engine=prefill, prefill_batch=2, kv_budget=budget, max_prefill_tokens=8
     )
@@ -184,11 +192,13 @@ def _serve_and_check(engine: InferenceEngine, prefill: InferenceEngine | None = 
         return ok
 
     batcher._reserve = spy
-    requests = _requests(engine.model_config.vocab_size)
+    requests = _requests(engine.model_config.vocab_size, 4 if together else 3)
     with batcher:
-        first = batcher.submit(**requests[0])
-        first.result(timeout=120)
-        streams = [first] + [batcher.submit(**r) for r in requests[1:]]
+        streams = []
+        if not together:
+            streams.append(batcher.submit(**requests[0]))
+            streams[0].result(timeout=120)
+        streams += [batcher.submit(**r) for r in requests[len(streams) :]]
         got = [s.result(timeout=120) for s in streams]
     assert batcher.stats.prompt_tokens_cached > 0  # later prompts continued cached pages
     assert batcher.stats.prefill_chunks >= 1  # the 22-token prompt came in chunks
@@ -301,12 +311,17 @@ def gemma2():
 def test_gemma2_served_with_released_window_pages_equals_whole_prefill(gemma2, parallel):
     """Gemma 2 (sliding layers 0 and 2, soft caps, stacked layers): two block tables per
     row; the window group's rows hold at most 2 pages, the full group's all 10; tokens and
-    logprobs as one whole-sequence prefill gives them."""
+    logprobs as one whole-sequence prefill gives them. On one device four requests at once
+    on 22 pages (12 per row at 37 tokens): rows are preempted and recomputed."""
     config, params = gemma2
     assert kv_windows(config) == (None, WINDOW)
     mesh = make_mesh(parallel, jax.devices()[: parallel.size])
     engine = InferenceEngine(config, params, parallel, max_batch=4, max_seq_len=40, mesh=mesh)
-    _serve_and_check(engine)
+    if parallel.size == 1:
+        batcher = _serve_and_check(engine, tokens=44, together=True)
+        assert batcher.stats.preemptions > 0
+    else:
+        _serve_and_check(engine)
 
 
 def test_gemma2_disaggregated_decode_releases_what_the_prefill_group_sent(gemma2):
