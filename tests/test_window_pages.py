@@ -139,6 +139,10 @@ def test_pool_figures_count_the_window():
     assert "8 sequences of 64 tokens fit" in line  # 40 pages / 2 per row, at most 8 rows
     assert "4-token window are released (at most 2 per decoding row)" in line
     assert "2 sequences of 64 tokens" in describe(PagePool(Z, 41, 1, 8, 128), 1 << 20)
+    grouped = PagePool(Z, 49, 1, 4, 40, (None, WINDOW))  # 10 + 2 pages per 37-token row
+    assert grouped.row_pages == 12 and grouped.seq_pages(20) == 5 + 2
+    line = describe(grouped, 1 << 20)
+    assert "48 pages x 4 tokens of 2 KV groups" in line and "(at most 12 per decoding row)" in line
 
 
 # -- served over pages ---------------------------------------------------------------------

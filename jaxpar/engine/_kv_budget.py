@@ -241,14 +241,15 @@ def describe(pool: PagePool, bytes_per_device: int, cache_dtype: str | None = No
         if bytes_per_device >= 2**30
         else f"{bytes_per_device / 2**20:.1f} MiB"
     )
+    # With KV groups a page holds one group's layers: its tokens are not every layer's.
+    tokens = f" = {pool.tokens} tokens" if pool.groups == 1 else f" of {pool.groups} KV groups"
     return (
-        f"KV cache: {pool.usable_pages} pages x {pool.page_size} tokens = {pool.tokens} "
-        f"tokens{f' ({cache_dtype})' if cache_dtype else ''}, {size} per device; {fit} sequences of "
+        f"KV cache: {pool.usable_pages} pages x {pool.page_size} tokens{tokens}"
+        f"{f' ({cache_dtype})' if cache_dtype else ''}, {size} per device; {fit} sequences of "
         f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
         + (
             f"; pages before the {pool.window}-token window are released "
-            f"(at most {pool.row_pages} per decoding row"
-            + (f", over {pool.groups} KV groups)" if pool.groups > 1 else ")")
+            f"(at most {pool.row_pages} per decoding row" + ")"
             if pool.window is not None
             else ""
         )
