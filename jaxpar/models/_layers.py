@@ -76,14 +76,16 @@ def kernel(
     config: ModelRun,
     *,
     contract: int = 1,
+    batch: int = 0,
 ) -> tuple[nnx.Param, nnx.Param | None]:
-    """A matmul kernel whose ``contract`` leading dims are contracted, and its scales
-    (None unless ``config.quantize``; see :mod:`jaxpar.models._quant`): the values keep
-    the kernel's logical axes, the scales get axes derived from them."""
+    """A matmul kernel whose ``contract`` dims after ``batch`` leading ones (a MoE's stacked
+    experts) are contracted, and its scales (None unless ``config.quantize``; see
+    :mod:`jaxpar.models._quant`): the values keep the kernel's logical axes, the scales get
+    axes derived from them."""
     if config.quantize is None:
         return param(rngs, init, shape, axes, config.param_dtype), None
     values = param(rngs, init, shape, axes, QUANT_DTYPES[config.quantize])
-    scale_shape, scale_axes = scale_layout(tuple(shape), axes, contract, config.quantize)
+    scale_shape, scale_axes = scale_layout(tuple(shape), axes, contract, config.quantize, batch)
     return values, param(rngs, ONES, scale_shape, scale_axes, jnp.float32)
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxpar.models import _moe_exchange as xchg
 from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._layers import BTD, FFN, ZEROS, bias_init, fan_in_normal, param
+from jaxpar.models._layers import BTD, FFN, ZEROS, bias_init, fan_in_normal, kernel, param
 from jaxpar.models._moe_stats import record_dropped
 from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
@@ -164,21 +164,40 @@ def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 class Experts(nnx.Module):
     """E SwiGLU experts with stacked kernels gate/up [E,D,F] and down [E,F,D].
 
-    Not quantized under ``config.quantize`` (they stay in ``param_dtype``): the grouped
-    ``ragged_dot`` would need each row's expert scales gathered after the dot (see
-    :mod:`jaxpar.models._quant`); the attention of a MoE model is quantized.
+    Quantized under ``config.quantize`` as every dense kernel is, per expert: each kernel
+    has a ``<name>_scale`` ``[E, 1, F]`` / ``[E, 1, D]`` (int4: ``[E, D // group, F]`` /
+    ``[E, F // group, D]``), split over ep with its experts and over tp with its columns
+    (gate/up) or row groups (down); see :mod:`jaxpar.models._moe_matmul`.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        config = ModelRun.of(config)
         e, d, f, pd = config.n_experts, config.d_model, config.d_ff, config.param_dtype
-        self.gate_kernel = param(rngs, fan_in_normal(d), (e, d, f), GATE_UP_AXES, pd)
-        self.up_kernel = param(rngs, fan_in_normal(d), (e, d, f), GATE_UP_AXES, pd)
-        self.down_kernel = param(rngs, fan_in_normal(f), (e, f, d), DOWN_AXES, pd)
+        gate_up, down = (e, d, f), (e, f, d)
+        # Quantized (config.quantize): each kernel has a <name>_scale, else None.
+        self.gate_kernel, self.gate_kernel_scale = kernel(
+            rngs, fan_in_normal(d), gate_up, GATE_UP_AXES, config, batch=1
+        )
+        self.up_kernel, self.up_kernel_scale = kernel(
+            rngs, fan_in_normal(d), gate_up, GATE_UP_AXES, config, batch=1
+        )
+        self.down_kernel, self.down_kernel_scale = kernel(
+            rngs, fan_in_normal(f), down, DOWN_AXES, config, batch=1
+        )
         # GPT-OSS (config.mlp_bias): each expert's gate, up and down biases.
         biased = config.mlp_bias
         self.gate_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
         self.up_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
         self.down_bias = bias_init(rngs, (e, d), DOWN_BIAS_AXES, pd) if biased else None
+
+    def scales(self) -> tuple[tuple[jax.Array, ...], tuple[tuple[str | None, ...], ...]]:
+        """((gate, up, down) scales, their logical axes), or ((), ()) when float."""
+        if self.gate_kernel_scale is None:
+            return (), ()
+        found = (self.gate_kernel_scale, self.up_kernel_scale, self.down_kernel_scale)
+        return tuple(s[...] for s in found), tuple(
+            tuple(s.get_metadata()["out_sharding"]) for s in found
+        )
 
     def biases(self) -> tuple[jax.Array, ...]:
         """(gate [E, F], up [E, F], down [E, D]) biases, or () when the experts have none."""
@@ -200,16 +219,19 @@ class _Local:
     expert_axes: tuple[str, ...]
     mlp_axes: tuple[str, ...]
     cpu: bool = False
-    #: A router bias array is the first extra argument (GPT-OSS's logit bias, DeepSeek's
-    #: correction bias); GPT-OSS's clamped SwiGLU's (limit, alpha); expert biases arrive
-    #: as the last three extra arguments when present.
+    #: A router bias array is the first extra argument after any scales (GPT-OSS's logit
+    #: bias, DeepSeek's correction bias); GPT-OSS's clamped SwiGLU's (limit, alpha); expert
+    #: biases arrive as the last three extra arguments when present.
     router_bias: bool = False
     clamp: tuple[float, float] | None = None
     grouped: GroupedRouting | None = None
+    #: Quantized kernels: their (gate, up, down) scales are the first three extra arguments.
+    quantized: bool = False
 
     def __call__(self, x_btD, router_DE, gate_EDF, up_EDF, down_EFD, *extra):
         b, t, d = x_btD.shape
         x_nD = x_btD.reshape(b * t, d).astype(self.dtype)
+        scales, extra = (extra[:3], extra[3:]) if self.quantized else (None, extra)
         bias_E = extra[0] if self.router_bias else None
         biases = extra[1:] if self.router_bias else extra  # () or (gate, up, down)
         if self.grouped is None:
@@ -223,7 +245,8 @@ class _Local:
         peers = self.n_experts // gate_EDF.shape[0]
         cap = route.capacity_rows(b * t, self.top_k, self.n_experts, peers, self.capacity_factor)
         plan = route.send_plan(experts_nk, self.n_experts, peers, cap)
-        weights = tuple(w.astype(self.dtype) for w in (gate_EDF, up_EDF, down_EFD))
+        # Cast where each matmul reads them (a quantized kernel is the dot's operand).
+        weights = (gate_EDF, up_EDF, down_EFD)
         with jax.named_scope(EXPERT_ROWS_SCOPE):
             counts_PE, offsets_P = xchg.exchange_counts(plan, self.expert_axes)
             if self.path == "ragged":
@@ -233,7 +256,7 @@ class _Local:
                 rows = xchg.padded_dispatch(
                     route.pack_rows(x_nD, plan, peers * cap), peers, self.expert_axes
                 )
-            y_RD = self._experts(rows, counts_PE, cap, weights, biases)
+            y_RD = self._experts(rows, counts_PE, cap, weights, biases, scales)
             if self.path == "ragged":
                 back = xchg.ragged_combine(
                     y_RD, plan, counts_PE, offsets_P, sent.shape[0], self.expert_axes
@@ -249,11 +272,12 @@ class _Local:
             out_nD = jax.lax.psum(out_nD, self.mlp_axes)
         return out_nD.reshape(b, t, d), plan.dropped.reshape(1, 1)
 
-    def _experts(self, rows_RD, counts_PE, cap, weights, biases=()):
+    def _experts(self, rows_RD, counts_PE, cap, weights, biases=(), scales=None):
         """The local experts on the received rows, grouped by expert (tp partial sums)."""
         recv = route.receive_plan(counts_PE, cap)
         # XLA:CPU lowers ragged_dot to a masked dense dot that copies the expert kernels.
         swiglu = route.masked_swiglu if self.cpu else route.grouped_swiglu
+        swiglu = functools.partial(swiglu, scales=scales)
         glu = route.silu_glu
         if self.clamp is not None:
             glu = functools.partial(route.clamped_glu, limit=self.clamp[0], alpha=self.clamp[1])
@@ -299,6 +323,8 @@ class MoE(nnx.Module):
         c = self.config
         with jax.named_scope(Module.MOE.value):
             x_BTD = constrain(x_BTD, BTD, Module.MOE)
+            e = self.experts
+            scales, scale_axes = e.scales()  # split as their kernels: experts, mlp columns
             local = _Local(
                 n_experts=c.n_experts,
                 top_k=c.top_k,
@@ -312,11 +338,13 @@ class MoE(nnx.Module):
                 router_bias=self.router.bias is not None,
                 clamp=None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha),
                 grouped=self.router.grouped,
+                quantized=bool(scales),
             )
-            e = self.experts
             args = [x_BTD, self.router.kernel[...], e.gate_kernel[...], e.up_kernel[...]]
             args.append(e.down_kernel[...])
             in_axes = [BTD, ROUTER_AXES, GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES]
+            args += scales
+            in_axes += scale_axes
             if self.router.bias is not None:
                 args.append(self.router.bias[...])
                 in_axes.append(ROUTER_BIAS_AXES)

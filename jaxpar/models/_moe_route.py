@@ -21,6 +21,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.models._moe_matmul import expert_of_rows as expert_of_rows
+from jaxpar.models._moe_matmul import grouped_matmul, masked_matmul
+
 
 @dataclasses.dataclass(frozen=True)
 class SendPlan:
@@ -173,11 +176,8 @@ def clamped_glu(gate_xF: jax.Array, up_xF: jax.Array, *, limit: float, alpha: fl
     return (up_xF + 1) * (gate_xF * jax.nn.sigmoid(gate_xF * alpha))
 
 
-def expert_of_rows(group_sizes_E: jax.Array, rows: int) -> jax.Array:
-    """The local expert of each of ``rows`` expert-sorted rows; ``E_l`` past the groups."""
-    ends_E = jnp.cumsum(group_sizes_E)
-    r_R = jnp.arange(rows, dtype=ends_E.dtype)
-    return jnp.sum(r_R[:, None] >= ends_E[None, :], axis=1).astype(jnp.int32)
+#: (gate, up, down) scales of quantized expert kernels ``[E, g, F]``, ``[E, g, D]``.
+Scales = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def grouped_swiglu(
@@ -189,19 +189,22 @@ def grouped_swiglu(
     gate_bias_RF: jax.Array | None = None,
     up_bias_RF: jax.Array | None = None,
     glu: Glu = silu_glu,
+    scales: Scales | None = None,
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows: ``ragged_dot`` per group, rows past the groups 0.
 
     FLOPs and weight reads follow the rows of each group (the grouped matmul); with the
     intermediate split over tensor parallelism the result is a partial sum. GPT-OSS: each
     row's expert's gate and up biases (``*_bias_RF``, gathered per row) and its ``glu``.
+    Quantized kernels come with their ``scales`` (:mod:`jaxpar.models._moe_matmul`).
     """
-    gate_RF = jax.lax.ragged_dot(x_RD, gate_EDF, group_sizes_E)
-    up_RF = jax.lax.ragged_dot(x_RD, up_EDF, group_sizes_E)
+    gate_s, up_s, down_s = scales or (None, None, None)
+    gate_RF = grouped_matmul(x_RD, gate_EDF, group_sizes_E, gate_s)
+    up_RF = grouped_matmul(x_RD, up_EDF, group_sizes_E, up_s)
     if gate_bias_RF is not None:
         gate_RF, up_RF = gate_RF + gate_bias_RF, up_RF + up_bias_RF
     h_RF = glu(gate_RF, up_RF).astype(x_RD.dtype)
-    return jax.lax.ragged_dot(h_RF, down_EFD, group_sizes_E)
+    return grouped_matmul(h_RF, down_EFD, group_sizes_E, down_s)
 
 
 def masked_swiglu(
@@ -213,6 +216,7 @@ def masked_swiglu(
     gate_bias_RF: jax.Array | None = None,
     up_bias_RF: jax.Array | None = None,
     glu: Glu = silu_glu,
+    scales: Scales | None = None,
 ) -> jax.Array:
     """:func:`grouped_swiglu` as batched matmuls over the local experts, rows masked per group.
 
@@ -221,15 +225,19 @@ def masked_swiglu(
     kernel into a ``[E_l x D, F]`` operand on each call (measured: decode temporary memory
     growing by the layer's expert weights per layer).
     """
+    gate_s, up_s, down_s = scales or (None, None, None)
     ends_E = jnp.cumsum(group_sizes_E)
     r = jnp.arange(x_RD.shape[0])
     mask_ER = (r[None, :] >= (ends_E - group_sizes_E)[:, None]) & (r[None, :] < ends_E[:, None])
     x_ERD = jnp.where(mask_ER[..., None], x_RD[None], 0).astype(x_RD.dtype)
-    gate_ERF = jnp.einsum("ERD,EDF->ERF", x_ERD, gate_EDF)
-    up_ERF = jnp.einsum("ERD,EDF->ERF", x_ERD, up_EDF)
+    gate_ERF = masked_matmul(x_ERD, gate_EDF, gate_s)
+    up_ERF = masked_matmul(x_ERD, up_EDF, up_s)
     if gate_bias_RF is not None:
         gate_ERF, up_ERF = gate_ERF + gate_bias_RF[None], up_ERF + up_bias_RF[None]
     h_ERF = glu(gate_ERF, up_ERF).astype(x_RD.dtype)
     if gate_bias_RF is not None:  # a masked row's biases alone would not give zeros
         h_ERF = jnp.where(mask_ER[..., None], h_ERF, 0)
-    return jnp.einsum("ERF,EFD->RD", h_ERF, down_EFD)  # masked rows add zeros
+    if down_s is None:
+        return jnp.einsum("ERF,EFD->RD", h_ERF, down_EFD.astype(x_RD.dtype))
+    # Each expert's output scaled before the sum over experts (masked rows add zeros).
+    return jnp.sum(masked_matmul(h_ERF, down_EFD, down_s), axis=0)

@@ -69,21 +69,29 @@ def check_quantize(mode: str | None) -> None:
 
 
 def scale_layout(
-    shape: tuple[int, ...], axes: tuple[str | None, ...], contract: int, mode: str
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    contract: int,
+    mode: str,
+    batch: int = 0,
 ) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-    """The scale's shape and logical axes for a kernel whose ``contract`` leading dims are
-    contracted (per output channel; int4: per group of the last contracted dim).
+    """The scale's shape and logical axes for a kernel whose ``contract`` dims after its
+    ``batch`` leading ones are contracted (per output channel; int4: per group of the last
+    contracted dim). Batch dims (a MoE's stacked experts) keep their size and name: each
+    expert has its own scales, split over ep as the experts are.
 
     Raises:
         ConfigError: an int4 group that does not divide its dim.
     """
+    end = batch + contract
     if mode != "int4":
-        reduced = [1] * contract + list(shape[contract:])
-        return tuple(reduced), (None,) * contract + tuple(axes[contract:])
-    last = contract - 1
+        reduced = list(shape[:batch]) + [1] * contract + list(shape[end:])
+        return tuple(reduced), (*axes[:batch], *(None,) * contract, *axes[end:])
+    last = end - 1
     group = min(INT4_GROUP, shape[last])
     if shape[last] % group:
         raise ConfigError(f"int4: group {group} does not divide contraction dim {shape[last]}")
+    # The other contracted dims stay whole (an o-projection's groups are per head).
     reduced, names = list(shape), list(axes)
     reduced[last] = shape[last] // group
     if reduced[last] == 1:  # one group: per channel along this dim, nothing to split
