@@ -124,9 +124,9 @@ def add_quantize_arg(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=("int8", "fp8", "int4"),
         default=None,
-        help="weight-only quantization of the attention and FFN kernels at load time: int8 "
-        "and fp8 per output channel, int4 per group of 128 (embedding, LM head and MoE "
-        "experts stay in --dtype)",
+        help="weight-only quantization of the attention, FFN and MoE expert kernels at load "
+        "time: int8 and fp8 per output channel, int4 per group of 128 (embedding, LM head "
+        "and MoE router stay in --dtype)",
     )
 
 

@@ -28,7 +28,8 @@ fp8 one is refused).
 Refused, before any tensor is read: every other ``quant_method`` (awq, gptq, bitsandbytes,
 mxfp4, the block-wise ``fp8`` of DeepSeek-style checkpoints, ...), compressed-tensors
 schemes other than 8-bit float weights per channel or per tensor (``block``, ``group``
-strategies, int weights), and MoE models (jaxpar keeps MoE experts in the model dtype).
+strategies, int weights), and MoE models (their expert tensors' stored scales are not
+read yet; a float MoE checkpoint quantizes its experts at load with ``--quantize``).
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def check_model(prequant: Prequantized | None, arch: str, is_moe: bool, source: 
     if prequant is not None and is_moe:
         raise CheckpointError(
             f"{source}: a pre-quantized ({prequant.method}) MoE checkpoint is not supported: "
-            "jaxpar keeps MoE experts in the model dtype; load a float checkpoint (optionally "
-            "with --quantize)"
+            "its expert scales are not read; load a float checkpoint with --quantize (experts "
+            "included)"
         )
 
 

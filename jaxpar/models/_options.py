@@ -59,9 +59,9 @@ class ExecutionOptions:
             transformers). A factor cf: each device sends at most ceil(cf * tokens * top_k
             / ep) rows to each expert peer; assignments past that are dropped (earlier
             tokens first) and counted.
-        quantize: weight-only quantization of the attention and dense-FFN kernels (None,
-            "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding, LM head and
-            MoE experts stay in the parameter dtype.
+        quantize: weight-only quantization of the attention, dense-FFN and MoE expert
+            kernels (None, "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding,
+            LM head and the MoE router stay in the parameter dtype.
         kv_cache_dtype: the KV cache's storage: None (the compute dtype), "int8" or "fp8"
             (e4m3), one float32 scale per token per kv head, quantized where K/V are written
             and dequantized where attention reads them (:mod:`jaxpar.models._kv_quant`).

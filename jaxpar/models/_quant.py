@@ -18,11 +18,12 @@ checked on hardware) and no dequantized weight (``w_q * scale``) is ever formed
 (``tests/test_data_movement.py`` counts one). Grouped scales apply per group
 after a batched contraction over each group, then the groups are summed.
 
-Quantized: every attention and dense-FFN projection kernel. Not quantized (no option
-yet): the embedding (decode reads one row of it per token) and the LM head (its error
-goes straight into the logits), norms, biases, the MoE router, and the MoE experts (their
-grouped ``ragged_dot`` paths would need per-row scale gathers; left in the model dtype,
-see :mod:`jaxpar.models._moe`).
+Quantized: every attention and dense-FFN projection kernel, and the MoE experts' stacked
+kernels (per expert: the experts dim is a ``batch`` dim of :func:`scale_layout`, kept and
+split over ep; their grouped and masked matmuls are :mod:`jaxpar.models._moe_matmul`).
+Not quantized (no option yet): the embedding (decode reads one row of it per token) and
+the LM head (its error goes straight into the logits), norms, biases and the MoE router
+(``[D, E]``, a sliver of the bytes, and its error would change which experts run).
 
 Why not ``qwix`` (Google's JAX quantization library, evaluated as 0.1.8): its scales
 do inherit the kernel's ``out_sharding`` logical names with reduced dims unnamed, the

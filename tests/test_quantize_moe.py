@@ -1,0 +1,189 @@
+"""Quantized MoE experts (``quantize`` int8 / fp8 per output channel per expert, int4 per
+group): the grouped and masked expert matmuls against the dequantized kernels, accuracy
+against the float model on the Hugging Face MoE fixtures, sharded = single-device over
+the padded and (emulated) ragged exchanges, and the compiled decode step reading the
+quantized bytes (argument bytes, no dequantized copy of an expert kernel)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar import ParallelConfig
+from jaxpar.engine import AbstractEngine
+from jaxpar.inspect._report import compile_step
+from jaxpar.models import (
+    ExecutionOptions,
+    ModelRun,
+    abstract_model,
+    init_params,
+    load_hf_checkpoint,
+    preset,
+    quantize_params,
+)
+from jaxpar.models import _moe_route as route
+from jaxpar.models import prefill as model_prefill
+from jaxpar.models._moe_matmul import grouped_matmul, masked_matmul
+from jaxpar.models._quant import quantize_array, scale_layout
+from jaxpar.spec import make_mesh
+from tests._movement import moved_fraction
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+PROMPT = [5, 17, 42, 99, 3, 25, 7, 64]
+STEPS = 64
+
+
+# --- the expert matmuls ----------------------------------------------------------------------
+
+
+def _dequantized(q: jax.Array, scale_EgO: jax.Array) -> np.ndarray:
+    """``q * scale`` per (expert, group of contracted rows, output channel), in float64."""
+    e, c, o = q.shape
+    g = scale_EgO.shape[1]
+    w = np.asarray(q.astype(jnp.float32), np.float64).reshape(e, g, c // g, o)
+    return (w * np.asarray(scale_EgO, np.float64)[:, :, None, :]).reshape(e, c, o)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "int4"])
+def test_expert_matmuls_equal_the_dequantized_kernels(mode):
+    """Row r times its expert's kernel, scaled after the dot (and per group for int4: 256
+    contracted rows, 2 groups), equals ``x @ (q * scale)`` per expert: the grouped
+    ``ragged_dot`` (accelerators) and the masked batched matmuls (XLA:CPU) alike."""
+    rng = np.random.default_rng(0)
+    e, c, o, sizes = 3, 256, 8, np.array([4, 0, 5], np.int32)
+    rows = 11  # 9 grouped rows, 2 past the groups
+    w = jnp.asarray(rng.normal(size=(e, c, o)), jnp.float32)
+    shape, _ = scale_layout(w.shape, ("experts", "embed", "mlp"), 1, mode, batch=1)
+    assert shape == ((e, 2, o) if mode == "int4" else (e, 1, o))
+    q, scale = quantize_array(w, shape, mode)
+    x = rng.normal(size=(rows, c)).astype(np.float32)
+    deq = _dequantized(q, scale)
+    want = np.zeros((rows, o))
+    ends = np.cumsum(sizes)
+    for k, (start, end) in enumerate(zip(ends - sizes, ends, strict=True)):
+        want[start:end] = x[start:end].astype(np.float64) @ deq[k]
+    got = grouped_matmul(jnp.asarray(x), q, jnp.asarray(sizes), scale)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    mask_ER = np.zeros((e, rows), bool)
+    for k, (start, end) in enumerate(zip(ends - sizes, ends, strict=True)):
+        mask_ER[k, start:end] = True
+    x_ERC = jnp.asarray(np.where(mask_ER[..., None], x[None], 0), jnp.float32)
+    masked = np.asarray(masked_matmul(x_ERC, q, scale)).sum(0)
+    np.testing.assert_allclose(masked, want, rtol=1e-5, atol=1e-4)
+
+
+# --- accuracy against the float model ---------------------------------------------------------
+
+
+@functools.cache
+def _prefill_fn(config):
+    graphdef, _ = nnx.split(abstract_model(config))
+    return jax.jit(functools.partial(model_prefill, graphdef, all_logits=True))
+
+
+def _all_logits(config, params, tokens) -> np.ndarray:
+    """Logits at every position of one sequence (one prefill)."""
+    t = jnp.asarray([tokens], jnp.int32)
+    logits, *_ = _prefill_fn(config)(params, t, jnp.asarray([t.shape[1]], jnp.int32))
+    return np.asarray(logits[0], np.float32)
+
+
+@functools.cache
+def _float(fixture: str):
+    """(config, float params, teacher tokens: the prompt and the float model's 64 greedy
+    tokens after it). Greedy by re-running one compiled prefill over the whole buffer:
+    attention is causal and the MoE dropless, so the tokens after a position (zeros until
+    chosen) do not change its logits."""
+    config, params = load_hf_checkpoint(FIXTURES / fixture)
+    tokens = PROMPT + [0] * STEPS
+    for i in range(len(PROMPT), len(tokens)):
+        tokens[i] = int(np.argmax(_all_logits(config, params, tokens)[i - 1]))
+    return config, params, tuple(tokens)
+
+
+def _teacher_logits(config, params, tokens) -> np.ndarray:
+    """Logits predicting each of the 64 teacher tokens (teacher-forced)."""
+    return _all_logits(config, params, tokens)[len(PROMPT) - 1 : -1]
+
+
+@functools.cache
+def _float_logits(fixture: str) -> np.ndarray:
+    config, params, tokens = _float(fixture)
+    return _teacher_logits(config, params, tokens)
+
+
+# Bounds, and why. The fixtures' float logits have std ~1.2, |max| ~4.3 and a median
+# top-2 gap of 0.25-0.36 (min 0.003: random weights give near ties). Every kernel with a
+# scale is quantized: attention and the experts (the router is not), so the error of
+# each matmul is as tests/test_quantize.py derives (int8 ~0.55%, fp8 e4m3 ~3.6%, int4
+# ~10% per matmul, relative) -- except where a quantized hidden state changes which
+# top-k experts a token's router picks: that token's layer output jumps by O(1), which
+# sets the max error. Measured (relative rms logit error / max |error| over max |logit|
+# / greedy agreement of 64, teacher-forced):
+#   mixtral int8 0.030 / 0.095 / 62;  qwen3_moe int8 0.016 / 0.037 / 62,
+#   fp8 0.058 / 0.080 / 60, int4 0.197 / 0.235 / 47;  gpt_oss int8 0.075 / 0.241 / 62.
+# Bounds give ~2x room; and every greedy disagreement must sit at a step whose float
+# top-two margin is below twice that step's logit error (only there can an error that
+# size flip the choice).
+BOUNDS = {  # (fixture, mode): (relative rms error, max error / max |logit|, min agreement)
+    ("mixtral_fused", "int8"): (0.06, 0.2, 58),
+    ("qwen3_moe", "int8"): (0.04, 0.1, 58),
+    ("qwen3_moe", "fp8"): (0.12, 0.16, 54),
+    ("qwen3_moe", "int4"): (0.4, 0.5, 38),
+    ("gpt_oss", "int8"): (0.15, 0.45, 58),
+}
+
+
+@pytest.mark.parametrize(("fixture", "mode"), list(BOUNDS), ids=str)
+def test_quantized_experts_track_the_float_model(fixture, mode):
+    config, params, tokens = _float(fixture)
+    want = _float_logits(fixture)
+    qparams = quantize_params(config, params, mode)
+    experts = qparams["layers"][0]["ffn"]["experts"]
+    assert experts["down_kernel"].get_value().dtype == jnp.dtype(
+        {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4}[mode]
+    )
+    got = _teacher_logits(ModelRun(config, ExecutionOptions(quantize=mode)), qparams, tokens)
+    err_S = np.max(np.abs(got - want), axis=-1)
+    rel_rms = float(np.sqrt(np.mean((got - want) ** 2)) / np.std(want))
+    rel_max = float(err_S.max() / np.abs(want).max())
+    top2 = np.sort(want, axis=-1)[:, -2:]
+    margin_S = top2[:, 1] - top2[:, 0]
+    disagree = np.argmax(got, -1) != np.argmax(want, -1)
+    max_rms, max_rel, min_agree = BOUNDS[fixture, mode]
+    measured = (rel_rms, rel_max, STEPS - int(disagree.sum()))
+    assert 0 < rel_rms <= max_rms and rel_max <= max_rel, measured
+    assert STEPS - disagree.sum() >= min_agree, measured
+    assert np.all(margin_S[disagree] < 2 * err_S[disagree]), (margin_S, err_S, disagree)
+
+
+def test_the_quantized_model_is_the_dequantized_float_model():
+    """GPT-OSS (expert biases, clamped SwiGLU, router bias) with int8 kernels computes what
+    the float model computes with every kernel replaced by ``q * scale``: the scales are
+    applied to the right experts and channels, after the dot, on the masked path."""
+    config, params, tokens = _float("gpt_oss")
+    qparams = quantize_params(config, params, "int8")
+    flat = dict(nnx.to_flat_state(qparams))
+    deq = []
+    for path, var in nnx.to_flat_state(params):
+        scale = flat.get((*path[:-1], f"{path[-1]}_scale"))
+        if scale is None:
+            deq.append((path, var))
+            continue
+        q, s = flat[path].get_value(), scale.get_value()
+        if q.ndim == 3 and "experts" in path:
+            w = _dequantized(q, s)
+        else:
+            w = np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)
+        deq.append((path, var.replace(jnp.asarray(w, jnp.float32))))
+    want = _teacher_logits(config, nnx.from_flat_state(deq), tokens)
+    got = _teacher_logits(ModelRun(config, ExecutionOptions(quantize="int8")), qparams, tokens)
+    assert np.max(np.abs(got - want)) <= 1e-4, np.max(np.abs(got - want))
