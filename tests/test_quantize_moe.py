@@ -29,7 +29,6 @@ from jaxpar.models import (
     preset,
     quantize_params,
 )
-from jaxpar.models import _moe_route as route
 from jaxpar.models import prefill as model_prefill
 from jaxpar.models._moe_matmul import grouped_matmul, masked_matmul
 from jaxpar.models._quant import quantize_array, scale_layout
@@ -187,3 +186,133 @@ def test_the_quantized_model_is_the_dequantized_float_model():
     want = _teacher_logits(config, nnx.from_flat_state(deq), tokens)
     got = _teacher_logits(ModelRun(config, ExecutionOptions(quantize="int8")), qparams, tokens)
     assert np.max(np.abs(got - want)) <= 1e-4, np.max(np.abs(got - want))
+
+
+# --- sharded = single device ------------------------------------------------------------------
+
+
+def _hf_engine(fixture: str, mode: str, parallel: ParallelConfig) -> jaxpar.InferenceEngine:
+    """The fixture read straight into ``parallel``'s shards, each kernel quantized where it
+    lies as it is read (the experts split over ep and their columns over tp)."""
+    return jaxpar.engine_from_hf(
+        FIXTURES / fixture,
+        parallel,
+        max_batch=4,
+        max_seq_len=32,
+        mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
+        quantize=mode,
+    )
+
+
+SHARDED = [
+    # GPT-OSS: expert biases (the down bias once over tp), clamped SwiGLU, padded exchange.
+    ("gpt_oss", "int8", ParallelConfig(ep=2, tp=2)),
+    # Mixtral: batch over dp as well, padded; fp8 kernels.
+    ("mixtral_fused", "fp8", ParallelConfig(dp=2, ep=2, tp=2)),
+]
+PROMPTS = [PROMPT, PROMPT[2:7], PROMPT[:3], [9, 8, 7, 6]]
+
+
+@pytest.mark.parametrize(("fixture", "mode", "parallel"), SHARDED, ids=str)
+def test_sharded_quantized_experts_equal_single_device(fixture, mode, parallel):
+    one = _hf_engine(fixture, mode, ParallelConfig())
+    sharded = _hf_engine(fixture, mode, parallel)
+    experts = sharded.params["layers"][0]["ffn"]["experts"]
+    kernel, scale = experts["gate_kernel"].get_value(), experts["gate_kernel_scale"].get_value()
+    assert scale.shape == (kernel.shape[0], 1, kernel.shape[2])  # [E, 1, F]
+    assert tuple(scale.sharding.spec) == tuple(kernel.sharding.spec) == ("ep", None, "tp")
+    # generate runs the prefill and decode programs: tokens equal, each chosen token's
+    # log-probability (the f32 logits through one log-softmax) within 1e-4.
+    got = sharded.generate(PROMPTS, 8, stop_tokens=(), logprobs=0)
+    want = one.generate(PROMPTS, 8, stop_tokens=(), logprobs=0)
+    assert got.tokens == want.tokens
+    lp = np.asarray([[t.logprob for t in row] for row in got.logprobs])
+    lp_one = np.asarray([[t.logprob for t in row] for row in want.logprobs])
+    assert np.max(np.abs(lp - lp_one)) <= 1e-4
+
+
+def test_ragged_exchange_of_quantized_experts_equals_single_device(monkeypatch):
+    """Qwen3-MoE (64 experts of F = 4, top-8) under ep4·tp2 through the ragged exchange
+    (XLA:CPU compiles none: the emulation tests/test_models_moe_ragged.py checks), int8
+    experts; prefill only, as tests/test_engine_hf.py (the emulation compiles slowly)."""
+    from jaxpar.engine import _moe_probe
+    from tests.test_models_moe_ragged import emulated_ragged_all_to_all
+
+    one = _hf_engine("qwen3_moe", "int8", ParallelConfig())
+    want = np.asarray(one.prefill_logits(*one.pad_prompts(PROMPTS)))
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(_moe_probe, "ragged_all_to_all_compiles", lambda device: True)
+    sharded = _hf_engine("qwen3_moe", "int8", ParallelConfig(ep=4, tp=2))
+    assert sharded.options.moe_dispatch == "ragged"
+    got = np.asarray(sharded.prefill_logits(*sharded.pad_prompts(PROMPTS)))
+    for i, p in enumerate(PROMPTS):
+        np.testing.assert_allclose(got[i, : len(p)], want[i, : len(p)], atol=1e-4, rtol=0)
+
+
+# int4 with more than one group per expert column: F = 256 (down: 2 groups of 128 rows,
+# split over tp=2 with their rows), D = 256 (gate/up: 2 groups along the embedding).
+INT4_MOE = dataclasses.replace(preset("tiny-moe"), n_layers=2, d_model=256, d_ff=256)
+
+
+def test_int4_expert_groups_split_over_tp_equal_single_device():
+    """int4 down kernels' groups split over tp with their rows (scales ``[E, 2, D]``,
+    P(ep, tp, None)), under a capacity factor (the capacity path: drops counted)."""
+    if jax.__version_info__ < (0, 11):
+        pytest.skip("int4 placement needs jax >= 0.11 (tests/test_quantize.py checks the refusal)")
+    params = quantize_params(INT4_MOE, init_params(INT4_MOE, seed=0), "int4")
+    down_scale = params["layers"][0]["ffn"]["experts"]["down_kernel_scale"].get_value()
+    assert down_scale.shape == (8, 2, 256)
+    options = ExecutionOptions(moe_capacity_factor=4.0)  # C at the dropless bound: no drops
+    kw = dict(max_batch=4, max_seq_len=32, options=options)
+    one = jaxpar.InferenceEngine(INT4_MOE, params, **kw)
+    parallel = ParallelConfig(ep=2, tp=2)
+    sharded = jaxpar.InferenceEngine(
+        INT4_MOE, params, parallel, mesh=make_mesh(parallel, jax.devices()[:4]), **kw
+    )
+    placed = sharded.params["layers"][0]["ffn"]["experts"]["down_kernel_scale"].get_value()
+    assert tuple(placed.sharding.spec) == ("ep", "tp", None)
+    a, b = one.generate(PROMPTS, 8), sharded.generate(PROMPTS, 8)
+    assert a.tokens == b.tokens and b.moe_dropped_total == 0
+
+
+# --- the compiled decode step reads the quantized bytes --------------------------------------
+
+# bf16, experts dominating: 4 layers of 8 experts [256, 512] (9.4M expert elements)
+# against 0.4M attention and 66K embedding + LM head elements.
+BIG = dataclasses.replace(
+    preset("tiny-moe"), d_model=256, d_ff=512, dtype="bfloat16", param_dtype="bfloat16"
+)
+
+
+def _abstract(config, parallel: ParallelConfig, batch: int = 8) -> AbstractEngine:
+    mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
+    return AbstractEngine.build(config, parallel, max_batch=batch, max_seq_len=64, mesh=mesh)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(ep=2, tp=2)], ids=str)
+def test_int8_experts_decode_reads_at_most_055_of_the_bf16_bytes(parallel):
+    def argument_bytes(config):
+        compiled = compile_step(_abstract(config, parallel), "decode", prompt_len=8)
+        return compiled.memory_analysis().argument_size_in_bytes
+
+    bf16 = argument_bytes(BIG)
+    int8 = argument_bytes(ModelRun(BIG, ExecutionOptions(quantize="int8")))
+    assert int8 <= 0.55 * bf16, (int8, bf16, int8 / bf16)
+
+
+BUDGET = 0.05  # of (quantized) parameter + cache bytes per device, as tests/test_data_movement
+MOVEMENT_MOE = dataclasses.replace(preset("tiny-moe"), dtype="bfloat16", param_dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("parallel", "mode"),
+    [(ParallelConfig(), "int8"), (ParallelConfig(ep=2, tp=2), "int4")],
+    ids=str,
+)
+def test_quantized_moe_decode_copies_no_weight_or_layer_cache(parallel, mode):
+    """No dequantized expert kernel (cast and scaled) and no copy of one per decode step:
+    the scales multiply the matmuls' outputs."""
+    eng = _abstract(ModelRun(MOVEMENT_MOE, ExecutionOptions(quantize=mode)), parallel)
+    compiled = compile_step(eng, "decode", prompt_len=24)
+    fraction = moved_fraction(compiled, eng, 8, 64)
+    assert fraction <= BUDGET, f"{fraction:.1%} of quantized parameter + cache bytes moved"
