@@ -123,6 +123,60 @@ def test_a_dequantized_weight_is_counted():
     assert data_movement(after.compile(), [weight]) == []
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8"])
+def test_a_dequantized_cache_is_counted_for_int8_and_fp8(dtype):
+    """A decode-like step that writes its token into the quantized cache, then dequantizes
+    the whole cache (``values * scale``) before attending: a dequantized copy per step.
+    XLA:CPU updates an fp8 cache in f16 (fp8 -> f16 -> update -> fp8) and the dequantize
+    reads that f16 buffer, whose bytes are not the stored cache's: it used to pass for fp8
+    (only the fp8 copy, 16 KB, counted) while int8 counted. Both count the dequantize.
+
+    The same experiment on the engine (tests/test_kv_quant.py's bf16 tiny-gqa, cache
+    length 40, ``split_scale`` patched to return ``dequantize_kv(k)``): under tp=2, 40.2% of
+    parameter + cache bytes moved per step for int8 and for fp8; on one device 0% for both,
+    where XLA:CPU fuses the scale multiply into the attention's products and no
+    dequantized cache is written (nothing to count)."""
+    cache = jax.ShapeDtypeStruct((8, 2, 64, 16), dtype)  # [B, K, S, H]
+    scale = jax.ShapeDtypeStruct((8, 2, 64, 1), jnp.float32)
+    q = jax.ShapeDtypeStruct((8, 2, 16), jnp.float32)
+    new = jax.ShapeDtypeStruct((8, 2, 16), dtype)
+    pos = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def step(c, s, q, n, p):
+        c = c.at[:, :, p].set(n)
+        dequantized = (c.astype(jnp.float32) * s).astype(jnp.bfloat16)
+        return c, jnp.einsum("BKH,BKSH->BKS", q, dequantized.astype(jnp.float32))
+
+    compiled = jax.jit(step, donate_argnums=0).lower(cache, scale, q, new, pos).compile()
+    stored = (cache.size, cache.size * jnp.dtype(dtype).itemsize)
+    f32_bytes = 4 * cache.size
+    assert f32_bytes in [m.nbytes for m in data_movement(compiled, [stored])], compiled.as_text()
+
+
+_SCALES_HLO = """HloModule scales, entry_computation_layout={(f32[8,1,64,1]{3,2,1,0})->()}
+
+ENTRY %main (scales: f32[8,1,64,1], x: f32[8,32], w: f32[32,64]) -> () {
+  %scales = f32[8,1,64,1]{3,2,1,0} parameter(0)
+  %x = f32[8,32]{1,0} parameter(1)
+  %w = f32[32,64]{1,0} parameter(2)
+  %act = f32[8,64]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %act_t = f32[8,64]{0,1} copy(%act)
+  %flat = f32[8,64]{1,0} bitcast(%scales)
+  %scales_t = f32[8,64]{0,1} copy(%flat)
+  ROOT %out = () tuple()
+}
+"""
+
+
+def test_a_copied_activation_of_a_buffers_size_is_not_counted():
+    """Classified by what is moved, not by its size: a computed activation ``[8, 64]`` f32
+    has the element count and bytes of a tp=2 shard of the KV scales ``[8, 1, 64, 1]``
+    (tests/test_kv_quant.py's decode step at cache length 64); its relayout is not
+    counted, the same relayout of the given scales is."""
+    found = [m.name for m in data_movement(_SCALES_HLO, [(512, 2048)])]
+    assert found == ["scales_t"]
+
+
 def test_the_check_sees_the_scan_copies():
     """The stacked scan form (kept for compile time) slices each layer's weights and cache
     out of the stack every step: the same measurement must see it over the budget."""

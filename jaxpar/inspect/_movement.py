@@ -13,11 +13,21 @@ where an accelerator fuses the cast into the matmul.
 
 A dequantization is counted: a fusion that casts a whole buffer and multiplies it (by
 its scales), writing the dequantized weight (``w_q.astype(f32) * scale``) where the
-matmul should have read the quantized bytes and scaled its output.
+matmul should have read the quantized bytes and scaled its output. Its operand may be a
+cast alone of the buffer (XLA:CPU widens fp8 to f16 in a fusion of its own, then
+multiplies that): an operand is sized as the buffer it casts, so the widened copy does
+not hide the buffer behind other bytes.
+
+A move counts only when it moves a buffer the program was given (an entry parameter,
+followed through casts, moves, in-place updates, loop state and dequantizes): a copy of
+a computed activation is no copy of a weight or of the cache, whatever its size (a tp
+shard of the KV scales ``[8, 1, 64, 1]`` has the element count and bytes of ``[8, 64]``
+f32 activations).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from math import prod
@@ -89,6 +99,113 @@ def _is_move(module: HloModuleText, instr: Instruction) -> bool:
     )
 
 
+def _cast_fusion(module: HloModuleText, instr: Instruction) -> bool:
+    """A fusion of casts (and structure) alone: XLA widening a whole buffer."""
+    bodies = [module.computations.get(c, {}) for c in callees(instr)]
+    ops = {i.opcode for body in bodies for i in body.values()}
+    return bool(bodies) and "convert" in ops and ops <= CASTS | _STRUCTURAL
+
+
+def _in_place_update(module: HloModuleText, instr: Instruction) -> bool:
+    """A fusion writing into a buffer in place (a cache write: scatter, update-slice)."""
+    bodies = [module.computations.get(c, {}) for c in callees(instr)]
+    return any(i.opcode in _UPDATES for body in bodies for i in body.values())
+
+
+#: Ops whose output is (part of, or all of, maybe cast) their largest operand's buffer.
+_SAME_BUFFER = MOVES | CASTS | {"bitcast", "reshape", "dynamic-update-slice", "scatter"}
+_UPDATES = frozenset({"dynamic-update-slice", "scatter"})
+_GTE_INDEX = re.compile(r"index=(\d+)")
+
+
+class _Provenance:
+    """Which instructions hold (part of) a buffer the program was given, as opposed to
+    something it computed: followed back to an entry parameter through moves, casts,
+    in-place updates, dequantizes, tuples and while-loop state."""
+
+    def __init__(self, module: HloModuleText):
+        self.module = module
+        self.memo: dict[tuple[str, str, int | None], bool] = {}
+        # A while body's (and condition's) parameter is its loop's operand.
+        self.loop_of: dict[str, tuple[str, Instruction]] = {}
+        for comp, body in module.computations.items():
+            for instr in body.values():
+                if instr.opcode == "while":
+                    for callee in callees(instr):
+                        self.loop_of[callee] = (comp, instr)
+
+    def given(self, comp: str, name: str, index: int | None = None, depth: int = 0) -> bool:
+        """Whether ``name`` in ``comp`` (its tuple element ``index``) is a given buffer."""
+        key = (comp, name, index)
+        if key not in self.memo:
+            self.memo[key] = False  # cycles (loop state) resolve to "computed"
+            self.memo[key] = depth < 64 and self._given(comp, name, index, depth + 1)
+        return self.memo[key]
+
+    def _given(self, comp: str, name: str, index: int | None, depth: int) -> bool:
+        instr = self.module.computations.get(comp, {}).get(name)
+        if instr is None:
+            return False
+        op = instr.opcode
+        if op == "parameter":
+            if comp == self.module.entry:
+                return True
+            if comp in self.loop_of:
+                caller, loop = self.loop_of[comp]
+                return self.given(caller, loop.operands[0], index, depth)
+            return False
+        if op == "get-tuple-element":
+            found = _GTE_INDEX.search(instr.attrs)
+            k = int(found.group(1)) if found else None
+            return self.given(comp, instr.operands[0], k, depth)
+        if op == "tuple":
+            if index is None or index >= len(instr.operands):
+                return False
+            return self.given(comp, instr.operands[index], None, depth)
+        if op == "while":
+            return self.given(comp, instr.operands[0], index, depth)
+        through = op in _SAME_BUFFER or (
+            op == "fusion"
+            and (
+                _pure_move_fusion(self.module, instr)
+                or _dequantize_fusion(self.module, instr)
+                or _cast_fusion(self.module, instr)
+                or _in_place_update(self.module, instr)
+            )
+        )
+        if not through or not instr.operands:
+            return False
+        return any(self.given(comp, o, None, depth) for o in self._largest(comp, instr))
+
+    def _largest(self, comp: str, instr: Instruction) -> list[str]:
+        """The operands with the most elements (the buffer, not indices or scales)."""
+        sizes = {}
+        for o in instr.operands:
+            shape = self.module.shape_of(comp, o)
+            sizes[o] = _elements(shape) if shape is not None else -1
+        most = max(sizes.values())
+        return [o for o, n in sizes.items() if n == most]
+
+    def stored(self, comp: str, name: str) -> list[Shape]:
+        """``name``'s shape and each shape of the same buffer it came from through casts
+        alone and in-place updates (XLA:CPU updates an fp8 cache in f16: fp8 -> f16 ->
+        scatter -> fp8), the buffer as stored among them."""
+        shapes: list[Shape] = []
+        instr = self.module.computations.get(comp, {}).get(name)
+        while instr is not None and len(shapes) < 8:
+            shapes.append(instr.shape)
+            fusion = instr.opcode == "fusion"
+            cast = instr.opcode == "convert" or (fusion and _cast_fusion(self.module, instr))
+            update = instr.opcode in _UPDATES or (fusion and _in_place_update(self.module, instr))
+            if not (cast or update) or not instr.operands:
+                break
+            source = self.module.computations.get(comp, {}).get(instr.operands[0])
+            if source is None or _elements(source.shape) != _elements(instr.shape):
+                break
+            instr = source
+        return shapes
+
+
 def _elements(shape: Shape) -> int:
     return sum(prod(a.dims) for a in flatten_shape(shape))
 
@@ -99,22 +216,27 @@ Buffer = int | tuple[int, int]
 
 
 def _matches(
-    module: HloModuleText, instr: Instruction, wanted: set[tuple[int | None, int]]
+    module: HloModuleText,
+    instr: Instruction,
+    wanted: set[tuple[int | None, int]],
+    provenance: _Provenance,
 ) -> bool:
     """The output is one of the buffers, or a whole (maybe cast) copy of an operand that
-    is: same element count, the buffer's bytes."""
+    is (same element count, the buffer's bytes as stored), and what it moves is a buffer
+    the program was given (not a computed activation)."""
     elements = _elements(instr.shape)
     nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
     sized = {b for e, b in wanted if e is None or e == elements}
-    if nbytes in sized:
+    comp = instr.computation
+    if nbytes in sized and any(provenance.given(comp, o) for o in instr.operands):
         return True
-    operands = (module.shape_of(instr.computation, name) for name in instr.operands)
-    return any(
-        shape is not None
-        and _elements(shape) == elements
-        and sum(a.nbytes for a in flatten_shape(shape)) in sized
-        for shape in operands
-    )
+    for name in instr.operands:
+        if any(
+            _elements(shape) == elements and sum(a.nbytes for a in flatten_shape(shape)) in sized
+            for shape in provenance.stored(comp, name)
+        ) and provenance.given(comp, name):
+            return True
+    return False
 
 
 def data_movement(program: str | _HasText, sizes: Iterable[Buffer]) -> list[Movement]:
@@ -144,6 +266,7 @@ def data_movement(program: str | _HasText, sizes: Iterable[Buffer]) -> list[Move
         if instr.opcode == "fusion"
         for callee in callees(instr)
     }
+    provenance = _Provenance(module)
     found = []
     for comp, context in loop_contexts(module).items():
         if comp in fused:
@@ -151,7 +274,7 @@ def data_movement(program: str | _HasText, sizes: Iterable[Buffer]) -> list[Move
         for instr in module.computations[comp].values():
             if not _is_move(module, instr):
                 continue
-            if _matches(module, instr, wanted):
+            if _matches(module, instr, wanted, provenance):
                 nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
                 runs = context.trip_count or 1
                 found.append(Movement(instr.name, instr.opcode, nbytes, runs))
