@@ -181,6 +181,27 @@ def test_disaggregated_explains_each_phase_on_its_group_and_the_handoff(capsys):
     assert "prefill -> decode handoff" in text and "devices 4-7" in text
 
 
+def test_quantized_experts_show_their_dtype_bytes_and_scales(capsys):
+    """--quantize int8 on a MoE: the stacked expert kernels int8 split over ep (experts)
+    and tp (columns), their per-expert scales ``[E, 1, F]`` float32 split as they are;
+    the router stays in the model dtype."""
+    data = run_json(
+        capsys,
+        ["--model", "tiny-moe", "--ep", "2", "--tp", "2", "--quantize", "int8", "--no-compile"],
+    )
+    rows = {r["tensor"]: r for r in data["parameters"]}
+    gate, scale = (
+        rows["layers.*.ffn.experts.gate_kernel"],
+        rows["layers.*.ffn.experts.gate_kernel_scale"],
+    )
+    assert (gate["dtype"], scale["dtype"]) == ("int8", "float32")
+    assert gate["spec"] == scale["spec"] == "P(ep, None, tp)"
+    assert gate["bytes_per_device"] == 4 * (8 // 2) * 64 * (64 // 2)  # 4 layers, int8
+    assert scale["bytes_per_device"] == 4 * (8 // 2) * (64 // 2) * 4
+    assert rows["layers.*.ffn.experts.down_kernel_scale"]["spec"] == "P(ep, None, None)"
+    assert rows["layers.*.ffn.router.kernel"]["dtype"] == "float32"
+
+
 def test_quantized_parameters_show_their_dtype_bytes_and_scales(capsys):
     """--quantize int8: kernels int8 at one byte an element, scales float32 split as
     their kernels (tp splits the q kernel's heads and its scales' heads alike)."""

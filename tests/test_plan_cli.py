@@ -98,6 +98,21 @@ def test_hardware_files_name_their_source_and_can_be_overridden():
         load_hardware("tpu-v9")
 
 
+def test_a_moe_that_fits_only_with_quantized_experts_is_planned(capsys):
+    """Qwen3-30B-A3B: 56.9 GiB of bf16 parameters, nearly all of them experts. In 40 GiB
+    of HBM on one device no plan fits in bf16; with int8 experts (and attention) its
+    parameters take about half, and one device is planned with --quantize kept."""
+    args = ["--hf", str(FIXTURES / "configs" / "qwen3-30b-a3b"), "--devices", "1"]
+    args += ["--hardware", "h100", "--hbm-budget", "40", *WORKLOAD]
+    assert main(["plan", *args]) == 2
+    assert "fits nowhere" in capsys.readouterr().out
+    data = _plan_json(capsys, *args, "--quantize", "int8")
+    best = data["plans"][0]
+    assert best["devices"] == 1 and "--quantize int8" in data["command"]
+    # Experts counted at one byte: the parameters are about half of bf16's 56.87 GiB.
+    assert 0.45 < best["memory"]["params"] / (56.87 * 2**30) < 0.55, best["memory"]
+
+
 def test_links_follow_the_mesh_order():
     hw = load_hardware("h100").with_hosts(16, 2)
     config = ParallelConfig(dp=2, tp=8)
