@@ -8,7 +8,9 @@ the compiled decode step's argument bytes (weights, scales, KV cache, tokens:
 they share the machine's load. Ratios are against bf16 at the same batch; the issue's
 goal: int8 reads <= 0.55x the bytes and takes <= 0.7x the time at batch 1. Rows ``+ int8
 KV`` also store the KV cache in int8 (``kv_cache_dtype``: values plus a float32 scale per
-token per kv head).
+token per kv head). Rows ``MoE ...`` run a MoE of the same width (4 layers of D 512, 8
+experts of F 512, top-2, bf16; XLA:CPU's masked expert matmuls) with float, int8 and int4
+experts (and attention), against ``MoE bf16``.
 
     python scripts/bench_quant.py [--quick]
 """
@@ -37,7 +39,8 @@ def _formats() -> list[tuple[str, str | None, str | None]]:
     # int4 arrays need jax >= 0.11 to run (jaxpar refuses int4 engines below).
     weights = [None, "int8", "int4"] if (major, minor) >= (0, 11) else [None, "int8"]
     rows = [(fmt or "bf16", fmt, None) for fmt in weights]
-    return [*rows, ("bf16 + int8 KV", None, "int8"), ("int8 + int8 KV", "int8", "int8")]
+    moe = [(f"MoE {fmt or 'bf16'}", fmt, None) for fmt in weights]
+    return [*rows, ("bf16 + int8 KV", None, "int8"), ("int8 + int8 KV", "int8", "int8"), *moe]
 
 
 def _engines(batch: int):
@@ -55,12 +58,23 @@ def _engines(batch: int):
         dtype="bfloat16",
         param_dtype="bfloat16",
     )
+    moe = dataclasses.replace(
+        preset("tiny-moe"),
+        d_model=512,
+        head_dim=64,
+        n_heads=8,
+        n_kv_heads=2,
+        d_ff=512,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    )
     params = init_params(config, seed=0)
+    moe_params = init_params(moe, seed=0)
     mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
     return {
         name: InferenceEngine(
-            config,
-            params,
+            moe if name.startswith("MoE") else config,
+            moe_params if name.startswith("MoE") else params,
             ParallelConfig(),
             max_batch=batch,
             max_seq_len=MAX_SEQ_LEN,
@@ -117,8 +131,8 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for batch, rows in result.items():
-        base = rows["bf16"]
         for name, row in rows.items():
+            base = rows["MoE bf16" if name.startswith("MoE") else "bf16"]
             lines.append(
                 f"| {batch} | {name} | {row['bytes']:,} | {row['bytes'] / base['bytes']:.3f} | "
                 f"{row['step_s'] * 1e3:.2f} | {row['step_s'] / base['step_s']:.2f} |"

@@ -13,10 +13,14 @@ matmul gathers each row's expert's scales (``[R, O]``, an activation's size) aft
 dot. int4 groups contract one group at a time (a batch dimension of the dot, over a
 reshaped, not copied, kernel) and sum the scaled partial products in float32.
 
-Written here rather than taken from ``qwix``: qwix quantizes ``ragged_dot`` by
-dequantizing its operands before the call (``q * scale`` of the whole expert kernel) and
-keeps its state in nested trees the engine would have to learn (see the README's
-*Quantized weights*).
+Written here rather than taken from ``qwix`` (read as of its ``ragged_dot`` /
+``ragged_dot_general`` in ``qwix/_src/core``, late 2025): its ``ragged_dot`` scales the
+output only when the kernel's scales are one per output column shared by every group;
+scales per group (per expert, as here) or tiled along the contraction (int4 groups) take
+its slow path, ``qarray.dequantize(rhs)`` -- ``q * scale`` of every expert kernel --
+before the call, and its ``ragged_dot_general`` does so whenever the activations are
+float (weight-only). It also calls ``lax.ragged_dot`` on every backend, which XLA:CPU
+lowers by copying the kernels. The README's *Quantized weights* says more.
 """
 
 from __future__ import annotations
