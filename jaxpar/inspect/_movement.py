@@ -175,11 +175,11 @@ class _Provenance:
         )
         if not through or not instr.operands:
             return False
-        return any(self.given(comp, o, None, depth) for o in self._largest(comp, instr))
+        return any(self.given(comp, o, None, depth) for o in self.largest(instr))
 
-    def _largest(self, comp: str, instr: Instruction) -> list[str]:
+    def largest(self, instr: Instruction) -> list[str]:
         """The operands with the most elements (the buffer, not indices or scales)."""
-        sizes = {}
+        comp, sizes = instr.computation, {}
         for o in instr.operands:
             shape = self.module.shape_of(comp, o)
             sizes[o] = _elements(shape) if shape is not None else -1
@@ -228,7 +228,8 @@ def _matches(
     nbytes = sum(a.nbytes for a in flatten_shape(instr.shape))
     sized = {b for e, b in wanted if e is None or e == elements}
     comp = instr.computation
-    if nbytes in sized and any(provenance.given(comp, o) for o in instr.operands):
+    # By its output's size: what it moves is its largest operand (not a norm's scale).
+    if nbytes in sized and any(provenance.given(comp, o) for o in provenance.largest(instr)):
         return True
     for name in instr.operands:
         if any(

@@ -76,16 +76,17 @@ def masked_matmul(
     """Every local expert's rows (masked per group by the caller) times its kernel:
     ``[E, R, C] x [E, C, O] -> [E, R, O]`` in ``x``'s dtype."""
     dtype = x_ERC.dtype
-    w_ECO = w_ECO.astype(dtype)
-    if scale_EgO is None:
-        return jnp.einsum("ERC,ECO->ERO", x_ERC, w_ECO)
-    (e, r, c), g = x_ERC.shape, scale_EgO.shape[1]
+    (e, r, c), g = x_ERC.shape, 1 if scale_EgO is None else scale_EgO.shape[1]
     if g == 1:
-        return jnp.einsum("ERC,ECO->ERO", x_ERC, w_ECO) * scale_EgO.astype(dtype)
+        y_ERO = jnp.einsum("ERC,ECO->ERO", x_ERC, w_ECO.astype(dtype))
+        return y_ERO if scale_EgO is None else y_ERO * scale_EgO.astype(dtype)
+    # Operands widened to f32 (not preferred_element_type: XLA:CPU's dot thunk refuses
+    # bf16 x bf16 -> f32 for this batched form, measured at D 512; it widens a narrow
+    # dot operand to f32 in any case).
+    f32 = jnp.float32
     y_ERgO = jnp.einsum(
         "ERgG,EgGO->ERgO",
-        x_ERC.reshape(e, r, g, c // g),
-        w_ECO.reshape(e, g, c // g, -1),
-        preferred_element_type=jnp.float32,
+        x_ERC.reshape(e, r, g, c // g).astype(f32),
+        w_ECO.astype(f32).reshape(e, g, c // g, -1),
     )
     return jnp.einsum("ERgO,EgO->ERO", y_ERgO, scale_EgO.astype(jnp.float32)).astype(dtype)
