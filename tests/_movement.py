@@ -22,8 +22,9 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
     """Bytes per step of copies of a weight or of a layer's cache, over parameter + cache
     bytes per device.
 
-    Buffers are (element count, bytes): an activation of a weight's bytes by chance (f32
-    [8, 1, 64] against a bf16 kernel of 1024 elements) is no copy of it. The cache is
+    Buffers are (element count, bytes), and only moves of what the step was given count
+    (:mod:`jaxpar.inspect._movement`): an activation of a weight's bytes or element count
+    by chance is no copy of it. The cache is
     decode's, [B, K, S, H] per layer in its layout (one layer of it when stacked).
     """
     cache = KVCache.abstract(engine.run, batch, max_seq_len)
@@ -50,13 +51,9 @@ def _fraction(compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruc
     """Copies of a weight or of one layer of ``caches`` (per-layer arrays, or stacked
     ``[L, ...]`` ones), over parameter + cache bytes per device."""
     params = jax.tree.leaves(engine.params)
-    # A quantized kernel's scales ([..., 1, ...] or one per group) are left out: they are
-    # tiny (1/group of their kernel) and activations have their sizes by chance.
-    kernels = [
-        p
-        for path, p in jax.tree_util.tree_flatten_with_path(engine.params)[0]
-        if "_scale'" not in jax.tree_util.keystr(path) and p.ndim >= 2
-    ]
+    # Every matrix, a quantized kernel's scales included: an activation of a buffer's size
+    # by chance is no match (data_movement counts only moves of the step's own inputs).
+    kernels = [p for p in params if p.ndim >= 2]
     layer_sizes = set(map(shard_buffer, caches))
     if engine.options.layer_loop == "scan":  # one layer of the stacked [L, ...] cache
         layers = engine.model_config.n_layers
