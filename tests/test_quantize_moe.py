@@ -256,7 +256,9 @@ INT4_MOE = dataclasses.replace(preset("tiny-moe"), n_layers=2, d_model=256, d_ff
 
 def test_int4_expert_groups_split_over_tp_equal_single_device():
     """int4 down kernels' groups split over tp with their rows (scales ``[E, 2, D]``,
-    P(ep, tp, None)), under a capacity factor (the capacity path: drops counted)."""
+    P(ep, tp, None)), under a capacity factor (the capacity path: drops counted), the
+    sharded engine's layers stacked under ``lax.scan`` (the scales' axes derived inside
+    the scan, where the variables' metadata also names the stacked dim)."""
     if jax.__version_info__ < (0, 11):
         pytest.skip("int4 placement needs jax >= 0.11 (tests/test_quantize.py checks the refusal)")
     params = quantize_params(INT4_MOE, init_params(INT4_MOE, seed=0), "int4")
@@ -266,11 +268,12 @@ def test_int4_expert_groups_split_over_tp_equal_single_device():
     kw = dict(max_batch=4, max_seq_len=32, options=options)
     one = jaxpar.InferenceEngine(INT4_MOE, params, **kw)
     parallel = ParallelConfig(ep=2, tp=2)
+    scan = dict(kw, options=dataclasses.replace(options, layer_loop="scan"))
     sharded = jaxpar.InferenceEngine(
-        INT4_MOE, params, parallel, mesh=make_mesh(parallel, jax.devices()[:4]), **kw
+        INT4_MOE, params, parallel, mesh=make_mesh(parallel, jax.devices()[:4]), **scan
     )
-    placed = sharded.params["layers"][0]["ffn"]["experts"]["down_kernel_scale"].get_value()
-    assert tuple(placed.sharding.spec) == ("ep", "tp", None)
+    placed = sharded.params["layers"]["ffn"]["experts"]["down_kernel_scale"].get_value()
+    assert tuple(placed.sharding.spec) == (None, "ep", "tp", None)  # [L, E, 2, D]
     a, b = one.generate(PROMPTS, 8), sharded.generate(PROMPTS, 8)
     assert a.tokens == b.tokens and b.moe_dropped_total == 0
 

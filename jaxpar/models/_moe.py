@@ -26,6 +26,7 @@ from jaxpar.models import _moe_route as route
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._layers import BTD, FFN, ZEROS, bias_init, fan_in_normal, kernel, param
 from jaxpar.models._moe_stats import record_dropped
+from jaxpar.models._quant import scale_layout
 from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, active_mesh_axes, active_platform, constrain, logical_shard_map
 
@@ -190,13 +191,20 @@ class Experts(nnx.Module):
         self.up_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
         self.down_bias = bias_init(rngs, (e, d), DOWN_BIAS_AXES, pd) if biased else None
 
-    def scales(self) -> tuple[tuple[jax.Array, ...], tuple[tuple[str | None, ...], ...]]:
-        """((gate, up, down) scales, their logical axes), or ((), ()) when float."""
+    def scales(
+        self, mode: str | None
+    ) -> tuple[tuple[jax.Array, ...], tuple[tuple[str | None, ...], ...]]:
+        """((gate, up, down) scales, their logical axes), or ((), ()) when float. The axes
+        are derived again from the kernels' (not read off the variables, whose metadata
+        names the stacked ``layers`` dim inside a scan over layers)."""
         if self.gate_kernel_scale is None:
             return (), ()
+        kernels = (self.gate_kernel, self.up_kernel, self.down_kernel)
+        axes = (GATE_UP_AXES, GATE_UP_AXES, DOWN_AXES)
         found = (self.gate_kernel_scale, self.up_kernel_scale, self.down_kernel_scale)
         return tuple(s[...] for s in found), tuple(
-            tuple(s.get_metadata()["out_sharding"]) for s in found
+            scale_layout(k.shape, a, 1, mode, batch=1)[1]
+            for k, a in zip(kernels, axes, strict=True)
         )
 
     def biases(self) -> tuple[jax.Array, ...]:
@@ -324,7 +332,9 @@ class MoE(nnx.Module):
         with jax.named_scope(Module.MOE.value):
             x_BTD = constrain(x_BTD, BTD, Module.MOE)
             e = self.experts
-            scales, scale_axes = e.scales()  # split as their kernels: experts, mlp columns
+            scales, scale_axes = e.scales(
+                c.quantize
+            )  # split as their kernels: experts, mlp columns
             local = _Local(
                 n_experts=c.n_experts,
                 top_k=c.top_k,
