@@ -338,3 +338,17 @@ def test_bf16_int4_experts_with_several_groups_run():
     want = _all_logits(ModelRun(bf16, f32), params, PROMPT)
     assert np.all(np.isfinite(got))
     assert np.max(np.abs(got - want)) <= 0.05 * np.max(np.abs(want)), np.max(np.abs(got - want))
+
+
+def test_int4_groups_that_do_not_divide_over_tp_are_refused_before_placing():
+    """d_ff 256 is 2 int4 groups per expert column: tp=4 cannot split their scales with
+    the rows. The validator says so (before anything is placed or compiled), naming the
+    dims, the rule and the legal degrees."""
+    from jaxpar.errors import IllegalStrategyError
+    from jaxpar.spec import validate
+
+    run = ModelRun(INT4_MOE, ExecutionOptions(quantize="int4"))
+    with pytest.raises(IllegalStrategyError, match=r"d_ff=256 has 2 groups.*tp=4.*tp in \[1, 2\]"):
+        validate(run, ParallelConfig(ep=2, tp=4), n_devices=8)
+    validate(run, ParallelConfig(ep=2, tp=2), n_devices=4)  # 2 groups over tp=2: legal
+    validate(ModelRun(INT4_MOE, ExecutionOptions(quantize="int8")), ParallelConfig(ep=2, tp=4))

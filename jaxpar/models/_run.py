@@ -17,6 +17,7 @@ from jaxpar.models._config import ModelConfig
 from jaxpar.models._kv_quant import kv_bytes_per_vector
 from jaxpar.models._moe_route import capacity_rows
 from jaxpar.models._options import ExecutionOptions
+from jaxpar.models._quant import INT4_GROUP
 
 _OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(ExecutionOptions)) - {"dtype"}
 _OWN_FIELDS = ("config", "options", "padded_vocab")
@@ -82,6 +83,12 @@ class ModelRun:
         c, mode = self.config, self.options.kv_cache_dtype
         widths = sum(kv_bytes_per_vector(h, self.dtype, mode) for h in c.cache_kv_dims)
         return c.n_layers * c.n_kv_heads * widths
+
+    @property
+    def int4_group(self) -> int | None:
+        """Rows per int4 scale group along a contraction (the spec layer checks that a
+        tp-split dim's groups divide over tp); None unless ``quantize="int4"``."""
+        return INT4_GROUP if self.options.quantize == "int4" else None
 
     def expert_capacity(self, tokens: int, peers: int = 1) -> int:
         """Rows a device sends to each of ``peers`` expert peers, for ``tokens`` tokens.

@@ -89,6 +89,29 @@ class _Collector:
         )
 
 
+def _check_int4_groups(model: ModelDims, tp: int, checks, out: _Collector) -> None:
+    """int4 (a run's ``int4_group``, rows per scale group): a down projection's scales have
+    one row per group of its ``d_ff`` rows, split over tp with them, so the groups must
+    divide over tp too (one group is per channel and replicated)."""
+    group = getattr(model, "int4_group", None)
+    if not group:
+        return
+    for module, name, size in checks:
+        if name not in ("d_ff", "dense_d_ff", "shared_d_ff"):
+            continue
+        groups = size // min(group, size)
+        if groups > 1 and groups % tp:
+            legal = [d for d in _divisors(groups) if size % d == 0]
+            out.add(
+                "tp-decomposable",
+                f"int4 groups of {group} rows: {name}={size} has {groups} groups, which "
+                f"do not divide over tp={tp} (their scales split with the rows)",
+                f"tp in {legal}, or quantize int8/fp8 (per output channel)",
+                module,
+                Primitive.TP,
+            )
+
+
 def validate(
     model: ModelDims,
     config: ParallelConfig,
@@ -313,6 +336,7 @@ def _check_sizes(model: ModelDims, config: ParallelConfig, out: _Collector) -> N
                     module,
                     Primitive.TP,
                 )
+        _check_int4_groups(model, tp, checks, out)
         kv = model.n_kv_heads
         if kv % tp and tp % kv:
             out.add(
