@@ -24,8 +24,8 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
 
     Buffers are (element count, bytes), and only moves of what the step was given count
     (:mod:`jaxpar.inspect._movement`): an activation of a weight's bytes or element count
-    by chance is no copy of it. The cache is
-    decode's, [B, K, S, H] per layer in its layout (one layer of it when stacked).
+    by chance is no copy of it. The cache is decode's, [B, K, S, H] per layer in its layout
+    (one layer of it when stacked).
     """
     cache = KVCache.abstract(engine.run, batch, max_seq_len)
     caches = [
