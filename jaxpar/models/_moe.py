@@ -284,7 +284,12 @@ class _Local:
         """The local experts on the received rows, grouped by expert (tp partial sums)."""
         recv = route.receive_plan(counts_PE, cap)
         # XLA:CPU lowers ragged_dot to a masked dense dot that copies the expert kernels.
-        swiglu = route.masked_swiglu if self.cpu else route.grouped_swiglu
+        # int4 experts of several groups per column need ragged_dot_general with the groups
+        # as a batch dim, which libtpu's compiler aborts on under ep (compile-only check,
+        # v5e): they run the masked matmuls everywhere (each local expert's kernel read
+        # once, E_l times the routed rows' FLOPs).
+        grouped_int4 = scales is not None and scales[0].shape[1] > 1
+        swiglu = route.masked_swiglu if self.cpu or grouped_int4 else route.grouped_swiglu
         swiglu = functools.partial(swiglu, scales=scales)
         glu = route.silu_glu
         if self.clamp is not None:

@@ -11,7 +11,10 @@ the dot's output, never the kernel, so no dequantized expert weight is formed: p
 channel that is exact (``x @ (w * s) = (x @ w) * s`` column by column); the grouped
 matmul gathers each row's expert's scales (``[R, O]``, an activation's size) after the
 dot. int4 groups contract one group at a time (a batch dimension of the dot, over a
-reshaped, not copied, kernel) and sum the scaled partial products in float32.
+reshaped, not copied, kernel) and sum the scaled partial products in float32. The MoE
+runs int4 kernels of several groups on the masked form on every backend: the grouped
+form's ``ragged_dot_general`` made libtpu's compiler abort under ep (v5e, compile-only),
+so it is checked on CPU here but not used by the engine.
 
 Written here rather than taken from ``qwix`` (read as of its ``ragged_dot`` /
 ``ragged_dot_general`` in ``qwix/_src/core``, late 2025): its ``ragged_dot`` scales the
