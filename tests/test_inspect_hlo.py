@@ -74,6 +74,23 @@ def test_psum_over_one_axis_in_attention_scope():
     assert (c.in_loop, c.trip_count) == (False, 1)
 
 
+def test_collectives_in_a_conditional_branch_say_so():
+    """A collective inside ``lax.cond`` runs only when its branch is taken (the sampling
+    filters' gathers, which greedy steps skip): marked ``in_branch``; one outside is not."""
+
+    def fn(x, flag):
+        always = lax.psum(x, "tp")
+        sometimes = lax.cond(
+            flag[0] > 0, lambda v: lax.all_gather(v, "tp", tiled=True)[:4], lambda v: v, x
+        )
+        return always + sometimes
+
+    found = compiled(fn, MESH, (P("tp"), P()), P(), jnp.ones((8,)), jnp.ones((1,), jnp.int32))
+    by_kind = {c.kind: c for c in found}
+    assert set(by_kind) == {"all-reduce", "all-gather"}, found
+    assert not by_kind["all-reduce"].in_branch and by_kind["all-gather"].in_branch
+
+
 def test_all_gather_counts_the_gathered_output():
     c = only(
         compiled(

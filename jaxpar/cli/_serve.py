@@ -327,12 +327,16 @@ def _profile(batcher: ContinuousBatcher, efficiency, log) -> None:
         log.exception("profiling the compiled steps failed: /metrics has no efficiency")
         return
     for phase, profile in efficiency.profiles.items():
+        branch = profile.collective_branch_bytes
         log.info(
-            "%s: %s, collectives %d bytes per device (analytic minimum %d)",
+            "%s: %s, collectives %d bytes per device (analytic minimum %d)%s",
             phase,
             profile.program,
             profile.collective_bytes,
             profile.collective_min_bytes,
+            f"; {branch} of them only in steps where a row samples (the sampling filters)"
+            if branch
+            else "",
         )
 
 

@@ -87,6 +87,8 @@ class Collective:
         op_name: the ``op_name`` metadata (jax named scopes appear in it), if any.
         is_async: read from an async ``-start`` op.
         in_loop: inside a while-loop body or condition (e.g. from ``lax.scan``).
+        in_branch: inside a branch of a conditional (``lax.cond``): runs only when that
+            branch is taken, though the program text always holds it.
         trip_count: executions per program run: 1 outside loops, the product of the
             enclosing loops' ``known_trip_count`` inside, None if one is unknown.
     """
@@ -106,6 +108,7 @@ class Collective:
     is_async: bool
     in_loop: bool
     trip_count: int | None
+    in_branch: bool = False
 
     @property
     def total_bytes(self) -> int | None:
@@ -188,6 +191,7 @@ def _record(
         is_async=is_async,
         in_loop=loop.in_loop,
         trip_count=loop.trip_count,
+        in_branch=loop.in_branch,
     )
 
 

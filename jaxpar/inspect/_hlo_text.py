@@ -322,10 +322,13 @@ class LoopContext:
         in_loop: the computation is (transitively) the body or condition of a while op.
         trip_count: executions per module run: the product of the known trip counts
             of the enclosing while loops, 1 outside loops, None if any is unknown.
+        in_branch: the computation is (transitively) a branch of a conditional: it runs
+            only when that branch is taken (e.g. sampling, which greedy steps skip).
     """
 
     in_loop: bool
     trip_count: int | None
+    in_branch: bool = False
 
 
 def loop_contexts(module: HloModuleText) -> dict[str, LoopContext]:
@@ -348,7 +351,9 @@ def loop_contexts(module: HloModuleText) -> dict[str, LoopContext]:
                 count = (
                     None if trip is None or outer.trip_count is None else outer.trip_count * trip
                 )
-                inner = LoopContext(True, count)
+                inner = LoopContext(True, count, outer.in_branch)
+            elif instr.opcode == "conditional":
+                inner = LoopContext(outer.in_loop, outer.trip_count, True)
             for callee in callees(instr):
                 if callee in module.computations and callee not in contexts:
                     contexts[callee] = inner

@@ -59,6 +59,9 @@ class PhaseProfile:
         collective_bytes: compiled collective bytes per device per step.
         collective_min_bytes: the analytic minimum of the same step.
         program: which compiled step the collectives are of.
+        collective_branch_bytes: of ``collective_bytes``, those in conditional branches
+            (the sampling filters' gathers of vocab-split logits): a step runs them only
+            when a row samples, so a greedy step moves ``collective_bytes`` less these.
     """
 
     devices: int
@@ -71,6 +74,7 @@ class PhaseProfile:
     collective_bytes: int
     collective_min_bytes: int
     program: str
+    collective_branch_bytes: int = 0
 
     def bytes(self, facts: StepFacts) -> float:
         return self.step_bytes * facts.steps + self.kv_bytes_per_position * facts.kv_read
@@ -182,8 +186,9 @@ def _profile(eng, phase, compiled, *, step_bytes, kv_bytes, batch, prompt_len, p
     minimum = communication_model(
         config, eng.parallel_config, phase, batch=batch, prompt_len=prompt_len
     )
+    collectives = parse_collectives(compiled)
     report = collective_report(
-        parse_collectives(compiled),
+        collectives,
         eng.mesh,
         minimum,
         cache_dims=(eng.max_seq_len, config.head_dim),
@@ -201,6 +206,9 @@ def _profile(eng, phase, compiled, *, step_bytes, kv_bytes, batch, prompt_len, p
         collective_bytes=report.compiled_bytes,
         collective_min_bytes=report.minimum_bytes,
         program=program,
+        collective_branch_bytes=sum(
+            c.bytes * (c.trip_count or 1) for c in collectives if c.in_branch
+        ),
     )
 
 
