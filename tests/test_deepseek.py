@@ -56,7 +56,9 @@ def test_config_mapping():
     the latent and the RoPE key per token and layer, no heads."""
     c = config_from_hf(_hf_config(), source="config.json")
     assert (c.n_kv_heads, c.head_dim, c.cache_kv_dims) == (1, 16 + 8, (8, 16))
-    assert c.cache_bytes_per_token == 3 * (16 + 8) * 4  # layers x (latent + rope) x f32
+    assert (
+        ModelRun.of(c).cache_bytes_per_token == 3 * (16 + 8) * 4
+    )  # layers x (latent + rope) x f32
     assert (c.first_dense_layers, c.dense_d_ff, c.shared_d_ff, c.d_ff) == (1, 48, 16, 8)
     assert (c.moe_router, c.moe_groups, c.moe_topk_groups) == ("sigmoid_grouped", 4, 2)
     assert c.routed_scaling_factor == 2.5 and c.rope_interleave

@@ -123,9 +123,7 @@ class AbstractEngine:
             options: how it runs (default ``ExecutionOptions()``); ``"auto"`` values are
                 resolved here, once, for ``platform`` or else the mesh's devices.
         """
-        if isinstance(model_config, ModelRun):  # a run's options stand unless given
-            options = options or model_config.options
-            model_config = model_config.config
+        model_config, options = ModelRun.split(model_config, options)
         parallel = parallel_config or ParallelConfig()
         run = run_form(model_config, parallel, options)
         devices = mesh.devices.size if mesh is not None else parallel.size

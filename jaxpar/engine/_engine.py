@@ -165,9 +165,7 @@ class InferenceEngine:
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
     ):
-        if isinstance(model_config, ModelRun):  # a run's options stand unless given
-            options = options or model_config.options
-            model_config = model_config.config
+        model_config, options = ModelRun.split(model_config, options)
         config = parallel_config or ParallelConfig()
         options = (options or ExecutionOptions()).merged(
             quantize=quantize, kv_cache_dtype=kv_cache_dtype

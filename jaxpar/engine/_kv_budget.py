@@ -194,8 +194,12 @@ def size_pool(
     shards = batch_shards(config, dims)
     page_bytes = page_bytes_per_device(config, mesh, dims, budget.page_size)
     windows = kv_windows(dims) if release else (None,) * len(kv_windows(dims))
+
+    def pages_for(tokens: int) -> int:  # tokens of every layer, in pages of kv_positions
+        return math.ceil(tokens * dims.n_layers / kv_positions(dims) / budget.page_size)
+
     if budget.tokens is not None:
-        pages = math.ceil(budget.tokens * dims.n_layers / kv_positions(dims) / budget.page_size)
+        pages = pages_for(budget.tokens)
     else:
         free = free_device_bytes(mesh.devices.flat)
         if free is None or mesh.devices.flat[0].platform == "cpu":
@@ -204,7 +208,7 @@ def size_pool(
                     "kv_cache_memory_fraction needs devices that report their memory; "
                     f"{mesh.devices.flat[0].platform} does not: give kv_cache_tokens"
                 )
-            pages = math.ceil(CPU_KV_TOKENS * dims.n_layers / kv_positions(dims) / budget.page_size)
+            pages = pages_for(CPU_KV_TOKENS)
         else:
             fraction = budget.memory_fraction or MEMORY_FRACTION
             temp = step_temp_bytes() if step_temp_bytes is not None else 0
@@ -249,7 +253,7 @@ def describe(pool: PagePool, bytes_per_device: int, cache_dtype: str | None = No
         f"{mean} tokens fit together (max {pool.rows}), at most {pool.max_seq_len} per request"
         + (
             f"; pages before the {pool.window}-token window are released "
-            f"(at most {pool.row_pages} per decoding row" + ")"
+            f"(at most {pool.row_pages} per decoding row)"
             if pool.window is not None
             else ""
         )

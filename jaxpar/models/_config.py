@@ -457,12 +457,6 @@ class ModelConfig:
             return self.qk_rope_head_dim, self.kv_lora_rank
         return self.head_dim, self.head_dim
 
-    @property
-    def cache_bytes_per_token(self) -> int:
-        """Bytes the cache keeps per token over all layers (compute dtype, unsharded)."""
-        k, v = self.cache_kv_dims
-        return self.n_layers * self.n_kv_heads * (k + v) * jnp.dtype(self.dtype).itemsize
-
     def layer_is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s feed-forward block is a mixture of experts."""
         return self.is_moe and layer >= self.first_dense_layers

@@ -49,6 +49,16 @@ class ModelRun:
             raise TypeError("ModelRun(config=...) takes a ModelConfig, not a ModelRun")
         self.options.check(self.config)
 
+    @staticmethod
+    def split(
+        model: ModelConfig | ModelRun, options: ExecutionOptions | None
+    ) -> tuple[ModelConfig, ExecutionOptions | None]:
+        """``model``'s architecture and the options it runs under: a :class:`ModelRun`'s
+        own options stand unless ``options`` are given."""
+        if isinstance(model, ModelRun):
+            return model.config, options or model.options
+        return model, options
+
     @classmethod
     def of(cls, model: ModelConfig | ModelRun, options: ExecutionOptions | None = None) -> ModelRun:
         """``model`` as a run: a :class:`ModelRun` as it is (with ``options`` in place of its
