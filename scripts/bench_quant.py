@@ -1,8 +1,14 @@
 """Quantized weights (and KV cache) against bf16: decode step bytes and CPU step time,
 batch 1 and 16.
 
-One CPU device, the quantization tests' model (4 layers of D 512, F 2048, bf16 weights and
-compute; its bf16 embedding and LM head stay unquantized). Per weight format and batch:
+One CPU device, a dense model whose weights do not fit in the CPU's caches, as a real
+model's do not (2 layers of D 2048, 16 heads of 128 over 4 kv heads, F 8192: 232 MB of bf16
+kernels against this machine's 32 MiB L3; bf16 weights and compute; its bf16 embedding
+and LM head stay unquantized), so decode reads its weights from memory every step, the
+regime quantization is for. The engines run XLA:CPU's default ``matmul="rows"`` form
+(:func:`jaxpar.models._quant.qmatmul`); rows ``· dot`` run the same weights with
+``matmul="dot"`` (GPU/TPU's form, and what CPU ran before), for comparison. Per weight
+format and batch:
 the compiled decode step's argument bytes (weights, scales, KV cache, tokens:
 ``memory_analysis``) and its median wall time, the formats interleaved in one loop so
 they share the machine's load. Ratios are against bf16 at the same batch; the issue's
@@ -31,30 +37,35 @@ sys.path.insert(0, str(ROOT))
 MAX_SEQ_LEN, PROMPT_LEN = 128, 32
 
 
-def _formats() -> list[tuple[str, str | None, str | None]]:
-    """(row name, weight format, KV cache format) of each engine measured."""
+def _formats() -> list[tuple[str, str | None, str | None, str]]:
+    """(row name, weight format, KV cache format, matmul form) of each engine measured."""
     import jax
 
     major, minor = (int(x) for x in jax.__version__.split(".")[:2])
     # int4 arrays need jax >= 0.11 to run (jaxpar refuses int4 engines below).
     weights = [None, "int8", "int4"] if (major, minor) >= (0, 11) else [None, "int8"]
-    rows = [(fmt or "bf16", fmt, None) for fmt in weights]
-    moe = [(f"MoE {fmt or 'bf16'}", fmt, None) for fmt in weights]
-    return [*rows, ("bf16 + int8 KV", None, "int8"), ("int8 + int8 KV", "int8", "int8"), *moe]
+    rows = [(fmt or "bf16", fmt, None, "auto") for fmt in weights]
+    dots = [("bf16 · dot", None, None, "dot"), ("int8 · dot", "int8", None, "dot")]
+    kv = [("bf16 + int8 KV", None, "int8", "auto"), ("int8 + int8 KV", "int8", "int8", "auto")]
+    moe = [(f"MoE {fmt or 'bf16'}", fmt, None, "auto") for fmt in weights]
+    return [*rows, *dots, *kv, *moe]
 
 
 def _engines(batch: int):
     import jax
 
     from jaxpar.engine import InferenceEngine
-    from jaxpar.models import init_params, preset
+    from jaxpar.models import ExecutionOptions, init_params, preset
     from jaxpar.spec import ParallelConfig, make_mesh
 
     config = dataclasses.replace(
         preset("tiny-gqa"),
-        d_model=512,
-        head_dim=64,
-        d_ff=2048,
+        n_layers=2,
+        d_model=2048,
+        n_heads=16,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=8192,
         dtype="bfloat16",
         param_dtype="bfloat16",
     )
@@ -79,10 +90,9 @@ def _engines(batch: int):
             max_batch=batch,
             max_seq_len=MAX_SEQ_LEN,
             mesh=mesh,
-            quantize=fmt,
-            kv_cache_dtype=kv,
+            options=ExecutionOptions(quantize=fmt, kv_cache_dtype=kv, matmul=matmul),
         )
-        for name, fmt, kv in _formats()
+        for name, fmt, kv, matmul in _formats()
     }
 
 
@@ -132,7 +142,8 @@ def markdown(result: dict) -> str:
     ]
     for batch, rows in result.items():
         for name, row in rows.items():
-            base = rows["MoE bf16" if name.startswith("MoE") else "bf16"]
+            ref = "MoE bf16" if name.startswith("MoE") else "bf16 · dot" if " · " in name else "bf16"
+            base = rows[ref]
             lines.append(
                 f"| {batch} | {name} | {row['bytes']:,} | {row['bytes'] / base['bytes']:.3f} | "
                 f"{row['step_s'] * 1e3:.2f} | {row['step_s'] / base['step_s']:.2f} |"

@@ -203,12 +203,13 @@ def test_quantized_experts_show_their_dtype_bytes_and_scales(capsys):
 
 
 def test_quantized_parameters_show_their_dtype_bytes_and_scales(capsys):
-    """--quantize int8: kernels int8 at one byte an element, scales float32 split as
-    their kernels (tp splits the q kernel's heads and its scales' heads alike)."""
+    """--quantize int8: kernels int8 at one byte an element, stored out-major ``[N, H, D]``,
+    scales float32 split as their kernels (tp splits the q kernel's heads and its scales'
+    heads alike)."""
     data = run_json(capsys, ["--model", "tiny-gqa", "--tp", "2", "--quantize", "int8"])
     rows = {r["tensor"]: r for r in data["parameters"]}
     q, scale = rows["layers.*.attn.q_kernel"], rows["layers.*.attn.q_kernel_scale"]
     assert (q["dtype"], scale["dtype"]) == ("int8", "float32")
-    assert q["spec"] == scale["spec"] == "P(None, tp, None)"
+    assert q["spec"] == scale["spec"] == "P(tp, None, None)"
     assert q["bytes_per_device"] == 4 * 64 * 8 * 8 // 2  # 4 layers, int8, heads over tp
     assert rows["embed.token_table"]["dtype"] == "float32"  # not quantized

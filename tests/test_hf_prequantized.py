@@ -72,18 +72,19 @@ def test_fp8_weights_and_scales_load_bit_for_bit(name):
         def s(p, rows, mod="self_attn", pre=pre):
             return _per_channel(stored[f"{pre}{mod}.{p}.weight_scale"], rows)
 
+        # Stored out-major, as the checkpoint's [out, in] tensors (jaxpar's quantized order).
         want = {
-            "attn.q_kernel": (w("q_proj").T.reshape(D, N, H), s("q_proj", N * H).reshape(1, N, H)),
+            "attn.q_kernel": (w("q_proj").reshape(N, H, D), s("q_proj", N * H).reshape(N, H, 1)),
             "attn.kv_kernel": (
-                np.stack([w(x).T.reshape(D, K, H) for x in ("k_proj", "v_proj")], 1),
-                np.stack([s(x, K * H).reshape(1, K, H) for x in ("k_proj", "v_proj")], 1),
+                np.stack([w(x).reshape(K, H, D) for x in ("k_proj", "v_proj")]),
+                np.stack([s(x, K * H).reshape(K, H, 1) for x in ("k_proj", "v_proj")]),
             ),
-            "attn.o_kernel": (w("o_proj").T.reshape(N, H, D), s("o_proj", D).reshape(1, 1, D)),
+            "attn.o_kernel": (w("o_proj").reshape(D, N, H), s("o_proj", D).reshape(D, 1, 1)),
             "ffn.gate_up_kernel": (
-                np.stack([w(x, "mlp").T for x in ("gate_proj", "up_proj")], 1),
-                np.stack([s(x, 64, "mlp").reshape(1, 64) for x in ("gate_proj", "up_proj")], 1),
+                np.stack([w(x, "mlp") for x in ("gate_proj", "up_proj")]),
+                np.stack([s(x, 64, "mlp").reshape(64, 1) for x in ("gate_proj", "up_proj")]),
             ),
-            "ffn.down_kernel": (w("down_proj", "mlp").T, s("down_proj", D, "mlp").reshape(1, D)),
+            "ffn.down_kernel": (w("down_proj", "mlp"), s("down_proj", D, "mlp").reshape(D, 1)),
         }
         for key, (values, scales) in want.items():
             got, got_scale = flat[ours + key], flat[ours + key + "_scale"]

@@ -28,7 +28,7 @@ from jaxpar.models import (
     quantize_params,
 )
 from jaxpar.models import prefill as model_prefill
-from jaxpar.models._quant import scale_layout
+from jaxpar.models._quant import scale_layout, stored_order
 from jaxpar.spec import make_mesh
 
 CONFIG = preset("tiny-gqa")  # float32, 4 layers, D 64, 8 query heads over 2 kv heads
@@ -116,13 +116,22 @@ def test_int8_decode_reads_at_most_055_of_the_bf16_bytes(parallel):
 
 def test_scale_axes_follow_the_kernel():
     """Contracted dims become size-1 and unnamed; the others keep their names (a
-    tp-split column's scales split with it); int4 keeps the grouped dim's name."""
+    tp-split column's scales split with it); int4 keeps the grouped dim's name. A dense
+    kernel's values and scales are stored out-major (contracted dims last); a MoE's
+    stacked experts keep their order."""
     axes = ("embed", "heads", "head_dim")
-    assert scale_layout((64, 8, 8), axes, 1, "int8") == ((1, 8, 8), (None, "heads", "head_dim"))
+    assert scale_layout((64, 8, 8), axes, 1, "int8") == ((8, 8, 1), ("heads", "head_dim", None))
+    assert stored_order(3, 1) == (1, 2, 0) and stored_order(3, 2) == (2, 0, 1)
     o_axes = ("heads", "head_dim", "embed")
-    assert scale_layout((8, 256, 64), o_axes, 2, "int4") == ((8, 2, 64), o_axes)
+    assert scale_layout((8, 256, 64), o_axes, 2, "int4") == ((64, 8, 2), ("embed", *o_axes[:2]))
     # One group along the dim: nothing to split.
-    assert scale_layout((128, 64), ("mlp", "embed"), 1, "int4") == ((1, 64), (None, "embed"))
+    assert scale_layout((128, 64), ("mlp", "embed"), 1, "int4") == ((64, 1), ("embed", None))
+    experts = ("expert", "embed", "mlp")
+    assert stored_order(3, 1, batch=1) is None
+    assert scale_layout((4, 64, 32), experts, 1, "int8", batch=1) == (
+        (4, 1, 32),
+        ("expert", None, "mlp"),
+    )
     with pytest.raises(ConfigError, match="group"):
         scale_layout((192, 64), ("mlp", "embed"), 1, "int4")
 

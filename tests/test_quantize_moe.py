@@ -31,7 +31,7 @@ from jaxpar.models import (
 )
 from jaxpar.models import prefill as model_prefill
 from jaxpar.models._moe_matmul import grouped_matmul, masked_matmul
-from jaxpar.models._quant import quantize_array, scale_layout
+from jaxpar.models._quant import from_stored, quantize_array, scale_layout
 from jaxpar.spec import make_mesh
 from tests._movement import moved_fraction
 
@@ -180,8 +180,9 @@ def test_the_quantized_model_is_the_dequantized_float_model():
         q, s = flat[path].get_value(), scale.get_value()
         if q.ndim == 3 and "experts" in path:
             w = _dequantized(q, s)
-        else:
+        else:  # stored out-major: dequantized there, then back in the float kernel's order
             w = np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)
+            w = from_stored(w, flat[path].get_metadata()["stored_order"])
         deq.append((path, var.replace(jnp.asarray(w, jnp.float32))))
     want = _teacher_logits(config, nnx.from_flat_state(deq), tokens)
     got = _teacher_logits(ModelRun(config, ExecutionOptions(quantize="int8")), qparams, tokens)

@@ -69,6 +69,7 @@ class Attention(nnx.Module):
         c = ModelRun.of(config)
         d, n, k, h, pd = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.param_dtype
         self.dtype = c.dtype
+        self.matmul = c.matmul
         self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
         self.window = c.sliding_window
         # Which layers slide (static, hashable): the layer index passed to prefill/decode
@@ -119,17 +120,10 @@ class Attention(nnx.Module):
         return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def _project(
-        self,
-        spec: str,
-        x_BTD: jax.Array,
-        kernel: nnx.Param,
-        bias: nnx.Param | None,
-        scale: nnx.Param | None = None,
+        self, x_BTD: jax.Array, kernel: nnx.Param, scale: nnx.Param | None, bias: nnx.Param | None
     ) -> jax.Array:
-        if scale is None:
-            y = jnp.einsum(spec, x_BTD, kernel[...].astype(self.dtype))
-        else:
-            y = project(x_BTD, kernel[...], scale[...], self.dtype)
+        s = None if scale is None else scale[...]
+        y = project(x_BTD, kernel[...], s, self.dtype, self.matmul)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def _slides(self, layer: int | jax.Array | None) -> bool | jax.Array:
@@ -169,12 +163,8 @@ class Attention(nnx.Module):
         self, x_BTD: jax.Array, pos_BT: jax.Array, slides: bool | jax.Array = False
     ) -> tuple[jax.Array, ...]:
         """Projected (q/k-normalised), rotated q [B,T,N,H], k and v [B,T,K,H]."""
-        q_BTNH = self._project(
-            "BTD,DNH->BTNH", x_BTD, self.q_kernel, self.q_bias, self.q_kernel_scale
-        )
-        kv_BTCKH = self._project(
-            "BTD,DCKH->BTCKH", x_BTD, self.kv_kernel, self.kv_bias, self.kv_kernel_scale
-        )
+        q_BTNH = self._project(x_BTD, self.q_kernel, self.q_kernel_scale, self.q_bias)
+        kv_BTCKH = self._project(x_BTD, self.kv_kernel, self.kv_kernel_scale, self.kv_bias)
         k_BTKH, v_BTKH = kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
@@ -192,15 +182,14 @@ class Attention(nnx.Module):
         b, t, n, h = out_BTNH.shape
         # Heads and head_dim merged into one contracting dim on both sides (free reshapes of
         # row-major arrays): with two contracting dims XLA:CPU re-lays the [N, H, D] kernel
-        # out into a copy on every step.
+        # out into a copy on every step. Quantized, the kernel is stored [D, N, H].
+        out_BTX = out_BTNH.reshape(b, t, n * h)
         if self.o_kernel_scale is None:
-            o_XD = self.o_kernel[...].astype(self.dtype).reshape(n * h, -1)
-            y_BTD = jnp.einsum("BTX,XD->BTD", out_BTNH.reshape(b, t, n * h), o_XD)
-        else:
             o_XD = self.o_kernel[...].reshape(n * h, -1)
-            y_BTD = project(
-                out_BTNH.reshape(b, t, n * h), o_XD, self.o_kernel_scale[...], self.dtype
-            )
+            y_BTD = project(out_BTX, o_XD, None, self.dtype, self.matmul)
+        else:
+            o_DX = self.o_kernel[...].reshape(-1, n * h)
+            y_BTD = project(out_BTX, o_DX, self.o_kernel_scale[...], self.dtype, self.matmul)
         if self.o_bias is not None:
             y_BTD = y_BTD + self.o_bias[...].astype(self.dtype)
         return constrain(y_BTD, BTD, Module.ATTENTION)

@@ -36,7 +36,7 @@ from jaxpar.models._hf_layout import (
 from jaxpar.models._hf_mxfp4 import Mxfp4Tensors, is_mxfp4
 from jaxpar.models._hf_quant import UNUSED_SUFFIXES, fp8_array, prequantized, scale_recipe
 from jaxpar.models._options import ExecutionOptions
-from jaxpar.models._quant import SCALE_SUFFIX, quantize_array
+from jaxpar.models._quant import SCALE_SUFFIX, float_layout, quantize_array, to_stored
 from jaxpar.models._run import ModelRun
 
 #: ``fn(param_path, logical_axes) -> Sharding``.
@@ -118,15 +118,21 @@ def load_hf_checkpoint(
             recipe, want = recipes[param_path], var.get_value()
             assert recipe.shape == want.shape, (param_path, recipe.shape, want.shape)
             scale_path = (*param_path[:-1], f"{param_path[-1]}{SCALE_SUFFIX}")
-            if scale_path in scales:  # stored fp8 with its scales: read as they are
+            if scale_path in scales:  # stored fp8 with its scales: read, put in storage order
                 for path, rec in ((param_path, recipe), (scale_path, scales[scale_path])):
                     stored = wanted[path]
-                    arr = _read(rec, stored, ckpt, sharding_of, path)
-                    loaded.append((path, stored.replace(arr)))
+                    order = stored.get_metadata().get("stored_order")
+                    value, axes = stored.get_value(), stored.get_metadata()["out_sharding"]
+                    shape, axes = float_layout(value.shape, tuple(axes), order)
+                    arr = _read(rec, shape, value.dtype, axes, ckpt, sharding_of, path)
+                    loaded.append((path, stored.replace(to_stored(arr, order))))
                 continue
-            arr = _read(recipe, var, ckpt, sharding_of, param_path)
+            want = var.get_value()
+            axes = tuple(var.get_metadata()["out_sharding"])
+            arr = _read(recipe, want.shape, want.dtype, axes, ckpt, sharding_of, param_path)
             if target.quantize is not None and scale_path in wanted:
                 scale = wanted[scale_path]
+                arr = to_stored(arr, scale.get_metadata().get("stored_order"))
                 values, scales_ = quantize_array(arr, scale.get_value().shape, target.quantize)
                 del arr  # the float tensor goes before the next one is read
                 loaded += [(param_path, wanted[param_path].replace(values))]
@@ -136,16 +142,16 @@ def load_hf_checkpoint(
     return config, nnx.from_flat_state(loaded)
 
 
-def _read(recipe, var: nnx.Variable, ckpt: _Checkpoint, sharding_of, path) -> jax.Array:
-    """``var``'s value read by ``recipe`` in ``var``'s dtype: whole on the default device,
-    or each device's slice alone when shardings are given."""
-    want = var.get_value()
-    reader = ckpt.reader(want.dtype)
+def _read(recipe, shape, dtype, axes, ckpt: _Checkpoint, sharding_of, path) -> jax.Array:
+    """A tensor of ``shape`` (logical ``axes``) read by ``recipe`` in ``dtype``: whole on the
+    default device, or each device's slice alone when shardings are given."""
+    reader = ckpt.reader(dtype)
     if sharding_of is None:
-        return jnp.asarray(recipe.read(tuple(slice(None) for _ in want.shape), reader))
-    sharding = sharding_of(path, tuple(var.get_metadata()["out_sharding"]))
+        return jnp.asarray(recipe.read(tuple(slice(None) for _ in shape), reader))
     return jax.make_array_from_callback(
-        want.shape, sharding, _memo(functools.partial(recipe.read, reader=reader))
+        tuple(shape),
+        sharding_of(path, tuple(axes)),
+        _memo(functools.partial(recipe.read, reader=reader)),
     )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models._config import ModelConfig
-from jaxpar.models._quant import QUANT_DTYPES, qmatmul, scale_layout
+from jaxpar.models._quant import QUANT_DTYPES, qmatmul, scale_layout, stored_order
 from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
 
@@ -58,6 +58,7 @@ def param(
     shape: Sequence[int],
     axes: tuple[str | None, ...],
     dtype: Any,
+    **metadata: Any,
 ) -> nnx.Param:
     """A parameter tagged with its logical axis names (``out_sharding`` metadata).
 
@@ -65,7 +66,7 @@ def param(
     """
     assert len(axes) == len(shape), (shape, axes)
     value = init(rngs.params(), tuple(shape), dtype)
-    return nnx.Param(value, out_sharding=axes, init=init, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, init=init, eager_sharding=False, **metadata)
 
 
 def kernel(
@@ -78,27 +79,55 @@ def kernel(
     contract: int = 1,
     batch: int = 0,
 ) -> tuple[nnx.Param, nnx.Param | None]:
-    """A matmul kernel whose ``contract`` dims after ``batch`` leading ones (a MoE's stacked
-    experts) are contracted, and its scales (None unless ``config.quantize``; see
-    :mod:`jaxpar.models._quant`): the values keep the kernel's logical axes, the scales get
-    axes derived from them."""
+    """A matmul kernel ``[*batch, *C, *O]`` whose ``contract`` dims C after ``batch``
+    leading ones (a MoE's stacked experts) are contracted, and its scales (None unless
+    ``config.quantize``; see :mod:`jaxpar.models._quant`). Quantized values are stored in
+    :func:`~jaxpar.models._quant.stored_order` (a dense kernel out-major ``[*O, *C]``) with
+    the kernel's logical axes permuted alike; both carry that ``stored_order`` as metadata
+    (the loaders move a float kernel into it); the scales get axes derived from the
+    kernel's."""
     if config.quantize is None:
         return param(rngs, init, shape, axes, config.param_dtype), None
-    values = param(rngs, init, shape, axes, QUANT_DTYPES[config.quantize])
+    order = stored_order(len(shape), contract, batch)
     scale_shape, scale_axes = scale_layout(tuple(shape), axes, contract, config.quantize, batch)
-    return values, param(rngs, ONES, scale_shape, scale_axes, jnp.float32)
+    if order is not None:
+        shape, axes = [shape[i] for i in order], tuple(axes[i] for i in order)
+    dtype = QUANT_DTYPES[config.quantize]
+    values = param(rngs, init, shape, axes, dtype, stored_order=order)
+    return values, param(rngs, ONES, scale_shape, scale_axes, jnp.float32, stored_order=order)
+
+
+def matmul(
+    x_xC: jax.Array, w: jax.Array, form: str = "dot", w_contract: int = 0, **dot_kw: Any
+) -> jax.Array:
+    """``x [..., C]`` times ``w`` contracted on its dim ``w_contract`` (``[C, *O]``, or a
+    tied table ``[V, D]`` with ``w_contract=1``), both in the compute dtype.
+    ``form="rows"`` (XLA:CPU): a one-row product of half-precision operands runs as a
+    two-row one (a zero row added, then dropped), because XLA:CPU's one-row dot of a
+    non-float32 type is a naive loop and its two-row dot the library's matmul (measured
+    ``[1, 2048] x bf16 [2048, 8192]``: about 20 against 3 ms)."""
+    lead, out = x_xC.shape[:-1], tuple(n for i, n in enumerate(w.shape) if i != w_contract)
+    if form == "rows" and math.prod(lead) == 1 and x_xC.dtype != jnp.float32:
+        x_2C = jnp.pad(x_xC.reshape(1, -1), ((0, 1), (0, 0)))
+        y = jax.lax.dot_general(x_2C, w, (((1,), (w_contract,)), ((), ())), **dot_kw)
+        return y[0].reshape(*lead, *out)
+    return jax.lax.dot_general(x_xC, w, (((len(lead),), (w_contract,)), ((), ())), **dot_kw)
 
 
 def project(
-    x_xC: jax.Array, kernel_CO: jax.Array, scale: jax.Array | None, dtype: Any
+    x_xC: jax.Array,
+    kernel: jax.Array,
+    scale: jax.Array | None,
+    dtype: Any,
+    form: str = "dot",
 ) -> jax.Array:
-    """``x [..., C] @ kernel [C, *O]`` in ``dtype``; a quantized kernel (``scale`` given,
-    leading dims ``[g, *O]`` after reshaping with the kernel) through :func:`qmatmul`."""
+    """``x [..., C]`` times a kernel in ``dtype``: a float kernel ``[C, *O]`` through
+    :func:`matmul`; a quantized one (``scale`` given) stored ``[*O, C]``, its scales
+    reshaped to ``[*O, g]``, through :func:`~jaxpar.models._quant.qmatmul`. ``form``: the
+    run's ``matmul`` option ("dot", or "rows" on XLA:CPU)."""
     if scale is None:
-        return jax.lax.dot_general(
-            x_xC, kernel_CO.astype(dtype), (((x_xC.ndim - 1,), (0,)), ((), ()))
-        )
-    return qmatmul(x_xC, kernel_CO, scale.reshape(-1, *kernel_CO.shape[1:]), dtype)
+        return matmul(x_xC, kernel.astype(dtype), form)
+    return qmatmul(x_xC, kernel, scale.reshape(*kernel.shape[:-1], -1), dtype, form)
 
 
 def fan_in_normal(*in_dims: int) -> Init:
@@ -215,8 +244,10 @@ class Embedding(nnx.Module):
 class LMHead(nnx.Module):
     """Projection to vocabulary logits; tied heads reuse the token embedding table."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        config = ModelRun.of(config)
         self.dtype = config.dtype
+        self.matmul = config.matmul
         d, v = config.d_model, config.vocab_size
         self.kernel = (
             None
@@ -234,29 +265,12 @@ class LMHead(nnx.Module):
         with jax.named_scope(Module.LM_HEAD.value):
             lead = ("batch", "seq") if x_BxD.ndim == 3 else ("batch",)
             x_BxD = constrain(x_BxD, (*lead, "embed"), Module.LM_HEAD)
-            if self.kernel is None:
-                logits = jnp.einsum(
-                    "...D,VD->...V",
-                    x_BxD,
-                    tied_table_VD.astype(self.dtype),
-                    preferred_element_type=jnp.float32,
-                )
-            else:
-                logits = jnp.einsum(
-                    "...D,DV->...V",
-                    x_BxD,
-                    self.kernel[...].astype(self.dtype),
-                    preferred_element_type=jnp.float32,
-                )
+            tied = self.kernel is None
+            w = (tied_table_VD if tied else self.kernel[...]).astype(self.dtype)
+            logits = matmul(
+                x_BxD, w, self.matmul, w_contract=int(tied), preferred_element_type=jnp.float32
+            )
             return constrain(logits, (*lead, "vocab"), Module.LM_HEAD)
-
-
-#: The scale attribute of each FFN projection (by its einsum).
-_SCALES = {
-    "BTD,DF->BTF": "up_kernel_scale",
-    "BTD,DCF->BTCF": "gate_up_kernel_scale",
-    "BTF,FD->BTD": "down_kernel_scale",
-}
 
 
 class FFN(nnx.Module):
@@ -271,6 +285,7 @@ class FFN(nnx.Module):
         config = ModelRun.of(config)
         d, f, pd = config.d_model, d_ff or config.d_ff, config.param_dtype
         self.dtype = config.dtype
+        self.matmul = config.matmul
         self.act = config.activation
         gated, biased = config.gated_ffn, config.mlp_bias
         # Optional parameters are None (static) when absent: assign each attribute once.
@@ -292,12 +307,11 @@ class FFN(nnx.Module):
         self.up_bias = bias_init(rngs, (f,), ("mlp",), pd) if biased and not gated else None
         self.down_bias = bias_init(rngs, (d,), ("embed",), pd) if biased else None
 
-    def _proj(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, spec: str):
-        scale = getattr(self, _SCALES[spec])
-        if scale is None:
-            y = jnp.einsum(spec, x, kernel[...].astype(self.dtype))
-        else:
-            y = project(x, kernel[...], scale[...], self.dtype)
+    def _proj(
+        self, x: jax.Array, kernel: nnx.Param, scale: nnx.Param | None, bias: nnx.Param | None
+    ) -> jax.Array:
+        s = None if scale is None else scale[...]
+        y = project(x, kernel[...], s, self.dtype, self.matmul)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -305,12 +319,13 @@ class FFN(nnx.Module):
         with jax.named_scope(Module.FFN.value):
             x_BTD = constrain(x_BTD, BTD, Module.FFN)
             if self.gate_up_kernel is None:
-                up_BTF = self._proj(x_BTD, self.up_kernel, self.up_bias, "BTD,DF->BTF")
+                up_BTF = self._proj(x_BTD, self.up_kernel, self.up_kernel_scale, self.up_bias)
                 h_BTF = ACTIVATIONS[self.act](up_BTF)
             else:
-                spec = "BTD,DCF->BTCF"
-                gu_BTCF = self._proj(x_BTD, self.gate_up_kernel, self.gate_up_bias, spec)
+                gu_BTCF = self._proj(
+                    x_BTD, self.gate_up_kernel, self.gate_up_kernel_scale, self.gate_up_bias
+                )
                 h_BTF = ACTIVATIONS[self.act](gu_BTCF[:, :, 0]) * gu_BTCF[:, :, 1]
             h_BTF = constrain(h_BTF, ("batch", "seq", "mlp"), Module.FFN)
-            y_BTD = self._proj(h_BTF, self.down_kernel, self.down_bias, "BTF,FD->BTD")
+            y_BTD = self._proj(h_BTF, self.down_kernel, self.down_kernel_scale, self.down_bias)
             return constrain(y_BTD, BTD, Module.FFN)

@@ -29,6 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
     "paged_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
     "moe_dispatch": ("auto", "padded", "ragged"),
+    "matmul": ("auto", "dot", "rows"),
 }
 _ATTENTION = ("prefill_attention", "decode_attention", "paged_attention")
 
@@ -59,6 +60,13 @@ class ExecutionOptions:
             transformers). A factor cf: each device sends at most ceil(cf * tokens * top_k
             / ep) rows to each expert peer; assignments past that are dropped (earlier
             tokens first) and counted.
+        matmul: how the projections' few-row matmuls (decode) read their kernels:
+            "dot" (the backend's dot, the cast of a quantized kernel its operand: GPU, TPU)
+            or "rows" (XLA:CPU: a quantized kernel's products, up to 64 rows, as fused
+            multiplies and row reductions over its out-major rows, and a one-row
+            half-precision dot as a two-row one; see :func:`~jaxpar.models._quant.qmatmul`).
+            "auto": "rows" on CPU, else "dot"; unresolved (a model built outside an
+            engine) "dot".
         quantize: weight-only quantization of the attention, dense-FFN and MoE expert
             kernels (None, "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding,
             LM head and the MoE router stay in the parameter dtype.
@@ -78,6 +86,7 @@ class ExecutionOptions:
     layer_loop: str = "unrolled"
     moe_dispatch: str = "auto"
     moe_capacity_factor: float | None = None
+    matmul: str = "auto"
     quantize: str | None = None
     kv_cache_dtype: str | None = None
     dtype: Any = None
@@ -220,6 +229,8 @@ class ExecutionOptions:
                 f"moe_dispatch='ragged': XLA:{platform} does not compile ragged-all-to-all; "
                 "use moe_dispatch='padded' or 'auto'"
             )
+        if self.matmul == "auto":
+            out["matmul"] = "rows" if platform == "cpu" else "dot"
         if self.moe_dispatch == "auto" and model.is_moe:
             ragged = self.moe_capacity_factor is None and ragged_compiles
             out["moe_dispatch"] = "ragged" if ragged else "padded"

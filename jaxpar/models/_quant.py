@@ -41,6 +41,7 @@ checkpoint loader and ``explain`` would all have to learn. What it would have gi
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -69,6 +70,47 @@ def check_quantize(mode: str | None) -> None:
         raise ConfigError(f"quantize={mode!r}; legal: None, {', '.join(QUANT_DTYPES)}")
 
 
+def stored_order(ndim: int, contract: int, batch: int = 0) -> tuple[int, ...] | None:
+    """The permutation from a float kernel ``[*batch, *C, *O]`` (``contract`` dims C) to
+    its quantized values: a dense kernel (``batch`` 0) is stored out-major ``[*O, *C]``,
+    as ``torch.nn.Linear`` and the Hub's checkpoints store it, so a few-row matmul reads
+    each output's weights contiguously (:func:`qmatmul`'s ``"rows"`` form); a MoE's
+    stacked experts stay ``[E, C, O]``, the grouped matmul's operand (None: as it is)."""
+    if batch:
+        return None
+    return (*range(contract, ndim), *range(contract))
+
+
+def _full_order(ndim: int, order: tuple[int, ...]) -> list[int]:
+    """``order`` over a kernel's own dims extended to ``ndim`` dims (stacked layers lead)."""
+    lead = ndim - len(order)
+    return [*range(lead), *(lead + i for i in order)]
+
+
+def to_stored(w: Any, order: tuple[int, ...] | None) -> Any:
+    """A float kernel (or its scales' float-order layout) in its quantized storage order
+    (``order`` from :func:`stored_order`, over the kernel's own dims; leading dims past
+    those, stacked layers, stay first). ``order`` None: ``w`` unchanged."""
+    return w if order is None else jnp.transpose(w, _full_order(w.ndim, order))
+
+
+def from_stored(w: Any, order: tuple[int, ...] | None) -> Any:
+    """The inverse of :func:`to_stored`: stored values (or scales) back in the float
+    kernel's order."""
+    return w if order is None else jnp.transpose(w, np.argsort(_full_order(w.ndim, order)))
+
+
+def float_layout(
+    shape: tuple[int, ...], axes: tuple[str | None, ...], order: tuple[int, ...] | None
+) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
+    """The float-order shape and axes of a tensor stored in ``order``: what a
+    checkpoint's kernel or scale is read as before :func:`to_stored`."""
+    if order is None:
+        return tuple(shape), tuple(axes)
+    inverse = np.argsort(_full_order(len(shape), order))
+    return tuple(shape[i] for i in inverse), tuple(axes[i] for i in inverse)
+
+
 def scale_layout(
     shape: tuple[int, ...],
     axes: tuple[str | None, ...],
@@ -76,27 +118,33 @@ def scale_layout(
     mode: str,
     batch: int = 0,
 ) -> tuple[tuple[int, ...], tuple[str | None, ...]]:
-    """The scale's shape and logical axes for a kernel whose ``contract`` dims after its
-    ``batch`` leading ones are contracted (per output channel; int4: per group of the last
-    contracted dim). Batch dims (a MoE's stacked experts) keep their size and name: each
-    expert has its own scales, split over ep as the experts are.
+    """The scale's shape and logical axes for a float kernel ``shape`` whose ``contract``
+    dims after its ``batch`` leading ones are contracted, in the kernel's storage order
+    (:func:`stored_order`: a dense kernel's scales ``[*O, 1]``, a MoE's ``[E, 1, O]``).
+    Per output channel; int4: per group of the last contracted dim. Batch dims (a MoE's
+    stacked experts) keep their size and name: each expert has its own scales, split over
+    ep as the experts are.
 
     Raises:
         ConfigError: an int4 group that does not divide its dim.
     """
     end = batch + contract
+    last = end - 1
     if mode != "int4":
         reduced = list(shape[:batch]) + [1] * contract + list(shape[end:])
-        return tuple(reduced), (*axes[:batch], *(None,) * contract, *axes[end:])
-    last = end - 1
-    group = min(INT4_GROUP, shape[last])
-    if shape[last] % group:
-        raise ConfigError(f"int4: group {group} does not divide contraction dim {shape[last]}")
-    # The other contracted dims stay whole (an o-projection's groups are per head).
-    reduced, names = list(shape), list(axes)
-    reduced[last] = shape[last] // group
-    if reduced[last] == 1:  # one group: per channel along this dim, nothing to split
-        names[last] = None
+        names = [*axes[:batch], *(None,) * contract, *axes[end:]]
+    else:
+        group = min(INT4_GROUP, shape[last])
+        if shape[last] % group:
+            raise ConfigError(f"int4: group {group} does not divide contraction dim {shape[last]}")
+        # The other contracted dims stay whole (an o-projection's groups are per head).
+        reduced, names = list(shape), list(axes)
+        reduced[last] = shape[last] // group
+        if reduced[last] == 1:  # one group: per channel along this dim, nothing to split
+            names[last] = None
+    order = stored_order(len(shape), contract, batch)
+    if order is not None:
+        reduced, names = [reduced[i] for i in order], [names[i] for i in order]
     return tuple(reduced), tuple(names)
 
 
@@ -141,31 +189,57 @@ def quantize_array(w: Any, scale_shape: tuple[int, ...], mode: str) -> tuple[jax
     return _quantize_jit(jnp.asarray(w), tuple(scale_shape), mode)
 
 
-def qmatmul(x_xC: jax.Array, w_CO: jax.Array, scale_gO: jax.Array, dtype: Any) -> jax.Array:
-    """``x [..., C] @ w [C, *O]`` with ``w`` quantized, ``scale [g, *O]`` (g = 1: per output
-    channel; else C // g rows per group). Returns ``[..., *O]`` in ``dtype``.
+def qmatmul(
+    x_xC: jax.Array, w_OC: jax.Array, scale_Og: jax.Array, dtype: Any, form: str = "dot"
+) -> jax.Array:
+    """``x [..., C]`` times the quantized kernel ``w [*O, C]`` (stored out-major) with
+    ``scale [*O, g]`` (g = 1: per output channel; else ``C // g`` contracted values per
+    group). Returns ``[..., *O]`` in ``dtype``.
 
-    The weight enters the dot only through ``astype`` (the dot's operand, which the
-    backend fuses); scales multiply the dot's output, never the weight.
+    The weight is read only through ``astype`` and the scales multiply partial products,
+    never the weight, so no dequantized weight is formed. ``form``:
+
+    - ``"dot"``: one dot with the cast weight as its operand (fused into the matmul where
+      the backend fuses it: GPU and TPU); int4 groups contract as a batch dimension of the
+      dot and the scaled partial products are summed in float32.
+    - ``"rows"`` (XLA:CPU) with one row (decode at batch 1): each output as one fused
+      multiply and reduction over its contiguous row of weights, in float32. XLA:CPU runs
+      a dot whose operand is cast as a naive loop; the row reduction streams the narrow
+      bytes once (measured ``[1, 2048]`` against int8 ``[16384, 2048]``: 2.2 ms, against
+      46 ms as a dot). More rows run the dot: the reduction's output-outer loop order
+      would stream the kernel once per row (16 rows over a 32 MB kernel: 44 against
+      34 ms).
     """
-    lead = x_xC.ndim - 1
-    w = w_CO.astype(dtype)
-    g = scale_gO.shape[0]
+    lead, out = x_xC.shape[:-1], w_OC.shape[:-1]
+    m, c, g = math.prod(lead), w_OC.shape[-1], scale_Og.shape[-1]
+    if form == "rows" and m == 1:
+        # Only C is reshaped (into its groups): merging the output dims would merge a
+        # tp-split dim with its neighbours, which SPMD can only do by re-laying the kernel.
+        x_C = x_xC.reshape(c).astype(jnp.float32)
+        s_Og = scale_Og.astype(jnp.float32)
+        if g == 1:
+            y_O = jnp.sum(w_OC.astype(jnp.float32) * x_C, axis=-1) * s_Og[..., 0]
+        else:
+            w_OgG = w_OC.reshape(*out, g, c // g).astype(jnp.float32)
+            y_O = jnp.sum(jnp.sum(w_OgG * x_C.reshape(g, c // g), axis=-1) * s_Og, axis=-1)
+        return y_O.astype(dtype).reshape(*lead, *out)
+    nl, no = len(lead), len(out)
+    w = w_OC.astype(dtype)
     if g == 1:
-        y = jax.lax.dot_general(x_xC, w, (((lead,), (0,)), ((), ())))
-        return y * scale_gO[0].astype(dtype)
-    c = w_CO.shape[0]
-    x_xgG = x_xC.reshape(*x_xC.shape[:-1], g, c // g)
-    w_gGO = w.reshape(g, c // g, *w_CO.shape[1:])
+        y = jax.lax.dot_general(x_xC, w, (((nl,), (no,)), ((), ())))
+        return y * scale_Og[..., 0].astype(dtype)
+    x_xgG = x_xC.reshape(*lead, g, c // g)
+    w_OgG = w.reshape(*out, g, c // g)
     # Batched over groups: y [g, ..., *O], each group's partial product in float32.
     y = jax.lax.dot_general(
         x_xgG,
-        w_gGO,
-        (((lead + 1,), (1,)), ((lead,), (0,))),
+        w_OgG,
+        (((nl + 1,), (no + 1,)), ((nl,), (no,))),
         preferred_element_type=jnp.float32,
     )
-    s = scale_gO.astype(jnp.float32).reshape(g, *([1] * lead), *scale_gO.shape[1:])
-    return jnp.sum(y * s, axis=0).astype(dtype)
+    s_gO = jnp.moveaxis(scale_Og.astype(jnp.float32), -1, 0)
+    s_gxO = s_gO.reshape(g, *([1] * nl), *out)
+    return jnp.sum(y * s_gxO, axis=0).astype(dtype)
 
 
 def params_quantization(params: nnx.State) -> str | None:
@@ -210,6 +284,7 @@ def quantize_params(config: Any, params: nnx.State, mode: str) -> nnx.State:
         value = source[path].get_value()
         if scale_path in wanted:
             scale_var = wanted[scale_path]
+            value = to_stored(value, var.get_metadata().get("stored_order"))
             q, s = quantize_array(value, scale_var.get_value().shape, mode)
             loaded += [(path, var.replace(q)), (scale_path, scale_var.replace(s))]
         else:
