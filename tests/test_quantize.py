@@ -28,7 +28,14 @@ from jaxpar.models import (
     quantize_params,
 )
 from jaxpar.models import prefill as model_prefill
-from jaxpar.models._quant import scale_layout, stored_order
+from jaxpar.models._quant import (
+    from_stored,
+    qmatmul,
+    quantize_array,
+    scale_layout,
+    stored_order,
+    to_stored,
+)
 from jaxpar.spec import make_mesh
 
 CONFIG = preset("tiny-gqa")  # float32, 4 layers, D 64, 8 query heads over 2 kv heads
@@ -134,6 +141,42 @@ def test_scale_axes_follow_the_kernel():
     )
     with pytest.raises(ConfigError, match="group"):
         scale_layout((192, 64), ("mlp", "embed"), 1, "int4")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 80])  # one row, a decode batch, past ROWS_MAX
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize(
+    ("shape", "contract"),
+    [((256, 2, 4, 8), 1), ((4, 64, 256), 2)],  # a fused K/V kernel; an o kernel [N, H, D]
+    ids=["kv", "o"],
+)
+def test_the_rows_form_computes_the_dot_form(shape, contract, mode, rows):
+    """XLA:CPU's ``matmul="rows"`` (row reductions over the out-major kernel) and the dot
+    over it both equal ``x`` times the dequantized float kernel (float64 reference), on
+    kernels of several output dims (the scales reshaped as ``project`` does)."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal(shape, np.float32))
+    scale_shape, _ = scale_layout(shape, (None,) * len(shape), contract, mode)
+    order = stored_order(len(shape), contract)
+    q, s = quantize_array(to_stored(w, order), scale_shape, mode)
+    n_in = int(np.prod(shape[:contract]))
+    q_OC = q.reshape(*q.shape[: len(shape) - contract], n_in)
+    s_Og = s.reshape(*q_OC.shape[:-1], -1)
+    x = jnp.asarray(rng.standard_normal((rows, 1, n_in), np.float32))
+    deq_stored = q.astype(jnp.float32) * _scales_over_values(q, s, mode)
+    deq = np.asarray(from_stored(deq_stored, order), np.float64)
+    want = np.asarray(x, np.float64).reshape(rows, n_in) @ deq.reshape(n_in, -1)
+    for form in ("rows", "dot"):
+        got = qmatmul(x, q_OC, s_Og, jnp.float32, form)
+        assert got.shape == (rows, 1, *q_OC.shape[:-1])
+        np.testing.assert_allclose(np.asarray(got).reshape(rows, -1), want, rtol=1e-4, atol=1e-4)
+
+
+def _scales_over_values(q: jax.Array, s: jax.Array, mode: str) -> jax.Array:
+    """Scales broadcast over the stored values (int4: each group's scale over its group)."""
+    if mode != "int4":
+        return s
+    return jnp.repeat(s, q.shape[-1] // s.shape[-1], axis=-1)
 
 
 def test_the_same_integers_and_scales_on_every_mesh():

@@ -1,22 +1,27 @@
 """Weight-only post-training quantization: int8 and fp8 per output channel, int4 per group.
 
-A quantized kernel is two parameters: the low-precision values, with the float kernel's
-shape and logical axes, and ``<name>_scale`` (float32), whose logical axes are derived
-from the kernel's (:func:`scale_layout`): a dim the scales reduce (a contraction dim,
-per output channel) becomes size 1 with no name; every other dim keeps its name, so
-the spec layer splits a scale exactly as its kernel (a tp-split column's scales split
-with it) and no mesh axis is named here. int4 groups the last contraction dim into
-groups of :data:`INT4_GROUP` (or the whole dim when shorter): its scale dim is
+A quantized kernel is two parameters: the low-precision values and ``<name>_scale``
+(float32). A dense kernel's values are stored out-major, ``[*O, *C]`` (the float kernel
+is ``[*C, *O]``), as ``torch.nn.Linear`` and the Hub's checkpoints store them, with the
+float kernel's logical axes permuted alike (:func:`stored_order`, kept as the parameters'
+``stored_order`` metadata so the loaders can move a float kernel into it); a MoE's
+stacked experts keep ``[E, C, O]``, the grouped matmul's operand. The scales' logical
+axes are derived from the kernel's (:func:`scale_layout`): a dim the scales reduce (a
+contraction dim, per output channel) becomes size 1 with no name; every other dim keeps
+its name, so the spec layer splits a scale exactly as its kernel (a tp-split column's
+scales split with it) and no mesh axis is named here. int4 groups the last contraction
+dim into groups of :data:`INT4_GROUP` (or the whole dim when shorter): its scale dim is
 ``dim // group`` and keeps the dim's name, so groups split with their rows (a strategy
 must then split the groups evenly: ``dim // group`` divisible by the dim's degree).
 
-The matmul reads the quantized bytes (:func:`qmatmul`): ``dot(x, w_q.astype(dtype))``
-and the per-output-channel scale after the contraction, so the convert is the dot's
-operand (fused into the matmul where the backend fuses it: GPU and TPU; XLA:CPU widens
-the operand in a separate cast, as it does bf16 weights; the GPU fusion is not yet
-checked on hardware) and no dequantized weight (``w_q * scale``) is ever formed
-(``tests/test_data_movement.py`` counts one). Grouped scales apply per group
-after a batched contraction over each group, then the groups are summed.
+The matmul reads the quantized bytes (:func:`qmatmul`) in one of two forms (the run's
+``matmul`` option): on GPU and TPU ``dot(x, w_q.astype(dtype))`` with the scales after
+the contraction, the convert being the dot's operand (fused into the matmul there; not
+yet checked on GPU hardware); on XLA:CPU, for decode's few rows, fused multiplies and
+row reductions over the out-major rows (XLA:CPU runs a dot with a cast operand as a
+naive loop). Neither forms a dequantized weight (``w_q * scale``;
+``tests/test_data_movement.py`` counts one). Grouped scales apply per group after a
+contraction over each group, then the groups are summed.
 
 Quantized: every attention and dense-FFN projection kernel, and the MoE experts' stacked
 kernels (per expert: the experts dim is a ``batch`` dim of :func:`scale_layout`, kept and
@@ -189,6 +194,11 @@ def quantize_array(w: Any, scale_shape: tuple[int, ...], mode: str) -> tuple[jax
     return _quantize_jit(jnp.asarray(w), tuple(scale_shape), mode)
 
 
+#: The most rows (the product of ``x``'s leading dims: decode's batch) :func:`qmatmul`
+#: runs as row reductions under ``form="rows"``; more (prefill) run the dot.
+ROWS_MAX = 64
+
+
 def qmatmul(
     x_xC: jax.Array, w_OC: jax.Array, scale_Og: jax.Array, dtype: Any, form: str = "dot"
 ) -> jax.Array:
@@ -202,27 +212,36 @@ def qmatmul(
     - ``"dot"``: one dot with the cast weight as its operand (fused into the matmul where
       the backend fuses it: GPU and TPU); int4 groups contract as a batch dimension of the
       dot and the scaled partial products are summed in float32.
-    - ``"rows"`` (XLA:CPU) with one row (decode at batch 1): each output as one fused
+    - ``"rows"`` (XLA:CPU) up to :data:`ROWS_MAX` rows (decode): each output as one fused
       multiply and reduction over its contiguous row of weights, in float32. XLA:CPU runs
-      a dot whose operand is cast as a naive loop; the row reduction streams the narrow
-      bytes once (measured ``[1, 2048]`` against int8 ``[16384, 2048]``: 2.2 ms, against
-      46 ms as a dot). More rows run the dot: the reduction's output-outer loop order
-      would stream the kernel once per row (16 rows over a 32 MB kernel: 44 against
-      34 ms).
+      a dot whose operand is cast as a naive loop, and a dot over the out-major kernel
+      re-lays it into a copy every step; the row reductions read the narrow bytes where
+      they lie (measured one row against int8 ``[16384, 2048]``: 2.2 ms, against 46 ms
+      as a dot). Past one row they stream the kernel once per row: 16 rows over a 32 MB
+      kernel take 44 ms, about the dot's 34 ms plus copy.
     """
     lead, out = x_xC.shape[:-1], w_OC.shape[:-1]
     m, c, g = math.prod(lead), w_OC.shape[-1], scale_Og.shape[-1]
-    if form == "rows" and m == 1:
-        # Only C is reshaped (into its groups): merging the output dims would merge a
-        # tp-split dim with its neighbours, which SPMD can only do by re-laying the kernel.
-        x_C = x_xC.reshape(c).astype(jnp.float32)
+    if form == "rows" and m <= ROWS_MAX:
+        # Only C is reshaped: merging output dims could merge a tp-split dim into a minor
+        # position, which SPMD can only do by re-laying the kernel.
+        ones = (1,) * len(out)
+        if g == 1:  # one reduction per output (a two-level one runs slower on XLA:CPU)
+            w_OC = w_OC.astype(jnp.float32)
+            s_O = scale_Og[..., 0].astype(jnp.float32)
+            if m == 1:  # output-major: one pass over the weights
+                y = jnp.sum(w_OC * x_xC.reshape(c).astype(jnp.float32), axis=-1) * s_O
+            else:  # row-major: the kernel streams once per row
+                x_MC = x_xC.reshape(m, *ones, c).astype(jnp.float32)
+                y = jnp.sum(w_OC[None] * x_MC, axis=-1) * s_O
+            return y.astype(dtype).reshape(*lead, *out)
+        w_OgG = w_OC.reshape(*out, g, c // g).astype(jnp.float32)
         s_Og = scale_Og.astype(jnp.float32)
-        if g == 1:
-            y_O = jnp.sum(w_OC.astype(jnp.float32) * x_C, axis=-1) * s_Og[..., 0]
-        else:
-            w_OgG = w_OC.reshape(*out, g, c // g).astype(jnp.float32)
-            y_O = jnp.sum(jnp.sum(w_OgG * x_C.reshape(g, c // g), axis=-1) * s_Og, axis=-1)
-        return y_O.astype(dtype).reshape(*lead, *out)
+        x_MgG = x_xC.reshape(m, *ones, g, c // g).astype(jnp.float32)
+        x_MgG = x_MgG[0] if m == 1 else x_MgG
+        w_OgG = w_OgG if m == 1 else w_OgG[None]
+        y = jnp.sum(jnp.sum(w_OgG * x_MgG, axis=-1) * s_Og, axis=-1)
+        return y.astype(dtype).reshape(*lead, *out)
     nl, no = len(lead), len(out)
     w = w_OC.astype(dtype)
     if g == 1:
