@@ -217,12 +217,16 @@ def test_auto_comes_from_the_mesh_devices_not_the_default_backend(monkeypatch, p
     )
     assert (cuda.options.prefill_attention, cuda.options.decode_attention) == ("cudnn",) * 2
     assert cuda.options.paged_attention == "pallas_gpu"
+    # Quantized matmuls: row reductions on XLA:CPU, the backend's dot on accelerators.
+    assert moe.options.matmul == "rows" and cuda.options.matmul == "dot"
+    assert ExecutionOptions(matmul="dot").resolve(BF16_GQA, "cpu").matmul == "dot"
     tpu = ExecutionOptions().resolve(BF16_GQA, "tpu")
     assert (tpu.prefill_attention, tpu.decode_attention, tpu.paged_attention) == (
         "pallas_tpu",
         "xla",
         "pallas_tpu",
     )
+    assert tpu.matmul == "dot"
     # A named decode kernel carries to the paged cache; float32 stays on XLA.
     named = ExecutionOptions(decode_attention="pallas_gpu").resolve(BF16_GQA, "gpu")
     assert named.paged_attention == "pallas_gpu"
