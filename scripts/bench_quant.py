@@ -142,7 +142,9 @@ def markdown(result: dict) -> str:
     ]
     for batch, rows in result.items():
         for name, row in rows.items():
-            ref = "MoE bf16" if name.startswith("MoE") else "bf16 · dot" if " · " in name else "bf16"
+            ref = (
+                "MoE bf16" if name.startswith("MoE") else "bf16 · dot" if " · " in name else "bf16"
+            )
             base = rows[ref]
             lines.append(
                 f"| {batch} | {name} | {row['bytes']:,} | {row['bytes'] / base['bytes']:.3f} | "

@@ -132,3 +132,18 @@ def test_quantized_weights_fit_where_bf16_does_not(capsys):
     data = _plan_json(capsys, *args, "--quantize", "int8")
     best = data["plans"][0]
     assert best["devices"] == 1 and "--quantize int8" in data["command"]
+
+
+def test_llama_3_70b_fits_a_v5e_8_only_with_int8_weights(capsys):
+    """Llama-3-70B (about 131 GiB of bf16 parameters) on eight 16 GB v5e chips: bf16 fits
+    nowhere (tp=8 would need 16.4 GiB of parameters per chip; the planner names 16 chips),
+    int8 kernels fit under tp=8. (On a v5e-16 bf16 fits too, pipelined over 2 x 8.)"""
+    args = ["--hf", str(FIXTURES / "configs" / "llama-3-70b"), "--devices", "8"]
+    args += ["--hardware", "tpu-v5e", "--batch", "8", "--prompt-len", "2048", "--gen-len", "512"]
+    assert main(["plan", *args]) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "fits nowhere on 8 tpu-v5e devices" in out
+    assert "the smallest device count on which it fits is 16" in out
+    data = _plan_json(capsys, *args, "--quantize", "int8")
+    best = data["plans"][0]
+    assert best["devices"] == 8 and "--quantize int8" in data["command"]
