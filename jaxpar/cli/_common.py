@@ -126,7 +126,12 @@ def add_quantize_arg(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="weight-only quantization of the attention, FFN and MoE expert kernels at load "
         "time: int8 and fp8 per output channel, int4 per group of 128 (embedding, LM head "
-        "and MoE router stay in --dtype)",
+        "and MoE router stay in --dtype unless --quantize-embeddings)",
+    )
+    parser.add_argument(
+        "--quantize-embeddings",
+        action="store_true",
+        help="with --quantize, the token embedding and the LM head too (per vocabulary row)",
     )
 
 
@@ -257,6 +262,7 @@ def _options(args: argparse.Namespace, dtype):
         dtype=dtype,
         moe_capacity_factor=getattr(args, "moe_capacity_factor", None),
         quantize=getattr(args, "quantize", None),
+        quantize_embeddings=getattr(args, "quantize_embeddings", False),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
     )
 

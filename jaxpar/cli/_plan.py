@@ -130,6 +130,8 @@ def source_flag(args: argparse.Namespace) -> str:
     quantize = getattr(args, "quantize", None)
     if quantize is not None:
         source = f"{source} --quantize {quantize}"
+    if getattr(args, "quantize_embeddings", False):
+        source = f"{source} --quantize-embeddings"
     kv = getattr(args, "kv_cache_dtype", None)
     return source if kv is None else f"{source} --kv-cache-dtype {kv}"
 

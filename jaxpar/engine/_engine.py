@@ -29,6 +29,7 @@ from jaxpar.models import (
     ModelConfig,
     ModelRun,
     abstract_model,
+    held_quantization,
     params_quantization,
     quantize_params,
     with_layer_loop,
@@ -82,17 +83,24 @@ def prepare_params(
     Raises:
         ConfigError: parameters quantized in another mode than ``options.quantize``.
     """
-    held = params_quantization(params)
+    holds = held_quantization(params)
+    held = holds["quantize"]
     if held is not None and options.quantize not in (None, held):
         raise ConfigError(
             f"the parameters are quantized ({held}) but options.quantize="
             f"{options.quantize!r}: pass float parameters to quantize them, or "
             f"quantize={held!r} (or None) for these"
         )
+    if held is not None and options.quantize_embeddings and not holds["quantize_embeddings"]:
+        raise ConfigError(
+            "options.quantize_embeddings=True, but the parameters are quantized with a float "
+            "embedding and LM head: pass float parameters to quantize them all"
+        )
     if held is None and options.quantize is not None:
-        params = quantize_params(model_config, params, options.quantize)
+        params = quantize_params(ModelRun(model_config, options), params, options.quantize)
+        holds = held_quantization(params)
     loop = layer_loop_for(options, parallel)
-    options = dataclasses.replace(options, quantize=options.quantize or held, layer_loop=loop)
+    options = dataclasses.replace(options, layer_loop=loop, **holds)
     params = with_layer_loop(model_config, params, loop)
     if options.dtype is not None:
         params = _cast_floats(params, abstract_model(model_config, options))

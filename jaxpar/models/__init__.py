@@ -70,6 +70,7 @@ from jaxpar.models._paged import (
 from jaxpar.models._quant import (
     QUANT_DTYPES,
     element_bytes,
+    held_quantization,
     param_bytes,
     params_quantization,
     quantize_params,
@@ -118,6 +119,7 @@ __all__ = [
     "ModelRun",
     "ExecutionOptions",
     "params_layer_loop",
+    "held_quantization",
     "params_quantization",
     "MoE",
     "RMSNorm",

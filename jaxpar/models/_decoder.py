@@ -19,7 +19,7 @@ from jaxpar.models._mla import LatentAttention
 from jaxpar.models._moe import MoE
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
 from jaxpar.models._options import ExecutionOptions
-from jaxpar.models._quant import params_quantization, quantize_params
+from jaxpar.models._quant import held_quantization, quantize_params
 from jaxpar.models._run import ModelRun
 
 
@@ -160,7 +160,7 @@ class Decoder(nnx.Module):
     def logits(self, x_BxD: jax.Array) -> jax.Array:
         """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``,
         soft-capped ``c * tanh(logits / c)`` with ``config.final_softcap`` (Gemma 2)."""
-        tied = self.embed.token_table[...] if self.config.tie_embeddings else None
+        tied = self.embed.table() if self.config.tie_embeddings else None
         logits = self.lm_head(self.final_norm(x_BxD), tied)
         cap = self.config.final_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap
@@ -294,8 +294,8 @@ def init_params(
     """
     run = ModelRun.of(config, options)
     if run.quantize is not None:
-        float_run = run.with_options(quantize=None)
-        return quantize_params(float_run, init_params(float_run, seed), run.quantize)
+        float_run = run.with_options(quantize=None, quantize_embeddings=False)
+        return quantize_params(run, init_params(float_run, seed), run.quantize)
     loaded = []
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(run))):
         want = var.get_value()
@@ -347,7 +347,7 @@ def with_layer_loop(
     run = ModelRun.of(config)
     if layer_loop == params_layer_loop(params):
         return params
-    target = run.with_options(layer_loop=layer_loop, quantize=params_quantization(params))
+    target = run.with_options(layer_loop=layer_loop, **held_quantization(params))
     source = dict(nnx.to_flat_state(params))
     loaded = []
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(target))):

@@ -104,8 +104,13 @@ def load_hf_checkpoint(
             f"weights); quantize={quantize!r} would quantize it again: omit it (or give "
             f"{prequant.mode!r})"
         )
-    float_config = ModelRun(config, dataclasses.replace(options, quantize=None))
-    target = float_config.with_options(quantize=quantize or (prequant and prequant.mode))
+    float_config = ModelRun(
+        config, dataclasses.replace(options, quantize=None, quantize_embeddings=False)
+    )
+    target = float_config.with_options(
+        quantize=quantize or (prequant and prequant.mode),
+        quantize_embeddings=options.quantize_embeddings,
+    )
     with _Checkpoint(root, mxfp4=mxfp4) as ckpt:
         recipes = _recipes(float_config, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))

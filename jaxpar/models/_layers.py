@@ -205,19 +205,33 @@ def make_norm(config: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm | LayerNorm:
     return RMSNorm(config, rngs=rngs) if config.norm == "rms" else LayerNorm(config, rngs=rngs)
 
 
+def _table_run(config: ModelRun) -> ModelRun:
+    """The run the embedding and LM head are built under: quantized only with
+    ``quantize_embeddings``."""
+    if config.quantize is None or config.quantize_embeddings:
+        return config
+    return config.with_options(quantize=None)
+
+
 class Embedding(nnx.Module):
     """Token embedding (scaled by sqrt(D) with ``config.embed_scale``), plus learned
-    absolute positions when ``positional='learned'``."""
+    absolute positions when ``positional='learned'``. With ``quantize_embeddings`` the
+    token table is quantized per row (``token_table_scale [V, 1]``; int4 ``[V, D // g]``):
+    the lookup scales the rows it gathers."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
+        config = _table_run(ModelRun.of(config))
         self.dtype = config.dtype
         v, d, pd = config.vocab_size, config.d_model, config.param_dtype
         # Gemma: vectors times sqrt(D), rounded to the compute dtype first as Hugging Face
         # does (its normaliser is a tensor of the hidden states' dtype).
         self.scale = math.sqrt(d) if config.embed_scale else None
-        # std 1/sqrt(D): a tied LM head then gives O(1) logits.
+        # std 1/sqrt(D): a tied LM head then gives O(1) logits. Rows are per token: a batch
+        # dim of the quantization (per-row scales), contracted over D by a tied head.
         init = Init("normal", d**-0.5)
-        self.token_table = param(rngs, init, (v, d), ("vocab", "embed"), pd)
+        self.token_table, self.token_table_scale = kernel(
+            rngs, init, (v, d), ("vocab", "embed"), config, batch=1
+        )
         q = config.max_position_embeddings
         self.position_table = (
             param(rngs, init, (q, d), ("positions", "embed"), pd)
@@ -225,10 +239,23 @@ class Embedding(nnx.Module):
             else None
         )
 
+    def table(self) -> tuple[jax.Array, jax.Array | None]:
+        """The token table ``[V, D]`` and its per-row scales (None when float), for a tied
+        LM head."""
+        scale = self.token_table_scale
+        return self.token_table[...], None if scale is None else scale[...]
+
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array) -> jax.Array:
         """Looks up token (and position) vectors: [B, T] ints -> x [B, T, D]."""
         with jax.named_scope(Module.EMBEDDING.value):
-            x_BTD = jnp.take(self.token_table[...], tokens_BT, axis=0).astype(self.dtype)
+            table_VD, scale_Vg = self.table()
+            if scale_Vg is None:
+                x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.dtype)
+            else:  # the gathered rows times their own scales (per row, or per group)
+                rows_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(jnp.float32)
+                s_BTg = jnp.take(scale_Vg, tokens_BT, axis=0)
+                rows_BTgG = rows_BTD.reshape(*rows_BTD.shape[:-1], s_BTg.shape[-1], -1)
+                x_BTD = (rows_BTgG * s_BTg[..., None]).reshape(rows_BTD.shape).astype(self.dtype)
             if self.scale is not None:
                 x_BTD = x_BTD * jnp.asarray(self.scale, self.dtype)
             if self.position_table is not None:
@@ -242,34 +269,52 @@ class Embedding(nnx.Module):
 
 
 class LMHead(nnx.Module):
-    """Projection to vocabulary logits; tied heads reuse the token embedding table."""
+    """Projection to vocabulary logits; tied heads reuse the token embedding table. With
+    ``quantize_embeddings`` an untied kernel is quantized per vocabulary row (stored
+    out-major ``[V, D]``, as a tied table is) and both run :func:`project`'s quantized
+    matmul, scales after the contraction."""
 
     def __init__(self, config: ModelConfig | ModelRun, *, rngs: nnx.Rngs):
-        config = ModelRun.of(config)
+        config = _table_run(ModelRun.of(config))
         self.dtype = config.dtype
         self.matmul = config.matmul
         d, v = config.d_model, config.vocab_size
-        self.kernel = (
-            None
+        self.kernel, self.kernel_scale = (
+            (None, None)
             if config.tie_embeddings
-            else param(rngs, fan_in_normal(d), (d, v), ("embed", "vocab"), config.param_dtype)
+            else kernel(rngs, fan_in_normal(d), (d, v), ("embed", "vocab"), config)
         )
 
-    def __call__(self, x_BxD: jax.Array, tied_table_VD: jax.Array | None) -> jax.Array:
+    def __call__(
+        self, x_BxD: jax.Array, tied: tuple[jax.Array, jax.Array | None] | None
+    ) -> jax.Array:
         """Logits in float32: x [B, D] -> [B, V], or x [B, T, D] -> [B, T, V].
 
         Args:
             x_BxD: Final-norm hidden states, with or without a seq dimension.
-            tied_table_VD: The token embedding table when embeddings are tied, else unused.
+            tied: The token embedding table and its scales (:meth:`Embedding.table`) when
+                embeddings are tied, else unused.
         """
         with jax.named_scope(Module.LM_HEAD.value):
             lead = ("batch", "seq") if x_BxD.ndim == 3 else ("batch",)
             x_BxD = constrain(x_BxD, (*lead, "embed"), Module.LM_HEAD)
-            tied = self.kernel is None
-            w = (tied_table_VD if tied else self.kernel[...]).astype(self.dtype)
-            logits = matmul(
-                x_BxD, w, self.matmul, w_contract=int(tied), preferred_element_type=jnp.float32
-            )
+            if self.kernel is None:
+                w, scale = tied
+            else:
+                w, scale = self.kernel[...], self.kernel_scale
+                scale = None if scale is None else scale[...]
+            if scale is None:  # a float table [V, D] (tied) or kernel [D, V]
+                w_contract = int(self.kernel is None)
+                logits = matmul(
+                    x_BxD,
+                    w.astype(self.dtype),
+                    self.matmul,
+                    w_contract=w_contract,
+                    preferred_element_type=jnp.float32,
+                )
+            else:  # quantized, [V, D] either way
+                s_Vg = scale.reshape(w.shape[0], -1)
+                logits = qmatmul(x_BxD, w, s_Vg, self.dtype, self.matmul, out_dtype=jnp.float32)
             return constrain(logits, (*lead, "vocab"), Module.LM_HEAD)
 
 

@@ -70,6 +70,10 @@ class ExecutionOptions:
         quantize: weight-only quantization of the attention, dense-FFN and MoE expert
             kernels (None, "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding,
             LM head and the MoE router stay in the parameter dtype.
+        quantize_embeddings: with ``quantize``, the token embedding and the LM head too
+            (one table when tied): per vocabulary row (int4: per group of the row), the
+            lookup scaling the rows it gathers and the head scaling its logits. Off by
+            default: the head's error goes straight into the logits.
         kv_cache_dtype: the KV cache's storage: None (the compute dtype), "int8" or "fp8"
             (e4m3), one float32 scale per token per kv head, quantized where K/V are written
             and dequantized where attention reads them (:mod:`jaxpar.models._kv_quant`).
@@ -88,6 +92,7 @@ class ExecutionOptions:
     moe_capacity_factor: float | None = None
     matmul: str = "auto"
     quantize: str | None = None
+    quantize_embeddings: bool = False
     kv_cache_dtype: str | None = None
     dtype: Any = None
 
@@ -102,6 +107,11 @@ class ExecutionOptions:
                     f"legal: {', '.join(map(repr, legal))}"
                 )
         check_quantize(self.quantize)
+        if self.quantize_embeddings and self.quantize is None:
+            raise ConfigError(
+                "ExecutionOptions.quantize_embeddings=True quantizes the embedding and LM head "
+                "in the weights' format: give quantize='int8', 'fp8' or 'int4' too"
+            )
         check_kv_cache_dtype(self.kv_cache_dtype)
         # The contiguous decode kernels (cuDNN, Pallas) read K/V as they lie and take no
         # scales; "auto" runs XLA (or, paged on GPU, the Pallas kernel that takes them).

@@ -200,11 +200,17 @@ ROWS_MAX = 64
 
 
 def qmatmul(
-    x_xC: jax.Array, w_OC: jax.Array, scale_Og: jax.Array, dtype: Any, form: str = "dot"
+    x_xC: jax.Array,
+    w_OC: jax.Array,
+    scale_Og: jax.Array,
+    dtype: Any,
+    form: str = "dot",
+    out_dtype: Any = None,
 ) -> jax.Array:
     """``x [..., C]`` times the quantized kernel ``w [*O, C]`` (stored out-major) with
     ``scale [*O, g]`` (g = 1: per output channel; else ``C // g`` contracted values per
-    group). Returns ``[..., *O]`` in ``dtype``.
+    group). Returns ``[..., *O]`` in ``out_dtype`` (default ``dtype``, the weight's cast;
+    the LM head asks float32 logits).
 
     The weight is read only through ``astype`` and the scales multiply partial products,
     never the weight, so no dequantized weight is formed. ``form``:
@@ -234,19 +240,20 @@ def qmatmul(
             else:  # row-major: the kernel streams once per row
                 x_MC = x_xC.reshape(m, *ones, c).astype(jnp.float32)
                 y = jnp.sum(w_OC[None] * x_MC, axis=-1) * s_O
-            return y.astype(dtype).reshape(*lead, *out)
+            return y.astype(out_dtype or dtype).reshape(*lead, *out)
         w_OgG = w_OC.reshape(*out, g, c // g).astype(jnp.float32)
         s_Og = scale_Og.astype(jnp.float32)
         x_MgG = x_xC.reshape(m, *ones, g, c // g).astype(jnp.float32)
         x_MgG = x_MgG[0] if m == 1 else x_MgG
         w_OgG = w_OgG if m == 1 else w_OgG[None]
         y = jnp.sum(jnp.sum(w_OgG * x_MgG, axis=-1) * s_Og, axis=-1)
-        return y.astype(dtype).reshape(*lead, *out)
+        return y.astype(out_dtype or dtype).reshape(*lead, *out)
     nl, no = len(lead), len(out)
     w = w_OC.astype(dtype)
     if g == 1:
-        y = jax.lax.dot_general(x_xC, w, (((nl,), (no,)), ((), ())))
-        return y * scale_Og[..., 0].astype(dtype)
+        dims = (((nl,), (no,)), ((), ()))
+        y = jax.lax.dot_general(x_xC, w, dims, preferred_element_type=out_dtype)
+        return y * scale_Og[..., 0].astype(out_dtype or dtype)
     x_xgG = x_xC.reshape(*lead, g, c // g)
     w_OgG = w.reshape(*out, g, c // g)
     # Batched over groups: y [g, ..., *O], each group's partial product in float32.
@@ -258,7 +265,7 @@ def qmatmul(
     )
     s_gO = jnp.moveaxis(scale_Og.astype(jnp.float32), -1, 0)
     s_gxO = s_gO.reshape(g, *([1] * nl), *out)
-    return jnp.sum(y * s_gxO, axis=0).astype(dtype)
+    return jnp.sum(y * s_gxO, axis=0).astype(out_dtype or dtype)
 
 
 def params_quantization(params: nnx.State) -> str | None:
@@ -275,10 +282,19 @@ def params_quantization(params: nnx.State) -> str | None:
     return None
 
 
+def held_quantization(params: nnx.State) -> dict[str, Any]:
+    """The quantization options parameters hold: ``quantize`` (:func:`params_quantization`)
+    and ``quantize_embeddings`` (whether the token table has scales)."""
+    flat = dict(nnx.to_flat_state(params))
+    table_scale = ("embed", "token_table" + SCALE_SUFFIX)
+    return {"quantize": params_quantization(params), "quantize_embeddings": table_scale in flat}
+
+
 def quantize_params(config: Any, params: nnx.State, mode: str) -> nnx.State:
     """A float model's parameters quantized (weight-only PTQ): every kernel the quantized
     model stores with a ``_scale`` is quantized where it lies; every other parameter is
-    passed through. ``config``: the model (a ``ModelConfig`` or ``ModelRun``); the
+    passed through. ``config``: the model (a ``ModelConfig`` or ``ModelRun``, whose
+    ``quantize_embeddings`` option quantizes the embedding and LM head too); the
     parameters' layer form is read off them.
 
     Raises:
@@ -291,6 +307,7 @@ def quantize_params(config: Any, params: nnx.State, mode: str) -> nnx.State:
     held = params_quantization(params)
     if held is not None:
         raise ConfigError(f"parameters are already quantized ({held})")
+    # ``config``'s options say whether the embedding and LM head are quantized too.
     target = ModelRun.of(config).with_options(quantize=mode, layer_loop=params_layer_loop(params))
     source = dict(nnx.to_flat_state(params))
     wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
