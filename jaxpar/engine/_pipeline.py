@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxpar.engine._pipeline_cache import GroupCacheView
 from jaxpar.engine._pipeline_stages import Stages, stage_layer
-from jaxpar.models import Decoder, KVCache
+from jaxpar.models import Decoder, KVCache, QuantKV, kv_axes, kv_map, kv_mode
 from jaxpar.spec import Module, Phase
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
@@ -238,10 +238,16 @@ def decode_head(s, x_Bg1D, out, *, i, model: Decoder, groups: int, emit):
     return out.at[:, write].set(emit(model.logits(x_Bg1D[:, 0]), read), mode="drop")
 
 
-def stage_major_kv(x_LBSKH: jax.Array, stages: Stages) -> jax.Array:
-    """A stacked cache ``[L, ...]`` viewed as ``[P, Lp, ...]`` (a local reshape)."""
-    x_PLpBSKH = x_LBSKH.reshape(stages.count, -1, *x_LBSKH.shape[1:])
-    return stages.constrain(x_PLpBSKH, (None, *KVCache.KV_AXES[1:]), ATTENTION, DECODE)
+def stage_major_kv(x_LBSKH: jax.Array | QuantKV, stages: Stages) -> jax.Array | QuantKV:
+    """A stacked cache ``[L, ...]`` viewed as ``[P, Lp, ...]`` (a local reshape); a
+    quantized one's values and scales alike, each split as the cache stores it."""
+    axes = kv_axes((None, *KVCache.KV_AXES[1:]), kv_mode(x_LBSKH))
+
+    def split(a_LBSKH: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+        a_PLpBSKH = a_LBSKH.reshape(stages.count, -1, *a_LBSKH.shape[1:])
+        return stages.constrain(a_PLpBSKH, axes, ATTENTION, DECODE)
+
+    return kv_map(split, x_LBSKH, axes)
 
 
 def decode(
@@ -262,7 +268,9 @@ def decode(
 
     Args:
         model: the decoder (merged inside the traced function).
-        cache: decode-layout cache, stacked ``[L, B, S, K, H]``, layers over ``pp``.
+        cache: decode-layout cache, stacked ``[L, B, S, K, H]``, layers over ``pp`` (with
+            ``kv_cache_dtype``: quantized values and their ``[L, B, S, K, 1]`` scales, split
+            alike; the handoff quantized the prompt's K/V once, each step quantizes its token).
         tokens_PB: stage-major tokens; row 0 holds the tokens to append (stage 0 embeds).
         stages: the pipeline.
         groups: G; group g is the rows ``b % G == g``.
@@ -309,7 +317,11 @@ def decode(
         ),
         head=functools.partial(decode_head, model=model, groups=g_count, emit=emit),
     )
-    cache = cache.replace(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape))
+
+    def unsplit(x_PLpBSKH: jax.Array, like_LBSKH: jax.Array) -> jax.Array:
+        return x_PLpBSKH.reshape(like_LBSKH.shape)
+
+    cache = cache.replace(k=kv_map(unsplit, k, cache.k), v=kv_map(unsplit, v, cache.v))
     return out.reshape(p, b, *emitted.shape[1:]), cache.advance()
 
 
