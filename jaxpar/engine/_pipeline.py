@@ -306,7 +306,6 @@ def decode(
         ),
         head=functools.partial(decode_head, model=model, groups=g_count, emit=emit),
     )
-
     cache = cache.replace(k=k.tree, v=v.tree)
     return out.reshape(p, b, *emitted.shape[1:]), cache.advance()
 

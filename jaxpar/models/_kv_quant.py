@@ -93,14 +93,6 @@ def kv_dtype(mode: str | None, dtype: Any) -> Any:
     return dtype if mode is None else KV_CACHE_DTYPES[mode]
 
 
-def kv_mode(x: Any) -> str | None:
-    """The ``kv_cache_dtype`` a cache tensor is stored in: None for a float array, else
-    its :class:`QuantKV` values' format."""
-    if not isinstance(x, QuantKV):
-        return None
-    return "int8" if x.dtype == jnp.dtype(jnp.int8) else "fp8"
-
-
 def quantize_kv(x: jax.Array, mode: str | None) -> jax.Array | QuantKV:
     """``x [..., H]`` quantized per vector (symmetric absmax over the last dim); ``x``
     itself when ``mode`` is None. An all-zero vector gets scale 1 (stored zeros)."""
@@ -131,7 +123,8 @@ def as_stored(new: jax.Array, like: jax.Array | QuantKV) -> jax.Array | QuantKV:
         return new  # quantized already (a disaggregated transfer carries the scales)
     if not isinstance(like, QuantKV):
         return new.astype(like.dtype)
-    return quantize_kv(new, kv_mode(like))
+    mode = "int8" if like.dtype == jnp.dtype(jnp.int8) else "fp8"
+    return quantize_kv(new, mode)
 
 
 def quantize_tree(tree: Any, mode: str | None) -> Any:
