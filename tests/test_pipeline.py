@@ -167,12 +167,13 @@ def test_decode_loop_crosses_stages_with_permutes_and_its_exit_test():
 
 def _cache_copies(compiled, shard: tuple[int, ...]) -> list[str]:
     """Copies of the carried cache: its shard's dims in order, size-1 dims aside (a view
-    like ``[1, Lp, B, ...]`` counts). Per-layer K/V slices transposed for the attention
-    product are not such copies; the unpipelined step makes them too."""
+    like ``[1, Lp, B, ...]`` counts), in any dtype (a quantized cache's int8/fp8 values,
+    its f32 scales). Per-layer K/V slices transposed for the attention product are not
+    such copies; the unpipelined step makes them too."""
     want = [d for d in shard if d != 1]
     found = []
     for line in compiled.as_text().splitlines():
-        m = re.search(r"= f32\[([\d,]*)\]\S* (copy\(|fusion\(.*wrapped_copy)", line)
+        m = re.search(r"= \w+\[([\d,]*)\]\S* (copy\(|fusion\(.*wrapped_copy)", line)
         if m and [int(d) for d in m.group(1).split(",") if d not in ("", "1")] == want:
             found.append(line.strip()[:160])
     return found

@@ -135,11 +135,6 @@ class AbstractEngine:
                 "pipeline schedule does not carry the MoE drop counts out, and drops are never "
                 "left uncounted; use dropless (moe_capacity_factor=None) or pp=1"
             )
-        if parallel.pp > 1 and run.kv_cache_dtype is not None:  # stage caches are float
-            raise ConfigError(
-                f"kv_cache_dtype={run.kv_cache_dtype!r} runs unpipelined strategies; {parallel} "
-                f"has pp={parallel.pp}: use pp=1 (dp, sp, ep or tp), or kv_cache_dtype=None"
-            )
         target = platform or mesh_platform_of(mesh)
         ragged = model_config.is_moe and mesh_compiles_ragged(mesh, platform)
         resolved = run.options.resolve(model_config, target, ragged_compiles=ragged)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.engine._pipeline_cache import GroupCacheView
-from jaxpar.engine._pipeline_stages import Stages, stage_layer
+from jaxpar.engine._pipeline_stages import Blocks, Stages, stage_layer
 from jaxpar.models import Decoder, KVCache
 from jaxpar.spec import Module, Phase
 
@@ -220,7 +220,8 @@ def decode_stage(
     s, state_Lp, x_Bg1D, x_emb_BgG1D, k_LpBSKH, v_LpBSKH, *, i, graphdef, lengths_B, pos_BgG, lp
 ):
     """Stage ``s`` at iteration ``i``: its ``lp`` layers on its group (stage 0 takes the
-    next group from the embedding); in a bubble every cache write is dropped."""
+    next group from the embedding); in a bubble every cache write is dropped. The cache
+    comes as the stage's own layer-major block (:class:`Blocks`) and goes back as one."""
     g_count = pos_BgG.shape[1]
     read, write = stage_slot(i, s, g_count)
     x_Bg1D = jnp.where(s == 0, x_emb_BgG1D[:, read], x_Bg1D)
@@ -229,19 +230,13 @@ def decode_stage(
         decode_layer, graphdef=graphdef, state_Lp=state_Lp, pos_Bg=pos_BgG[:, read], first=s * lp
     )
     x_Bg1D, view = jax.lax.fori_loop(0, lp, layer, (x_Bg1D, view))
-    return x_Bg1D, view.k_LBSKH, view.v_LBSKH
+    return x_Bg1D, Blocks(view.k_LBSKH), Blocks(view.v_LBSKH)
 
 
 def decode_head(s, x_Bg1D, out, *, i, model: Decoder, groups: int, emit):
     """``emit`` of the logits of what stage ``s`` finished at iteration ``i``."""
     read, write = stage_slot(i, s, groups)
     return out.at[:, write].set(emit(model.logits(x_Bg1D[:, 0]), read), mode="drop")
-
-
-def stage_major_kv(x_LBSKH: jax.Array, stages: Stages) -> jax.Array:
-    """A stacked cache ``[L, ...]`` viewed as ``[P, Lp, ...]`` (a local reshape)."""
-    x_PLpBSKH = x_LBSKH.reshape(stages.count, -1, *x_LBSKH.shape[1:])
-    return stages.constrain(x_PLpBSKH, (None, *KVCache.KV_AXES[1:]), ATTENTION, DECODE)
 
 
 def decode(
@@ -262,7 +257,9 @@ def decode(
 
     Args:
         model: the decoder (merged inside the traced function).
-        cache: decode-layout cache, stacked ``[L, B, S, K, H]``, layers over ``pp``.
+        cache: decode-layout cache, stacked ``[L, B, S, K, H]``, layers over ``pp`` (with
+            ``kv_cache_dtype``: quantized values and their ``[L, B, S, K, 1]`` scales, split
+            alike; the handoff quantized the prompt's K/V once, each step quantizes its token).
         tokens_PB: stage-major tokens; row 0 holds the tokens to append (stage 0 embeds).
         stages: the pipeline.
         groups: G; group g is the rows ``b % G == g``.
@@ -290,8 +287,8 @@ def decode(
     out_axes = (emitted_axes[0], None, *emitted_axes[1:])
     init = (
         stages.constrain(jnp.zeros((p, bg, 1, cfg.d_model), cfg.dtype), BTD, ATTENTION, DECODE),
-        stage_major_kv(cache.k, stages),
-        stage_major_kv(cache.v, stages),
+        Blocks(cache.k),  # layer-major: each stage's [Lp, ...] block, no reshape
+        Blocks(cache.v),
         stages.constrain(jnp.zeros(out_shape, emitted.dtype), out_axes, LM_HEAD, DECODE),
     )
     _, k, v, out = run_schedule(
@@ -309,7 +306,7 @@ def decode(
         ),
         head=functools.partial(decode_head, model=model, groups=g_count, emit=emit),
     )
-    cache = cache.replace(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape))
+    cache = cache.replace(k=k.tree, v=v.tree)
     return out.reshape(p, b, *emitted.shape[1:]), cache.advance()
 
 

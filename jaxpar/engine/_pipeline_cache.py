@@ -11,6 +11,12 @@ would be a free reshape in principle, but XLA then gives the size-1 dims of some
 (``G = 1``, or one row per device) a layout of their own and copies the whole cache on the
 way in and out of the loop. So the write covers every row of the batch, with the rows of
 other groups sent out of range and dropped, and only the read reshapes (one layer's slice).
+
+A quantized cache (``kv_cache_dtype``) holds :class:`~jaxpar.models.QuantKV` keys and
+values: the new token is quantized once, as the unpipelined cache does
+(:func:`~jaxpar.models.as_stored`), and every write and read applies to the values and to
+their scales alike (:func:`~jaxpar.models.kv_map`), so the group and bubble masking drops
+a scale exactly where it drops its values, and the read hands attention both as stored.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxpar.models import write_token
+from jaxpar.models import QuantKV, as_stored, kv_map, write_token
 
 
 @flax.struct.dataclass
@@ -35,8 +41,8 @@ class GroupCacheView:
         groups: G, the number of groups (static).
     """
 
-    k_LBSKH: jax.Array
-    v_LBSKH: jax.Array
+    k_LBSKH: jax.Array | QuantKV
+    v_LBSKH: jax.Array | QuantKV
     group: jax.Array | int
     write_pos_B: jax.Array
     groups: int = flax.struct.field(pytree_node=False, default=1)
@@ -44,8 +50,8 @@ class GroupCacheView:
     @classmethod
     def open(
         cls,
-        k_LBSKH: jax.Array,
-        v_LBSKH: jax.Array,
+        k_LBSKH: jax.Array | QuantKV,
+        v_LBSKH: jax.Array | QuantKV,
         group: jax.Array | int,
         groups: int,
         pos_B: jax.Array,
@@ -74,20 +80,27 @@ class GroupCacheView:
     ) -> GroupCacheView:
         """Writes layer ``layer``'s new token of each row of the group (see ``KVCache``)."""
 
-        def write(cache: jax.Array, new_BgKH: jax.Array) -> jax.Array:
+        def write_array(cache: jax.Array, new_BgKH: jax.Array) -> jax.Array:
             # Other groups' rows and bubbles carry position S: dropped, not clamped.
             spread_BKH = self._spread(new_BgKH)
             return write_token(cache, layer, self.write_pos_B, spread_BKH, drop_out_of_range=True)
+
+        def write(cache: jax.Array | QuantKV, new_BgKH: jax.Array) -> jax.Array | QuantKV:
+            return kv_map(write_array, cache, as_stored(new_BgKH, cache))
 
         return self.replace(
             k_LBSKH=write(self.k_LBSKH, k_new_BgKH), v_LBSKH=write(self.v_LBSKH, v_new_BgKH)
         )
 
-    def layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values ``[Bg, K, S, H]`` of one layer for this group (after writing).
+    def layer(self, layer: jax.Array) -> tuple[jax.Array | QuantKV, jax.Array | QuantKV]:
+        """Keys and values ``[Bg, K, S, H]`` of one layer for this group (after writing),
+        as stored (quantized ones with their scales ``[Bg, K, S, 1]``).
 
         Read after :meth:`write_layer`: writing first is what lets XLA keep the carried
         cache in place (reading first makes it copy the whole cache every step).
         """
-        k_BgSKH, v_BgSKH = self._rows(self.k_LBSKH[layer]), self._rows(self.v_LBSKH[layer])
-        return k_BgSKH.transpose(0, 2, 1, 3), v_BgSKH.transpose(0, 2, 1, 3)
+
+        def view(x_LBSKH: jax.Array) -> jax.Array:
+            return self._rows(x_LBSKH[layer]).transpose(0, 2, 1, 3)
+
+        return kv_map(view, self.k_LBSKH), kv_map(view, self.v_LBSKH)

@@ -6,14 +6,17 @@ over ``pp`` in contiguous blocks, so viewing them as ``[P, Lp, ...]`` is a local
 :meth:`Stages.map` runs a per-stage function on each device's own ``[1, Lp, ...]`` block
 (``shard_map`` with ``pp`` manual, every other axis automatic), so the stage-agnostic model
 code and its ``constrain`` calls run unchanged and TP, EP, DP and SP keep working inside a
-stage.
+stage. An array kept layer-major (:class:`Blocks`: the decode step's KV cache) reaches
+each stage as its ``[Lp, ...]`` block with no reshape at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
+import flax.struct
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -30,6 +33,26 @@ from jaxpar.spec import (
     active_platform,
     sharding_context,
 )
+
+
+@flax.struct.dataclass
+class Blocks:
+    """Arrays ``[L, ...]`` (any pytree of them) passed to :meth:`Stages.map` layer-major:
+    the leading dim split over ``pp`` in contiguous blocks, as the stacked cache is laid
+    out, so each stage sees its own ``[Lp, ...]`` block as it is.
+
+    Why not a stage-major ``[P, Lp, ...]`` view: that is a reshape, and an array carried
+    through a loop on both sides of a reshape with a size-1 dim (a quantized cache's
+    scales ``[..., 1]``, one kv head per device) got a layout of its own inside from
+    XLA:CPU, which then copied it whole in and out every step. A stage function returns
+    the blocks it changed wrapped again, so they come back layer-major too.
+    """
+
+    tree: Any
+
+
+def _is_blocks(x: Any) -> bool:
+    return isinstance(x, Blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +95,8 @@ class Stages:
 
         ``args`` are stage-major (leading dim ``P`` on ``pp``); ``fn`` sees one stage's
         slice and its index, and returns per-stage results that come back stage-major.
+        :class:`Blocks` args and results are layer-major instead: ``fn`` sees (and returns,
+        wrapped) a stage's ``[Lp, ...]`` block itself.
         Inside, ``pp`` is a manual axis (``shard_map``) and the others stay automatic, so
         the model's ``constrain`` calls work as usual and XLA cannot make any op of the
         stage communicate across stages (with ``vmap(spmd_axis_name="pp")`` it gathered
@@ -79,14 +104,20 @@ class Stages:
         """
         phase, platform = active_phase(), active_platform()
 
+        def unstage(x: Any) -> Any:
+            return x.tree if _is_blocks(x) else x[0]
+
+        def restage(x: Any) -> Any:
+            return x if _is_blocks(x) else x[None]
+
         def body(*args):
-            local = jax.tree.map(lambda x: x[0], args)
+            local = jax.tree.map(unstage, args, is_leaf=_is_blocks)
             # Constraints inside must name the mesh as shard_map sees it (pp manual); the
             # abstract mesh has no devices, so the platform comes from the outer context.
             inner = jax.sharding.get_abstract_mesh()
             with sharding_context(inner, phase, self.config, self.dims, platform=platform):
                 out = fn(jax.lax.axis_index("pp"), *local)
-            return jax.tree.map(lambda x: x[None], out)
+            return jax.tree.map(restage, out, is_leaf=_is_blocks)
 
         def run(*args):
             staged = PartitionSpec("pp")

@@ -39,8 +39,10 @@ from jaxpar.models._kv_groups import KVGroups, kv_groups, kv_positions, kv_windo
 from jaxpar.models._kv_quant import (
     KV_CACHE_DTYPES,
     QuantKV,
+    as_stored,
     dequantize_kv,
     kv_bytes_per_vector,
+    kv_map,
     quantize_kv,
     quantize_tree,
 )
@@ -141,8 +143,10 @@ __all__ = [
     "QUANT_DTYPES",
     "KV_CACHE_DTYPES",
     "QuantKV",
+    "as_stored",
     "dequantize_kv",
     "kv_bytes_per_vector",
+    "kv_map",
     "quantize_kv",
     "quantize_tree",
     "param_bytes",

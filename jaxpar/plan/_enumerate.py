@@ -111,13 +111,6 @@ def check(model: ModelDims, config: ParallelConfig, workload: Workload) -> Refus
         first = e.violations[0] if e.violations else None
         rule = first.rule if first else "illegal"
         return Refused(config, rule, first.message if first else str(e))
-    kv = getattr(model, "kv_cache_dtype", None)
-    if kv is not None and config.pp > 1:
-        return Refused(
-            config,
-            "kv-cache-dtype-pp",
-            f"kv_cache_dtype={kv!r} runs unpipelined strategies (pp=1), not pp={config.pp}",
-        )
     if config.pp > 1 and (why := _unstackable(model)) is not None:
         return Refused(config, "model", f"pp={config.pp} runs the layers stacked: {why}")
     if workload.prompt_len % config.sp:
