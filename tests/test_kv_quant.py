@@ -360,7 +360,8 @@ def test_plan_counts_the_quantized_cache_and_keeps_the_flag(capsys):
     """``jaxpar plan`` (analytic): llama-1b in bf16 (head_dim 64) on 2 devices; int8 K/V
     with their scales take (64 + 4) / (2 * 64) = 0.53 of the bf16 cache's bytes (the rows'
     int32 lengths aside) in every plan, pipelined ones (pp=2: each stage its layers' share)
-    among them, and the proposed command keeps the flag."""
+    among them, while the prompt K/V a prefill step returns stay bf16; and the proposed
+    command keeps the flag."""
     import json
 
     from jaxpar.cli import main
@@ -374,12 +375,15 @@ def test_plan_counts_the_quantized_cache_and_keeps_the_flag(capsys):
 
     full, quant = plans(), plans("--kv-cache-dtype", "int8")
     by_strategy = {p["strategy"]: p["memory"]["kv_cache"] for p in full["plans"]}
+    by_prompt = {p["strategy"]: p["memory"]["prompt_kv"] for p in full["plans"]}
     compared = 0
     assert any(p["degrees"]["pp"] > 1 for p in quant["plans"])
     for p in quant["plans"]:
         if p["strategy"] in by_strategy:
             ratio = p["memory"]["kv_cache"] / by_strategy[p["strategy"]]
             assert abs(ratio - 68 / 128) < 0.01, (p["strategy"], ratio)
+            # Prefill returns the prompt's K/V in bf16: quantized only at the handoff.
+            assert p["memory"]["prompt_kv"] == by_prompt[p["strategy"]]
             compared += 1
     assert compared > 0
     assert "--kv-cache-dtype int8" in quant["command"]

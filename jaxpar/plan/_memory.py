@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.engine import KV_PAGE_SIZE, cache_fraction, run_form
-from jaxpar.models import KVCache, ModelConfig, abstract_model, element_bytes
+from jaxpar.models import KVCache, ModelConfig, ModelRun, abstract_model, element_bytes
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, param_partition_spec
 from jaxpar.spec import partition_spec as logical_spec
 
@@ -178,7 +178,10 @@ def memory(
     fraction = 1.0
     if release_windows and config.pp == 1:
         fraction = cache_fraction(model, max_seq_len, KV_PAGE_SIZE)
-    prompt_kv = cache_bytes(model, config, rows, prompt_len) if prompt_len else 0
+    # Prefill returns the prompt's K/V in the compute dtype; a quantized cache stores them
+    # narrow only at the handoff.
+    float_kv = ModelRun.of(model).with_options(kv_cache_dtype=None)
+    prompt_kv = cache_bytes(float_kv, config, rows, prompt_len) if prompt_len else 0
     acts = max(
         activation_bytes(run, config, Phase.PREFILL, rows, prompt_len, prompt_len),
         activation_bytes(run, config, Phase.DECODE, batch, 1, max_seq_len),
