@@ -68,8 +68,9 @@ class ExecutionOptions:
             "auto": "rows" on CPU, else "dot"; unresolved (a model built outside an
             engine) "dot".
         quantize: weight-only quantization of the attention, dense-FFN and MoE expert
-            kernels (None, "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding,
-            LM head and the MoE router stay in the parameter dtype.
+            kernels (None, "int8", "fp8", "int4"; :mod:`jaxpar.models._quant`). Embedding
+            and LM head stay in the parameter dtype unless ``quantize_embeddings``; the
+            MoE router always does.
         quantize_embeddings: with ``quantize``, the token embedding and the LM head too
             (one table when tied): per vocabulary row (int4: per group of the row), the
             lookup scaling the rows it gathers and the head scaling its logits. Off by

@@ -26,8 +26,9 @@ contraction over each group, then the groups are summed.
 Quantized: every attention and dense-FFN projection kernel, and the MoE experts' stacked
 kernels (per expert: the experts dim is a ``batch`` dim of :func:`scale_layout`, kept and
 split over ep; their grouped and masked matmuls are :mod:`jaxpar.models._moe_matmul`).
-Not quantized (no option yet): the embedding (decode reads one row of it per token) and
-the LM head (its error goes straight into the logits), norms, biases and the MoE router
+The token embedding and the LM head only when asked (``quantize_embeddings``: per
+vocabulary row, the table a batch dim of :func:`scale_layout`; off by default, since the
+head's error goes straight into the logits). Never: norms, biases and the MoE router
 (``[D, E]``, a sliver of the bytes, and its error would change which experts run).
 
 Why not ``qwix`` (Google's JAX quantization library, evaluated as 0.1.8): its scales
