@@ -212,4 +212,10 @@ def test_quantized_parameters_show_their_dtype_bytes_and_scales(capsys):
     assert (q["dtype"], scale["dtype"]) == ("int8", "float32")
     assert q["spec"] == scale["spec"] == "P(tp, None, None)"
     assert q["bytes_per_device"] == 4 * 64 * 8 * 8 // 2  # 4 layers, int8, heads over tp
-    assert rows["embed.token_table"]["dtype"] == "float32"  # not quantized
+    assert rows["embed.token_table"]["dtype"] == "float32"  # not quantized unless asked
+    asked = ["--model", "tiny-gqa", "--tp", "2", "--quantize", "int8", "--quantize-embeddings"]
+    rows = {r["tensor"]: r for r in run_json(capsys, asked)["parameters"]}
+    table, table_scale = rows["embed.token_table"], rows["embed.token_table_scale"]
+    assert (table["dtype"], table_scale["dtype"]) == ("int8", "float32")
+    assert table["spec"] == table_scale["spec"] == "P(tp, None)"  # rows split over tp
+    assert rows["lm_head.kernel"]["dtype"] == "int8"
