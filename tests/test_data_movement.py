@@ -33,11 +33,12 @@ PROMPT_LEN = 24  # 8 x 24 rows: no activation of the prompt has a weight's size 
 # 4 layers, 8 query heads over 2 kv heads: under tp=2 each device holds one kv head, and
 # at batch 1 one row -- the size-1 cache dims that once made XLA copy the cache.
 CONFIG = preset("tiny-gqa")
-# One row (XLA:CPU's "rows" form of the quantized matmuls): XLA:CPU splits a reduction with
-# at most 32 outputs into a reduce-window over its materialised product (a parallelism
-# heuristic for tiny outputs: tiny-gqa's fused K/V kernel has 2 x 2 x 8 of them), which
-# would count as a dequantized kernel; a real kernel has thousands of outputs per device.
-# Head dim 32 keeps every kernel above 32 outputs per device under tp=2.
+# One row (XLA:CPU's "rows" form of the quantized matmuls): XLA:CPU splits some reductions
+# with few outputs into a reduce-window over their materialised product (seen for 32
+# outputs of 64 values, not for 64 outputs or for 128 values: tiny-gqa's fused K/V kernel
+# has 2 x 2 x 8 outputs of 64), which would count as a dequantized kernel; a real kernel has
+# thousands of outputs per device. Head dim 32 keeps every kernel at 64 outputs or more
+# per device under tp=2.
 WIDE_HEADS = dataclasses.replace(CONFIG, head_dim=32)
 
 
