@@ -210,6 +210,30 @@ def test_the_rows_form_computes_the_dot_form(shape, contract, mode, rows):
         np.testing.assert_allclose(np.asarray(got).reshape(rows, -1), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_tied_float_table_runs_as_row_reductions_at_one_row():
+    """XLA:CPU's ``"rows"`` form also reads a tied float table ``[V, D]`` (out-major) at one
+    row: the decode step's LM head is a reduction, not a dot (one dot fewer in the compiled
+    step), and its logits and tokens equal the ``"dot"`` form's."""
+    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    params = init_params(config, seed=0)
+    engines = {
+        form: jaxpar.InferenceEngine(
+            config, params, max_batch=1, max_seq_len=32, options=ExecutionOptions(matmul=form)
+        )
+        for form in ("rows", "dot")
+    }
+    dots, logits, tokens = {}, {}, {}
+    for form, eng in engines.items():
+        prompt_BT, lengths_B = eng.pad_prompts([PROMPT])
+        _, cache, first_B = eng.prefill(prompt_BT, lengths_B)
+        dots[form] = eng.steps.lower_decode(eng.params, cache, first_B).compile().as_text()
+        logits[form] = np.asarray(eng.steps.decode(eng.params, cache, first_B)[0])
+        tokens[form] = eng.generate([PROMPT], 8).tokens
+    assert dots["rows"].count(" dot(") == dots["dot"].count(" dot(") - 1
+    np.testing.assert_allclose(logits["rows"], logits["dot"], atol=1e-4, rtol=0)
+    assert tokens["rows"] == tokens["dot"]
+
+
 def _scales_over_values(q: jax.Array, s: jax.Array, mode: str) -> jax.Array:
     """Scales broadcast over the stored values (int4: each group's scale over its group)."""
     if mode != "int4":

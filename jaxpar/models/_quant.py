@@ -195,6 +195,21 @@ def quantize_array(w: Any, scale_shape: tuple[int, ...], mode: str) -> tuple[jax
     return _quantize_jit(jnp.asarray(w), tuple(scale_shape), mode)
 
 
+def rows_product(x_xC: jax.Array, w_OC: jax.Array) -> jax.Array:
+    """``x [..., C]`` times an out-major ``w [*O, C]`` as fused multiplies and reductions
+    over ``w``'s contiguous rows, in float32: ``[..., *O]``. XLA:CPU's fast form for a few
+    rows (:func:`qmatmul`'s ``"rows"``; a tied LM head's table at one row)."""
+    lead, out, c = x_xC.shape[:-1], w_OC.shape[:-1], w_OC.shape[-1]
+    m = math.prod(lead)
+    w_OC = w_OC.astype(jnp.float32)
+    if m == 1:  # output-major: one pass over the weights
+        y = jnp.sum(w_OC * x_xC.reshape(c).astype(jnp.float32), axis=-1)
+    else:  # row-major: the kernel streams once per row
+        x_MC = x_xC.reshape(m, *((1,) * len(out)), c).astype(jnp.float32)
+        y = jnp.sum(w_OC[None] * x_MC, axis=-1)
+    return y.reshape(*lead, *out)
+
+
 #: The most rows (the product of ``x``'s leading dims: decode's batch) :func:`qmatmul`
 #: runs as row reductions under ``form="rows"``; more (prefill) run the dot.
 ROWS_MAX = 64
@@ -234,14 +249,8 @@ def qmatmul(
         # position, which SPMD can only do by re-laying the kernel.
         ones = (1,) * len(out)
         if g == 1:  # one reduction per output (a two-level one runs slower on XLA:CPU)
-            w_OC = w_OC.astype(jnp.float32)
-            s_O = scale_Og[..., 0].astype(jnp.float32)
-            if m == 1:  # output-major: one pass over the weights
-                y = jnp.sum(w_OC * x_xC.reshape(c).astype(jnp.float32), axis=-1) * s_O
-            else:  # row-major: the kernel streams once per row
-                x_MC = x_xC.reshape(m, *ones, c).astype(jnp.float32)
-                y = jnp.sum(w_OC[None] * x_MC, axis=-1) * s_O
-            return y.astype(out_dtype or dtype).reshape(*lead, *out)
+            y = rows_product(x_xC, w_OC) * scale_Og[..., 0].astype(jnp.float32)
+            return y.astype(out_dtype or dtype)
         w_OgG = w_OC.reshape(*out, g, c // g).astype(jnp.float32)
         s_Og = scale_Og.astype(jnp.float32)
         x_MgG = x_xC.reshape(m, *ones, g, c // g).astype(jnp.float32)
