@@ -101,13 +101,16 @@ def _engines(batch: int, names: list[str]):
         param_dtype="bfloat16",
     )
     mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
+    float_params = {}  # one float model per family, shared by its formats
     engines = {}
     for name in names:
         fmt, kv, matmul, is_moe = FORMATS[name]
         model = moe if is_moe else config
+        if is_moe not in float_params:
+            float_params[is_moe] = init_params(model, seed=0)
         engines[name] = InferenceEngine(
             model,
-            init_params(model, seed=0),
+            float_params[is_moe],
             ParallelConfig(),
             max_batch=batch,
             max_seq_len=MAX_SEQ_LEN,

@@ -25,6 +25,17 @@ def _plan_json(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def _int8_plan_where_bf16_fits_nowhere(capsys, args: list[str]) -> tuple[dict, str]:
+    """(the best int8 plan, the bf16 refusal's text) for ``plan`` over ``args``: bf16 must
+    fit nowhere, and the int8 plan's command must keep ``--quantize int8``."""
+    assert main(["plan", *args]) == 2
+    refusal = capsys.readouterr().out.replace("\n", " ")
+    assert "fits nowhere" in refusal
+    data = _plan_json(capsys, *args, "--quantize", "int8")
+    assert "--quantize int8" in data["command"]
+    return data["plans"][0], refusal
+
+
 def _check(data: dict, source, devices: int) -> None:
     from jaxpar.models import config_from_hf
 
@@ -104,11 +115,8 @@ def test_a_moe_that_fits_only_with_quantized_experts_is_planned(capsys):
     parameters take about half, and one device is planned with --quantize kept."""
     args = ["--hf", str(FIXTURES / "configs" / "qwen3-30b-a3b"), "--devices", "1"]
     args += ["--hardware", "h100", "--hbm-budget", "40", *WORKLOAD]
-    assert main(["plan", *args]) == 2
-    assert "fits nowhere" in capsys.readouterr().out
-    data = _plan_json(capsys, *args, "--quantize", "int8")
-    best = data["plans"][0]
-    assert best["devices"] == 1 and "--quantize int8" in data["command"]
+    best, _ = _int8_plan_where_bf16_fits_nowhere(capsys, args)
+    assert best["devices"] == 1
     # Experts counted at one byte: the parameters are about half of bf16's 56.87 GiB.
     assert 0.45 < best["memory"]["params"] / (56.87 * 2**30) < 0.55, best["memory"]
 
@@ -127,11 +135,8 @@ def test_quantized_weights_fit_where_bf16_does_not(capsys):
     and the command line it proposes keeps --quantize."""
     args = ["--hf", str(FIXTURES / "configs" / "llama-3-8b"), "--devices", "1"]
     args += ["--hardware", "h100", "--hbm-budget", "12", *WORKLOAD]
-    assert main(["plan", *args]) == 2
-    assert "fits nowhere" in capsys.readouterr().out
-    data = _plan_json(capsys, *args, "--quantize", "int8")
-    best = data["plans"][0]
-    assert best["devices"] == 1 and "--quantize int8" in data["command"]
+    best, _ = _int8_plan_where_bf16_fits_nowhere(capsys, args)
+    assert best["devices"] == 1
 
 
 def test_llama_3_70b_fits_a_v5e_8_only_with_int8_weights(capsys):
@@ -140,10 +145,7 @@ def test_llama_3_70b_fits_a_v5e_8_only_with_int8_weights(capsys):
     int8 kernels fit under tp=8. (On a v5e-16 bf16 fits too, pipelined over 2 x 8.)"""
     args = ["--hf", str(FIXTURES / "configs" / "llama-3-70b"), "--devices", "8"]
     args += ["--hardware", "tpu-v5e", "--batch", "8", "--prompt-len", "2048", "--gen-len", "512"]
-    assert main(["plan", *args]) == 2
-    out = capsys.readouterr().out.replace("\n", " ")
-    assert "fits nowhere on 8 tpu-v5e devices" in out
-    assert "the smallest device count on which it fits is 16" in out
-    data = _plan_json(capsys, *args, "--quantize", "int8")
-    best = data["plans"][0]
-    assert best["devices"] == 8 and "--quantize int8" in data["command"]
+    best, refusal = _int8_plan_where_bf16_fits_nowhere(capsys, args)
+    assert "fits nowhere on 8 tpu-v5e devices" in refusal
+    assert "the smallest device count on which it fits is 16" in refusal
+    assert best["devices"] == 8

@@ -98,7 +98,7 @@ def prepare_params(
         )
     if held is None and options.quantize is not None:
         params = quantize_params(ModelRun(model_config, options), params, options.quantize)
-        holds = held_quantization(params)
+        holds = {"quantize": options.quantize, "quantize_embeddings": options.quantize_embeddings}
     loop = layer_loop_for(options, parallel)
     options = dataclasses.replace(options, layer_loop=loop, **holds)
     params = with_layer_loop(model_config, params, loop)
