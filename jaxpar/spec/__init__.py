@@ -22,6 +22,16 @@ from jaxpar.spec._rules import (
     partition_spec,
 )
 from jaxpar.spec._tables import Entry, Role, Rule, SpecTable, load_spec_table, spec_table
+from jaxpar.spec._topology import (
+    AxisLayout,
+    dcn_shape,
+    describe_layout,
+    layout_text,
+    mesh_layout,
+    slice_devices,
+    slice_layout,
+    tpu_device_array,
+)
 from jaxpar.spec._validate import (
     Assignment,
     Plan,
@@ -36,6 +46,7 @@ __all__ = [
     "MESH_AXES",
     "MESH_NAME_ORDER",
     "Assignment",
+    "AxisLayout",
     "Dims",
     "Entry",
     "ModelDims",
@@ -58,13 +69,20 @@ __all__ = [
     "load_spec_table",
     "logical_shard_map",
     "logical_axis_rules",
+    "dcn_shape",
     "default_mesh",
+    "describe_layout",
+    "layout_text",
     "make_mesh",
     "mesh_axes",
+    "mesh_layout",
     "modules_of",
     "param_partition_spec",
     "partition_spec",
     "sharding_context",
+    "slice_devices",
+    "slice_layout",
     "spec_table",
+    "tpu_device_array",
     "validate",
 ]
