@@ -24,6 +24,7 @@ from jaxpar.spec._rules import (
 from jaxpar.spec._tables import Entry, Role, Rule, SpecTable, load_spec_table, spec_table
 from jaxpar.spec._topology import (
     AxisLayout,
+    array_layout,
     dcn_shape,
     describe_layout,
     layout_text,
@@ -47,6 +48,7 @@ __all__ = [
     "MESH_NAME_ORDER",
     "Assignment",
     "AxisLayout",
+    "array_layout",
     "Dims",
     "Entry",
     "ModelDims",
