@@ -31,6 +31,7 @@ from jaxpar.spec._topology import (
     mesh_layout,
     slice_devices,
     slice_layout,
+    slice_order,
     tpu_device_array,
 )
 from jaxpar.spec._validate import (
@@ -84,6 +85,7 @@ __all__ = [
     "sharding_context",
     "slice_devices",
     "slice_layout",
+    "slice_order",
     "spec_table",
     "tpu_device_array",
     "validate",

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.errors import MeshError
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._enums import MESH_AXES
-from jaxpar.spec._topology import is_tpu_slice, tpu_device_array
+from jaxpar.spec._topology import is_tpu_slice, slice_order, tpu_device_array
 
 #: The order of the mesh's axis *names*: ``pp`` first, then the others as in ``MESH_AXES``.
 #: Devices keep the ``MESH_AXES`` layout (dp outermost, tp innermost): only the names are
@@ -66,7 +66,7 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
 
 def default_mesh(config: ParallelConfig) -> Mesh:
     """The mesh an engine builds when it is given none: over the first ``config.size``
-    devices, as the command line does (a one-device strategy on an 8-device host runs on
+    devices (TPU: in :func:`jaxpar.spec.slice_order`), as the command line does (a one-device strategy on an 8-device host runs on
     device 0); over every device when the strategy uses them all, and always under
     ``jax.distributed`` (the first devices would all be process 0's, leaving the other
     processes out of the programs they must run).
@@ -78,7 +78,7 @@ def default_mesh(config: ParallelConfig) -> Mesh:
     available = jax.devices()
     if config.size >= len(available) or jax.process_count() > 1:
         return make_mesh(config)
-    return make_mesh(config, available[: config.size])
+    return make_mesh(config, slice_order(available)[: config.size])
 
 
 def canonical_mesh(mesh: Mesh) -> Mesh:

@@ -42,6 +42,15 @@ def _slice_of(device: Any) -> int:
     return getattr(device, "slice_index", None) or 0
 
 
+def slice_order(devices: Sequence[Any]) -> list[Any]:
+    """TPU chips in the order a slice numbers them (slice, then z, y, x; x fastest), so that
+    the first ``k`` of them are the ones :func:`slice_devices` stands in for; other devices
+    as they are."""
+    if not is_tpu_slice(devices):
+        return list(devices)
+    return sorted(devices, key=lambda d: (_slice_of(d), *reversed(tuple(d.coords))))
+
+
 def dcn_shape(shape: Sequence[int], n_slices: int) -> tuple[int, ...]:
     """How many slices each axis of ``shape`` (``MESH_AXES`` order) crosses.
 
