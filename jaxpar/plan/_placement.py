@@ -16,15 +16,7 @@ import functools
 from jaxpar.errors import MeshError
 from jaxpar.plan._hardware import Hardware
 from jaxpar.plan._prediction import Prediction
-from jaxpar.spec import (
-    MESH_AXES,
-    AxisLayout,
-    ParallelConfig,
-    array_layout,
-    layout_text,
-    slice_devices,
-    tpu_device_array,
-)
+from jaxpar.spec import AxisLayout, ParallelConfig, layout_text, slice_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +88,4 @@ def _layout(
     n_slices: int,
     first: int,
 ) -> tuple[AxisLayout, ...]:
-    chips = slice_devices(device_kind, slice_shape, n_slices)
-    count = 1
-    for s in shape:
-        count *= s
-    if first + count > len(chips):
-        raise MeshError(f"chips {first}..{first + count - 1} are not all on the slice(s)")
-    layout = array_layout(tpu_device_array(shape, chips[first : first + count]), MESH_AXES)
-    assert layout is not None  # stand-in chips carry coordinates
-    return layout
+    return slice_layout(shape, device_kind, slice_shape, n_slices, first)

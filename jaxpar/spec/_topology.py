@@ -219,15 +219,27 @@ def layout_text(layout: tuple[AxisLayout, ...] | None) -> str | None:
 
 
 def slice_layout(
-    shape: Sequence[int], device_kind: str, slice_shape: Sequence[int], n_slices: int = 1
+    shape: Sequence[int],
+    device_kind: str,
+    slice_shape: Sequence[int],
+    n_slices: int = 1,
+    first: int = 0,
 ) -> tuple[AxisLayout, ...]:
     """The layout :func:`jaxpar.spec.make_mesh` gives degrees ``shape`` (``MESH_AXES``
-    order) on ``n_slices`` slices of ``slice_shape`` chips of ``device_kind``.
+    order) on ``n_slices`` slices of ``slice_shape`` chips of ``device_kind``: on all their
+    chips, or on ``prod(shape)`` of them from the ``first`` in :func:`slice_order`.
 
     Raises:
-        MeshError: no such layout (an axis other than dp, pp would cross slices).
+        MeshError: no such layout (an axis other than dp, pp would cross slices; the chips
+            taken are not a box of one slice or whole slices).
     """
-    array = tpu_device_array(shape, slice_devices(device_kind, slice_shape, n_slices))
+    chips = slice_devices(device_kind, slice_shape, n_slices)
+    count = math.prod(shape)
+    if first + count > len(chips):
+        raise MeshError(
+            f"chips {first}..{first + count - 1} of {len(chips)}: past the slice(s)' chips"
+        )
+    array = tpu_device_array(shape, chips[first : first + count])
     layout = array_layout(array, MESH_AXES)
     assert layout is not None  # stand-in chips carry coordinates
     return layout
