@@ -320,3 +320,25 @@ def test_hardware_hbm_matches_libtpus_oom_message():
             fn.trace(big).lower().compile()
         available = float(re.search(r"available HBM \(([\d.]+)G\)", str(e.value)).group(1))
         assert available == load_hardware(kind).hbm_gib, (topology, str(e.value)[:200])
+
+
+def test_plan_cli_takes_a_topology_and_prints_the_layout(capsys):
+    """``--topology 2x2`` on 8 v6e chips: two slices; the line names them and what each axis
+    of the best plan spans, the JSON carries it per plan, and the header counts the
+    strategies the topology refused."""
+    import json
+
+    from jaxpar.cli import main
+
+    args = ["plan", "--model", "tiny-dense", "--devices", "8", "--hardware", "tpu-v6e"]
+    args += ["--topology", "2x2", "--batch", "8", "--prompt-len", "64", "--gen-len", "16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "refused by the validator or the slice's topology" in out
+    layout = re.search(r"layout: slice 2 x 2x2: (.*?) (run|serve):", out)
+    assert layout and "DCN(2 slices)" in layout.group(1), out[-600:]
+    assert main([*args, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all(p["layout"] for p in plans)
+    assert main([*args[:-6], "--topology", "3x3", *args[-6:]]) == 2  # 8 chips: not 9's slices
+    assert "not whole slices of 9 chips" in capsys.readouterr().out.replace("\n", " ")

@@ -108,10 +108,23 @@ class Hardware:
         if self.device_kind is None:
             return None
         per = math.prod(self.topology) if self.topology else self.domain(n_devices)
-        shape = self.topology or self.slices.get(per)
+        shape = self.topology or self.slices.get(per) or self._box(per)
         if shape is None or n_devices % per:
             return None
         return tuple(shape), n_devices // per
+
+    def _box(self, chips: int) -> tuple[int, ...] | None:
+        """A slice size the file does not name (part of a slice, ``--hosts``): the most
+        nearly cubic box of ``chips`` in the torus's dimensions, x the shortest."""
+        ndim = len(next(iter(self.slices.values()), ()))
+        if ndim == 0:
+            return None
+        shape = []
+        for left in range(ndim, 0, -1):
+            side = max(d for d in range(1, chips + 1) if chips % d == 0 and d**left <= chips)
+            shape.append(side)
+            chips //= side
+        return tuple(shape)
 
     def with_topology(self, topology: str | None, devices: int) -> Hardware:
         """A slice's torus given by hand (``--topology 4x4``, ``4x4x4``) for ``devices`` chips
