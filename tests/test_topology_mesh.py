@@ -305,7 +305,8 @@ def test_every_plan_printed_builds_on_the_slice(name, hardware, devices, topolog
 @pytest.mark.usefixtures("no_persistent_cache")
 def test_hardware_hbm_matches_libtpus_oom_message():
     """Compiling a program far too large for one chip: libtpu's "available HBM (XG)" is
-    the hardware file's ``hbm_gib`` (G = GiB: 600.00G reported for 3 x 200 GiB)."""
+    the hardware file's ``hbm_gib`` to its last hundredth, never below it (G = GiB: 600.00G
+    reported for 3 x 200 GiB)."""
     for topology, kind in (
         ("v5e:2x2", "tpu-v5e"),
         ("v6e:2x2", "tpu-v6e"),
@@ -319,7 +320,8 @@ def test_hardware_hbm_matches_libtpus_oom_message():
         with pytest.raises(Exception, match="available HBM") as e:
             fn.trace(big).lower().compile()
         available = float(re.search(r"available HBM \(([\d.]+)G\)", str(e.value)).group(1))
-        assert available == load_hardware(kind).hbm_gib, (topology, str(e.value)[:200])
+        # libtpu 0.0.50.1 (jax 0.12): 15.75, 31.24, 95.73; 0.0.42.1 (jax 0.10): 31.25, 95.74.
+        assert available - 0.02 <= load_hardware(kind).hbm_gib <= available, topology
 
 
 def test_plan_cli_takes_a_topology_and_prints_the_layout(capsys):
