@@ -60,6 +60,7 @@ def disaggregated_plans(
     grow: bool = False,
     serving: bool = False,
     bounds: Bounds = NO_BOUNDS,
+    cluster: int | None = None,
 ) -> list[Prediction]:
     """For each split of ``devices`` into a decode group (first) and a prefill group (after
     it), the best strategy of each group (on TPU: of those that lay out on its chips) and
@@ -71,20 +72,25 @@ def disaggregated_plans(
     prompts per second; the pair must meet ``bounds``.
 
     The transfer runs over the fast link when both groups sit in one fast-link domain, else
-    over the slow one, spread over the smaller group's devices.
+    over the slow one, spread over the smaller group's devices. On TPU the groups are the
+    first ``devices`` chips of a ``cluster`` (default ``devices``) in slice order.
     """
     out = []
     for decode_devices in range(1, devices):
+        where = (
+            placement(hardware, cluster or devices),
+            placement(hardware, cluster or devices, decode_devices),
+        )
         best = None
         factor = 1
         while factor <= (MAX_BATCH_GROWTH if grow else 1):
             grown = workload.scaled(factor)
             if serving:
                 pair = _serving_pair(
-                    model, hardware, decode_devices, devices, grown, budget, bounds
+                    model, hardware, decode_devices, devices, grown, budget, bounds, where
                 )
             else:
-                pair = _pair(model, hardware, decode_devices, devices, grown, budget)
+                pair = _pair(model, hardware, decode_devices, devices, grown, budget, where)
             if pair is None:
                 break
             best, factor = pair, factor * 2
@@ -110,7 +116,7 @@ def _join(dec, pre, hardware, decode_devices, devices, workload, model) -> Predi
     )
 
 
-def _pair(model, hardware, decode_devices, devices, workload, budget) -> Prediction | None:
+def _pair(model, hardware, decode_devices, devices, workload, budget, where) -> Prediction | None:
     prefill_devices = devices - decode_devices
     dec = _best_group(
         model,
@@ -119,7 +125,7 @@ def _pair(model, hardware, decode_devices, devices, workload, budget) -> Predict
         workload,
         budget,
         Phase.DECODE,
-        where=placement(hardware, devices),
+        where=where[0],
     )
     pre = _best_group(
         model,
@@ -128,7 +134,7 @@ def _pair(model, hardware, decode_devices, devices, workload, budget) -> Predict
         workload,
         budget,
         Phase.PREFILL,
-        where=placement(hardware, devices, decode_devices),
+        where=where[1],
     )
     if dec is None or pre is None:
         return None
@@ -136,7 +142,7 @@ def _pair(model, hardware, decode_devices, devices, workload, budget) -> Predict
 
 
 def _serving_pair(
-    model, hardware, decode_devices, devices, workload, budget, bounds
+    model, hardware, decode_devices, devices, workload, budget, bounds, where
 ) -> Prediction | None:
     dec = _best_group(
         model,
@@ -146,13 +152,12 @@ def _serving_pair(
         budget,
         Phase.DECODE,
         True,
-        where=placement(hardware, devices),
+        where=where[0],
     )
     if dec is None:
         return None
     best = None
-    where = placement(hardware, devices, decode_devices)
-    for config in legal_strategies(model, devices - decode_devices, workload, where)[0]:
+    for config in legal_strategies(model, devices - decode_devices, workload, where[1])[0]:
         if config.pp > 1:
             continue
         for rows in prefill_batches(model, config, workload.batch):

@@ -150,7 +150,15 @@ def plan(
     counts = _device_counts(devices, objective)
     for count in counts:
         fitting += disaggregated_plans(
-            model, hardware, count, workload, budget, grow=grow, serving=serving, bounds=bounds
+            model,
+            hardware,
+            count,
+            workload,
+            budget,
+            grow=grow,
+            serving=serving,
+            bounds=bounds,
+            cluster=devices,
         )
     if not fitting:
         raise _unbounded(model, hardware, counts, workload, budget, bounds, missed)
@@ -196,7 +204,9 @@ def _unbounded(model, hardware, counts, workload, budget, bounds, missed) -> Inf
     for count in counts:
         missed = [
             *missed,
-            *disaggregated_plans(model, hardware, count, workload, budget, serving=True),
+            *disaggregated_plans(
+                model, hardware, count, workload, budget, serving=True, cluster=devices
+            ),
         ]
     what = f"{workload.batch} x ({workload.prompt_len} + {workload.gen_len}) tokens"
 
