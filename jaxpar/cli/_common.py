@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from jaxpar.errors import ConfigError
-from jaxpar.spec import ParallelConfig
+from jaxpar.spec import ParallelConfig, slice_order
 
 #: Simulated devices when JAX runs on the CPU and ``--cpu-devices`` is not given.
 DEFAULT_CPU_DEVICES = 8
@@ -86,7 +86,7 @@ def select_devices(parallel: ParallelConfig, console=None) -> list:
             console.print(
                 f"[dim]using the first {parallel.size} of {available} devices for {parallel}[/]"
             )
-    return jax.devices()[: parallel.size]
+    return slice_order(jax.devices())[: parallel.size]  # TPU: a box of the slice
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_model: str) -> None:

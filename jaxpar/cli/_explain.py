@@ -59,6 +59,7 @@ from jaxpar.spec import (
     ParallelConfig,
     Phase,
     Plan,
+    describe_layout,
     mesh_axes,
     param_partition_spec,
     partition_spec,
@@ -100,7 +101,9 @@ def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[s
     """Every parameter: logical axes, its one PartitionSpec (both phases), bytes per device.
 
     Per-layer parameters (``layer_loop="unrolled"``) are one row each, named
-    ``layers.*.<rest>``, with one layer's shape and ``count`` layers' bytes per device.
+    ``layers.*.<rest>``, with one layer's shape, ``count`` layers in the model and the bytes
+    of the ``layers_per_device`` a device holds: under pp a device holds only its stage's
+    ``count / pp`` layers.
     """
     rows: dict[str, dict[str, Any]] = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
@@ -121,7 +124,14 @@ def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[s
             "logical_axes": list(axes),
             "spec": _spec_text(spec),
             "bytes_per_device": nbytes,
+            **({"layers_per_device": 1} if per_layer else {}),
         }
+    for row in rows.values():
+        if "layers_per_device" in row:  # a stage's layers per device (pipeline stages)
+            row["layers_per_device"] = -(-row["count"] // parallel.pp)
+            row["bytes_per_device"] = (
+                row["bytes_per_device"] // row["count"] * (row["layers_per_device"])
+            )
     return list(rows.values())
 
 
@@ -444,6 +454,8 @@ def _phase(args, config, group, plan, phase, engine) -> dict[str, Any]:
     return {
         "strategy": str(parallel),
         "devices": list(group.devices),
+        # TPU: what each mesh axis spans on the chips (None off TPU or uncompiled).
+        "layout": describe_layout(engine.mesh) if engine is not None else None,
         "tensors": tensor_rows(
             config,
             parallel,
@@ -524,6 +536,8 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
     )
     for phase, d in data["phases"].items():
         console.rule(f"[bold]{phase}")
+        if d.get("layout"):
+            console.print(f"[bold]layout[/]: {escape(d['layout'])}", highlight=False)
         console.print(
             _table(
                 f"{phase}: tensors",

@@ -18,7 +18,7 @@ import jax
 from jaxpar.engine import AbstractEngine
 from jaxpar.errors import ConfigError
 from jaxpar.models import PREFILL_KV_AXES, ModelConfig
-from jaxpar.spec import Module, ParallelConfig, Phase, make_mesh, partition_spec
+from jaxpar.spec import Module, ParallelConfig, Phase, make_mesh, partition_spec, slice_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,8 @@ class DeviceGroup:
         return range(self.first, self.end)
 
     def mesh(self):
-        return make_mesh(self.parallel, jax.devices()[self.first : self.end])
+        # TPU: chips in slice order (x fastest), where the planner placed this group.
+        return make_mesh(self.parallel, slice_order(jax.devices())[self.first : self.end])
 
     def abstract_engine(self, config: ModelConfig, args: argparse.Namespace) -> AbstractEngine:
         """The group's layouts and steps over abstract parameters."""

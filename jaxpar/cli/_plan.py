@@ -26,6 +26,7 @@ from jaxpar.plan import (
     Workload,
     duration,
     load_hardware,
+    placement,
     plan,
     run_flags,
     serve_flags,
@@ -41,6 +42,13 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fast-link domains the devices are spread over evenly (GPU hosts, TPU slices); "
         "default: as few as the hardware's domain size allows",
+    )
+    parser.add_argument(
+        "--topology",
+        default=None,
+        metavar="AxB[xC]",
+        help="TPU: one slice's torus shape (e.g. 4x4, 4x4x4); default: Cloud TPU's slice "
+        "of --devices chips (or of devices / --hosts), from the hardware file",
     )
     parser.add_argument(
         "--hardware",
@@ -94,6 +102,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 def make_plan(args: argparse.Namespace) -> tuple[Any, Planning]:
     model = model_config(args)
     hardware = load_hardware(args.hardware, args.hw).with_hosts(args.devices, args.hosts)
+    hardware = hardware.with_topology(getattr(args, "topology", None), args.devices)
     workload = Workload(batch=args.batch, prompt_len=args.prompt_len, gen_len=args.gen_len)
     bounds = Bounds(
         max_ttft_s=None if args.max_ttft_ms is None else args.max_ttft_ms / 1e3,
@@ -292,6 +301,17 @@ def to_json(model: Any, planning: Planning, args: argparse.Namespace) -> dict[st
     }
 
 
+def layout_line(planning: Planning) -> str:
+    """What each axis of the best plan spans on the slice (TPU): ``"slice 4x4: dp=2 over
+    y(2 of 4), split, strided; tp=8 over x(4)·y(2 of 4), split, contiguous"``."""
+    best = planning.best
+    where = placement(planning.hardware, planning.devices)
+    head = f"slice {where.slice_name}" if where is not None else "slice"
+    if best.prefill_layout is None:
+        return f"{head}: {best.layout}"
+    return f"{head}: decode {best.layout} | prefill {best.prefill_layout}"
+
+
 def _disaggregated(planning: Planning) -> int:
     return sum(p.disaggregated for p in planning.ranked)
 
@@ -320,6 +340,11 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         f"{_colocated(planning)} legal strategies ({len(planning.unfit)} do not fit in HBM, "
         + (f"{len(planning.missed)} miss the bounds, " if planning.bounds.given else "")
         + f"{len(planning.refused)} refused by the validator"
+        + (
+            " or the slice's topology"
+            if any(r.rule == "topology" for r in planning.refused)
+            else ""
+        )
         + (" or as pipelined: jaxpar serve runs pp=1" if planning.serving else "")
         + "), "
         f"{_disaggregated(planning)} disaggregated prefill | decode splits",
@@ -337,6 +362,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
             + (f" (bounds: {planning.bounds.describe()})" if planning.bounds.given else ""),
             highlight=False,
         )
+    if best.layout is not None:
+        console.print(f"[bold]layout[/]: {escape(layout_line(planning))}", highlight=False)
     verb = "serve" if planning.serving or best.disaggregated else "run"
     console.print(f"[bold]{verb}[/]: {escape(command(best, args))}", soft_wrap=True)
     if args.hf is None and verb == "serve":

@@ -52,6 +52,7 @@ def tpu_devices(
     *,
     chips_per_host: tuple[int, int, int] = (2, 2, 1),
     library_path: str | None = None,
+    num_slices: int = 1,
 ) -> list[Any]:
     """The devices of a compile-only TPU topology, to build a mesh on with no TPU attached.
 
@@ -63,6 +64,8 @@ def tpu_devices(
         topology: ``"<chip>:<AxB>"`` as Cloud TPU names slices, e.g. ``"v5e:2x4"``.
         chips_per_host: chips per host of that slice (v5e: a host holds 2x2 chips).
         library_path: a ``libtpu.so`` of the same release as jax.
+        num_slices: slices of that topology (multislice, joined by DCN): each device's
+            ``slice_index`` says which.
 
     Raises:
         ConfigError: libtpu is not installed (``pip install "jax[tpu]"``) or does not know
@@ -81,7 +84,7 @@ def tpu_devices(
             topology_name=topology,
             chip_config_name="default",
             chips_per_host_bounds=chips_per_host,
-            num_slices=1,
+            num_slices=num_slices,
             wrap=(False, False, False),
         )
     except RuntimeError as e:

@@ -20,6 +20,7 @@ from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies, s
 from jaxpar.plan._hardware import KINDS, Hardware, Link, device_hardware, load_hardware
 from jaxpar.plan._memory import Memory, cache_bytes, memory, param_bytes
 from jaxpar.plan._picture import draw_plan
+from jaxpar.plan._placement import Placement, placement
 from jaxpar.plan._planner import OBJECTIVES, Planning, largest_batch, min_devices, plan
 from jaxpar.plan._prediction import Prediction, predict
 from jaxpar.plan._serving import Bounds, max_prefill_tokens, prefill_batches, serve_flags
@@ -34,6 +35,7 @@ __all__ = [
     "Link",
     "Memory",
     "PhaseCost",
+    "Placement",
     "Planning",
     "Prediction",
     "Refused",
@@ -58,6 +60,7 @@ __all__ = [
     "param_bytes",
     "per_layer",
     "phase_cost",
+    "placement",
     "plan",
     "predict",
     "prefill_batches",

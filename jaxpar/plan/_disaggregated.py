@@ -11,6 +11,7 @@ import dataclasses
 from jaxpar.models import ModelConfig, ModelRun
 from jaxpar.plan._enumerate import Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
+from jaxpar.plan._placement import placement
 from jaxpar.plan._prediction import Prediction, predict
 from jaxpar.plan._serving import NO_BOUNDS, Bounds, prefill_batches, prefill_workload
 from jaxpar.spec import Phase, batch_multiple
@@ -28,14 +29,14 @@ def kv_transfer_bytes(model: ModelConfig, workload: Workload) -> int:
 
 
 def _best_group(
-    model, hardware, count, workload, budget, phase, serving=False
+    model, hardware, count, workload, budget, phase, serving=False, where=None
 ) -> Prediction | None:
     """The unpipelined legal strategy on ``count`` devices with the fastest ``phase`` step
     that fits what that group holds (prefill: weights and prompt K/V; decode: weights and
     the KV cache; a serving decode group's activations are those of its own steps, the
-    prefill ones counted at its smallest batch)."""
+    prefill ones counted at its smallest batch), and lays out on its chips (``where``)."""
     best = None
-    for config in legal_strategies(model, count, workload)[0]:
+    for config in legal_strategies(model, count, workload, where)[0]:
         if config.pp > 1:  # disaggregated groups run unpipelined strategies
             continue
         w = workload
@@ -59,9 +60,11 @@ def disaggregated_plans(
     grow: bool = False,
     serving: bool = False,
     bounds: Bounds = NO_BOUNDS,
+    cluster: int | None = None,
 ) -> list[Prediction]:
     """For each split of ``devices`` into a decode group (first) and a prefill group (after
-    it), the best strategy of each group and the K/V transfer between them; with ``grow``
+    it), the best strategy of each group (on TPU: of those that lay out on its chips) and
+    the K/V transfer between them; with ``grow``
     (throughput), at the largest batch (x 2^k, up to x64) both groups still fit.
 
     Serving: the prefill group prefills a few prompts at a time (the largest batch up to 4
@@ -69,20 +72,25 @@ def disaggregated_plans(
     prompts per second; the pair must meet ``bounds``.
 
     The transfer runs over the fast link when both groups sit in one fast-link domain, else
-    over the slow one, spread over the smaller group's devices.
+    over the slow one, spread over the smaller group's devices. On TPU the groups are the
+    first ``devices`` chips of a ``cluster`` (default ``devices``) in slice order.
     """
     out = []
     for decode_devices in range(1, devices):
+        where = (
+            placement(hardware, cluster or devices),
+            placement(hardware, cluster or devices, decode_devices),
+        )
         best = None
         factor = 1
         while factor <= (MAX_BATCH_GROWTH if grow else 1):
             grown = workload.scaled(factor)
             if serving:
                 pair = _serving_pair(
-                    model, hardware, decode_devices, devices, grown, budget, bounds
+                    model, hardware, decode_devices, devices, grown, budget, bounds, where
                 )
             else:
-                pair = _pair(model, hardware, decode_devices, devices, grown, budget)
+                pair = _pair(model, hardware, decode_devices, devices, grown, budget, where)
             if pair is None:
                 break
             best, factor = pair, factor * 2
@@ -108,23 +116,48 @@ def _join(dec, pre, hardware, decode_devices, devices, workload, model) -> Predi
     )
 
 
-def _pair(model, hardware, decode_devices, devices, workload, budget) -> Prediction | None:
+def _pair(model, hardware, decode_devices, devices, workload, budget, where) -> Prediction | None:
     prefill_devices = devices - decode_devices
-    dec = _best_group(model, hardware, decode_devices, workload, budget, Phase.DECODE)
-    pre = _best_group(model, hardware, prefill_devices, workload, budget, Phase.PREFILL)
+    dec = _best_group(
+        model,
+        hardware,
+        decode_devices,
+        workload,
+        budget,
+        Phase.DECODE,
+        where=where[0],
+    )
+    pre = _best_group(
+        model,
+        hardware,
+        prefill_devices,
+        workload,
+        budget,
+        Phase.PREFILL,
+        where=where[1],
+    )
     if dec is None or pre is None:
         return None
     return _join(dec, pre, hardware, decode_devices, devices, workload, model)
 
 
 def _serving_pair(
-    model, hardware, decode_devices, devices, workload, budget, bounds
+    model, hardware, decode_devices, devices, workload, budget, bounds, where
 ) -> Prediction | None:
-    dec = _best_group(model, hardware, decode_devices, workload, budget, Phase.DECODE, True)
+    dec = _best_group(
+        model,
+        hardware,
+        decode_devices,
+        workload,
+        budget,
+        Phase.DECODE,
+        True,
+        where=where[0],
+    )
     if dec is None:
         return None
     best = None
-    for config in legal_strategies(model, devices - decode_devices, workload)[0]:
+    for config in legal_strategies(model, devices - decode_devices, workload, where[1])[0]:
         if config.pp > 1:
             continue
         for rows in prefill_batches(model, config, workload.batch):

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from jaxpar.errors import IllegalStrategyError
 from jaxpar.spec import MESH_AXES, ModelDims, ParallelConfig, validate
+
+if TYPE_CHECKING:
+    from jaxpar.plan._placement import Placement
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,12 +146,15 @@ def _unstackable(model: ModelDims) -> str | None:
 
 
 def legal_strategies(
-    model: ModelDims, n_devices: int, workload: Workload
+    model: ModelDims, n_devices: int, workload: Workload, where: Placement | None = None
 ) -> tuple[list[ParallelConfig], list[Refused]]:
-    """(legal, refused) strategies on exactly ``n_devices`` devices."""
+    """(legal, refused) strategies on exactly ``n_devices`` devices; with ``where`` (TPU
+    chips of a known slice), also refused: those ``make_mesh`` could not lay out there."""
     legal, refused = [], []
     for config in strategies(n_devices, workload.batch):
         why = check(model, config, workload)
+        if why is None and where is not None and (reason := where.refusal(config)):
+            why = Refused(config, "topology", reason)
         if why is None:
             legal.append(config)
         else:

@@ -58,6 +58,12 @@ class Hardware:
     fast_link: Link
     slow_link: Link
     per_host: int | None = None  # devices per fast-link domain in use (--hosts); None: full
+    #: TPU: ``jax.Device.device_kind`` of the chip and the torus shape of a slice of each
+    #: chip count (Cloud TPU's slice shapes), from which :mod:`jaxpar.plan._placement` lays
+    #: a strategy out as :func:`jaxpar.spec.make_mesh` would. None / empty off TPU.
+    device_kind: str | None = None
+    slices: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    topology: tuple[int, ...] | None = None  # a slice's shape given by hand (--topology)
 
     def __post_init__(self) -> None:
         if self.hbm_gib <= 0 or self.hbm_gbps <= 0 or self.domain_size < 1:
@@ -95,6 +101,50 @@ class Hardware:
                 f"{self.domain_size} ({self.fast_link.name}); use more hosts"
             )
         return dataclasses.replace(self, per_host=per_host)
+
+    def slice_topology(self, n_devices: int) -> tuple[tuple[int, ...], int] | None:
+        """(one slice's torus shape, slices) of ``n_devices`` TPU chips in slices of the fast
+        domain's size; None off TPU or where no slice of that size is known."""
+        if self.device_kind is None:
+            return None
+        per = math.prod(self.topology) if self.topology else self.domain(n_devices)
+        shape = self.topology or self.slices.get(per) or self._box(per)
+        if shape is None or n_devices % per:
+            return None
+        return tuple(shape), n_devices // per
+
+    def _box(self, chips: int) -> tuple[int, ...] | None:
+        """A slice size the file does not name (part of a slice, ``--hosts``): the most
+        nearly cubic box of ``chips`` in the torus's dimensions, x the shortest."""
+        ndim = len(next(iter(self.slices.values()), ()))
+        if ndim == 0:
+            return None
+        shape = []
+        for left in range(ndim, 0, -1):
+            side = max(d for d in range(1, chips + 1) if chips % d == 0 and d**left <= chips)
+            shape.append(side)
+            chips //= side
+        return tuple(shape)
+
+    def with_topology(self, topology: str | None, devices: int) -> Hardware:
+        """A slice's torus given by hand (``--topology 4x4``, ``4x4x4``) for ``devices`` chips
+        in whole slices: each slice is one fast-link domain."""
+        if topology is None:
+            return self
+        if self.device_kind is None:
+            raise ConfigError(f"--topology {topology}: {self.name} is not a TPU")
+        try:
+            shape = tuple(int(x) for x in topology.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"--topology {topology!r}: expected AxB or AxBxC") from None
+        if not 1 <= len(shape) <= 3 or min(shape) < 1:
+            raise ConfigError(f"--topology {topology!r}: expected AxB or AxBxC")
+        if devices % math.prod(shape):
+            raise ConfigError(
+                f"--topology {topology}: {devices} devices are not whole slices of "
+                f"{math.prod(shape)} chips"
+            )
+        return dataclasses.replace(self, topology=shape, per_host=math.prod(shape))
 
     def link(self, axes: Sequence[str], config: ParallelConfig) -> Link:
         """The slowest link a collective over ``axes`` crosses.
@@ -150,9 +200,16 @@ def load_hardware(kind: str, overrides: Sequence[str] = ()) -> Hardware:
             domain_size=int(data["domain_size"]),
             fast_link=Link(**data["fast_link"]),
             slow_link=Link(**data["slow_link"]),
+            device_kind=data.get("device_kind"),
+            slices={int(k): _shape(v) for k, v in data.get("slices", {}).items()},
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{path}: bad hardware description ({e})") from e
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """``"4x4"`` -> ``(4, 4)``."""
+    return tuple(int(x) for x in text.split("x"))
 
 
 def _override(data: dict[str, Any], text: str) -> None:

@@ -26,6 +26,7 @@ from jaxpar.plan._disaggregated import MAX_BATCH_GROWTH, disaggregated_plans
 from jaxpar.plan._enumerate import Refused, Workload, check, legal_strategies
 from jaxpar.plan._hardware import Hardware
 from jaxpar.plan._memory import memory
+from jaxpar.plan._placement import Placement, placement, with_layout
 from jaxpar.plan._prediction import Prediction, predict
 from jaxpar.plan._serving import NO_BOUNDS, Bounds, check_serving, served
 from jaxpar.spec import ParallelConfig, batch_multiple
@@ -89,9 +90,10 @@ def _colocated(model, config, workload, hardware, budget, bounds, serving, grow)
     return best, fastest, pred
 
 
-def _legal(model, count, workload, serving):
-    """(legal, refused) strategies; serving refuses pipelined ones (``jaxpar serve`` does)."""
-    legal, refused = legal_strategies(model, count, workload)
+def _legal(model, count, workload, serving, where=None):
+    """(legal, refused) strategies; serving refuses pipelined ones (``jaxpar serve`` does);
+    on TPU, those ``make_mesh`` cannot lay out on the chips (``where``) are refused."""
+    legal, refused = legal_strategies(model, count, workload, where)
     if not serving:
         return legal, refused
     whys = [(c, check_serving(model, c, workload)) for c in legal]
@@ -131,7 +133,7 @@ def plan(
     budget = hardware.hbm_bytes if hbm_budget_gib is None else int(hbm_budget_gib * 2**30)
     fitting, unfit, refused, missed = [], [], [], []
     for count in _device_counts(devices, objective):
-        legal, bad = _legal(model, count, workload, serving)
+        legal, bad = _legal(model, count, workload, serving, placement(hardware, devices))
         refused += bad
         for config in legal:
             best, fastest, pred = _colocated(
@@ -148,11 +150,20 @@ def plan(
     counts = _device_counts(devices, objective)
     for count in counts:
         fitting += disaggregated_plans(
-            model, hardware, count, workload, budget, grow=grow, serving=serving, bounds=bounds
+            model,
+            hardware,
+            count,
+            workload,
+            budget,
+            grow=grow,
+            serving=serving,
+            bounds=bounds,
+            cluster=devices,
         )
     if not fitting:
         raise _unbounded(model, hardware, counts, workload, budget, bounds, missed)
     ranked = sorted(fitting, key=lambda p: (p.score(objective), p.comm_bytes, p.label))
+    ranked = [with_layout(p, hardware, devices) for p in ranked]
     notes = NOTES + (SERVING_NOTE,) if serving else NOTES
     return Planning(
         objective,
@@ -193,7 +204,9 @@ def _unbounded(model, hardware, counts, workload, budget, bounds, missed) -> Inf
     for count in counts:
         missed = [
             *missed,
-            *disaggregated_plans(model, hardware, count, workload, budget, serving=True),
+            *disaggregated_plans(
+                model, hardware, count, workload, budget, serving=True, cluster=devices
+            ),
         ]
     what = f"{workload.batch} x ({workload.prompt_len} + {workload.gen_len}) tokens"
 
@@ -228,16 +241,18 @@ def largest_batch(
     budget: int,
     *,
     serving: bool = False,
+    where: Placement | None = None,
 ) -> tuple[int, ParallelConfig] | None:
     """The largest batch below ``workload.batch`` that a strategy legal for the workload on
     ``devices`` fits in ``budget`` bytes per device (serving: unpipelined, prefilling its
     smallest batch), with that strategy; None when not even the smallest batch fits.
     Memory grows with the batch, so each strategy's largest is found by bisection over the
-    multiples of its smallest legal batch."""
+    multiples of its smallest legal batch. On TPU, only strategies that lay out on the chips
+    (``where``) count."""
     from jaxpar.plan._memory import memory
 
     best: tuple[int, ParallelConfig] | None = None
-    for config in legal_strategies(model, devices, workload)[0]:
+    for config in legal_strategies(model, devices, workload, where)[0]:
         if serving and config.pp > 1:
             continue
         step = batch_multiple(model, config)
@@ -293,7 +308,9 @@ def _infeasible(
         else "it fits on no device count (searched up to the most devices a strategy can use)"
     )
     if unfit and workload.batch > 1:
-        largest = largest_batch(model, devices, workload, budget, serving=serving)
+        largest = largest_batch(
+            model, devices, workload, budget, serving=serving, where=placement(hardware, devices)
+        )
         if largest is not None:
             where += (
                 f"; on {devices} device{'s' if devices > 1 else ''} the largest batch that "
@@ -332,7 +349,7 @@ def min_devices(
     for count in counts:
         if count <= devices or count > limit or stored / count > budget:
             continue
-        legal, _ = legal_strategies(model, count, workload)
+        legal, _ = legal_strategies(model, count, workload, placement(hardware, count))
         for config in legal:
             need = memory(
                 model,

@@ -37,6 +37,10 @@ class Prediction:
     #: The served pool's token budget (``--kv-cache-tokens``) that holds the batch at
     #: ``max_seq_len``, windows released: ``batch * max_seq_len`` without windows.
     kv_tokens: int | None = None
+    #: TPU: what each mesh axis spans on the slice's chips (``jaxpar.spec.mesh_layout``),
+    #: of the decode group and of a disaggregated prefill group; None off TPU.
+    layout: str | None = None
+    prefill_layout: str | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -140,6 +144,8 @@ class Prediction:
             "device_s_per_token": self.device_s_per_token,
             "comm_bytes_per_request": self.comm_bytes,
             "fits": self.fits,
+            "layout": self.layout,
+            "prefill_layout": self.prefill_layout,
             "memory": self.memory.to_dict(),
             "prefill": self.prefill.to_dict(),
             "decode": self.decode.to_dict(),

@@ -10,6 +10,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.errors import MeshError
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._enums import MESH_AXES
+from jaxpar.spec._topology import is_tpu_slice, slice_order, tpu_device_array
 
 #: The order of the mesh's axis *names*: ``pp`` first, then the others as in ``MESH_AXES``.
 #: Devices keep the ``MESH_AXES`` layout (dp outermost, tp innermost): only the names are
@@ -26,14 +27,19 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
     """Builds the mesh for ``config``: devices laid out ``(dp, pp, sp, ep, tp)``.
 
     With ``devices=None`` it spans ``jax.devices()`` — every device of every process after
-    ``jax.distributed.initialize`` — and lets JAX order them for the physical topology (on
-    TPU the innermost axes land on the closest chips). Works unchanged on simulated CPU
-    devices and GPUs. Axes are ``Auto``: jaxpar states shardings, XLA's SPMD partitioner
-    inserts the collectives. The mesh names its axes in :data:`MESH_NAME_ORDER`
-    (``pp`` first; see there), which changes no axis's devices.
+    ``jax.distributed.initialize``. On TPU the devices are ordered from the slice's physical
+    torus (:func:`jaxpar.spec.tpu_device_array`): tp, then ep, sp, pp, dp take ICI
+    neighbours, a physical axis is split where a degree needs part of it (tp=8 on a 4x4
+    slice), and over several slices (``slice_index``) only dp and pp cross the DCN;
+    :func:`jaxpar.spec.mesh_layout` says what each axis spans. On simulated CPU devices and
+    GPUs, ``jax.make_mesh`` orders them. Axes are ``Auto``: jaxpar states shardings, XLA's
+    SPMD partitioner inserts the collectives. The mesh names its axes in
+    :data:`MESH_NAME_ORDER` (``pp`` first; see there), which changes no axis's devices.
 
     Raises:
-        MeshError: the degrees do not multiply to the number of devices.
+        MeshError: the degrees do not multiply to the number of devices; on TPU, the
+            devices are not whole slices or a box of one, or the degrees would put an axis
+            other than dp and pp across slices.
     """
     available = list(jax.devices()) if devices is None else list(devices)
     if config.size != len(available):
@@ -42,6 +48,10 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
             f"(dp*pp*sp*ep*tp = {' * '.join(map(str, config.shape))}) but {len(available)} are "
             f"available; choose degrees whose product is {len(available)}"
         )
+    if is_tpu_slice(available):
+        array = tpu_device_array(config.shape, available)
+        axis_types = (AxisType.Auto,) * len(MESH_AXES)
+        return canonical_mesh(Mesh(array, MESH_AXES, axis_types=axis_types))
     try:
         mesh = jax.make_mesh(
             config.shape,
@@ -56,7 +66,7 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
 
 def default_mesh(config: ParallelConfig) -> Mesh:
     """The mesh an engine builds when it is given none: over the first ``config.size``
-    devices, as the command line does (a one-device strategy on an 8-device host runs on
+    devices (TPU: in :func:`jaxpar.spec.slice_order`), as the command line does (a one-device strategy on an 8-device host runs on
     device 0); over every device when the strategy uses them all, and always under
     ``jax.distributed`` (the first devices would all be process 0's, leaving the other
     processes out of the programs they must run).
@@ -68,7 +78,7 @@ def default_mesh(config: ParallelConfig) -> Mesh:
     available = jax.devices()
     if config.size >= len(available) or jax.process_count() > 1:
         return make_mesh(config)
-    return make_mesh(config, available[: config.size])
+    return make_mesh(config, slice_order(available)[: config.size])
 
 
 def canonical_mesh(mesh: Mesh) -> Mesh:
