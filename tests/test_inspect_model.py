@@ -254,3 +254,23 @@ ENTRY %main (a: (s32[], f32[2], f32[2], f32[2], f32[2], /*index=5*/f32[2])) -> f
 def test_index_comments_in_loop_carries_do_not_hide_the_loop_body():
     found = parse_collectives(HLO_WITH_INDEX_COMMENTS)
     assert [(c.kind, c.trip_count) for c in found] == [("all-reduce", 4)]
+
+
+@pytest.mark.parametrize(("strategy", "ffn_runs"), [("ep=8,tp=8", 3), ("ep=8", 0), ("ep=4", 0)])
+def test_shared_experts_ride_the_moe_reduction(strategy, ffn_runs):
+    """DeepSeek-V3 (3 dense layers, then 58 MoE layers with a shared expert): where the
+    routed experts and the shared one split their intermediate over the same axes (tp),
+    the shared expert's partial sums join the experts' before their one all-reduce, so
+    only the dense layers reduce apart (the compiled TPU program has 3 FFN all-reduces,
+    not 61). Without tp neither reduces."""
+    from pathlib import Path
+
+    from jaxpar.models import config_from_hf
+
+    path = Path(__file__).parent / "fixtures" / "configs" / "deepseek-v3"
+    c = config_from_hf(json.loads((path / "config.json").read_text()), source=str(path))
+    got, _ = items(c, strategy, "decode")
+    ffn = got.get("FFN down-proj")
+    assert (ffn.count if ffn else 0) == ffn_runs
+    if "tp" in strategy:
+        assert got["expert down-proj"].count == c.n_layers - c.first_dense_layers

@@ -221,10 +221,15 @@ def communication_model(
     _attention(step)
     if model.n_experts:
         # DeepSeek: the first layers dense; shared experts a dense FFN in every MoE layer.
+        # The shared expert's partial sums are added to the routed experts' before their
+        # one reduction where both split their intermediate over the same axes: its own
+        # all-reduce is needed only where they do not.
         dense = getattr(model, "first_dense_layers", 0)
         moe_layers = model.n_layers - dense
         _moe(step, step.count * moe_layers // model.n_layers)
-        ffn_layers = dense + (moe_layers if getattr(model, "shared_d_ff", 0) else 0)
+        shared_apart = step.axes(Module.MOE)["mlp"] != step.axes(Module.FFN)["mlp"]
+        shared = getattr(model, "shared_d_ff", 0) and shared_apart
+        ffn_layers = dense + (moe_layers if shared else 0)
         _ffn(step, step.count * ffn_layers // model.n_layers)
     else:
         _ffn(step, step.count)
