@@ -113,3 +113,32 @@ def test_pipelined_temporaries_do_not_grow_with_depth_on_tpu(depths, phase):
     grown_args = depths[8]["args"] - depths[4]["args"]
     grown_temp = depths[8][phase][0] - depths[4][phase][0]
     assert grown_temp <= 0.1 * grown_args, (grown_temp, grown_args)
+
+
+def test_plan_compile_reads_each_plans_bytes_from_the_tpu_program(monkeypatch, capsys):
+    """``jaxpar plan --compile`` compiles the plans it shows for their v5e slice and prints
+    the bytes per device each step needs beside the prediction (tiny-dense: within 10%)."""
+    from jaxpar.cli import main
+
+    path, _ = bench.libtpu()
+    monkeypatch.setenv("TPU_LIBRARY_PATH", path)
+    workload = ["--batch", "8", "--prompt-len", "256", "--gen-len", "256"]
+    args = ["plan", "--model", "tiny-dense", "--hardware", "tpu-v5e", "--devices", "8"]
+    assert main([*args, *workload, "--top", "2", "--compile"]) == 0
+    table = capsys.readouterr().out.split("compiled for the slice")[1]
+    rows = [r.split("│")[1:-1] for r in table.splitlines() if r.startswith("│")]
+    assert len(rows) == 2, table
+    for plan, predicted, prefill, decode, ratio, _, error in rows:
+        assert not error.strip() and float(prefill) > 0 and float(decode) > 0, plan
+        assert 0.9 <= float(ratio) <= 1.1, (plan, predicted, prefill, decode)
+
+
+def test_plan_compile_names_the_slices_it_compiles_for():
+    from jaxpar.cli._plan_compile import topology
+    from jaxpar.errors import ConfigError
+
+    assert topology("tpu-v5e", 16) == "v5e:4x4"
+    with pytest.raises(ConfigError, match="TPU slices"):
+        topology("h100", 8)
+    with pytest.raises(ConfigError, match="no v5e slice of 12 chips"):
+        topology("tpu-v5e", 12)
