@@ -361,11 +361,11 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def _compiled_table(model: Any, planning: Planning, args: argparse.Namespace) -> Table:
-    from jaxpar.cli._plan_compile import compile_plans, rows
+    from jaxpar.cli._plan_compile import COLUMNS, compile_plans, rows
 
     results = compile_plans(model, planning.ranked[: args.top], args.hardware, args.devices)
     table = Table(title="compiled for the slice (compile-only): bytes per device")
-    for name in ("plan", "predicted GiB", "prefill GiB", "decode GiB", "peak/pred", "s", "error"):
+    for name in COLUMNS:
         table.add_column(name)
     for row in rows(results):
         table.add_row(*map(escape, row))

@@ -43,11 +43,13 @@ def topology(hardware: str, devices: int) -> str:
 
 @dataclass(frozen=True)
 class Compiled:
-    """One plan compiled: bytes per device per phase (None when it did not compile), the
-    error when it did not, and the seconds both compiles took."""
+    """One plan compiled: bytes per device per phase, predicted (the planner's per-step
+    figures) and compiled (None when it did not compile), the error when it did not, and the
+    seconds both compiles took."""
 
     label: str
-    predicted: int
+    predicted_prefill: int
+    predicted_decode: int
     prefill: int | None
     decode: int | None
     error: str | None
@@ -83,9 +85,9 @@ def compile_plan(model: Any, pred: Prediction, devices: list) -> Compiled:
     except (JaxparError, ValueError, RuntimeError) as e:  # XLA reports RESOURCE_EXHAUSTED so
         decode = prefill = None
         error = str(e).splitlines()[0][:160]
-    return Compiled(
-        pred.label, pred.memory.total, prefill, decode, error, time.perf_counter() - start
-    )
+    m = pred.memory
+    seconds = time.perf_counter() - start
+    return Compiled(pred.label, m.prefill_step, m.decode_step, prefill, decode, error, seconds)
 
 
 def compile_plans(model: Any, plans: list[Prediction], hardware: str, devices: int) -> list:
@@ -105,19 +107,27 @@ def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.4g}"
 
 
-def peak(c: Compiled) -> int | None:
-    return None if c.decode is None else max(c.decode, c.prefill or 0)
+COLUMNS = (
+    "plan",
+    "prefill GiB: pred / compiled",
+    "ratio",
+    "decode GiB: pred / compiled",
+    "ratio",
+    "s",
+    "error",
+)
 
 
 def rows(results: list[Compiled]) -> list[tuple[str, ...]]:
-    """Table rows: plan, predicted, compiled prefill and decode GiB, peak/predicted, seconds."""
+    """Table rows (:data:`COLUMNS`): per phase the predicted and compiled GiB and their
+    ratio (compiled / predicted), the compile seconds, the compiler's error."""
     return [
         (
             c.label,
-            gib(c.predicted),
-            gib(c.prefill),
-            gib(c.decode),
-            ratio(peak(c), c.predicted),
+            f"{gib(c.predicted_prefill)} / {gib(c.prefill)}",
+            ratio(c.prefill, c.predicted_prefill),
+            f"{gib(c.predicted_decode)} / {gib(c.decode)}",
+            ratio(c.decode, c.predicted_decode),
             f"{c.seconds:.0f}",
             c.error or "",
         )
