@@ -6,8 +6,8 @@ over ``pp`` in contiguous blocks, so viewing them as ``[P, Lp, ...]`` is a local
 :meth:`Stages.map` runs a per-stage function on each device's own ``[1, Lp, ...]`` block
 (``shard_map`` with ``pp`` manual, every other axis automatic), so the stage-agnostic model
 code and its ``constrain`` calls run unchanged and TP, EP, DP and SP keep working inside a
-stage. An array kept layer-major (:class:`Blocks`: the decode step's KV cache) reaches
-each stage as its ``[Lp, ...]`` block with no reshape at all.
+stage. An array kept layer-major (:class:`Blocks`: the stacked layer parameters, the
+decode step's KV cache) reaches each stage as its ``[Lp, ...]`` block with no reshape.
 """
 
 from __future__ import annotations
