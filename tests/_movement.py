@@ -4,6 +4,7 @@ tests/test_data_movement.py on CPU and tests/test_accelerator_compile.py on TPU)
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 
@@ -18,14 +19,18 @@ def shard_buffer(x: jax.ShapeDtypeStruct) -> tuple[int, int]:
     return elements, elements * x.dtype.itemsize
 
 
-def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: int) -> float:
+def moved_fraction(
+    compiled, engine: AbstractEngine, batch: int, max_seq_len: int, *, hbm_only: bool = False
+) -> float:
     """Bytes per step of copies of a weight or of a layer's cache, over parameter + cache
     bytes per device.
 
     Buffers are (element count, bytes), and only moves of what the step was given count
     (:mod:`jaxpar.inspect._movement`): an activation of a weight's bytes or element count
     by chance is no copy of it. The cache is decode's, [B, K, S, H] per layer in its layout
-    (one layer of it when stacked).
+    (one layer of it when stacked). ``hbm_only``: leave out moves into a TPU core's VMEM
+    (memory space ``S(1)``): XLA:TPU slices a layer's weight into VMEM for the matmul that
+    reads it, which reads those bytes once, as the matmul would from HBM.
     """
     cache = KVCache.abstract(engine.run, batch, max_seq_len)
     caches = [
@@ -36,7 +41,7 @@ def moved_fraction(compiled, engine: AbstractEngine, batch: int, max_seq_len: in
             strict=True,
         )
     ]
-    return _fraction(compiled, engine, caches)
+    return _fraction(compiled, engine, caches, hbm_only=hbm_only)
 
 
 def paged_moved_fraction(compiled, engine: AbstractEngine, slots) -> float:
@@ -47,7 +52,9 @@ def paged_moved_fraction(compiled, engine: AbstractEngine, slots) -> float:
     return _fraction(compiled, engine, jax.tree.leaves((pool.k, pool.v)))
 
 
-def _fraction(compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruct]) -> float:
+def _fraction(
+    compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruct], *, hbm_only=False
+) -> float:
     """Copies of a weight or of one layer of ``caches`` (per-layer arrays, or stacked
     ``[L, ...]`` ones), over parameter + cache bytes per device."""
     params = jax.tree.leaves(engine.params)
@@ -59,6 +66,15 @@ def _fraction(compiled, engine: AbstractEngine, caches: list[jax.ShapeDtypeStruc
         layers = engine.model_config.n_layers
         layer_sizes = {(e // layers, b // layers) for e, b in layer_sizes}
     weights = set(map(shard_buffer, kernels))
-    moved = sum(m.total_bytes for m in data_movement(compiled, weights | layer_sizes))
+    moves = data_movement(compiled, weights | layer_sizes)
+    if hbm_only:
+        moves = [m for m in moves if m.name not in _into_vmem(compiled.as_text())]
+    moved = sum(m.total_bytes for m in moves)
     total = sum(shard_buffer(x)[1] for x in (*params, *caches))
     return moved / total
+
+
+def _into_vmem(hlo: str) -> set[str]:
+    """Names of the instructions whose result lies in memory space 1 (a TPU core's VMEM)."""
+    found = re.finditer(r"^\s*%([\w.-]+) = [^ ]*\{[^}]*S\(1\)\}", hlo, re.MULTILINE)
+    return {m.group(1) for m in found}

@@ -83,6 +83,25 @@ def test_matches_single_device(case):
     assert eng.generate(PROMPTS, NEW_TOKENS).tokens == ref_tokens
 
 
+def test_parameters_in_the_decode_steps_layouts_match_single_device(monkeypatch):
+    """The TPU path (:mod:`jaxpar.engine._param_formats`) run on CPU: the decode step picks
+    the parameter layouts, the engine places the parameters so, and every step compiled
+    against them equals one device."""
+    monkeypatch.setattr(
+        "jaxpar.engine._abstract.stores_in_step_layouts", lambda platform, pp: pp > 1
+    )
+    ref_logits, ref_tokens = reference("tiny-dense")
+    eng = engine("tiny-dense", PC(pp=2, tp=2, microbatches=2, decode_groups=2))
+    assert eng.steps.param_formats is not None
+    kernel = eng.params["layers"]["ffn"]["gate_up_kernel"].get_value()
+    chosen = eng.steps.param_formats["layers"]["ffn"]["gate_up_kernel"].get_value()
+    assert kernel.format == chosen
+    tokens, lengths = eng.pad_prompts(PROMPTS)
+    logits = np.asarray(eng.prefill(tokens, lengths)[0])
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=0)
+    assert eng.generate(PROMPTS, NEW_TOKENS).tokens == ref_tokens
+
+
 def test_public_steps_and_streaming_match():
     """``prefill``/``decode`` hand back unpipelined shapes; streaming equals the fused loop;
     sampled tokens equal the single-device ones for the same seed (groups included)."""

@@ -1,7 +1,8 @@
 """``jaxpar plan``: the prefill and decode strategies for a model, a cluster and a workload.
 
-Analytic only: nothing is compiled or allocated, so a plan for 2 x 8 H100 or a TPU v5e-16
-is made on a laptop. Prints the top plans with their breakdown, why the best wins and the
+Analytic: nothing is compiled or allocated, so a plan for 2 x 8 H100 or a TPU v5e-16 is
+made on a laptop (``--compile`` then compiles the plans shown for their TPU slice,
+compile-only, and prints the bytes per device XLA gives them). Prints the top plans with their breakdown, why the best wins and the
 command line that runs it; ``--json`` prints everything; ``--picture`` draws the best plan.
 """
 
@@ -96,6 +97,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument(
         "--picture", default=None, metavar="FILE", help="draw the best plan (.png or .svg)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="TPU v5e/v6e: compile the plans shown for their slice (compile-only, libtpu) and "
+        "print the bytes per device each step needs next to the prediction",
     )
 
 
@@ -375,4 +382,18 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[dim]{escape(note)}[/]", highlight=False)
     if args.picture:
         console.print(f"picture: {args.picture}")
+    if args.compile:
+        console.print(_compiled_table(model, planning, args))
     return 0
+
+
+def _compiled_table(model: Any, planning: Planning, args: argparse.Namespace) -> Table:
+    from jaxpar.cli._plan_compile import COLUMNS, compile_plans, rows
+
+    results = compile_plans(model, planning.ranked[: args.top], args.hardware, args.devices)
+    table = Table(title="compiled for the slice (compile-only): bytes per device")
+    for name in COLUMNS:
+        table.add_column(name)
+    for row in rows(results):
+        table.add_row(*map(escape, row))
+    return table

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._moe_probe import mesh_compiles_ragged
+from jaxpar.engine._param_formats import decode_param_formats, stores_in_step_layouts
 from jaxpar.engine._placement import param_shardings
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_run
@@ -155,6 +156,13 @@ class AbstractEngine:
             vocab_size=model_config.vocab_size,
             platform=platform,
         )
+        if stores_in_step_layouts(target, parallel.pp):
+            steps.param_formats = decode_param_formats(steps, params, max_batch)
+            params = jax.tree.map(
+                lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f),
+                params,
+                steps.param_formats,
+            )
         return cls(
             model_config,
             run,

@@ -217,6 +217,8 @@ class InferenceEngine:
         self.layouts = self.program.layouts
         self.steps = self.program.steps
         self.params = jax.tree.map(place, params, self.layouts.params)
+        if self.steps.param_formats is not None:  # a pipeline on TPU: its steps' layouts
+            self.params = jax.device_put(self.params, self.steps.param_formats)
         self._core = None  # the serving core of generate (built on first use)
         self._scorer = None  # prompt_logprobs' program (built on first use)
         #: EOS ids and default sampling of ``generate`` (a checkpoint's, from engine_from_hf).

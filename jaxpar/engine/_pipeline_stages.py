@@ -6,8 +6,8 @@ over ``pp`` in contiguous blocks, so viewing them as ``[P, Lp, ...]`` is a local
 :meth:`Stages.map` runs a per-stage function on each device's own ``[1, Lp, ...]`` block
 (``shard_map`` with ``pp`` manual, every other axis automatic), so the stage-agnostic model
 code and its ``constrain`` calls run unchanged and TP, EP, DP and SP keep working inside a
-stage. An array kept layer-major (:class:`Blocks`: the decode step's KV cache) reaches
-each stage as its ``[Lp, ...]`` block with no reshape at all.
+stage. An array kept layer-major (:class:`Blocks`: the stacked layer parameters, the
+decode step's KV cache) reaches each stage as its ``[Lp, ...]`` block with no reshape.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxpar.engine._layouts import stage_sharding
-from jaxpar.engine._placement import param_shardings
 from jaxpar.models import Decoder
 from jaxpar.spec import (
     ModelDims,
@@ -78,17 +77,16 @@ class Stages:
         """Constrains a stage-major array ``[P, *axes]``."""
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, module, phase))
 
-    def split_layers(self, model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
-        """The layer graphdef and the stacked layer state viewed as ``[P, Lp, ...]``."""
+    def split_layers(self, model: Decoder) -> tuple[nnx.GraphDef, Blocks]:
+        """The layer graphdef and the stacked layer state, layer-major (:class:`Blocks`).
+
+        Each stage reads its own ``[Lp, ...]`` block of the ``[L, ...]`` parameters as they
+        are stored, with no ``[P, Lp, ...]`` reshape in the step. (The whole-kernel copies
+        pipelined steps made on TPU were a layout choice, not this reshape: see
+        :mod:`jaxpar.engine._param_formats`.)
+        """
         graphdef, state = nnx.split(model.layers)
-        shardings = param_shardings(state, self.mesh, self.config, self.dims)
-
-        def split(x: jax.Array, placed: NamedSharding) -> jax.Array:
-            spec = (*placed.spec, *(None,) * (x.ndim - len(placed.spec)))
-            target = NamedSharding(self.mesh, PartitionSpec(spec[0], None, *spec[1:]))
-            return jax.lax.with_sharding_constraint(x.reshape(self.count, -1, *x.shape[1:]), target)
-
-        return graphdef, jax.tree.map(split, state, shardings)
+        return graphdef, Blocks(state)
 
     def map(self, fn: Callable) -> Callable:
         """``fn(stage, *args)`` run by each ``pp`` device on its own stage of ``args``.

@@ -62,7 +62,7 @@ class PromptScorer:
             "prompt_logprobs",
             (tokens.shape,),
             self._score,
-            (lay.params, lay.tokens_BT, lay.lengths_prefill_B),
+            (steps.params_in, lay.tokens_BT, lay.lengths_prefill_B),
             lay.replicated,
             (self.engine.params, tokens, lengths),
         )

@@ -81,6 +81,16 @@ class Steps:
         #: per step, ``[max_seq_len]``). Dropless programs have no such output.
         self.counts_drops = getattr(dims, "moe_capacity_factor", None) is not None
         self.last_dropped: dict[str, jax.Array] = {}
+        #: Where the parameters lie: ``None`` for their shardings in the default layout;
+        #: for a pipeline on TPU, the formats (sharding + layout) its decode step reads them
+        #: in (:func:`~jaxpar.engine._param_formats.decode_param_formats`).
+        self.param_formats: Any = None
+
+    @property
+    def params_in(self) -> Any:
+        """What every step takes its parameters as: :attr:`param_formats` where set, else
+        the parameters' shardings."""
+        return self.layouts.params if self.param_formats is None else self.param_formats
 
     # --- traced bodies -------------------------------------------------------------------
 
@@ -195,7 +205,7 @@ class Steps:
         logits = lay.logits_prefill_all if all_logits else lay.logits_prefill
         return jax.jit(
             lambda p, t, n: self._prefill(p, t, n, all_logits),
-            in_shardings=(lay.params, lay.tokens_BT, lay.lengths_prefill_B),
+            in_shardings=(self.params_in, lay.tokens_BT, lay.lengths_prefill_B),
             out_shardings=self._with_drops((logits, lay.kv_prefill, lay.kv_prefill)),
         )
 
@@ -232,7 +242,7 @@ class Steps:
             "prefill_context",
             (tokens.shape, jax.tree.leaves(ctx_k)[0].shape),
             self._prefill_context,
-            (lay.params, lay.tokens_BT, *(lay.lengths_prefill_B,) * 2, *(lay.kv_prefill,) * 2),
+            (self.params_in, lay.tokens_BT, *(lay.lengths_prefill_B,) * 2, *(lay.kv_prefill,) * 2),
             self._with_drops((lay.logits_prefill, lay.kv_prefill, lay.kv_prefill)),
             args,
         )
@@ -292,7 +302,7 @@ class Steps:
         lay = self.layouts
         return jax.jit(
             self._decode,
-            in_shardings=(lay.params, lay.cache, lay.tokens_B),
+            in_shardings=(self.params_in, lay.cache, lay.tokens_B),
             out_shardings=self._with_drops((lay.logits, lay.cache)),
             donate_argnums=(1,),
         )
@@ -312,7 +322,7 @@ class Steps:
             "decode_step",
             (sampling,),
             lambda p, c, t, k, s: self._decode_select(p, c, t, k, s, sampling),
-            (lay.params, lay.cache, lay.next_tokens, lay.replicated, lay.replicated),
+            (self.params_in, lay.cache, lay.next_tokens, lay.replicated, lay.replicated),
             self._with_drops((lay.next_tokens, lay.cache)),
             (params, cache, tokens, key, step),
             donate_argnums=(1,),
@@ -331,7 +341,7 @@ class Steps:
             "decode_loop",
             (sampling, stop_S.shape),
             lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
-            (lay.params, lay.cache, lay.next_tokens, lay.tokens_B, r, r, r),
+            (self.params_in, lay.cache, lay.next_tokens, lay.tokens_B, r, r, r),
             self._with_drops((lay.out_tokens, lay.cache)),
             (params, cache, first, done_B, key, stop_S, n_new),
             donate_argnums=(1,),

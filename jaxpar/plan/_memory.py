@@ -38,6 +38,9 @@ class Memory:
     prefill_inputs: int  # token ids [B, T] and lengths [B]
     decode_inputs: int  # token ids [B]
     activations: int  # estimate of the larger of the two steps' activation peaks
+    #: Each step's own activation estimate (``activations`` is their max); 0 when unknown.
+    prefill_activations: int = 0
+    decode_activations: int = 0
 
     @property
     def inputs(self) -> int:
@@ -52,6 +55,18 @@ class Memory:
     def decode_total(self) -> int:
         """A device that only decodes (disaggregated): weights, the KV cache, activations."""
         return self.params + self.kv_cache + self.decode_inputs + self.activations
+
+    @property
+    def prefill_step(self) -> int:
+        """What one compiled prefill step needs (``memory_analysis()``: arguments + outputs
+        + temporaries): the weights, its inputs, the prompt K/V it returns, its activations."""
+        return self.params + self.prefill_inputs + self.prompt_kv + self.prefill_activations
+
+    @property
+    def decode_step(self) -> int:
+        """What one compiled decode step needs: the weights, the cache it updates in place,
+        its inputs and its activations."""
+        return self.params + self.kv_cache + self.decode_inputs + self.decode_activations
 
     @property
     def total(self) -> int:
@@ -182,15 +197,15 @@ def memory(
     # narrow only at the handoff.
     float_kv = ModelRun.of(model).with_options(kv_cache_dtype=None)
     prompt_kv = cache_bytes(float_kv, config, rows, prompt_len) if prompt_len else 0
-    acts = max(
-        activation_bytes(run, config, Phase.PREFILL, rows, prompt_len, prompt_len),
-        activation_bytes(run, config, Phase.DECODE, batch, 1, max_seq_len),
-    )
+    prefill_acts = activation_bytes(run, config, Phase.PREFILL, rows, prompt_len, prompt_len)
+    decode_acts = activation_bytes(run, config, Phase.DECODE, batch, 1, max_seq_len)
     return Memory(
         params=param_bytes(model, config),
         kv_cache=math.ceil(cache_bytes(model, config, batch, max_seq_len) * fraction),
         prompt_kv=prompt_kv,
         prefill_inputs=input_bytes(run, config, Phase.PREFILL, rows, prompt_len),
         decode_inputs=input_bytes(run, config, Phase.DECODE, batch, 1),
-        activations=acts,
+        activations=max(prefill_acts, decode_acts),
+        prefill_activations=prefill_acts,
+        decode_activations=decode_acts,
     )
