@@ -501,8 +501,8 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     if isinstance(batcher.failure, PeerLostError):
         console.print(f"[bold red]error[/]: {batcher.failure}", highlight=False, soft_wrap=True)
         status = PEER_LOST_EXIT_STATUS
-    if batcher.warming is not None and not batcher.warming.finished:
-        _exit_now(status)  # a program still compiling in a warm-up thread: do not wait
+    if batcher.busy_after_close:
+        _exit_now(status)  # a program still compiling in a daemon thread: do not wait
     return status
 
 

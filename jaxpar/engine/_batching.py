@@ -92,6 +92,9 @@ from jaxpar.errors import (
 from jaxpar.models import KVCache
 from jaxpar.spec import Module, Phase, mesh_axes
 
+#: Seconds :meth:`ContinuousBatcher.close` waits for its loops once a drain has run out
+#: (one process): a loop compiling a program on first use is left to the process's exit.
+LATE_JOIN_S = 2.0
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
 #: side fed without prefilling far ahead of it.
 READY_BATCHES = 2
@@ -298,6 +301,8 @@ class ContinuousBatcher:
         self._admissions = 0
         self._tables: tuple[int, ...] | None = None  # (version, width, rows) last placed
         self._threads: list[threading.Thread] = []
+        #: Loop threads still running after :meth:`close` gave up waiting for them.
+        self._stragglers: list[threading.Thread] = []
         #: The warm-up compiling (lazy: in the background while serving), once started.
         self.warming: Warmup | None = None
         self._failure: BaseException | None = None
@@ -534,11 +539,18 @@ class ContinuousBatcher:
         """
         plan = self.warmup_plan(prompt_lens)
         jobs = [(b.describe(), self._compiler(b)) for b in plan.buckets]
-        self.warming = Warmup(jobs, threads, progress).start()
+        # Lazy: the background compiles yield to requests (a request that needs a program
+        # not compiled yet compiles it, or waits for the thread compiling it).
+        hold = self._serving if lazy else None
+        self.warming = Warmup(jobs, threads, progress, hold).start()
         if self._closing:  # closed meanwhile: compile nothing more
             self.warming.stop()
         self.warming.wait_first(plan.first if lazy else len(plan))
         return [(b.rows, b.tokens) for b in plan.buckets if b.kind == "prefill"]
+
+    def _serving(self) -> bool:
+        """Some request is queued or running (the lazy warm-up's background waits)."""
+        return self.stats.finished < self.stats.submitted
 
     def _compiler(self, bucket: Bucket) -> Callable[[], object]:
         z = self.pool.page_size
@@ -644,6 +656,13 @@ class ContinuousBatcher:
                 self._closed = True
 
     @property
+    def busy_after_close(self) -> bool:
+        """A loop or warm-up thread is still running (compiling) after :meth:`close`:
+        the process should exit without waiting for it (``os._exit``)."""
+        warming = self.warming is not None and not self.warming.finished
+        return warming or any(t.is_alive() for t in self._stragglers)
+
+    @property
     def closing(self) -> bool:
         """:meth:`close` was called (the batcher takes no more requests)."""
         return self._closing
@@ -661,10 +680,21 @@ class ContinuousBatcher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        for thread in self._threads:
+            late = drain and not self._idle()
+        if late:  # drained for ``timeout``: what is left ends now, not after the loops'
+            self._end_all("shutdown")  # step (or a compile) in flight: clients hear at once
+        wait = None
+        if self._failure is not None:
             # After a failure a loop may be stuck in a collective with a lost process
             # (it ends with the process: the loops are daemon threads).
-            thread.join(None if self._failure is None else 1.0)
+            wait = 1.0
+        elif late and self.leader is None:
+            # A loop may be compiling a program on first use (minutes for a big model):
+            # its requests are ended; one process has nobody to keep in step with.
+            wait = LATE_JOIN_S
+        for thread in self._threads:
+            thread.join(wait)
+        self._stragglers = [t for t in self._threads if t.is_alive()]
         self._threads = []
         self._end_all("shutdown")  # what never started (or was never taken) ends too
         if self._monitor is not None:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 #: Warm-up threads by default: XLA's compiles run in parallel, up to the host's cores.
 MAX_WARMUP_THREADS = 8
+#: How often a held warm-up looks again whether it may compile (seconds).
+HOLD_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +104,12 @@ class Warmup:
         jobs: Sequence[tuple[str, Callable[[], object]]],
         threads: int | None = None,
         progress: Callable[[int, int, str], None] | None = None,
+        hold: Callable[[], bool] | None = None,
     ):
+        """``hold()`` true: start no job now (checked every :data:`HOLD_POLL_S`), e.g.
+        while requests are served, so that background compiles do not slow them."""
         self.total = len(jobs)
+        self._hold = hold or (lambda: False)
         self._pending = collections.deque(enumerate(jobs))
         self._done: set[int] = set()
         self._errors: list[BaseException] = []
@@ -124,6 +130,8 @@ class Warmup:
     def _work(self) -> None:
         while True:
             with self._cond:
+                while not self._stopped and self._pending and self._hold():
+                    self._cond.wait(HOLD_POLL_S)
                 if self._stopped or not self._pending:
                     self._cond.notify_all()
                     return

@@ -166,7 +166,7 @@ async def _choice_chunks(
         echo, prompt_lp = fmt.echoed(job, logprobs)
         await out.put(fmt.chunk(job, index, name, echo, [], None, prompt_lp))
     seen = 0
-    async for text, ids in service.pieces(job):
+    async for text, ids in service.pieces(job, partial=True):
         lp = None
         if logprobs is not None:
             lp = logprobs.add(ids, job.logprobs(seen, seen + len(ids)))
@@ -305,6 +305,19 @@ async def _in_daemon_thread(fn: Callable[[], object]) -> object:
     return await done
 
 
+def _health(batcher) -> dict[str, Any]:
+    """``GET /health``'s body once the server serves."""
+    status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
+    status |= {"queued": batcher.queued, "stats": vars(batcher.stats)}
+    warming = getattr(batcher, "warming", None)
+    if warming is not None:  # lazy: buckets may still compile in the background
+        status["warmup"] = {"compiled": warming.done, "buckets": warming.total}
+    lockstep = batcher.lockstep_stats()
+    if lockstep is not None:  # several processes: what process 0 sent the others
+        status["lockstep"] = lockstep
+    return status
+
+
 def _routes(app: FastAPI, service: Service) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -312,13 +325,7 @@ def _routes(app: FastAPI, service: Service) -> None:
             service.check_available()
         except APIError as e:
             return JSONResponse({"status": e.message}, status_code=503)
-        batcher = service.batcher
-        status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
-        status |= {"queued": batcher.queued, "stats": vars(batcher.stats)}
-        lockstep = batcher.lockstep_stats()
-        if lockstep is not None:  # several processes: what process 0 sent the others
-            status["lockstep"] = lockstep
-        return JSONResponse(status)
+        return JSONResponse(_health(service.batcher))
 
     registry = metrics_registry(service)
 
