@@ -5,8 +5,8 @@ persistent compile cache.
     .venv/bin/python scripts/make_llama1b_checkpoint.py /tmp/llama1b
     .venv/bin/python scripts/bench_cold_start.py /tmp/llama1b --warmup lazy
 
-One CPU device (``--cpu-devices 1``); the server's log goes to ``--log``. The server is
-stopped (SIGTERM) after the first response in ``lazy`` mode, or once warm-up is done.
+One CPU device (``--cpu-devices 1``), a fresh temporary compile cache; the server's log
+goes to ``--log``, and it is stopped (SIGTERM) after the first response.
 """
 
 from __future__ import annotations

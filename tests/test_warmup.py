@@ -101,3 +101,14 @@ def test_warmup_waits_for_the_first_jobs_and_stops_the_rest():
     while not warmup.finished and time.monotonic() < deadline:
         time.sleep(0.01)
     assert warmup.finished and sorted(ran) == [0, 1, 2, 3]
+
+
+def test_several_processes_always_warm_up_in_full(monkeypatch):
+    import argparse
+
+    from jaxpar.cli._serve import warmup_mode
+
+    lazy = argparse.Namespace(warmup="lazy")
+    assert warmup_mode(lazy) == "lazy"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert warmup_mode(lazy) == "full"
