@@ -50,12 +50,20 @@ class ServerProcess:
         log_dir: Path,
         global_args: tuple[str, ...] = (),
         log_level: str = "warning",
+        env: dict[str, str | None] | None = None,
     ):
+        """``env``: variables to set for the server (None: unset)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{self.port}.log"
+        extra_env = env
         env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
         env.pop("XLA_FLAGS", None)  # --cpu-devices sets the device count
+        for name, value in (extra_env or {}).items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         command = [sys.executable, "-m", "jaxpar.cli", "--cpu-devices", str(cpu_devices)]
         command += [*global_args, "serve", *serve_args, "--port", str(self.port)]
         command += ["--log-level", log_level]

@@ -345,7 +345,7 @@ def test_served_prefill_rows_divide_over_ep():
         config, params, ParallelConfig(ep=2, tp=2), max_batch=8, max_seq_len=16
     )
     batcher = ContinuousBatcher(engine, kv_budget=KVBudget(page_size=PAGE, tokens=64))
-    assert batcher.row_buckets() == [2, 4, 8] and batcher.prefill_batch == 8
+    assert batcher.row_buckets() == [2, 8] and batcher.prefill_batch == 8
     with pytest.raises(ConfigError, match=r"prefill_batch=3 .* batch shards \(2"):
         ContinuousBatcher(engine, prefill_batch=3, kv_budget=KVBudget(page_size=PAGE, tokens=64))
 

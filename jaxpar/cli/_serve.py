@@ -1,10 +1,13 @@
 """``jaxpar serve``: an OpenAI-compatible HTTP server for a checkpoint directory.
 
 Decode runs on the first devices with the strategy flags; ``--prefill STRATEGY`` moves
-prefill to the devices after them, with its own strategy (disaggregated). SIGTERM or
-Ctrl-C: uvicorn stops accepting connections and lets open ones finish (up to
-``--shutdown-timeout`` seconds), then the batcher drains what is left for as long again
-and cancels the rest; the process exits 0.
+prefill to the devices after them, with its own strategy (disaggregated). Warm-up
+compiles the batcher's buckets on a few threads (``--warmup full``: all before GET
+/health is 200; ``lazy``: the smallest first, the rest in the background). SIGTERM or
+Ctrl-C at any time stops the server, warm-up included; with requests in flight, uvicorn
+stops accepting connections and the batcher drains them for up to
+``--shutdown-timeout`` seconds, then ends the rest with finish reason "shutdown" (every
+stream gets its final chunk and ``[DONE]``); the process exits 0.
 """
 
 from __future__ import annotations
@@ -148,6 +151,15 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish on SIGTERM (default 30)",
     )
     serve.add_argument(
+        "--warmup",
+        choices=("full", "lazy"),
+        default="full",
+        help="full: compile every program (in parallel) before GET /health is 200; lazy: "
+        "serve once the smallest prefill and decode step are compiled, compile the rest in "
+        "the background (a request that needs one not compiled yet waits for it). Several "
+        "processes (--coordinator) always warm up in full (default full)",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
 
@@ -282,11 +294,21 @@ def served_model(args: argparse.Namespace):
     )
 
 
-def _warmup(batcher: ContinuousBatcher, log=None, efficiency=None):
+def warmup_mode(args: argparse.Namespace) -> str:
+    """``--warmup``, except that a multi-process job warms up in full: every process must
+    run the same programs in the same order, and a program one process compiled lazily
+    while the others wait in its collectives could outlast their collective timeout."""
+    import jax
+
+    return "full" if jax.process_count() > 1 else getattr(args, "warmup", "full")
+
+
+def _warmup(batcher: ContinuousBatcher, log=None, efficiency=None, lazy: bool = False):
     """The batcher's warm-up, logging each bucket, then how many programs the persistent
     compile cache served and how many were compiled; then ``efficiency`` profiles the
-    compiled programs (for /metrics). Process 0 of a multi-process job then waits for the
-    others to finish theirs."""
+    compiled programs (for /metrics). ``lazy``: returns once the first buckets are
+    compiled, and logs (and profiles) the rest when they are. Process 0 of a
+    multi-process job then waits for the others to finish theirs."""
     import logging
     import time
 
@@ -302,15 +324,34 @@ def _warmup(batcher: ContinuousBatcher, log=None, efficiency=None):
         def progress(done: int, total: int, what: str) -> None:
             log.info("warm-up %d/%d: %s", done, total, what)
 
-        batcher.warmup(progress=progress)
-        log.info(
-            "warm-up done in %.1f s: %d program(s) from the compile cache, %d compiled",
-            time.perf_counter() - start,
-            count.hits,
-            count.misses,
-        )
-        if efficiency is not None:
-            _profile(batcher, efficiency, log)
+        def finished() -> None:
+            log.info(
+                "warm-up done in %.1f s: %d program(s) from the compile cache, %d compiled",
+                time.perf_counter() - start,
+                count.hits,
+                count.misses,
+            )
+            if efficiency is not None:
+                _profile(batcher, efficiency, log)
+
+        batcher.warmup(progress=progress, lazy=lazy)
+        warming = batcher.warming
+        if lazy and warming is not None and not warming.finished:
+            log.info(
+                "serving after %.1f s; %d of %d warm-up buckets compile in the background "
+                "(a request that needs one first waits for it)",
+                time.perf_counter() - start,
+                warming.total - warming.done,
+                warming.total,
+            )
+
+            def rest() -> None:
+                if warming.wait() and not batcher.closing:
+                    finished()
+
+            threading.Thread(target=rest, name="warmup-rest", daemon=True).start()
+        else:
+            finished()
         if jax.process_count() > 1 and jax.process_index() == 0:
             log.info("waiting for processes 1-%d to finish their warm-up", jax.process_count() - 1)
             wait_ready()
@@ -360,12 +401,22 @@ def _prefill_note(batcher: ContinuousBatcher) -> str:
     return f"prefill <= {batcher.max_prefill_tokens} tokens at a time, prefix caching {caching}"
 
 
-def _server_class():
+def _server_class(on_stop=None):
+    """uvicorn's server class; ``on_stop`` runs in a thread at the first SIGTERM/SIGINT."""
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn's server, except that a SIGTERM it shut down for is not re-raised
-        afterwards (uvicorn does, so the process would die of it instead of exiting 0)."""
+        afterwards (uvicorn does, so the process would die of it instead of exiting 0),
+        and that the first signal also starts ``on_stop``: the batcher's drain, so that
+        requests in flight finish (or end with finish reason "shutdown", every stream
+        with its final chunk and [DONE]) while uvicorn waits for their connections."""
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and on_stop is not None:
+                threading.Thread(target=on_stop, name="drain", daemon=True).start()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -391,6 +442,7 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
 
     if args.hf is None:
         raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")
+    _exit_on_signal()  # loading and building: nothing to drain yet
     efficiency = Efficiency(resolve_hardware(args.hardware))
     if jax.process_index() != 0:
         return _replay(args, console)
@@ -413,6 +465,8 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         f"http://{args.host}:{args.port} (GET /health is 200 once warmed up)",
         soft_wrap=True,
     )
+    mode = warmup_mode(args)
+    console.print(f"warm-up ({mode}): {batcher.warmup_plan().describe()}", soft_wrap=True)
     hardware = efficiency.hardware
     console.print(
         f"/metrics divides by the peaks of {hardware.name} ({hardware.source})"
@@ -420,9 +474,10 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         else "/metrics reports no fraction of peak: unknown device kind (give --hardware)",
         soft_wrap=True,
     )
+    service = Service(batcher, model, efficiency=efficiency)
     app = create_app(
-        Service(batcher, model, efficiency=efficiency),
-        warmup=_warmup(batcher, efficiency=efficiency),
+        service,
+        warmup=_warmup(batcher, efficiency=efficiency, lazy=mode == "lazy"),
         drain_timeout=args.shutdown_timeout,
     )
     config = uvicorn.Config(
@@ -430,15 +485,55 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # A backstop only: the drain ends every request within --shutdown-timeout, and
+        # their streams then end (final chunk, [DONE]) and close their connections.
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
     )
-    server = _server_class()(config)
+
+    def drain() -> None:
+        service.closing = True
+        batcher.close(drain=True, timeout=args.shutdown_timeout)
+
+    server = _server_class(drain)(config)
     threading.Thread(target=_stop_on_lost_process, args=(batcher, server), daemon=True).start()
     server.run()
+    status = 0
     if isinstance(batcher.failure, PeerLostError):
         console.print(f"[bold red]error[/]: {batcher.failure}", highlight=False, soft_wrap=True)
-        return PEER_LOST_EXIT_STATUS
-    return 0
+        status = PEER_LOST_EXIT_STATUS
+    if batcher.busy_after_close:
+        _exit_now(status)  # a program still compiling in a daemon thread: do not wait
+    return status
+
+
+#: Seconds past ``--shutdown-timeout`` uvicorn waits for connections after a SIGTERM: the
+#: drained streams' last chunks to go out.
+SHUTDOWN_GRACE_S = 5.0
+
+
+def _exit_now(status: int = 0) -> None:
+    """Exits at once (``os._exit``, after flushing output): XLA compiles in daemon
+    threads cannot be interrupted, and the interpreter's exit would wait on them."""
+    import logging
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
+def _exit_on_signal() -> None:
+    """SIGTERM/SIGINT before the HTTP server runs (loading, warm-up of a process that
+    replays): exit 0 at once; nothing is being served."""
+
+    def stop(sig, frame) -> None:
+        print(f"jaxpar serve: {signal.Signals(sig).name} before serving; exiting", flush=True)
+        _exit_now(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 #: Seconds a server that lost a process keeps answering 503 (naming it) before it exits.
@@ -472,7 +567,7 @@ def _replay(args: argparse.Namespace, console: Console) -> int:
     batcher = build_batcher(args, console)
     log = logging.getLogger("jaxpar.serve")
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
-    _warmup(batcher, log)()
+    _warmup(batcher, log)()  # in full: every process compiles every program before serving
     announce_ready()
     me = jax.process_index()
     console.print(f"process {me}: warmed up; dispatching process 0's schedule", soft_wrap=True)

@@ -81,6 +81,7 @@ from jaxpar.engine._prefix import cache_salt, page_keys
 from jaxpar.engine._requests import Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
+from jaxpar.engine._warmup import Bucket, Warmup, WarmupPlan, ordered
 from jaxpar.errors import (
     ConfigError,
     GrammarError,
@@ -91,6 +92,9 @@ from jaxpar.errors import (
 from jaxpar.models import KVCache
 from jaxpar.spec import Module, Phase, mesh_axes
 
+#: Seconds :meth:`ContinuousBatcher.close` waits for its loops once a drain has run out
+#: (one process): a loop compiling a program on first use is left to the process's exit.
+LATE_JOIN_S = 2.0
 #: Prefilled batches waiting for decode slots (disaggregated): enough to keep the decode
 #: side fed without prefilling far ahead of it.
 READY_BATCHES = 2
@@ -266,6 +270,8 @@ class ContinuousBatcher:
         self._next_id = 0
         self._closing = False
         self._stopping = False
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._owners: list[RequestStream | None] = [None] * engine.max_batch
         decode_side = _Side(DECODE, self.pages, self.slot_steps, self._owners, False)
         if self.disaggregated:
@@ -295,6 +301,10 @@ class ContinuousBatcher:
         self._admissions = 0
         self._tables: tuple[int, ...] | None = None  # (version, width, rows) last placed
         self._threads: list[threading.Thread] = []
+        #: Loop threads still running after :meth:`close` gave up waiting for them.
+        self._stragglers: list[threading.Thread] = []
+        #: The warm-up compiling (lazy: in the background while serving), once started.
+        self.warming: Warmup | None = None
         self._failure: BaseException | None = None
         self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
 
@@ -467,59 +477,88 @@ class ContinuousBatcher:
         return self
 
     def row_buckets(self) -> list[int]:
-        """Prefill batch sizes: the prefill's batch shards (dp, times ep for a MoE) doubled up
-        to ``prefill_batch``."""
+        """Prefill batch sizes: the prefill's batch shards (dp, times ep for a MoE) times
+        powers of four, up to ``prefill_batch`` (few prefill compiles; a batch pads to at
+        most four times its prompts)."""
         rows, out = _prefill_rows(self.prefill_engine), []
         while rows < self.prefill_batch:
             out.append(rows)
-            rows *= 2
+            rows *= 4
         return [*out, self.prefill_batch]
 
     def _rows(self, n: int) -> int:
         return next(r for r in self.row_buckets() if r >= n)
 
+    def warmup_plan(self, prompt_lens: Iterable[int] | None = None) -> WarmupPlan:
+        """What :meth:`warmup` compiles, smallest first: prefill and insert for each
+        (rows, prompt-length bucket) (colocated, prompt lengths stop at a chunk's bucket:
+        a longer prompt is prefilled in chunks), prefill with context for each (rows,
+        new tokens, cached pages), then the decode step for each (rows, block-table
+        width).
+
+        Args:
+            prompt_lens: the prompt lengths to cover (default: all up to ``max_seq_len``).
+        """
+        lens = list(prompt_lens or range(1, self.max_prompt_len + 1))
+        eng = self.prefill_engine
+        if self.disaggregated:  # whole prompts move to the decode group: every length
+            lengths = {eng.bucket(n) for n in lens}
+        else:
+            lengths = {eng.bucket(min(n, self.chunk_tokens)) for n in lens}
+        buckets = [Bucket("prefill", rows, t) for rows in self.row_buckets() for t in lengths]
+        z = self.pool.page_size
+        buckets += [Bucket("context", r, t, n * z) for r, t, n in self._context_buckets(max(lens))]
+        buckets += [
+            Bucket("decode", rows, width * z)
+            for rows in self.slot_steps.row_buckets()
+            for width in self.table_widths()
+        ]
+        return ordered(buckets)
+
     def warmup(
         self,
         prompt_lens: Iterable[int] | None = None,
         progress: Callable[[int, int, str], None] | None = None,
+        *,
+        lazy: bool = False,
+        threads: int | None = None,
     ) -> list[tuple[int, int]]:
-        """Compiles every program before the first request: prefill and insert for each
-        (rows, prompt-length bucket), then the decode step for each (rows, block-table
-        width). Nothing runs.
+        """Compiles the programs of :meth:`warmup_plan` on ``threads`` threads (default:
+        one per core, up to 8). Nothing runs.
 
         Args:
             prompt_lens: the prompt lengths to cover (default: all up to ``max_seq_len``).
             progress: called as ``progress(done, total, what)`` after each bucket.
+            lazy: return once the smallest prefill and decode step are compiled; the rest
+                compile in the background (:attr:`warming`), or on first use. Default:
+                return once every program is compiled.
+            threads: warm-up threads.
 
         Returns:
-            The (rows, length) prefill buckets compiled.
+            The (rows, length) prefill buckets compiled (or being compiled).
         """
-        lens = list(prompt_lens or range(1, self.max_prompt_len + 1))
-        eng = self.prefill_engine
-        lengths = sorted({eng.bucket(n) for n in lens})
-        buckets = [(rows, length) for rows in self.row_buckets() for length in lengths]
-        contexts = self._context_buckets(max(lens))
-        steps = [
-            (rows, width) for rows in self.slot_steps.row_buckets() for width in self.table_widths()
-        ]
-        total = len(buckets) + len(contexts) + len(steps)
-        report = progress or (lambda done, total, what: None)
-        done = 0
-        for rows, length in buckets:
-            self._compile_prefill(rows, length)
-            done += 1
-            report(done, total, f"prefill and insert of {rows} x {length} tokens")
-        for rows, length, n_pages in contexts:
-            self._compile_prefill(rows, length, n_pages)
-            done += 1
-            context = n_pages * self.pool.page_size
-            report(done, total, f"prefill of {rows} x {length} tokens after {context} cached")
-        for rows, width in steps:
-            self.slot_steps.compile_step(self.engine.params, width, rows)
-            done += 1
-            pages = width * self.pool.page_size
-            report(done, total, f"decode step of {rows} rows x {pages} tokens")
-        return buckets
+        plan = self.warmup_plan(prompt_lens)
+        jobs = [(b.describe(), self._compiler(b)) for b in plan.buckets]
+        # Lazy: the background compiles yield to requests (a request that needs a program
+        # not compiled yet compiles it, or waits for the thread compiling it).
+        hold = self._serving if lazy else None
+        self.warming = Warmup(jobs, threads, progress, hold).start()
+        if self._closing:  # closed meanwhile: compile nothing more
+            self.warming.stop()
+        self.warming.wait_first(plan.first if lazy else len(plan))
+        return [(b.rows, b.tokens) for b in plan.buckets if b.kind == "prefill"]
+
+    def _serving(self) -> bool:
+        """Some request is queued or running (the lazy warm-up's background waits)."""
+        return self.stats.finished < self.stats.submitted
+
+    def _compiler(self, bucket: Bucket) -> Callable[[], object]:
+        z = self.pool.page_size
+        if bucket.kind == "decode":
+            width = bucket.tokens // z
+            return lambda: self.slot_steps.compile_step(self.engine.params, width, bucket.rows)
+        n_pages = bucket.context // z
+        return lambda: self._compile_prefill(bucket.rows, bucket.tokens, n_pages)
 
     def _compile_prefill(self, rows: int, length: int, n_pages: int = 0) -> None:
         """Compiles a prefill of ``[rows, length]`` tokens (after ``n_pages`` cached pages)
@@ -550,19 +589,25 @@ class ContinuousBatcher:
         if longest <= self.chunk_tokens and not self.prefix_caching:
             return []
         # Cached tokens are whole pages, and at least one token of a prompt is computed.
-        n_pages = {1 << (n - 1).bit_length() for n in range(1, (longest - 1) // z + 1)}
+        n_pages = {self._context_width(n) for n in range(1, (longest - 1) // z + 1)}
         rows = self.row_buckets() if self.prefix_caching else self.row_buckets()[:1]
         return [(r, t, n) for r in rows for t in self._context_lengths() for n in sorted(n_pages)]
 
     def _context_lengths(self) -> list[int]:
-        """New-token buckets of a prefill with context: powers of two from a quarter of a
-        chunk's bucket up to it (a short suffix pads to the smallest: few compiles)."""
+        """New-token buckets of a prefill with context: a chunk's bucket, and a quarter of
+        it (a short suffix after a prefix hit pads to that: few compiles)."""
         top = self.prefill_engine.bucket(self.chunk_tokens)
-        out, t = [], top
-        while t >= max(8, top // 4) and len(out) < 3:
-            out.append(t)
-            t //= 2
-        return sorted(out)
+        return sorted({top, max(8, top // 4)} if top >= 8 else {top})
+
+    def _context_width(self, need: int) -> int:
+        """Cached pages a prefill with context reads for ``need`` pages: a power of four
+        (the context's attention is a small part of a chunk's cost; few compiles), at
+        most the power of two that holds a whole row."""
+        cap = 1 << (self._side.pages.pool.pages_per_row - 1).bit_length()
+        n = 1
+        while n < need:
+            n *= 4
+        return min(n, cap)
 
     def table_widths(self) -> list[int]:
         """The block-table widths a decode step compiles for (powers of two)."""
@@ -602,10 +647,32 @@ class ContinuousBatcher:
 
         ``drain``: let queued and running requests finish first (up to ``timeout``
         seconds); what is left is then cancelled with finish reason ``"shutdown"``.
+        A second call (e.g. a signal's drain, then the server's shutdown) waits for the
+        first to finish.
         """
+        with self._close_lock:
+            if not self._closed:
+                self._close(drain, timeout)
+                self._closed = True
+
+    @property
+    def busy_after_close(self) -> bool:
+        """A loop or warm-up thread is still running (compiling) after :meth:`close`:
+        the process should exit without waiting for it (``os._exit``)."""
+        warming = self.warming is not None and not self.warming.finished
+        return warming or any(t.is_alive() for t in self._stragglers)
+
+    @property
+    def closing(self) -> bool:
+        """:meth:`close` was called (the batcher takes no more requests)."""
+        return self._closing
+
+    def _close(self, drain: bool, timeout: float | None) -> None:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+        if self.warming is not None:  # what has not started compiling never will
+            self.warming.stop()
         if drain and self._failure is None:
             deadline = None if timeout is None else time.monotonic() + timeout
             with self._cond:
@@ -613,10 +680,21 @@ class ContinuousBatcher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        for thread in self._threads:
+            late = drain and not self._idle()
+        if late:  # drained for ``timeout``: what is left ends now, not after the loops'
+            self._end_all("shutdown")  # step (or a compile) in flight: clients hear at once
+        wait = None
+        if self._failure is not None:
             # After a failure a loop may be stuck in a collective with a lost process
             # (it ends with the process: the loops are daemon threads).
-            thread.join(None if self._failure is None else 1.0)
+            wait = 1.0
+        elif late and self.leader is None:
+            # A loop may be compiling a program on first use (minutes for a big model):
+            # its requests are ended; one process has nobody to keep in step with.
+            wait = LATE_JOIN_S
+        for thread in self._threads:
+            thread.join(wait)
+        self._stragglers = [t for t in self._threads if t.is_alive()]
         self._threads = []
         self._end_all("shutdown")  # what never started (or was never taken) ends too
         if self._monitor is not None:
@@ -877,8 +955,7 @@ class ContinuousBatcher:
     def _context_pages(self, works: list[_Prefill], rows: int, side: _Side) -> np.ndarray:
         """Global ids of each row's cached pages, as many columns as the longest needs
         (a power of two: few compiles); out of range past a row's cached pages."""
-        need = max(self.pool.pages_for(w.done) for w in works)
-        n = 1 << (need - 1).bit_length()
+        n = self._context_width(max(self.pool.pages_for(w.done) for w in works))
         pages_PN = np.full((rows, *side.pages.pool.ids_shape(n)), side.pages.pool.pages, np.int32)
         for i, work in enumerate(works):
             held = self.pool.pages_for(work.done)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import jax
@@ -49,13 +50,16 @@ class CompileCount:
 
     hits: int = 0
     misses: int = 0
+    # Warm-up compiles on several threads: each one's event counts.
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def start(self) -> CompileCount:
         monitoring.register_event_listener(self._on_event)
         return self
 
     def _on_event(self, event: str, **_: object) -> None:
-        if event == _HIT:
-            self.hits += 1
-        elif event == _MISS:
-            self.misses += 1
+        with self._lock:
+            if event == _HIT:
+                self.hits += 1
+            elif event == _MISS:
+                self.misses += 1

@@ -17,6 +17,7 @@ into this phase's ``PartitionSpec``s.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -75,6 +76,13 @@ class Steps:
         self.schedule = schedule_for(mesh, config, dims)
         self.compile_seconds: dict[str, float] = {}
         self._compiled: dict[tuple, Any] = {}
+        #: Programs being compiled now (by a warm-up thread or a step's first call): a
+        #: second caller waits for that compile instead of compiling the program again.
+        self._building: dict[tuple, threading.Event] = {}
+        self._lock = threading.Lock()
+        #: Tracing and lowering run one at a time (they hold the GIL anyway); XLA's
+        #: compiles run outside it, in parallel across warm-up threads.
+        self._lowering = threading.RLock()
         #: Capacity-limited MoE: every step returns its dropped assignments as one more
         #: output, which the entry points below strip off and keep in ``last_dropped``
         #: (``prefill``/``decode``/``decode_step``: an int32 scalar; ``decode_loop``: one
@@ -178,13 +186,45 @@ class Steps:
     # --- compiled entry points -----------------------------------------------------------
 
     def _aot(self, name: str, key: tuple, jitted, args):
-        """Compiles ``jitted`` for ``args`` once per ``(name, *key)``, timing the compile."""
+        """Compiles ``jitted`` for ``args`` once per ``(name, *key)``, timing the compile.
+
+        Thread-safe: while one thread compiles a program, another that needs it waits for
+        it (a request never compiles a program a warm-up thread is compiling)."""
         cache_key = (name, *key)
-        if cache_key not in self._compiled:
+        compiled = self._compiled.get(cache_key)
+        if compiled is not None:
+            return compiled
+        with self._lock:
+            compiled = self._compiled.get(cache_key)
+            building = self._building.get(cache_key)
+            if compiled is None and building is None:
+                building = self._building[cache_key] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if compiled is not None:
+            return compiled
+        if not mine:
+            building.wait()
+            # Compiled by the other thread, or it failed: then compile here (and fail here).
+            return self._aot(name, key, jitted, args)
+        try:
             start = time.perf_counter()
-            self._compiled[cache_key] = jitted.lower(*args).compile()
-            self.compile_seconds[name] = time.perf_counter() - start
-        return self._compiled[cache_key]
+            with self._lowering:
+                lowered = jitted.lower(*args)
+            compiled = lowered.compile()
+            with self._lock:
+                self._compiled[cache_key] = compiled
+                self.compile_seconds[name] = time.perf_counter() - start
+        finally:
+            with self._lock:
+                del self._building[cache_key]
+            building.set()
+        return compiled
+
+    def compiled_count(self) -> int:
+        """Programs compiled (or loaded from the persistent cache) so far."""
+        return len(self._compiled)
 
     def _compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
         """:meth:`_aot` of ``jax.jit(fn, ...)``; a compiled program is looked up before

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -165,7 +166,7 @@ async def _choice_chunks(
         echo, prompt_lp = fmt.echoed(job, logprobs)
         await out.put(fmt.chunk(job, index, name, echo, [], None, prompt_lp))
     seen = 0
-    async for text, ids in service.pieces(job):
+    async for text, ids in service.pieces(job, partial=True):
         lp = None
         if logprobs is not None:
             lp = logprobs.add(ids, job.logprobs(seen, seen + len(ids)))
@@ -245,7 +246,9 @@ def create_app(
 
     Args:
         service: the model and its batcher (started by the app, closed on shutdown).
-        warmup: run in a thread after start-up (compiles); ``/health`` says 200 only after.
+        warmup: run in a daemon thread after start-up (compiles); ``/health`` says 200
+            only after it returns. A shutdown does not wait for it (the batcher's close
+            stops what has not started compiling).
         drain_timeout: on shutdown, seconds queued and running requests get to finish
             before they are cancelled.
     """
@@ -257,7 +260,9 @@ def create_app(
         yield
         service.closing = True
         await asyncio.to_thread(service.batcher.close, drain=True, timeout=drain_timeout)
-        if service.batcher.failure is None:  # else it may wait on a lost process: let it be
+        if not warming.done():  # still compiling: nothing is left to serve, do not wait
+            warming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
             await warming
 
     app = FastAPI(title="jaxpar", lifespan=lifespan)
@@ -270,12 +275,47 @@ async def _warm(service: Service, warmup: Callable[[], object] | None) -> None:
     try:
         if warmup is not None:
             started = time.perf_counter()
-            await asyncio.to_thread(warmup)
+            await _in_daemon_thread(warmup)
             log.info("warmed up in %.1f s", time.perf_counter() - started)
         service.ready = True
     except Exception as e:  # noqa: BLE001 - reported by /health, the server stays up
         service.warmup_error = e
         log.exception("warmup failed")
+
+
+async def _in_daemon_thread(fn: Callable[[], object]) -> object:
+    """``fn()`` in a daemon thread (``asyncio.to_thread``'s threads are joined at exit, so
+    a warm-up still compiling would keep a stopped server from exiting)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(ok: bool, value) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def run() -> None:
+        try:
+            ok, value = True, fn()
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting task
+            ok, value = False, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name="warmup", daemon=True).start()
+    return await done
+
+
+def _health(batcher) -> dict[str, Any]:
+    """``GET /health``'s body once the server serves."""
+    status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
+    status |= {"queued": batcher.queued, "stats": vars(batcher.stats)}
+    warming = getattr(batcher, "warming", None)
+    if warming is not None:  # lazy: buckets may still compile in the background
+        status["warmup"] = {"compiled": warming.done, "buckets": warming.total}
+    lockstep = batcher.lockstep_stats()
+    if lockstep is not None:  # several processes: what process 0 sent the others
+        status["lockstep"] = lockstep
+    return status
 
 
 def _routes(app: FastAPI, service: Service) -> None:
@@ -285,13 +325,7 @@ def _routes(app: FastAPI, service: Service) -> None:
             service.check_available()
         except APIError as e:
             return JSONResponse({"status": e.message}, status_code=503)
-        batcher = service.batcher
-        status = {"status": "ok", "slots": batcher.slots, "active": batcher.active}
-        status |= {"queued": batcher.queued, "stats": vars(batcher.stats)}
-        lockstep = batcher.lockstep_stats()
-        if lockstep is not None:  # several processes: what process 0 sent the others
-            status["lockstep"] = lockstep
-        return JSONResponse(status)
+        return JSONResponse(_health(service.batcher))
 
     registry = metrics_registry(service)
 

@@ -492,13 +492,18 @@ class Service:
 
     # --- following -------------------------------------------------------------------------
 
-    async def pieces(self, job: Job) -> AsyncIterator[tuple[str, list[int]]]:
+    async def pieces(
+        self, job: Job, *, partial: bool = False
+    ) -> AsyncIterator[tuple[str, list[int]]]:
         """(text delta, its new token ids) as tokens arrive; sets ``job.finish_reason``.
 
         Leaving early (the client went away) cancels the request, freeing its slot.
+        ``partial`` (a stream, whose tokens are already sent): a request the server's
+        shutdown ended finishes with reason ``"shutdown"`` instead of raising.
 
         Raises:
-            APIError: 503 when the server shut down first, 500 when a step failed.
+            APIError: 503 when the server shut down first (unless ``partial``), 500 when
+                a step failed.
         """
         sent = 0
         try:
@@ -517,8 +522,13 @@ class Service:
             tail = job.text.finish()
             if tail or sent < len(job.tokens):
                 yield tail, job.tokens[sent:]
-            job.finish_reason = "stop" if job.text.stopped else _outcome(job.stream)
-            self.stats.succeeded[job.finish_reason] += 1
+            shutdown = partial and job.stream.finish_reason == "shutdown"
+            if job.text.stopped:
+                job.finish_reason = "stop"
+            else:
+                job.finish_reason = "shutdown" if shutdown else _outcome(job.stream)
+            if not shutdown:  # a stream the shutdown cut did not succeed
+                self.stats.succeeded[job.finish_reason] += 1
         finally:
             if not job.stream.done:
                 job.stream.cancel()
