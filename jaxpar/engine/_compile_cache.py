@@ -54,8 +54,10 @@ def enable_compile_cache(directory: str | Path | None = None) -> Path:
     configured = jax.config.jax_compilation_cache_dir
     if directory is not None:
         _base = Path(directory)
-    elif _base is None:
-        _base = Path(configured) if configured else default_compile_cache()
+    elif not configured:
+        _base = default_compile_cache()
+    elif _base is None or configured != str(_process_directory(_base)):
+        _base = Path(configured)  # else: set by the last call (a process's own, i > 0)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return _use_process_directory()
@@ -74,12 +76,16 @@ def _process_id() -> int:
     return distributed.global_state.process_id or 0
 
 
-def _use_process_directory() -> Path:
+def _process_directory(base: Path) -> Path:
     pid = _process_id()
-    path = _base if pid == 0 else _base / f"process-{pid}"
+    return base if pid == 0 else base / f"process-{pid}"
+
+
+def _use_process_directory() -> Path:
+    path = _process_directory(_base)
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    if pid:
+    if _process_id():
         _write_from_this_process()
     return path
 
