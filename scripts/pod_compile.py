@@ -185,11 +185,8 @@ def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path
 
 
 def predicted_bytes(pred: Any, phase: str) -> int:
-    """The planner's bytes per device for one step of ``phase``."""
-    m = pred.memory
-    if phase == "prefill":
-        return m.params + m.prompt_kv + m.prefill_inputs + m.activations
-    return m.params + m.kv_cache + m.decode_inputs + m.activations
+    """The planner's bytes per device for one compiled step of ``phase``."""
+    return pred.memory.prefill_step if phase == "prefill" else pred.memory.decode_step
 
 
 def _gib(n: int) -> str:

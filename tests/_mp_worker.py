@@ -68,18 +68,48 @@ def _die() -> None:
     os._exit(DEATH_EXIT_STATUS)
 
 
+def _no_coordinator(process_id: int, num_processes: int, port: str) -> int:
+    """Nobody listens on the port: a clear error, no abort."""
+    from jaxpar.engine._distributed import DistributedError, initialize
+
+    try:
+        initialize(f"127.0.0.1:{port}", num_processes, process_id, initialization_timeout_s=3)
+    except DistributedError as e:
+        print(f"DistributedError: {e}", flush=True)
+        return 3
+    return 0
+
+
+def _compile_cache(process_id: int, num_processes: int, port: str) -> int:
+    """The CLI's order (the compile cache, then the initialize), then one program over
+    both processes' devices (an all-reduce); prints the cache directory, hits, misses."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxpar.engine import CompileCount, enable_compile_cache
+    from jaxpar.engine._distributed import initialize, peer_failures
+
+    enable_compile_cache(os.environ["JAXPAR_TEST_CACHE"])
+    initialize(f"127.0.0.1:{port}", num_processes, process_id)
+    count = CompileCount().start()
+    mesh = jax.make_mesh((jax.device_count(),), ("tp",), devices=jax.devices())
+    rows = NamedSharding(mesh, PartitionSpec("tp"))
+    x = jax.make_array_from_callback((8, 4), rows, lambda i: np.ones((8, 4), np.float32)[i])
+    with peer_failures():
+        jax.block_until_ready(jax.jit(lambda a: a + a.sum(), out_shardings=rows)(x))
+    print(f"CACHE {jax.config.jax_compilation_cache_dir} {count.hits} {count.misses}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Runs one ``MODE``; jaxpar is imported only here, after the test set the environment."""
     mode, process_id, num_processes, port = argv[0], int(argv[1]), int(argv[2]), argv[3]
-    from jaxpar.engine._distributed import DistributedError, initialize, peer_failures
+    from jaxpar.engine._distributed import initialize, peer_failures
 
-    if mode == "no-coordinator":  # nobody listens on the port: a clear error, no abort
-        try:
-            initialize(f"127.0.0.1:{port}", num_processes, process_id, initialization_timeout_s=3)
-        except DistributedError as e:
-            print(f"DistributedError: {e}", flush=True)
-            return 3
-        return 0
+    own_start = {"no-coordinator": _no_coordinator, "compile-cache": _compile_cache}
+    if mode in own_start:
+        return own_start[mode](process_id, num_processes, port)
     info = initialize(f"127.0.0.1:{port}", num_processes, process_id)
     _log(f"INIT {info}")
     if mode == "generate":

@@ -83,9 +83,12 @@ def _worker_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _launch(mode: str, tmp_path: Path) -> Iterator[list[subprocess.Popen]]:
-    """Starts the workers (output to files, so full pipes never block them); always kills them."""
-    port, env = _free_port(), _worker_env()
+def _launch(
+    mode: str, tmp_path: Path, env: dict[str, str] | None = None
+) -> Iterator[list[subprocess.Popen]]:
+    """Starts the workers (output to files, so full pipes never block them); always kills
+    them. ``env``: variables added to :func:`_worker_env`'s."""
+    port, env = _free_port(), _worker_env() | (env or {})
     procs: list[subprocess.Popen] = []
     files = []
     try:
@@ -172,6 +175,30 @@ def test_two_processes_match_one_process(tmp_path):
         assert results[0][key] == reference, key
         if key == worker.STREAMED:
             assert results[0][key + "+streamed"] == reference
+
+
+def test_every_process_loads_its_programs_from_the_compile_cache(tmp_path):
+    """Two starts on an empty compile cache. JAX writes entries from process 0 only, and
+    on CPU a program's key differs per process, so process 1 used to compile everything at
+    every start; it now keeps its own entries in ``<dir>/process-1``: the first start
+    compiles on both processes, the second loads every program on both."""
+    cache = tmp_path / "xla"
+    starts = []
+    for start in range(2):
+        with _launch("compile-cache", tmp_path, {"JAXPAR_TEST_CACHE": str(cache)}) as procs:
+            finished = _wait_all(procs, tmp_path, "compile-cache", RUN_TIMEOUT_S)
+        lines = [
+            next((x for x in f.stdout.splitlines() if x.startswith("CACHE ")), f.tail())
+            for f in finished
+        ]
+        starts.append([line.split()[1:] for line in lines])
+        print(f"start {start}: (directory, hits, misses) per process: {starts[-1]}")
+    (cold0, cold1), (warm0, warm1) = starts
+    assert [cold0[0], cold1[0]] == [str(cache), str(cache / "process-1")]
+    assert int(cold0[2]) > 0 and int(cold1[2]) == int(cold0[2])  # each wrote its programs
+    assert int(cold0[1]) == int(cold1[1]) == 0
+    for warm in (warm0, warm1):
+        assert (int(warm[1]), int(warm[2])) == (int(cold0[2]), 0), starts  # all loaded
 
 
 @pytest.mark.parametrize("mode", ["dead-during", "dead-before"])

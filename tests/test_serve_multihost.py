@@ -4,7 +4,8 @@ on 127.0.0.1), one model over all 8 devices (dp2·sp2·tp2).
 Process 0 serves HTTP and schedules; process 1 replays its commands. 32 concurrent
 requests, greedy and seeded, streamed and not, must each equal the same request to a
 1-process x 8-device server with the same strategy, and offline ``generate`` on one
-device. Then the failures: SIGTERM to process 0 drains and stops both processes (exit 0);
+device; so must issue 34's burst (16 at once, 6-token prompts, 12 tokens, twice in a
+row), greedy and seeded. Then the failures: SIGTERM to process 0 drains and stops both processes (exit 0);
 on a second pair, SIGKILL to process 1 mid-stream gets every client a 503 naming process
 1, and process 0 exits non-zero, within 60 s.
 """
@@ -170,6 +171,55 @@ def test_32_requests_across_two_processes_equal_one_process_and_offline(servers,
     lockstep = health["lockstep"]  # the commands went to process 1, batched per wait
     assert lockstep["processes"] == 2
     assert 0 < lockstep["messages"] <= lockstep["commands"]
+
+
+#: The workload of issue 34 (item 5): 16 concurrent requests with 6-token prompts, 12
+#: tokens each, ignoring EOS, sent twice in a row; greedy, then seeded sampling.
+BURST = 16
+
+
+def _burst(*, sampled: bool) -> list[dict]:
+    rng = random.Random(34)
+    bodies = []
+    for i in range(BURST):
+        body = {
+            "model": MODEL,
+            "prompt": [1] + [rng.randrange(7, 256) for _ in range(5)],
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "stream": False,
+            "return_token_ids": True,
+            "temperature": 0.0,
+        }
+        if sampled:
+            body |= {"temperature": 0.8, "top_p": 0.9, "seed": 1000 + i}
+        bodies.append(body)
+    return bodies
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_16_concurrent_requests_twice_equal_one_process(servers, offline, sampled):
+    """The first requests after warm-up, all at once: every one 200, twice in a row, and
+    equal to the 1-process server's (greedy: and to offline generate on one device)."""
+    pair, single = servers["pair"], servers["single"]
+    leader = pair.leader.wait_ready()
+    single.wait_ready()
+    bodies = _burst(sampled=sampled)
+    alone = asyncio.run(_send_all(single.url, bodies))
+    for attempt in range(2):
+        start = time.monotonic()
+        across = asyncio.run(_send_all(leader.url, bodies))
+        print(
+            f"burst {attempt} ({'seeded' if sampled else 'greedy'}): {time.monotonic() - start:.1f} s"
+        )
+        for body, (status, tokens, error), (_, reference, _) in zip(
+            bodies, across, alone, strict=True
+        ):
+            assert status == 200, error
+            assert len(tokens) == 12 and tokens == reference, body
+            if not sampled:
+                assert tokens == offline.greedy(body["prompt"], 12, eos=False), body
+    print("lockstep:", leader.health()["lockstep"])
 
 
 def test_sigterm_to_process_0_drains_and_stops_both(servers):

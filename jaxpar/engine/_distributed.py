@@ -11,6 +11,8 @@ What :func:`initialize` adds over calling ``jax.distributed.initialize`` directl
 * failure detection tuned for inference rather than week-long training: a peer that stops
   sending heartbeats is declared dead after ``heartbeat_timeout_s`` (JAX: 100 s), and a CPU
   collective gives up after ``cpu_collective_timeout_s`` (XLA: far longer);
+* every process reads and writes the persistent compile cache (JAX: process 0 only), in
+  a directory of its own (:mod:`jaxpar.engine._compile_cache`);
 * a worker that cannot reach the coordinator gets :class:`DistributedError` instead of
   JAX aborting the process;
 * after :class:`PeerLostError` the process exits without waiting at JAX's shutdown
@@ -46,6 +48,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 
+from jaxpar.engine._compile_cache import cache_every_process
 from jaxpar.errors import DistributedError, PeerLostError
 
 
@@ -140,6 +143,7 @@ def initialize(
         )
     except (ValueError, TypeError, RuntimeError) as e:  # argument checks, cluster detection
         raise DistributedError(f"invalid distributed set-up: {e}") from e
+    cache_every_process()  # this process's own compile cache entries, read and written
 
     # Registered after JAX's own exit hook, so it runs first (atexit is last in, first out).
     atexit.register(_exit_after_peer_loss)

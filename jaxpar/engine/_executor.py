@@ -45,7 +45,9 @@ class Recorder:
         raise NotImplementedError
 
     def flush(self) -> None:
-        """Sends what was recorded; called before a read waits for the devices."""
+        """Returns once what was recorded has been sent (a recorder may send it earlier,
+        as :class:`~jaxpar.engine._lockstep.Leader` does); called before a read waits for
+        the devices."""
         raise NotImplementedError
 
 

@@ -19,12 +19,14 @@ could not send step n+1's inputs while step n runs (the overlap the batcher is b
 on), it needs the message's size agreed in advance (a second broadcast) and it compiles
 per size. A key-value put is one RPC from process 0's host to its own service, and a
 replaying process's blocking get returns as soon as the key exists, whatever its
-devices are doing. Messages are batched: process 0 sends what it recorded only when it
-is about to wait for a device result (a step's tokens, first tokens), so one message
-carries a decode step and the inserts before it (``scripts/bench.py``'s lockstep row
-measures its cost against the step). Keys live under ``jaxpar/lockstep/<epoch>/``;
-process 0 deletes an epoch two epochs later, when every process has long read it (a
-process cannot fall more than a step behind: each step's collectives wait for it).
+devices are doing. Process 0 sends every command as soon as it is recorded, from a
+thread of its own (:class:`Leader`): nothing process 0's scheduling thread does after
+dispatching (block in a dispatch, stall on a loaded host) can keep a dispatched
+command from the others. What accumulates while a put is in flight goes in the next
+message (``scripts/bench.py``'s lockstep row measures the puts against the step). Keys
+live under ``jaxpar/lockstep/<epoch>/``; process 0 deletes an epoch two epochs later,
+when every process has long read it (a process cannot fall more than a step behind:
+each step's collectives wait for it).
 
 Failure: each replaying process writes a heartbeat key every second; process 0's
 :class:`Monitor` names a process whose heartbeat stopped for ``lost_after_s`` (default
@@ -82,7 +84,16 @@ def _key(seq: int) -> str:
 
 class Leader(Recorder):
     """Process 0's recorder: pickles each command as it is recorded (its arrays may
-    change afterwards) and sends the batch at :meth:`flush`.
+    change afterwards) and hands it to a sender thread, which puts what has accumulated
+    as one message as soon as the previous put returns. :meth:`flush` waits until
+    everything recorded has been sent (and raises what a put raised).
+
+    Why a thread: a command must reach the others whatever process 0's scheduling thread
+    does next. Sent only when that thread was about to read (the earlier design), a
+    dispatched command waited for it, and its collectives timed out on process 0 (CPU:
+    15 s) while the others idled in :func:`follow`, if that thread stalled first: a
+    dispatch blocks once 32 programs per device are in flight (XLA's CPU client), and a
+    loaded host can deschedule it for seconds.
 
     ``messages``, ``commands``, ``bytes`` and ``seconds`` (in the puts) count what was
     sent, for the benchmark and the logs.
@@ -90,33 +101,73 @@ class Leader(Recorder):
 
     def __init__(self):
         self._client = _client()
+        self._cond = threading.Condition()
         self._pending: list[bytes] = []
+        self._sending = False
+        self._closed = False
+        self._error: BaseException | None = None
         self._seq = 0
         self.messages = self.commands = self.bytes = 0
         self.seconds = 0.0
+        self._thread = threading.Thread(target=self._send_loop, name="lockstep", daemon=True)
+        self._thread.start()
 
     def record(self, name: str, args: tuple, kwargs: dict) -> None:
-        self._pending.append(pickle.dumps((name, args, kwargs), pickle.HIGHEST_PROTOCOL))
+        record = pickle.dumps((name, args, kwargs), pickle.HIGHEST_PROTOCOL)
+        with self._cond:
+            self._pending.append(record)
+            self._cond.notify_all()
 
     def flush(self) -> None:
-        if not self._pending:
-            return
+        """Returns once every recorded command has been sent.
+
+        Raises:
+            JaxRuntimeError: a put failed (process 0's key-value service stopped).
+        """
+        with self._cond:
+            self._cond.wait_for(lambda: self._error or not (self._pending or self._sending))
+            if self._error is not None:
+                raise self._error
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
+                    return
+                batch, self._pending, self._sending = self._pending, [], True
+            try:
+                self._put(batch)
+            except BaseException as e:  # noqa: BLE001 - raised by the next flush()
+                with self._cond:
+                    self._error, self._sending = e, False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._sending = False
+                self._cond.notify_all()
+
+    def _put(self, batch: list[bytes]) -> None:
         start = time.perf_counter()
-        payload = pickle.dumps(self._pending, pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
         self._client.key_value_set_bytes(_key(self._seq), payload)
         if self._seq % EPOCH == 0 and self._seq >= 2 * EPOCH:
             self._client.key_value_delete(f"{PREFIX}/{self._seq // EPOCH - 2}")
         self._seq += 1
         self.messages += 1
-        self.commands += len(self._pending)
+        self.commands += len(batch)
         self.bytes += len(payload)
         self.seconds += time.perf_counter() - start
-        self._pending = []
 
     def stop(self) -> None:
-        """Tells every replaying process to return from :func:`follow`."""
+        """Tells every replaying process to return from :func:`follow`; ends the sender."""
         self.record(_STOP, (), {})
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
 
 
 def follow(executor: Executor, *, poll_ms: int = 1000) -> int:
