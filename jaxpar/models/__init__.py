@@ -35,8 +35,8 @@ from jaxpar.models._decoder import (
 )
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, stored_quantization
-from jaxpar.models._kv_heads import repeat_kv_heads
 from jaxpar.models._kv_groups import KVGroups, kv_groups, kv_positions, kv_windows
+from jaxpar.models._kv_heads import repeat_kv_heads
 from jaxpar.models._kv_quant import (
     KV_CACHE_DTYPES,
     QuantKV,

@@ -13,8 +13,8 @@ from jaxpar.spec._constrain import (
     sharding_context,
 )
 from jaxpar.spec._dims import Dims, ModelDims
-from jaxpar.spec._kv_heads import kv_head_replicas
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
+from jaxpar.spec._kv_heads import kv_head_replicas
 from jaxpar.spec._mesh import MESH_NAME_ORDER, canonical_mesh, default_mesh, make_mesh
 from jaxpar.spec._rules import (
     logical_axis_rules,
