@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.errors import IllegalStrategyError
@@ -78,8 +79,8 @@ def test_a_run_splits_what_a_checkpoint_holds_whole():
     tp4 = ParallelConfig(tp=4)
     run = ModelRun(GQA, kv_head_replicas=kv_head_replicas(tp4, GQA))
     assert (run.n_kv_heads, run.q_per_kv, run.config.n_kv_heads) == (4, 2, 2)
-    assert param_partition_spec(KV_KERNEL, tp4, dims=run) == (None, None, "tp", None)
-    assert param_partition_spec(KV_KERNEL, tp4, dims=GQA) == (None, None, None, None)
+    assert param_partition_spec(KV_KERNEL, tp4, dims=run) == P(None, None, "tp", None)
+    assert param_partition_spec(KV_KERNEL, tp4, dims=GQA) == P(None, None, None, None)
 
 
 def _one_head_per_device(eng: InferenceEngine) -> None:
@@ -94,7 +95,6 @@ def _one_head_per_device(eng: InferenceEngine) -> None:
     for shard in kv.addressable_shards:  # device i holds checkpoint head i // r
         head = shard.index[2].start // r
         np.testing.assert_array_equal(np.asarray(shard.data), ref[:, :, head : head + 1])
-    cache = jax.eval_shape(lambda: eng.program.run)  # noqa: F841 (shapes only below)
     pool = eng.program.layouts.paged.k
     layer = pool[0] if isinstance(pool, tuple) else pool
     # The paged pool [K, pages, page, H] (per layer): its kv-head dim splits over tp.

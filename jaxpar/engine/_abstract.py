@@ -32,7 +32,6 @@ from jaxpar.spec import (
     Plan,
     canonical_mesh,
     default_mesh,
-    kv_head_replicas,
     validate,
 )
 
@@ -61,8 +60,7 @@ def run_form(
     loop = layer_loop_for(run, parallel)
     if loop != run.layer_loop:
         run = run.with_options(layer_loop=loop)
-    replicas = kv_head_replicas(parallel, run.config)
-    return dataclasses.replace(padded_run(run, parallel.tp), kv_head_replicas=replicas)
+    return padded_run(run, parallel.tp).with_kv_heads_for(parallel)
 
 
 def mesh_platform_of(mesh: Mesh) -> str:

@@ -18,6 +18,7 @@ from jaxpar.models._kv_quant import kv_bytes_per_vector
 from jaxpar.models._moe_route import capacity_rows
 from jaxpar.models._options import ExecutionOptions
 from jaxpar.models._quant import INT4_GROUP
+from jaxpar.spec import ParallelConfig, kv_head_replicas
 
 _OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(ExecutionOptions)) - {"dtype"}
 _OWN_FIELDS = ("config", "options", "padded_vocab", "kv_head_replicas")
@@ -77,6 +78,15 @@ class ModelRun:
         if isinstance(model, ModelRun):
             return model if options is None else dataclasses.replace(model, options=options)
         return cls(model, options or ExecutionOptions())
+
+    def with_kv_heads_for(self, parallel: ParallelConfig) -> ModelRun:
+        """The same run holding the KV-head replicas ``parallel`` calls for
+        (:func:`jaxpar.spec.kv_head_replicas` of the checkpoint's heads: ``tp / K`` when
+        tp is a multiple of them, else 1)."""
+        replicas = kv_head_replicas(parallel, self.config)
+        if replicas == self.kv_head_replicas:
+            return self
+        return dataclasses.replace(self, kv_head_replicas=replicas)
 
     def with_options(self, **changes: Any) -> ModelRun:
         """The same model with some options changed."""
