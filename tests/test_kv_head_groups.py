@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.errors import IllegalStrategyError
-from jaxpar.models import ModelRun, init_params, preset
+from jaxpar.models import ModelRun, config_from_hf, init_params, preset
 from jaxpar.spec import ParallelConfig, kv_head_replicas, make_mesh, param_partition_spec, validate
 from tests._engine_util import PROMPTS, check_matches_hf, engine, reference
 
@@ -55,9 +55,10 @@ LLAMA_70B = {
 
 def test_replica_counts_and_refusals():
     assert [kv_head_replicas(ParallelConfig(tp=tp), GQA) for tp in (1, 2, 4, 8)] == [1, 1, 2, 4]
-    mla = preset("tiny-mla") if "tiny-mla" in _presets() else None
-    if mla is not None:  # one latent "head": no replicas (rule latent-cache-no-heads)
-        assert kv_head_replicas(ParallelConfig(tp=4), mla) == 1
+    # MLA caches one latent "head": no replicas (rule latent-cache-no-heads).
+    mla_json = json.loads((ROOT / "tests/fixtures/hf/deepseek_v3/config.json").read_text())
+    mla = config_from_hf(mla_json, source="deepseek_v3")
+    assert mla.is_mla and kv_head_replicas(ParallelConfig(tp=4), mla) == 1
     # 3 does not divide 2 K/V heads nor is a multiple of them: refused, with what is legal.
     three = dataclasses.replace(GQA, n_heads=6)
     with pytest.raises(IllegalStrategyError) as err:
@@ -65,12 +66,6 @@ def test_replica_counts_and_refusals():
     message = str(err.value)
     assert "n_kv_heads=2 neither divides over tp=3" in message
     assert "kv-head-replicas" in message and "tp in 1, 2, 4, 6" in message
-
-
-def _presets():
-    from jaxpar.models import PRESETS
-
-    return PRESETS
 
 
 def test_a_run_splits_what_a_checkpoint_holds_whole():
@@ -270,25 +265,26 @@ def test_explain_70b_tp16_splits_kv_kernel_over_tp(llama70b):
     assert pool["bytes_per_device"] == math.prod(shape) * 2 // 16
 
 
-def test_plan_places_70b_on_v5e16(llama70b, capsys):
+def test_plan_counts_kv_heads_per_group_for_70b(llama70b, capsys):
+    """The planner's bytes per device at tp=16: one K/V head of the cache and of the K/V
+    kernels per device (as at tp=8), not all 8; and ``plan`` serves 64 x (1024 + 256)
+    tokens of the 70B on v5e-16 at tp=16."""
     from jaxpar.cli import main
+    from jaxpar.plan._memory import cache_bytes, param_bytes
 
-    code = main(
-        [
-            "plan",
-            "--hf",
-            str(llama70b),
-            "--hardware",
-            "v5e-16",
-            "--batch",
-            "64",
-            "--prompt-len",
-            "1024",
-            "--new-tokens",
-            "256",
-            "--json",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "fits nowhere" not in out
+    model = config_from_hf(LLAMA_70B, source="llama70b")
+    tp8, tp16 = ParallelConfig(tp=8), ParallelConfig(tp=16)
+    one_head = 80 * 64 * 1280 * 2 * 128 * 2  # K and V of one head, bf16, every layer
+    lengths = 64 * 4
+    assert cache_bytes(model, tp16, 64, 1280) == cache_bytes(model, tp8, 64, 1280)
+    assert cache_bytes(model, tp16, 64, 1280) == one_head + lengths
+    # Weights: the K/V kernels hold one head per device at tp=16, all the rest splits 16 ways.
+    kv_kernel_tp16 = 80 * 8192 * 2 * 128 * 2
+    kv_kernel_all = 8 * kv_kernel_tp16
+    rest = param_bytes(model, ParallelConfig()) - kv_kernel_all
+    assert param_bytes(model, tp16) - kv_kernel_tp16 <= rest // 16 + 8192 * 4 * 161
+    args = ["plan", "--hf", str(llama70b), "--devices", "16", "--hardware", "tpu-v5e"]
+    args += ["--batch", "64", "--prompt-len", "1024", "--gen-len", "256"]
+    assert main([*args, "--objective", "throughput", "--top", "1", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert best["degrees"]["tp"] == 16
