@@ -32,11 +32,11 @@ def _check_prefill(eng, ref, prompts) -> None:
 @pytest.mark.parametrize(
     ("name", "parallel"),
     [
-        ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: K/V heads replicated
+        ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: each on its 2 devices
         ("mixtral_fused", ParallelConfig(ep=4, tp=2)),
         ("mixtral_legacy", ParallelConfig(sp=2, ep=2, tp=2)),  # MoE groups per sp shard
         ("gpt2", ParallelConfig(sp=2, tp=4)),
-        # One query head per device, kv heads (2) replicated; the q/k norms split nowhere.
+        # One query head per device, one kv head each (2 held twice); q/k norms split nowhere.
         ("qwen3", ParallelConfig(dp=2, tp=4)),
         # Qwen2 with use_sliding_window: layer 0 full, layer 1 a 4-token window; prompt
         # tokens over sp (the window reaches into the other shard's keys), heads over tp.
