@@ -54,6 +54,11 @@ def test_sharded_hf_checkpoint_matches_transformers(name, parallel):
     # Loaded in place: weights carry their final shardings straight from the reader.
     q = eng.params["layers"][0]["attn"]["q_kernel"].get_value()  # [D, N, H], one layer
     assert q.sharding.spec[1] == "tp"
+    kv = eng.params["layers"][0]["attn"]["kv_kernel"].get_value()  # [D, 2, K, H]
+    heads = eng.model_config.n_kv_heads
+    if eng.run.attention_variant is None:  # one run head per device when tp > K, else K/tp
+        per_device = max(heads // parallel.tp, 1)
+        assert {s.data.shape[2] for s in kv.addressable_shards} == {per_device}
     _check_prefill(eng, ref, prompts)
     gen = eng.generate(prompts, 16, stop_tokens=())  # the fixtures ran with EOS disabled
     assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]
