@@ -149,6 +149,8 @@ def test_int8_kernels_expand_with_their_scales():
 def _served(eng: InferenceEngine, prefill: InferenceEngine | None = None) -> list[list[int]]:
     sampled = Sampling(temperature=0.8, top_k=20)
     with ContinuousBatcher(eng, prefill_engine=prefill) as batcher:
+        if prefill is not None:  # ahead-of-time compiles of the insert too, as serve does
+            batcher.warmup(range(1, 9))
         streams = [
             batcher.submit(prompt=p, max_tokens=10, sampling=Sampling() if i % 2 else sampled)
             for i, p in enumerate(PROMPTS)

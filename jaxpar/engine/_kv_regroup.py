@@ -54,3 +54,14 @@ def regroup_kv(kv: Any, shardings: Any, have: int, want: int) -> tuple[Any, int]
 
     out = jax.tree.map(place, shardings, kv)
     return out, crossed
+
+
+def regrouped_shapes(kv: Any, have: int, want: int) -> Any:
+    """The shapes (``ShapeDtypeStruct``, no sharding) of :func:`regroup_kv`'s result for
+    K or V shaped like ``kv`` (to compile the decode group's insert ahead of time)."""
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        *lead, heads, width = x.shape
+        return jax.ShapeDtypeStruct((*lead, heads // have * want, width), x.dtype)
+
+    return jax.tree.map(one, kv)
