@@ -146,6 +146,69 @@ def test_int8_kernels_expand_with_their_scales():
 # transformers): tests/test_engine_hf.py.
 
 
+def test_loader_expands_heads_and_reads_slices_of_them():
+    """``load_hf_checkpoint(kv_head_replicas=2)``: every kv_heads dim (Qwen2's K/V kernel
+    and bias) is the checkpoint's, each head repeated; a slice reads only its heads."""
+    from flax import nnx
+
+    from jaxpar.models import load_hf_checkpoint
+    from jaxpar.models._hf_layout import Repeated
+
+    root = ROOT / "tests/fixtures/hf/qwen2"
+    plain = dict(nnx.to_flat_state(load_hf_checkpoint(root)[1]))
+    expanded = dict(nnx.to_flat_state(load_hf_checkpoint(root, kv_head_replicas=2)[1]))
+    grown = 0
+    for path, var in expanded.items():
+        axes = tuple(var.get_metadata()["out_sharding"])
+        want = np.asarray(plain[path].get_value())
+        if "kv_heads" in axes:
+            want, grown = np.repeat(want, 2, axis=axes.index("kv_heads")), grown + 1
+        np.testing.assert_array_equal(np.asarray(var.get_value()), want, err_msg=str(path))
+    assert grown == 2 * 2  # kv_kernel and kv_bias of both layers
+
+    class Rows:  # a recipe over a [3, 2] table: row i is i
+        shape = (3, 2)
+
+        def read(self, index, reader):
+            return np.arange(3.0)[index[0], None].repeat(2, axis=1)[:, index[1]]
+
+    repeated = Repeated(Rows(), 0, 4)
+    assert repeated.shape == (12, 2)
+    got = repeated.read((slice(5, 10), slice(None)), None)[:, 0]
+    np.testing.assert_array_equal(got, [1, 1, 1, 2, 2])  # run heads 5..9: checkpoint 1, 2
+
+
+@pytest.mark.parametrize(
+    ("fixture", "quantize"), [("llama", "int8"), ("llama_fp8_channel", None)], ids=str
+)
+def test_checkpoints_load_each_devices_heads_quantized(fixture, quantize):
+    """``engine_from_hf`` reads each device's K/V head straight from the safetensors file
+    (quantized at load, or a pre-quantized fp8 checkpoint with its scales): tp=4 over the
+    fixture's 2 K/V heads equals the same load on one device."""
+    from jaxpar.engine import engine_from_hf
+
+    def load(parallel: ParallelConfig) -> InferenceEngine:
+        mesh = make_mesh(parallel, jax.devices()[: parallel.size])
+        path = ROOT / "tests/fixtures/hf" / fixture
+        return engine_from_hf(
+            path, parallel, max_batch=4, max_seq_len=32, mesh=mesh, quantize=quantize
+        )
+
+    one, four = load(ParallelConfig()), load(ParallelConfig(tp=4))
+    kv = four.params["layers"][0]["attn"]["kv_kernel"]
+    assert kv.shape[list(kv.sharding.spec).index("tp")] == 4
+    assert {math.prod(s.data.shape) for s in kv.addressable_shards} == {kv.size // 4}
+    prompts = [[5, 17, 99, 3], [42, 8]]
+    tokens, lengths = one.pad_prompts(prompts)
+    np.testing.assert_allclose(
+        np.asarray(four.prefill_logits(tokens, lengths)),
+        np.asarray(one.prefill_logits(tokens, lengths)),
+        atol=1e-4,
+        rtol=0,
+    )
+    assert four.generate(prompts, 6).tokens == one.generate(prompts, 6).tokens
+
+
 def _served(eng: InferenceEngine, prefill: InferenceEngine | None = None) -> list[list[int]]:
     sampled = Sampling(temperature=0.8, top_k=20)
     with ContinuousBatcher(eng, prefill_engine=prefill) as batcher:

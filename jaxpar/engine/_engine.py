@@ -210,13 +210,14 @@ class InferenceEngine:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
 
-        abstract_state = nnx.state(abstract_model(model_config, options))
-        _check_params(abstract_state, params)
         run = self.program.run
         # tp a multiple of the KV heads: each head repeated for its group of devices (rule
-        # kv-head-replicas), then placed one head per device; checked at the checkpoint's.
-        axes = logical_axes_of(abstract_state)
+        # kv-head-replicas), then placed one head per device. Parameters come with the
+        # checkpoint's heads, or expanded already (engine_from_hf reads them so).
+        axes = logical_axes_of(nnx.state(abstract_model(model_config, options)))
         params = repeat_kv_heads(params, axes, model_config.n_kv_heads, run.kv_head_replicas)
+        held = ModelRun(model_config, options, kv_head_replicas=run.kv_head_replicas)
+        _check_params(nnx.state(abstract_model(held)), params)
         if run.vocab_size != model_config.vocab_size:
             params = pad_vocab_params(params, axes, run.vocab_size)
         self.layouts = self.program.layouts
