@@ -61,7 +61,7 @@ BATCH, PROMPT_LEN, MAX_SEQ_LEN = 8, 16, 64
 # v5e:2x4 topology) and, the same config, for the simulated CPU devices. The config is
 # bfloat16 at kernel-friendly sizes (head_dim 128, 256-token prompts: whole splash blocks),
 # as tests/test_accelerator_compile.py compiles it (from this list); tiny-gqa's 2 kv heads
-# replicate at tp=4.
+# are each held by 2 devices at tp=4 (one head per device).
 TPU_MATRIX: list[tuple[str, str, dict]] = [
     ("tiny-gqa", "", {}),
     ("tiny-gqa", "tp=2", {}),
@@ -184,16 +184,21 @@ def memory_ideal(case: Case) -> int:
     """Decode arguments if every tensor were split over all devices that could split it.
 
     Parameters over tp and pp (expert weights over ep too); the KV cache over every
-    device. Replicated norms, the router, replicated K/V heads show as a ratio above 1.
+    device. Replicated norms and the router show as a ratio above 1, and so do K/V heads
+    fewer than tp: the ideal splits the checkpoint's heads, while each device holds one
+    whole head (its group's copy: rule kv-head-replicas).
     """
     import jax
 
     eng, p = case.engine, case.engine.parallel_config
+    replicas = eng.run.kv_head_replicas  # the run's K/V tensors hold each head this often
     ideal = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(eng.params)[0]:
-        split = p.tp * p.pp * (p.ep if "experts" in jax.tree_util.keystr(path) else 1)
+        key = jax.tree_util.keystr(path)
+        split = p.tp * p.pp * (p.ep if "experts" in key else 1)
+        split *= replicas if "['kv_" in key else 1
         ideal += leaf.nbytes / split
-    c = eng.run
+    c = eng.model_config
     cache = 2 * c.n_layers * BATCH * MAX_SEQ_LEN * c.n_kv_heads * c.head_dim * c.dtype.itemsize
     return int(ideal + cache / p.size + 2 * 4 * BATCH / (p.dp * p.sp * p.ep))  # + tokens, lengths
 

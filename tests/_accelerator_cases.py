@@ -20,7 +20,7 @@ if _spec.name not in sys.modules:
     _spec.loader.exec_module(bench)
 
 # (preset, strategy, model overrides): the dense entries. tiny-gqa has 8 query and 2 kv
-# heads: tp=4 replicates the kv heads.
+# heads: at tp=4 each kv head is held by its 2 devices (rule kv-head-replicas).
 TPU_CASES: list[tuple[str, str, dict]] = [c for c in bench.TPU_MATRIX if c[0] != "tiny-moe"]
 # "auto" takes cuDNN in both phases on GPU; the Pallas (Triton) decode kernel, which JAX
 # deprecates, stays selectable by name and is lowered too, in the pipeline (its scan carry).

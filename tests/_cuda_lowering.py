@@ -30,7 +30,7 @@ from tests._accelerator_cases import CUDA_CASES, model_config  # noqa: E402
 
 _GPU_CALL_ERRORS = ("No registered implementation for", "No FFI handler registered for")
 #: Strategies of the paged decode: one device, kv heads split over tp, batch (and pages)
-#: over dp too, and tiny-gqa's 2 kv heads replicated over tp=4.
+#: over dp too, and tiny-gqa's 2 kv heads at tp=4 (one per device, each held twice).
 PAGED_STRATEGIES = ("", "tp=2", "dp=2,tp=2", "tp=4")
 
 

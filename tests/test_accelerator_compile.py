@@ -88,7 +88,7 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
     if engine.options.layer_loop == "unrolled":  # the stacked form copies by design
         # No weight or layer cache is copied (or widened to f32 and copied) per step. On
         # v5e the cache write through a [1, B, K, S, H] view and f32 products over the
-        # cache once moved 114% (one device) and 156% (kv heads replicated over tp=4).
+        # cache once moved 114% (one device) and 156% (kv heads then replicated over tp=4).
         assert moved_fraction(decode, engine, BATCH, SEQ) == 0.0
 
 
@@ -218,7 +218,7 @@ def test_cases_cover_the_issue_strategies():
     strategies = {s for _, s, _ in TPU_CASES}
     assert {"", "tp=2", "dp=2,tp=2", "sp=2,tp=2", "pp=2,tp=2"} <= strategies
     assert any(o.get("sliding_window") for _, _, o in TPU_CASES)
-    # tiny-gqa has 2 kv heads: tp=4 replicates them.
+    # tiny-gqa has 2 kv heads: at tp=4 each is held twice, one per device.
     assert model_config("tiny-gqa").n_kv_heads < 4 and ("tiny-gqa", "tp=4", {}) in TPU_CASES
     assert set(MOE_CASES) == {"ep=2", "dp=2,ep=2,tp=2"}
     assert model_config("tiny-gqa").dtype == np.dtype("bfloat16")

@@ -280,7 +280,7 @@ PAGED_CASES = [
     (ParallelConfig(), 1, "float32"),
     (ParallelConfig(tp=2), PAGED_ROWS, "float32"),
     (ParallelConfig(dp=2, tp=2), PAGED_ROWS, "float32"),
-    (ParallelConfig(tp=4), PAGED_ROWS, "float32"),  # 2 kv heads replicated over tp=4
+    (ParallelConfig(tp=4), PAGED_ROWS, "float32"),  # 2 kv heads, each on its 2 devices
     (ParallelConfig(dp=2, tp=2), PAGED_ROWS, "bfloat16"),
 ]
 
@@ -293,7 +293,7 @@ def test_paged_serving_step_copies_no_weight_or_page_pool(parallel, batch, dtype
     pool = PagePool(
         page_size=8, pages_per_shard=33, shards=parallel.dp, rows=batch, max_seq_len=MAX_SEQ_LEN
     )
-    slots = SlotSteps(eng.steps, eng.model_config, pool)
+    slots = SlotSteps(eng.steps, eng.run, pool)
     width = pool.pages_per_row
     compiled = slots.compile_step(eng.params, width)
     fraction = paged_moved_fraction(compiled, eng, slots)

@@ -58,7 +58,9 @@ def _param_shards(path: str, p: ParallelConfig, kv_heads: int) -> int:
     if "experts" in path:
         return p.ep * p.tp  # experts over ep, each expert's intermediate over tp
     if "['kv_kernel']" in path or "['kv_bias']" in path:
-        return p.tp if kv_heads % p.tp == 0 else 1  # K/V heads replicated when fewer than tp
+        # K/V heads split over tp; with fewer heads than tp, one head per device (each
+        # head on its tp/K devices only: rule kv-head-replicas), so K ways.
+        return min(p.tp, kv_heads)
     return p.tp  # heads, FFN intermediate, vocab
 
 

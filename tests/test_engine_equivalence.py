@@ -55,11 +55,4 @@ def test_matches_single_device(name, parallel):
     assert eng.generate(PROMPTS, 16).tokens == ref_tokens
 
 
-def test_gqa_replicated_kv_heads_match():
-    """tiny-gqa has 2 kv heads: tp=8 replicates K/V heads (the documented policy)."""
-    ref_logits, ref_tokens = reference("tiny-gqa")
-    eng = engine("tiny-gqa", ParallelConfig(tp=8))
-    assert eng.layouts.cache.k[0].spec[1] is None  # kv heads ([B, K, S, H]) not split
-    tokens, lengths = eng.pad_prompts(PROMPTS)
-    np.testing.assert_allclose(np.asarray(eng.prefill(tokens, lengths)[0]), ref_logits, atol=1e-4)
-    assert eng.generate(PROMPTS, 16).tokens == ref_tokens
+# tiny-gqa (2 kv heads) at tp=4 and tp=8, one head per device: tests/test_kv_head_groups.py.

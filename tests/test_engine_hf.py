@@ -32,11 +32,11 @@ def _check_prefill(eng, ref, prompts) -> None:
 @pytest.mark.parametrize(
     ("name", "parallel"),
     [
-        ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: K/V heads replicated
+        ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: each on its 2 devices
         ("mixtral_fused", ParallelConfig(ep=4, tp=2)),
         ("mixtral_legacy", ParallelConfig(sp=2, ep=2, tp=2)),  # MoE groups per sp shard
         ("gpt2", ParallelConfig(sp=2, tp=4)),
-        # One query head per device, kv heads (2) replicated; the q/k norms split nowhere.
+        # One query head per device, one kv head each (2 held twice); q/k norms split nowhere.
         ("qwen3", ParallelConfig(dp=2, tp=4)),
         # Qwen2 with use_sliding_window: layer 0 full, layer 1 a 4-token window; prompt
         # tokens over sp (the window reaches into the other shard's keys), heads over tp.
@@ -54,6 +54,11 @@ def test_sharded_hf_checkpoint_matches_transformers(name, parallel):
     # Loaded in place: weights carry their final shardings straight from the reader.
     q = eng.params["layers"][0]["attn"]["q_kernel"].get_value()  # [D, N, H], one layer
     assert q.sharding.spec[1] == "tp"
+    kv = eng.params["layers"][0]["attn"]["kv_kernel"].get_value()  # [D, 2, K, H]
+    heads = eng.model_config.n_kv_heads
+    if eng.run.attention_variant is None:  # one run head per device when tp > K, else K/tp
+        per_device = max(heads // parallel.tp, 1)
+        assert {s.data.shape[2] for s in kv.addressable_shards} == {per_device}
     _check_prefill(eng, ref, prompts)
     gen = eng.generate(prompts, 16, stop_tokens=())  # the fixtures ran with EOS disabled
     assert gen.tokens == [ref[f"greedy_{i}"].tolist() for i in range(len(prompts))]

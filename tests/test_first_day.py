@@ -178,7 +178,9 @@ def test_kv_heads_under_tp_need_the_models_kv_head_count():
         param_partition_spec(("embed", None, "kv_heads", "head_dim"), tp4)
     with pytest.raises(jaxpar.ConfigError, match="n_kv_heads"):
         partition_spec(("batch", "kv_heads"), "attention", "decode", tp4)
-    gqa = jaxpar.preset("tiny-gqa")  # 2 kv heads < tp=4: replicated, not split
+    # The checkpoint's 2 kv heads < tp=4 do not split (a run holds each twice and splits
+    # those: tests/test_kv_head_groups.py).
+    gqa = jaxpar.preset("tiny-gqa")
     assert param_partition_spec(("embed", None, "kv_heads", "head_dim"), tp4, dims=gqa) == (
         jax.sharding.PartitionSpec(None, None, None, None)
     )

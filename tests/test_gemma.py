@@ -34,7 +34,7 @@ PAGE = 4
 @pytest.mark.parametrize(
     ("name", "parallel"),
     [
-        # 2 kv heads < tp=4: kv heads replicated; soft caps and windows on every shard.
+        # 2 kv heads < tp=4: one per device (each held twice); soft caps, windows per shard.
         ("gemma2", ParallelConfig(tp=4)),
         # Queries split over sp in prefill: each shard's window reaches into the other's keys.
         ("gemma2", ParallelConfig(sp=2, tp=2)),

@@ -53,7 +53,7 @@ def _hf_config() -> dict:
 @pytest.mark.parametrize(
     "parallel",
     [
-        # 2 kv heads < tp=4: kv heads replicated, each shard its heads' sinks.
+        # 2 kv heads < tp=4: one per device (each held twice), each shard its heads' sinks.
         ParallelConfig(dp=2, tp=4),
         # Queries split over sp in prefill (a shard's window reaches into the other's keys);
         # experts over ep, their intermediate over tp (the down bias must count once).

@@ -65,9 +65,11 @@ def test_sp_prefill_gathers_kv_and_selects_the_last_position():
     assert (last.kind, last.axes, last.module, last.shape) == ("all-reduce", ("sp",), None, (4, D))
 
 
-def test_replicated_kv_heads_are_gathered_whole():
-    got, _ = items(GQA, "sp=2,tp=4", "prefill")  # 2 kv heads < tp=4: replicated over tp
-    assert got["K/V gather"].shape == (B, T, 2, 8)
+def test_kv_head_groups_gather_one_head_per_device():
+    """2 kv heads < tp=4: the run holds each twice (rule kv-head-replicas), one per device,
+    so the sp gather moves one head per device, not both."""
+    got, _ = items(GQA, "sp=2,tp=4", "prefill")
+    assert got["K/V gather"].shape == (B, T, 1, 8)
 
 
 def test_moe_minimum_is_the_routed_rows():

@@ -230,7 +230,7 @@ def _serving_engine(
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp=2, tp=2)], ids=["dp2-tp2"])
 def test_sharded_paged_serving_equals_single_device(parallel):
     """``generate`` runs the paged serving core: pages over dp, kv heads over tp, scales
-    split as their values (kv heads replicated over tp: the kernel test below); the sharded
+    split as their values (kv heads held whole over tp: the kernel test below); the sharded
     engine's layers are stacked (``layer_loop="scan"``: one pool ``[L, K, A, Z, H]`` and its
     scales, written per layer inside the scan)."""
     single, sharded = _served("int8", ParallelConfig()), _served("int8", parallel, "scan")

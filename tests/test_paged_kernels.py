@@ -59,7 +59,9 @@ STRATEGIES = {
     "single": (ParallelConfig(), K),
     "tp2": (ParallelConfig(tp=2), K),
     "dp2-tp2": (ParallelConfig(dp=2, tp=2), K),
-    # 2 kv heads < tp=4: every device holds both; its one query head reads one of them.
+    # Dims holding 2 kv heads < tp=4 whole (a model that keeps its checkpoint's heads; the
+    # engine holds one per device instead, rule kv-head-replicas): the kernels' path for a
+    # shard whose one query head reads one of the kv heads it holds.
     "tp4-kv-replicated": (ParallelConfig(tp=4), 2),
 }
 

@@ -199,7 +199,7 @@ def test_all_violations_reported_together():
 
 
 def test_kv_heads_policy():
-    # tp a multiple of n_kv_heads: K/V heads replicated (documented policy), legal.
+    # tp a multiple of n_kv_heads: legal (each head held by its tp/K devices: kv-head-replicas).
     validate(GQA, ParallelConfig(tp=8), n_devices=8)
     odd = Dims(
         vocab_size=240, d_model=48, n_layers=4, n_heads=12, n_kv_heads=3, head_dim=4, d_ff=96

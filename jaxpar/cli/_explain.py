@@ -103,8 +103,10 @@ def parameter_rows(config: ModelConfig, parallel: ParallelConfig) -> list[dict[s
     Per-layer parameters (``layer_loop="unrolled"``) are one row each, named
     ``layers.*.<rest>``, with one layer's shape, ``count`` layers in the model and the bytes
     of the ``layers_per_device`` a device holds: under pp a device holds only its stage's
-    ``count / pp`` layers.
+    ``count / pp`` layers. K/V tensors have the run's heads: each checkpoint head repeated
+    for its group of tp devices when tp is a multiple of them (rule kv-head-replicas).
     """
+    config = ModelRun.of(config).with_kv_heads_for(parallel)
     rows: dict[str, dict[str, Any]] = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(config))):
         value, axes = var.get_value(), tuple(var.get_metadata()["out_sharding"])
@@ -154,6 +156,7 @@ def tensor_rows(
     rows give back: :func:`~jaxpar.engine.kv_cache_tokens_for`) in pages of ``page_size``,
     with the rows' block tables; pipelined decode keeps the contiguous ``[L, B, S, K, H]``.
     """
+    config = ModelRun.of(config).with_kv_heads_for(parallel)  # the run's K/V heads
     c, t = config, prompt_len if phase is Phase.PREFILL else 1
     size, name_of = c.dtype.itemsize, c.dtype.name
     # Decode's cache as stored: int8/fp8 values plus one float32 scale per token per kv head
@@ -327,6 +330,35 @@ def moe_rows(
     ]
 
 
+def kv_head_rows(config: ModelConfig, groups: dict[Phase, DeviceGroup]) -> dict[str, int]:
+    """The checkpoint's K/V heads, the copies of each the (decode) strategy holds and the
+    heads it runs (rule kv-head-replicas; with ``--prefill``, the prefill group's too)."""
+    out = {}
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        run = ModelRun.of(config).with_kv_heads_for(groups[phase].parallel)
+        if phase is Phase.PREFILL and groups[phase] == groups[Phase.DECODE]:
+            break
+        prefix = "" if phase is Phase.DECODE else "prefill_"
+        out |= {
+            f"{prefix}n_kv_heads": run.config.n_kv_heads,
+            f"{prefix}replicas": run.kv_head_replicas,
+            f"{prefix}run_kv_heads": run.n_kv_heads,
+        }
+    return out
+
+
+def _kv_head_note(data: dict[str, Any]) -> str | None:
+    r = data["kv_head_replicas"]
+    if r["replicas"] == 1:
+        return None
+    return (
+        f"K/V heads by groups (rule kv-head-replicas): the checkpoint's {r['n_kv_heads']} K/V "
+        f"heads are held {r['replicas']} times each ({r['run_kv_heads']} run heads, split over "
+        f"tp): every device holds the one K/V head its query heads read, replicated only "
+        f"within its group of {r['replicas']} devices"
+    )
+
+
 def module_rows(plan: Plan, phase: Phase) -> list[dict[str, Any]]:
     """Per module and active primitive: the table row, why, its sync point, and where the
     row is written (file and key under ``sharding_specs/``)."""
@@ -419,6 +451,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "max_seq_len": args.max_seq_len,
+        "kv_head_replicas": kv_head_rows(config, groups),
         "parameters": parameter_rows(config, decode.parallel),
         "phases": {},
     }
@@ -534,40 +567,45 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
             ["tensor", "count", "shape", "dtype", "logical_axes", "spec", "bytes_per_device"],
         )
     )
+    if note := _kv_head_note(data):
+        console.print(f"[dim]{escape(note)}[/]")
     for phase, d in data["phases"].items():
-        console.rule(f"[bold]{phase}")
-        if d.get("layout"):
-            console.print(f"[bold]layout[/]: {escape(d['layout'])}", highlight=False)
-        console.print(
-            _table(
-                f"{phase}: tensors",
-                d["tensors"],
-                ["tensor", "module", "shape", "dtype", "logical_axes", "spec", "bytes_per_device"],
-            )
-        )
-        console.print(_modules_table(phase, d["modules"]))
-        if d["_report"] is not None:
-            _print_report(console, d["_report"])
-        else:
-            console.print(
-                _table(
-                    f"{phase}: expected collectives ({data['compiled_note']})",
-                    [i.to_dict() for i in d["_model"].items],
-                    ["kind", "axes", "module", "step", "shape", "count", "bytes", "why"],
-                )
-            )
-        for note in d["_model"].notes:
-            console.print(f"[dim]{escape(note)}[/]")
-        console.print(f"[bold]{phase}: execution[/]")
-        for s in d["execution"]:
-            kind = "[yellow]comm   [/]" if s["kind"] == "comm" else "compute"
-            console.print(
-                f"  {kind} [dim]{s['section']:<16}[/] {escape(s['text'])}", highlight=False
-            )
+        _print_phase(console, phase, d, data["compiled_note"])
     _print_handoff(console, data.get("disaggregated"))
     if args.dot:
         console.print(f"DOT graph written to {args.dot}")
     return 0
+
+
+def _print_phase(console: Console, phase: str, d: dict[str, Any], compiled_note: str) -> None:
+    """One phase's tables: its tensors, modules, collectives and execution steps."""
+    console.rule(f"[bold]{phase}")
+    if d.get("layout"):
+        console.print(f"[bold]layout[/]: {escape(d['layout'])}", highlight=False)
+    console.print(
+        _table(
+            f"{phase}: tensors",
+            d["tensors"],
+            ["tensor", "module", "shape", "dtype", "logical_axes", "spec", "bytes_per_device"],
+        )
+    )
+    console.print(_modules_table(phase, d["modules"]))
+    if d["_report"] is not None:
+        _print_report(console, d["_report"])
+    else:
+        console.print(
+            _table(
+                f"{phase}: expected collectives ({compiled_note})",
+                [i.to_dict() for i in d["_model"].items],
+                ["kind", "axes", "module", "step", "shape", "count", "bytes", "why"],
+            )
+        )
+    for note in d["_model"].notes:
+        console.print(f"[dim]{escape(note)}[/]")
+    console.print(f"[bold]{phase}: execution[/]")
+    for s in d["execution"]:
+        kind = "[yellow]comm   [/]" if s["kind"] == "comm" else "compute"
+        console.print(f"  {kind} [dim]{s['section']:<16}[/] {escape(s['text'])}", highlight=False)
 
 
 def _print_handoff(console: Console, d: dict[str, Any] | None) -> None:

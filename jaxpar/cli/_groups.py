@@ -17,7 +17,7 @@ import jax
 
 from jaxpar.engine import AbstractEngine
 from jaxpar.errors import ConfigError
-from jaxpar.models import PREFILL_KV_AXES, ModelConfig
+from jaxpar.models import PREFILL_KV_AXES, ModelConfig, ModelRun
 from jaxpar.spec import Module, ParallelConfig, Phase, make_mesh, partition_spec, slice_order
 
 
@@ -97,13 +97,18 @@ def handoff(
     of the prefill strategy) and arrive in the decode strategy's prefill layout, from
     which the insert writes the decode slots.
     """
-    kv_shape = (batch, prompt_len, config.n_kv_heads, config.head_dim)
+    # Each group's run K/V heads (rule kv-head-replicas); across two replica counts the
+    # checkpoint's heads cross and the decode group repeats them (engine._kv_regroup).
+    runs = {p: ModelRun.of(config).with_kv_heads_for(g.parallel) for p, g in groups.items()}
+    same = runs[Phase.PREFILL].n_kv_heads == runs[Phase.DECODE].n_kv_heads
+    heads = runs[Phase.DECODE].n_kv_heads if same else runs[Phase.DECODE].config.n_kv_heads
+    kv_shape = (batch, prompt_len, heads, config.head_dim)
     kv_bytes = 2 * config.n_layers * math.prod(kv_shape) * config.dtype.itemsize
     rows_bytes = 2 * batch * 4
     specs = {
         phase.value: str(
             partition_spec(
-                PREFILL_KV_AXES, Module.ATTENTION, Phase.PREFILL, g.parallel, dims=config
+                PREFILL_KV_AXES, Module.ATTENTION, Phase.PREFILL, g.parallel, dims=runs[phase]
             )
         )
         for phase, g in groups.items()

@@ -27,7 +27,14 @@ from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_run
 from jaxpar.errors import ConfigError
 from jaxpar.models import ExecutionOptions, KVCache, ModelConfig, ModelRun, abstract_model
-from jaxpar.spec import ParallelConfig, Phase, Plan, canonical_mesh, default_mesh, validate
+from jaxpar.spec import (
+    ParallelConfig,
+    Phase,
+    Plan,
+    canonical_mesh,
+    default_mesh,
+    validate,
+)
 
 
 def layer_loop_for(options: ExecutionOptions | ModelRun, parallel: ParallelConfig) -> str:
@@ -47,12 +54,14 @@ def run_form(
 ) -> ModelRun:
     """The model as an engine runs it, before the ``"auto"`` options are resolved: in its
     :func:`layer_loop_for` form, the vocabulary padded to a multiple of ``tp`` (see
-    ``_vocab``). The config itself is the one given."""
+    ``_vocab``), each KV head repeated :func:`~jaxpar.spec.kv_head_replicas` times when
+    ``tp`` is a multiple of the KV heads (one head per device). The config itself is the
+    one given."""
     run = ModelRun.of(model, options)
     loop = layer_loop_for(run, parallel)
     if loop != run.layer_loop:
         run = run.with_options(layer_loop=loop)
-    return padded_run(run, parallel.tp)
+    return padded_run(run, parallel.tp).with_kv_heads_for(parallel)
 
 
 def mesh_platform_of(mesh: Mesh) -> str:

@@ -66,6 +66,7 @@ from jaxpar.engine._kv_budget import (
     describe,
     size_pool,
 )
+from jaxpar.engine._kv_regroup import regrouped_shapes
 from jaxpar.engine._lockstep import (
     HEARTBEAT_S,
     Heartbeat,
@@ -577,6 +578,9 @@ class ContinuousBatcher:
             quantizer = self.executor._quantizer  # quantized decode cache: quantized K/V in
             if quantizer is not None:
                 k, v = quantizer.compile(k, v)
+            have, want = eng.run.kv_head_replicas, self.engine.run.kv_head_replicas
+            if have != want:  # the decode group holds another count of each K/V head
+                k, v = (regrouped_shapes(x, have, want) for x in (k, v))
             self.slot_steps.compile_insert(Inserted(k, v, row_ints, row_ints))
             whole = side.pages.pool.pages_for(length)
             side.slot_steps.compile_context(rows, whole, eng.layouts.kv_prefill, length)

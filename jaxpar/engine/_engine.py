@@ -32,6 +32,7 @@ from jaxpar.models import (
     held_quantization,
     params_quantization,
     quantize_params,
+    repeat_kv_heads,
     with_layer_loop,
 )
 from jaxpar.spec import ParallelConfig, Plan
@@ -209,11 +210,16 @@ class InferenceEngine:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
 
-        abstract_state = nnx.state(abstract_model(model_config, options))
-        _check_params(abstract_state, params)
         run = self.program.run
+        # tp a multiple of the KV heads: each head repeated for its group of devices (rule
+        # kv-head-replicas), then placed one head per device. Parameters come with the
+        # checkpoint's heads, or expanded already (engine_from_hf reads them so).
+        axes = logical_axes_of(nnx.state(abstract_model(model_config, options)))
+        params = repeat_kv_heads(params, axes, model_config.n_kv_heads, run.kv_head_replicas)
+        held = ModelRun(model_config, options, kv_head_replicas=run.kv_head_replicas)
+        _check_params(nnx.state(abstract_model(held)), params)
         if run.vocab_size != model_config.vocab_size:
-            params = pad_vocab_params(params, logical_axes_of(abstract_state), run.vocab_size)
+            params = pad_vocab_params(params, axes, run.vocab_size)
         self.layouts = self.program.layouts
         self.steps = self.program.steps
         self.params = jax.tree.map(place, params, self.layouts.params)

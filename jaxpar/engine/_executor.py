@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._kv_regroup import regroup_kv
 from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._penalties import History
 from jaxpar.engine._placement import put_global
@@ -245,14 +246,24 @@ class Executor:
         lay, new = self.engine.layouts, self._batches[handle]
         if self._quantizer is not None:  # the K/V cross quantized, with their scales
             new = self._quantizer(new)
+        have = self.prefill_engine.run.kv_head_replicas
+        want = self.engine.run.kv_head_replicas
+        if have == want:
+            k, v = (jax.device_put(x, lay.kv_prefill) for x in (new.k, new.v))
+            kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((k, v)))
+        else:  # another KV-head replica count on each side: the checkpoint's heads cross
+            (k, k_bytes), (v, v_bytes) = (
+                regroup_kv(x, lay.kv_prefill, have, want) for x in (new.k, new.v)
+            )
+            kv_bytes = k_bytes + v_bytes
         moved = Inserted(
-            k=jax.device_put(new.k, lay.kv_prefill),
-            v=jax.device_put(new.v, lay.kv_prefill),
+            k=k,
+            v=v,
             lengths_P=jax.device_put(new.lengths_P, lay.lengths_prefill_B),
             first_P=jax.device_put(new.first_P, lay.replicated),
         )
         self._batches[handle] = moved
-        return moved.nbytes
+        return kv_bytes + moved.lengths_P.nbytes + moved.first_P.nbytes
 
     @command
     def drop(self, handle: int) -> None:

@@ -96,7 +96,8 @@ def engine_from_hf(
     config = config_from_hf(hf, source=str(source))
     options.check(config)
     devices = mesh.devices.size if mesh is not None else parallel.size
-    padded = padded_run(ModelRun(config, options), parallel.tp)
+    # The run's K/V heads (rule kv-head-replicas): each device reads the heads it holds.
+    padded = padded_run(ModelRun(config, options), parallel.tp).with_kv_heads_for(parallel)
     validate(padded, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
     mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
 
@@ -108,7 +109,9 @@ def engine_from_hf(
             spec = unsplit_vocab(spec, axes)
         return NamedSharding(mesh, spec)
 
-    config, params = load_hf_checkpoint(path, shardings=sharding, options=options)
+    config, params = load_hf_checkpoint(
+        path, shardings=sharding, options=options, kv_head_replicas=padded.kv_head_replicas
+    )
     engine = InferenceEngine(
         config,
         params,

@@ -179,6 +179,18 @@ class _Step:
             self.items.append(item)
 
 
+def _kv_heads_of_run(model: ModelDims, config: ParallelConfig) -> ModelDims:
+    """A jaxpar model as the engine runs it under ``config``: with its KV-head replicas
+    (rule kv-head-replicas: one head per device when tp is a multiple of the heads), so
+    that the K/V an sp gather moves are one device's heads. Other dims hold their heads."""
+    from jaxpar.models import ModelConfig, ModelRun
+
+    if isinstance(model, (ModelConfig, ModelRun)):
+        run = ModelRun.of(model).with_kv_heads_for(config)
+        return model if run.kv_head_replicas == 1 else run
+    return model
+
+
 def communication_model(
     model: ModelDims,
     config: ParallelConfig,
@@ -205,6 +217,7 @@ def communication_model(
     """
     phase = Phase.coerce(phase)
     prefill = phase is Phase.PREFILL
+    model = _kv_heads_of_run(model, config)
     # Pipeline: each device runs its stage's layers; the batch goes through in groups.
     groups = (config.microbatches if prefill else config.decode_groups) if config.pp > 1 else 1
     step = _Step(

@@ -44,7 +44,9 @@ CAUSES: dict[str, str] = {
         "at run time"
     ),
     "kv-cache-gather": (
-        "decode with K/V heads replicated over tp (n_kv_heads < tp): the partitioner splits "
+        "decode with K/V heads held whole on every tp device (a model holding its "
+        "n_kv_heads < tp checkpoint heads; jaxpar's engine holds one head per device instead: "
+        "rule kv-head-replicas): the partitioner splits "
         "the tp-sharded query heads N = K x G over sub-axes of tp, shards the replicated cache "
         "along K to match, and all-gathers cache-sized buffers every step"
     ),

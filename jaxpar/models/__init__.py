@@ -36,6 +36,7 @@ from jaxpar.models._decoder import (
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, stored_quantization
 from jaxpar.models._kv_groups import KVGroups, kv_groups, kv_positions, kv_windows
+from jaxpar.models._kv_heads import repeat_kv_heads
 from jaxpar.models._kv_quant import (
     KV_CACHE_DTYPES,
     QuantKV,
@@ -139,6 +140,7 @@ __all__ = [
     "init_model",
     "interpret_kernels",
     "init_params",
+    "repeat_kv_heads",
     "quantize_params",
     "QUANT_DTYPES",
     "KV_CACHE_DTYPES",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Any
 
@@ -14,6 +15,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.models._attention import Attention, Context
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kv_heads import repeat_kv_heads, state_axes
 from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
 from jaxpar.models._mla import LatentAttention
 from jaxpar.models._moe import MoE
@@ -290,9 +292,15 @@ def init_params(
     by (seed, parameter path): deterministic, independent of devices and sharding, and
     free of random-kernel compilation (which dominates small-model start-up). In the
     run's layer form and dtype; with ``quantize`` set, the float model's parameters
-    quantized (:func:`quantize_params`).
+    quantized (:func:`quantize_params`). A run with KV-head replicas gets the checkpoint's
+    heads, each repeated (:mod:`jaxpar.models._kv_heads`): the same model as without.
     """
     run = ModelRun.of(config, options)
+    if run.kv_head_replicas > 1:
+        heads = dataclasses.replace(run, kv_head_replicas=1)
+        axes = state_axes(nnx.state(abstract_model(heads)))
+        params = init_params(heads, seed)
+        return repeat_kv_heads(params, axes, run.config.n_kv_heads, run.kv_head_replicas)
     if run.quantize is not None:
         float_run = run.with_options(quantize=None, quantize_embeddings=False)
         return quantize_params(run, init_params(float_run, seed), run.quantize)

@@ -28,6 +28,7 @@ from jaxpar.models._hf_config import config_from_hf, hf_arch
 from jaxpar.models._hf_layout import (
     Fused,
     Recipe,
+    Repeated,
     deepseek_recipes,
     gpt2_recipes,
     llama_recipes,
@@ -54,6 +55,7 @@ def load_hf_checkpoint(
     layer_loop: str | None = None,
     quantize: str | None = None,
     options: ExecutionOptions | None = None,
+    kv_head_replicas: int = 1,
 ) -> tuple[ModelConfig, nnx.State]:
     """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3/Mixtral/Qwen3-MoE/GPT-2/GPT-OSS
     checkpoint (GPT-OSS's MXFP4 experts dequantized to ``dtype``: :mod:`._hf_mxfp4`).
@@ -76,6 +78,10 @@ def load_hf_checkpoint(
             (fp8) checkpoint loads quantized without it.
         options: the run the parameters are loaded for (:class:`ExecutionOptions`):
             its ``dtype``, ``layer_loop`` and ``quantize`` shape the parameters.
+        kv_head_replicas: copies of each K/V head the run holds (``ModelRun``'s field of
+            that name: :func:`jaxpar.spec.kv_head_replicas`): every ``kv_heads`` dimension
+            is loaded expanded, each device reading only the checkpoint heads its slice
+            covers (1: the checkpoint's heads).
 
     Returns:
         (config, params): the checkpoint's config (as its ``config.json`` says, whatever
@@ -105,14 +111,17 @@ def load_hf_checkpoint(
             f"{prequant.mode!r})"
         )
     float_config = ModelRun(
-        config, dataclasses.replace(options, quantize=None, quantize_embeddings=False)
+        config,
+        dataclasses.replace(options, quantize=None, quantize_embeddings=False),
+        kv_head_replicas=kv_head_replicas,
     )
     target = float_config.with_options(
         quantize=quantize or (prequant and prequant.mode),
         quantize_embeddings=options.quantize_embeddings,
     )
     with _Checkpoint(root, mxfp4=mxfp4) as ckpt:
-        recipes = _recipes(float_config, hf, ckpt.shapes, root)
+        heads = dataclasses.replace(float_config, kv_head_replicas=1)  # the checkpoint's
+        recipes = _recipes(heads, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
         scales = _scale_recipes(recipes, wanted, ckpt.shapes) if prequant else {}
         _validate({**recipes, **scales}, ckpt, config.tie_embeddings, prequant is not None)
@@ -121,6 +130,7 @@ def load_hf_checkpoint(
         loaded = []
         for param_path, var in flat:
             recipe, want = recipes[param_path], var.get_value()
+            recipe = _replicated(recipe, var.get_metadata()["out_sharding"], kv_head_replicas)
             assert recipe.shape == want.shape, (param_path, recipe.shape, want.shape)
             scale_path = (*param_path[:-1], f"{param_path[-1]}{SCALE_SUFFIX}")
             if scale_path in scales:  # stored fp8 with its scales: read, put in storage order
@@ -129,6 +139,7 @@ def load_hf_checkpoint(
                     order = stored.get_metadata().get("stored_order")
                     value, axes = stored.get_value(), stored.get_metadata()["out_sharding"]
                     shape, axes = float_layout(value.shape, tuple(axes), order)
+                    rec = rec if path == param_path else _replicated(rec, axes, kv_head_replicas)
                     arr = _read(rec, shape, value.dtype, axes, ckpt, sharding_of, path)
                     loaded.append((path, stored.replace(to_stored(arr, order))))
                 continue
@@ -145,6 +156,15 @@ def load_hf_checkpoint(
             else:
                 loaded.append((param_path, var.replace(arr)))
     return config, nnx.from_flat_state(loaded)
+
+
+def _replicated(recipe, axes, replicas: int):
+    """``recipe`` with its ``kv_heads`` dimension repeated ``replicas`` times, if it has
+    one (a run's K/V-head replicas: :class:`Repeated`)."""
+    axes = tuple(axes)
+    if replicas == 1 or "kv_heads" not in axes:
+        return recipe
+    return Repeated(recipe, axes.index("kv_heads"), replicas)
 
 
 def _read(recipe, shape, dtype, axes, ckpt: _Checkpoint, sharding_of, path) -> jax.Array:

@@ -146,6 +146,37 @@ class Fused:
         return np.stack([self.parts[j].read(rest, reader) for j in chosen], axis=at)
 
 
+@dataclasses.dataclass(frozen=True)
+class Repeated:
+    """A parameter whose dimension ``axis`` (stacked dims included) holds each entry of
+    ``inner``'s ``replicas`` times, adjacent: a run's K/V heads from a checkpoint's (rule
+    kv-head-replicas). A slice reads only the checkpoint heads it covers."""
+
+    inner: Recipe | Fused
+    axis: int
+    replicas: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        out = list(self.inner.shape)
+        out[self.axis] *= self.replicas
+        return tuple(out)
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        return self.inner.tensors()
+
+    def read(self, index: tuple[slice, ...], reader: Reader) -> np.ndarray:
+        """Reads ``param[index]``: the checkpoint heads under the slice, each repeated."""
+        r = self.replicas
+        start, stop, _ = index[self.axis].indices(self.shape[self.axis])
+        first, last = start // r, (stop - 1) // r + 1 if stop > start else start // r
+        inner = (*index[: self.axis], slice(first, last), *index[self.axis + 1 :])
+        heads = np.repeat(self.inner.read(inner, reader), r, axis=self.axis)
+        take = [slice(None)] * heads.ndim
+        take[self.axis] = slice(start - first * r, stop - first * r)
+        return heads[tuple(take)]
+
+
 def per_layer(recipes: dict[Path, Recipe | Fused], n_layers: int) -> dict[Path, Recipe | Fused]:
     """Recipes for ``layer_loop="unrolled"``: ``("layers", *rest)`` -> ``("layers", i, *rest)``."""
     out: dict[Path, Recipe | Fused] = {}

@@ -18,9 +18,10 @@ from jaxpar.models._kv_quant import kv_bytes_per_vector
 from jaxpar.models._moe_route import capacity_rows
 from jaxpar.models._options import ExecutionOptions
 from jaxpar.models._quant import INT4_GROUP
+from jaxpar.spec import ParallelConfig, kv_head_replicas
 
 _OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(ExecutionOptions)) - {"dtype"}
-_OWN_FIELDS = ("config", "options", "padded_vocab")
+_OWN_FIELDS = ("config", "options", "padded_vocab", "kv_head_replicas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +36,29 @@ class ModelRun:
             trace time for the sharding context's platform).
         padded_vocab: the vocabulary rows the run holds (an engine pads the vocabulary to a
             multiple of tp; see ``jaxpar.engine._vocab``); None: the config's.
+        kv_head_replicas: copies of each KV head the run holds, adjacent (an engine runs
+            ``tp / K`` of them when tp is a multiple of the ``K`` KV heads, so that each
+            device holds the one head its query heads read; see
+            :func:`jaxpar.spec.kv_head_replicas`); 1: the checkpoint's heads.
 
-    ``vocab_size``, ``dtype`` and ``param_dtype`` are the run's; every other
+    ``vocab_size``, ``n_kv_heads``, ``q_per_kv``, ``dtype`` and ``param_dtype`` are the
+    run's (the checkpoint's KV-head count is ``config.n_kv_heads``); every other
     ``ModelConfig`` attribute and every option is read through by name.
     """
 
     config: ModelConfig
     options: ExecutionOptions = ExecutionOptions()
     padded_vocab: int | None = None
+    kv_head_replicas: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.config, ModelRun):
             raise TypeError("ModelRun(config=...) takes a ModelConfig, not a ModelRun")
+        if self.kv_head_replicas < 1 or (self.kv_head_replicas > 1 and self.config.is_mla):
+            raise ValueError(
+                f"kv_head_replicas={self.kv_head_replicas}: at least 1, and 1 for MLA (its "
+                "latent cache has no head axis)"
+            )
         self.options.check(self.config)
 
     @staticmethod
@@ -67,6 +79,15 @@ class ModelRun:
             return model if options is None else dataclasses.replace(model, options=options)
         return cls(model, options or ExecutionOptions())
 
+    def with_kv_heads_for(self, parallel: ParallelConfig) -> ModelRun:
+        """The same run holding the KV-head replicas ``parallel`` calls for
+        (:func:`jaxpar.spec.kv_head_replicas` of the checkpoint's heads: ``tp / K`` when
+        tp is a multiple of them, else 1)."""
+        replicas = kv_head_replicas(parallel, self.config)
+        if replicas == self.kv_head_replicas:
+            return self
+        return dataclasses.replace(self, kv_head_replicas=replicas)
+
     def with_options(self, **changes: Any) -> ModelRun:
         """The same model with some options changed."""
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
@@ -74,6 +95,17 @@ class ModelRun:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size if self.padded_vocab is None else self.padded_vocab
+
+    @property
+    def n_kv_heads(self) -> int:
+        """KV heads the run holds: the checkpoint's, each repeated ``kv_head_replicas``
+        times (run head ``j`` is checkpoint head ``j // kv_head_replicas``)."""
+        return self.config.n_kv_heads * self.kv_head_replicas
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads per run KV head (G in einsum strings)."""
+        return self.config.n_heads // self.n_kv_heads
 
     @property
     def dtype(self) -> Any:
@@ -87,12 +119,12 @@ class ModelRun:
 
     @property
     def cache_bytes_per_token(self) -> int:
-        """Bytes the cache keeps per token over all layers (unsharded): keys and values of
-        :attr:`ModelConfig.cache_kv_dims` in the run's dtype, or stored as the run's
-        ``kv_cache_dtype`` with their scales."""
+        """Bytes the cache keeps per token over all layers (unsharded, every run KV head,
+        replicas included): keys and values of :attr:`ModelConfig.cache_kv_dims` in the
+        run's dtype, or stored as the run's ``kv_cache_dtype`` with their scales."""
         c, mode = self.config, self.options.kv_cache_dtype
         widths = sum(kv_bytes_per_vector(h, self.dtype, mode) for h in c.cache_kv_dims)
-        return c.n_layers * c.n_kv_heads * widths
+        return c.n_layers * self.n_kv_heads * widths
 
     @property
     def int4_group(self) -> int | None:

@@ -14,6 +14,7 @@ from jaxpar.spec._constrain import (
 )
 from jaxpar.spec._dims import Dims, ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
+from jaxpar.spec._kv_heads import kv_head_replicas
 from jaxpar.spec._mesh import MESH_NAME_ORDER, canonical_mesh, default_mesh, make_mesh
 from jaxpar.spec._rules import (
     logical_axis_rules,
@@ -69,6 +70,7 @@ __all__ = [
     "batch_multiple",
     "canonical_mesh",
     "constrain",
+    "kv_head_replicas",
     "load_spec_table",
     "logical_shard_map",
     "logical_axis_rules",

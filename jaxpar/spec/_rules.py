@@ -35,15 +35,22 @@ def _require_dims(
         raise ConfigError(
             f"logical axes {tuple(logical_axes)} hold 'kv_heads' and tp={config.tp}: pass "
             "dims= (any object with n_kv_heads, e.g. jaxpar.Dims or your ModelConfig). KV heads "
-            "split over tp when tp divides n_kv_heads and are replicated when n_kv_heads < tp; "
+            "split over tp when tp divides n_kv_heads; a count tp does not divide is held "
+            "whole (a run with kv_head_replicas, as jaxpar's engine builds when tp is a "
+            "multiple of n_kv_heads, has tp heads and splits them: rule kv-head-replicas); "
             "without the count the spec may split heads that do not divide"
         )
 
 
 def _kv_heads_replicated(config: ParallelConfig, dims: ModelDims | None) -> bool:
-    """Policy for ``n_kv_heads < tp``: K/V heads are replicated over ``tp`` (each device
-    computes and caches all K/V heads of its query-head group) when ``tp`` is a multiple of
-    ``n_kv_heads``; any other non-divisible case is refused by the validator."""
+    """Whether ``kv_heads`` drops its ``tp`` split: when ``tp`` does not divide
+    ``dims.n_kv_heads``. jaxpar's engine never runs that for multi-head attention: when
+    ``tp`` is a multiple of the checkpoint's heads its run repeats each head
+    (:func:`~jaxpar.spec.kv_head_replicas`, rule kv-head-replicas) and ``dims`` (the run)
+    then has ``tp`` heads, which split. What remains is MLA's one latent "head" (rule
+    latent-cache-no-heads) and dims of a model that holds its checkpoint's heads (a user's
+    own model, or a ``ModelConfig`` passed as dims), whose heads are held whole on every
+    tp device; other non-divisible counts are refused by the validator."""
     return dims is not None and config.tp > 1 and dims.n_kv_heads % config.tp != 0
 
 

@@ -341,9 +341,10 @@ def _check_sizes(model: ModelDims, config: ParallelConfig, out: _Collector) -> N
         if kv % tp and tp % kv:
             out.add(
                 "tp-decomposable",
-                f"n_kv_heads={kv} neither divides over tp={tp} nor divides it (K/V heads can be "
-                "split over tp, or replicated when tp is a multiple of n_kv_heads)",
-                f"tp a divisor or a multiple of {kv}",
+                f"n_kv_heads={kv} neither divides over tp={tp} nor divides it (K/V heads split "
+                "over tp when tp divides them; when tp is a multiple of them each head is held "
+                "by the tp/n_kv_heads devices that read it: rule kv-head-replicas)",
+                f"tp a divisor or a multiple of {kv} ({_divisors_and_multiples(kv, tp)})",
                 Module.ATTENTION,
                 Primitive.TP,
             )
@@ -355,6 +356,12 @@ def _check_sizes(model: ModelDims, config: ParallelConfig, out: _Collector) -> N
             Module.ATTENTION,
             Primitive.PP,
         )
+
+
+def _divisors_and_multiples(kv: int, tp: int) -> str:
+    """The tp degrees up to about ``tp`` that split or group ``kv`` K/V heads."""
+    near = sorted({*_divisors(kv), *range(kv, 2 * max(tp, kv) + 1, kv)})
+    return "tp in " + ", ".join(map(str, near))
 
 
 def _plan(model: ModelDims, config: ParallelConfig, table: SpecTable) -> Plan:
