@@ -300,8 +300,10 @@ class SlotSteps:
             step_R = take(slots.step_B)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             seen_R = jax.tree.map(take, slots.seen)
-            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, take(allowed_BW))
-            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B)
+            split = self.steps.vocab_split(DECODE)
+            allowed_RW = take(allowed_BW)
+            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, allowed_RW, split)
+            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B, split)
             logprobs_B = jax.tree.map(
                 put, Logprobs.zeros(tokens_B.shape, logits_RV.shape[-1]), logprobs_R
             )
@@ -557,8 +559,9 @@ class FirstTokens:
         with self.steps._context(Phase.PREFILL):
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
             seen_P = history.seen(logits_PV.shape[-1])
-            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P, allowed_PW)
-            return first_P, Logprobs.for_rows(logits_PV, first_P, sampling_P.logprobs_B)
+            split = self.steps.vocab_split(Phase.PREFILL)
+            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P, allowed_PW, split)
+            return first_P, Logprobs.for_rows(logits_PV, first_P, sampling_P.logprobs_B, split)
 
     def _program(self, logits_PV, sampling_P, step_P, history, allowed_PW):
         lay = self.steps.layouts

@@ -31,6 +31,7 @@ from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
+from jaxpar.engine._vocab import VocabSplit
 from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, count_dropped, total_dropped
 from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
@@ -97,8 +98,16 @@ class Steps:
         target = "cuda" if self.platform == "gpu" else self.platform
         return jitted.trace(*args).lower(lowering_platforms=(target,))
 
-    def _pick(self, key: jax.Array, sampling: Sampling) -> Pick:
-        return Pick(key, sampling, self.vocab_size)
+    def vocab_split(self, phase: Phase) -> VocabSplit:
+        """How this strategy's logits of ``phase`` are split over the vocabulary (whole
+        when pipelined: a stage samples inside its own ``shard_map``)."""
+        if self.config.pp > 1:
+            return VocabSplit()
+        lay = self.layouts
+        return VocabSplit.of(lay.logits_prefill if phase is PREFILL else lay.logits)
+
+    def _pick(self, key: jax.Array, sampling: Sampling, phase: Phase = DECODE) -> Pick:
+        return Pick(key, sampling, self.vocab_size, self.vocab_split(phase))
 
     def _counted(self, out: tuple, drops: list) -> tuple:
         return (*out, total_dropped(drops)) if self.counts_drops else out
@@ -127,7 +136,7 @@ class Steps:
         with self._context(DECODE):
             mode = getattr(self.dims, "kv_cache_dtype", None)
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len, mode)
-            pick = self._pick(jax.random.fold_in(key, 0), sampling)
+            pick = self._pick(jax.random.fold_in(key, 0), sampling, PREFILL)
             return cache, self.schedule.first_tokens(logits, pick)
 
     def _decode(self, params, cache, tokens_B):
