@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 #: Candidates per row each vocab shard contributes to the top-k / top-p thresholds.
 CANDIDATES = 64
-_BITS = 32
+#: Rounds of a radix select: one per bit of a float32 key.
+RADIX_ROUNDS = 32
 
 
 def sortable_key(x: jax.Array) -> jax.Array:
@@ -49,20 +50,22 @@ def sortable_key(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _radix(predicate, b: int) -> jax.Array:
+def _radix(predicate, key_BV: jax.Array) -> jax.Array:
     """The largest uint32 ``t`` per row with ``predicate(t)`` true (monotone: true up to
     some key, false above), bit by bit from the top; 0 if none."""
+    # Zeros derived from the keys: inside a shard_map they vary as the keys do.
+    zero_B = key_BV[:, 0] & jnp.uint32(0)
 
     def body(i, t_B):
-        trial_B = t_B | (jnp.uint32(1) << (_BITS - 1 - i).astype(jnp.uint32))
+        trial_B = t_B | (jnp.uint32(1) << (RADIX_ROUNDS - 1 - i).astype(jnp.uint32))
         return jnp.where(predicate(trial_B), trial_B, t_B)
 
-    return jax.lax.fori_loop(0, _BITS, body, jnp.zeros(b, jnp.uint32))
+    return jax.lax.fori_loop(0, RADIX_ROUNDS, body, zero_B)
 
 
 def kth_largest_key(key_BV: jax.Array, k_B: jax.Array) -> jax.Array:
     """The key of each row's ``k_B``-th largest value (``[B]`` counts per round)."""
-    return _radix(lambda t_B: jnp.sum(key_BV >= t_B[:, None], -1) >= k_B, key_BV.shape[0])
+    return _radix(lambda t_B: jnp.sum(key_BV >= t_B[:, None], -1) >= k_B, key_BV)
 
 
 def nucleus_key(key_BV: jax.Array, mass_BV: jax.Array, target_B: jax.Array) -> jax.Array:
@@ -72,7 +75,7 @@ def nucleus_key(key_BV: jax.Array, mass_BV: jax.Array, target_B: jax.Array) -> j
     def above(t_B):
         return jnp.sum(jnp.where(key_BV > t_B[:, None], mass_BV, 0.0), -1) >= target_B
 
-    return _radix(above, key_BV.shape[0]) + jnp.uint32(1)
+    return _radix(above, key_BV) + jnp.uint32(1)
 
 
 def kept(scaled_BV: jax.Array, rows: RowSampling, split: VocabSplit) -> jax.Array:

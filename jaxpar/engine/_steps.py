@@ -195,6 +195,16 @@ class Steps:
         jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
         return self._aot(name, key, jitted, args)
 
+    def _compile_or_lower(
+        self, lower: bool, name, key, fn, in_shardings, out_shardings, args, **kw
+    ):
+        """:meth:`_compile`, or with ``lower`` the same program's ``jax.stages.Lowered``
+        for :attr:`platform` (for inspection: nothing is compiled or cached)."""
+        if not lower:
+            return self._compile(name, key, fn, in_shardings, out_shardings, args, **kw)
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **kw)
+        return self._lower(jitted, *args)
+
     def lower_prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         """The ``jax.stages.Lowered`` prefill for these shapes (for inspection)."""
         return self._lower(self._jit_prefill(all_logits), params, tokens_BT, lengths_B)
@@ -229,7 +239,7 @@ class Steps:
         out = self._aot("prefill", (tokens_BT.shape, all_logits), jitted, args)(*args)
         return self._strip("prefill", out)
 
-    def _prefill_context_program(self, args):
+    def _prefill_context_program(self, args, lower: bool = False):
         lay = self.layouts
         if self.config.pp > 1:
             raise ConfigError(
@@ -237,7 +247,8 @@ class Steps:
                 f"strategies; {self.config} has pp={self.config.pp}"
             )
         tokens, ctx_k = args[1], args[4]
-        return self._compile(
+        return self._compile_or_lower(
+            lower,
             "prefill_context",
             (tokens.shape, jax.tree.leaves(ctx_k)[0].shape),
             self._prefill_context,
@@ -258,9 +269,12 @@ class Steps:
         args = (params, tokens_BT, lengths_B, start_B, ctx_k, ctx_v)
         return self._strip("prefill", self._prefill_context_program(args)(*args))
 
-    def compile_prefill_context(self, params, rows: int, length: int, context: int) -> None:
+    def compile_prefill_context(
+        self, params, rows: int, length: int, context: int, *, lower: bool = False
+    ) -> Any:
         """Compiles :meth:`prefill_context` for ``[rows, length]`` new tokens over
-        ``context`` cached positions ahead of its first call."""
+        ``context`` cached positions ahead of its first call (``lower``: returns the
+        ``jax.stages.Lowered`` program instead, compiling nothing)."""
         lay = self.layouts
 
         def spec(shape, dtype, sharding):
@@ -277,7 +291,7 @@ class Steps:
         k, v = (context_kv(w) for w in d.cache_kv_dims)
         lengths = spec((rows,), jnp.int32, lay.lengths_prefill_B)
         tokens = spec((rows, length), jnp.int32, lay.tokens_BT)
-        self._prefill_context_program((params, tokens, lengths, lengths, k, v))
+        return self._prefill_context_program((params, tokens, lengths, lengths, k, v), lower)
 
     def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts

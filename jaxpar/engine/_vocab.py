@@ -127,12 +127,21 @@ class VocabSplit:
         vocab_axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
 
         def shard_top_k(x_bv):
-            vals, ids = jax.lax.top_k(x_bv, local)
+            vals_bk, ids_bk = jax.lax.top_k(x_bv, local)
             shard = jax.lax.axis_index(vocab_axes)  # this block's place in the vocabulary
-            return vals, ids.astype(jnp.int32) + shard.astype(jnp.int32) * per
+            ids_bk = ids_bk.astype(jnp.int32) + shard.astype(jnp.int32) * per
+            # The one exchange: every shard's candidates, [b, shards x k] values and ids.
+            vals_bN, ids_bN = (
+                jax.lax.all_gather(x, vocab_axes, axis=1, tiled=True) for x in (vals_bk, ids_bk)
+            )
+            vals_bk, pos_bk = jax.lax.top_k(vals_bN, min(k, vals_bN.shape[-1]))
+            return vals_bk, jnp.take_along_axis(ids_bN, pos_bk, axis=-1)
 
-        vals_BN, ids_BN = jax.shard_map(
-            shard_top_k, mesh=self.layout.mesh, in_specs=spec, out_specs=(spec, spec)
+        rows = PartitionSpec(spec[0], None)
+        return jax.shard_map(
+            shard_top_k,
+            mesh=self.layout.mesh,
+            in_specs=spec,
+            out_specs=(rows, rows),
+            check_vma=False,  # gathered over the vocab axes: the same on each of them
         )(x_BV)
-        vals_Bk, pos_Bk = jax.lax.top_k(vals_BN, min(k, vals_BN.shape[-1]))
-        return vals_Bk, jnp.take_along_axis(ids_BN, pos_Bk, axis=-1)
