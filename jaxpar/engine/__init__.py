@@ -39,6 +39,7 @@ from jaxpar.engine._penalties import History, Seen
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
+from jaxpar.engine._serving_programs import SERVING_PROGRAMS, ServingPrograms
 from jaxpar.engine._slots import FirstTokens, Inserted, Slots, SlotSteps
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._text import (
@@ -73,6 +74,8 @@ __all__ = [
     "GenerationDefaults",
     "History",
     "Inserted",
+    "SERVING_PROGRAMS",
+    "ServingPrograms",
     "AbstractEngine",
     "BatcherStats",
     "ContinuousBatcher",

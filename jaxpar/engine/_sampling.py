@@ -231,7 +231,9 @@ def _filter_and_draw(
         keep_BV = jax.lax.cond(
             filtered,
             lambda: split.constrain(kept(scaled_BV, rows, split)),
-            lambda: split.constrain(jnp.ones(scaled_BV.shape, bool)),
+            # Every token (derived from the logits: inside a stage's shard_map it varies
+            # as they do).
+            lambda: split.constrain(~jnp.isnan(scaled_BV)),
         )
         noise_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys_B)
         noise_BV = split.constrain(noise_BV)
