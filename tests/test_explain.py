@@ -52,7 +52,9 @@ def test_explain_reports_the_programs_that_serve(capsys):
     steps = {s["step"] for s in rows["serve_decode"]["collectives"]["model"]["items"]}
     assert {"attention out-proj", "sampling: candidates", "sampling: per-row sums"} <= steps
     # Analytic only: the serving programs' minimum without compiling.
-    data = run_json(capsys, ["--model", "tiny-dense", "--tp", "2", "--no-compile"])
+    data = run_json(
+        capsys, ["--model", "tiny-dense", "--tp", "2", "--no-compile", "--programs", "all"]
+    )
     assert (
         data["serving"]["models"]["serve_decode"]["total_bytes"]
         == (rows["serve_decode"]["collectives"]["minimum_bytes"])
