@@ -440,8 +440,7 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
 def _serving(args, config, groups, engines) -> tuple[dict[str, Any], list]:
     """The serving programs of the decode group: compiled against the minimum, or the
     analytic model alone (``--no-compile``, too few devices)."""
-    from jaxpar.engine import SERVING_PROGRAMS
-    from jaxpar.engine._serving_programs import program_phase
+    from jaxpar.engine import SERVING_PROGRAMS, program_phase
 
     decode = groups[Phase.DECODE]
     if groups[Phase.PREFILL] != decode:

@@ -379,8 +379,9 @@ def sampling_items(step: _Step) -> None:
     the top-p normaliser and log-softmax's max, sum and chosen logprob. Rows' results
     then reach every device (tokens and logprobs are replicated outputs): ``B x (2K+1)``
     over the batch axes. All O(B x k); none of them of size V."""
-    from jaxpar.engine._filters import CANDIDATES, RADIX_ROUNDS
-    from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS
+    from jaxpar.engine import MAX_TOP_LOGPROBS
+    from jaxpar.engine import SAMPLING_CANDIDATES as CANDIDATES
+    from jaxpar.engine import SAMPLING_RADIX_ROUNDS as RADIX_ROUNDS
 
     lm = step.axes(Module.LM_HEAD)
     shards = _split(lm["vocab"], step.config)

@@ -436,7 +436,7 @@ def phase_report(
     Returns:
         ``(report, compiled)``; ``compiled.memory_analysis()`` gives per-device memory.
     """
-    from jaxpar.engine._serving_programs import SERVING_PROGRAMS, program_phase
+    from jaxpar.engine import SERVING_PROGRAMS, program_phase
     from jaxpar.inspect._model import communication_model
     from jaxpar.models import ModelRun
 
