@@ -240,6 +240,37 @@ def collectives_section(matrix: list[tuple[str, str]]) -> tuple[list[dict], list
     return rows, memory
 
 
+def served_section(matrix: list[tuple[str, str]]) -> list[dict]:
+    """The programs ``jaxpar serve`` runs (paged decode step with its sampler, prefill
+    with and without cached context, first tokens, insert), compiled from abstract
+    parameters, against the analytic minimum, with their memory per device. Unpipelined
+    entries only (serving runs pp=1)."""
+    import jax
+
+    from jaxpar.engine import AbstractEngine
+    from jaxpar.inspect import serving_report
+    from jaxpar.models import preset as get_preset
+    from jaxpar.spec import ParallelConfig, make_mesh
+
+    rows = []
+    for preset, strategy in matrix:
+        parallel = ParallelConfig.parse(strategy)
+        if parallel.pp > 1:
+            continue
+        start = time.perf_counter()
+        eng = AbstractEngine.build(
+            model_of(preset, get_preset),
+            parallel,
+            max_batch=BATCH,
+            max_seq_len=MAX_SEQ_LEN,
+            mesh=make_mesh(parallel, jax.devices()[: parallel.size]),
+        )
+        for r in serving_report(eng, prompt_len=PROMPT_LEN, label=f"{preset} {strategy}"):
+            rows.append({"preset": preset, "strategy": strategy, **r.to_dict()})
+        print(f"  served {preset} {strategy}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return rows
+
+
 # --- compile time ---------------------------------------------------------------------
 
 
@@ -779,6 +810,27 @@ def markdown(results: dict) -> str:
     from jaxpar.inspect import CAUSES
 
     out = []
+    if "served" in results:
+        out += [
+            "### Served programs: collective bytes per device, compiled / analytic minimum",
+            "",
+            f"rows {BATCH}, new tokens {PROMPT_LEN} (prefill programs, insert; {PROMPT_LEN} "
+            f"cached with context), pool of {BATCH} x {MAX_SEQ_LEN} tokens, float32, 8 "
+            "simulated CPU devices. The minimum of a sampling program includes the "
+            "vocab-parallel sampler's O(B x k) exchange.",
+            "",
+            "| model | strategy | program | compiled / min | ratio | above (bytes) | peak B |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in results["served"]:
+            c = r["collectives"]
+            above = ", ".join(f"{k} {v:,}" for k, v in c["exceptions"].items()) or "-"
+            out.append(
+                f"| {r['preset']} | {r['strategy']} | {r['program']} | "
+                f"{c['compiled_bytes']:,} / {c['minimum_bytes']:,} | {_ratio(c['ratio'])} | "
+                f"{above} | {r['memory']['peak']:,} |"
+            )
+        out.append("")
     if "collectives" in results:
         out += [
             "### Collective bytes per device per step: compiled / analytic minimum",
@@ -989,8 +1041,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"))
     parser.add_argument(
         "--sections",
-        default="collectives,compile,decode,quant,pipeline,serving,lockstep,tpu",
-        help="comma-separated sections: collectives, compile, decode, quant (quantized "
+        default="collectives,served,compile,decode,quant,pipeline,serving,lockstep,tpu",
+        help="comma-separated sections: collectives, served (the programs `jaxpar serve` "
+        "runs: collectives vs minimum, memory), compile, decode, quant (quantized "
         "weights vs bf16), pipeline, serving, lockstep (serving across 2 processes), tpu "
         "(compiled for TPU v5e on this CPU host, with libtpu)",
     )
@@ -1032,15 +1085,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _collective_sections(args: argparse.Namespace, results: dict, sections: list[str]) -> None:
+    """The offline steps' and the served programs' collectives against the minimum."""
+    matrix = QUICK if args.quick else MATRIX
+    if "collectives" in sections:
+        results["collectives"], results["memory"] = collectives_section(matrix)
+        if args.print_documented:
+            print(documented_literal(results["collectives"]))
+    if "served" in sections:
+        results["served"] = served_section(matrix)
+
+
 def _cpu_sections(args: argparse.Namespace, results: dict) -> None:
     """The sections ``--sections`` names, into ``results``."""
     sections = args.sections.split(",")
-    if "collectives" in sections:
-        results["collectives"], results["memory"] = collectives_section(
-            QUICK if args.quick else MATRIX
-        )
-        if args.print_documented:
-            print(documented_literal(results["collectives"]))
+    _collective_sections(args, results, sections)
     if "compile" in sections:
         results["compile_time"] = compile_section((1, 4) if args.quick else (1, 4, 16, 32))
     if "decode" in sections:

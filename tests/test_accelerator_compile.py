@@ -21,13 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from jaxpar.engine import AbstractEngine
-from jaxpar.engine._kv_budget import KVBudget, size_pool
-from jaxpar.engine._slots import Inserted, SlotSteps
 from jaxpar.inspect import kernel_calls, parse_collectives, tpu_devices
 from jaxpar.spec import ParallelConfig, make_mesh
 from jaxpar.spec._constrain import _jax_version
@@ -94,32 +91,18 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
 
 @pytest.mark.parametrize("strategy", ["tp=2", "dp=2,tp=2"])
 def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
+    """The programs ``jaxpar serve`` runs, lowered by ``AbstractEngine`` as the server
+    builds them (a page pool of BATCH x SEQ tokens): the paged decode step with its
+    vocab-parallel sampler, and the insert of 4 prefilled rows of 128 tokens."""
     engine = _tpu_engine(v5e, "tiny-gqa", strategy)
-    pool = size_pool(
-        KVBudget(tokens=BATCH * SEQ),
-        config=engine.parallel_config,
-        mesh=engine.mesh,
-        dims=engine.run,
-        rows=BATCH,
-        max_seq_len=SEQ,
-    )
-    slots = SlotSteps(engine.steps, engine.run, pool)
-    step = slots.compile_step(engine.params, pool.pages_per_row)
-    rows, prompt_len = 4, 128
-    c = engine.run
-    kv_PTKH = jax.ShapeDtypeStruct((rows, prompt_len, c.n_kv_heads, c.head_dim), c.dtype)
-    new = Inserted(
-        k=(kv_PTKH,) * c.n_layers,
-        v=(kv_PTKH,) * c.n_layers,
-        lengths_P=jax.ShapeDtypeStruct((rows,), np.int32),
-        first_P=jax.ShapeDtypeStruct((rows,), np.int32),
-    )
-    slots.compile_insert(new)
-    compiled = engine.steps._compiled
+    step = engine.lower("serve_decode", prompt_len=SEQ).compile()
+    insert = engine.lower("insert", prompt_len=128, rows=4).compile()
     assert kernel_calls(step)["splash"] == 0  # decode: XLA on TPU
     assert step.memory_analysis().argument_size_in_bytes > 0
-    insert = next(v for k, v in compiled.items() if k[0] == "insert")
     assert insert.memory_analysis().argument_size_in_bytes > 0
+    # No collective of the sampler is vocabulary-sized (the vocab-parallel sampler).
+    vocab_bytes = BATCH * engine.run.vocab_size * 4
+    assert all(c.bytes < vocab_bytes for c in parse_collectives(step))
 
 
 @pytest.mark.parametrize("strategy", MOE_CASES)

@@ -39,6 +39,7 @@ blocks hold ceil(1.25 x n x top_k / ep) rows, asserted within 1.3x of the routed
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -209,3 +210,106 @@ def test_inspect_model_agrees_in_capacity_mode(strategy, phase):
     model = communication_model(config, parallel, phase, batch=CAPACITY_BATCH, prompt_len=T)
     want = minimum("tiny-moe", strategy, phase, batch=CAPACITY_BATCH, capacity=True)
     assert model.total_bytes == sum(want.values())
+
+
+# --- the serving programs (what ``jaxpar serve`` runs) ----------------------------------
+#
+# The paged decode step samples: the vocab-parallel sampler (jaxpar/engine/_filters.py)
+# exchanges, per device holding b rows over S vocab shards, C = 64 threshold candidates and
+# K = 20 logprob candidates (values and ids) per shard, each argmax's per-shard maxima
+# (value and id, greedy and drawn), per-row sums (2 x 32 radix rounds, the top-p
+# normaliser, log-softmax's max, sum, chosen logprob), the rows' tokens and logprobs
+# replicated (B x (2K + 1)), [B] ints placing rows and 1-byte branch predicates: O(B x k),
+# never B x V
+# (a sort of the vocabulary gathers 2 x B x V). A 2048-id vocabulary keeps S x C well
+# below V. The insert gathers the new rows' K/V over prefill's batch and sp axes.
+
+WIDE_VOCAB = 2048
+SERVE_CASES = [
+    ("tiny-dense", "tp=2"),
+    ("tiny-dense", "tp=4"),
+    ("tiny-dense", "sp=2,tp=4"),
+    ("tiny-dense", "dp=4,tp=2"),
+    ("tiny-moe", "ep=2,tp=4"),
+]
+
+
+def sampler_bound(strategy: str, batch: int = B, vocab: int = WIDE_VOCAB) -> int:
+    """The most the vocab-parallel sampler may exchange per device per step (see above)."""
+    deg = degrees(strategy)
+    shards = deg["tp"]
+    b = batch // (deg["dp"] * deg["ep"] * deg["sp"])  # decode rows per device
+    per = vocab // shards
+    c, k = min(64, per), min(20, per)
+    gathers = b * shards * (c + 2 * k + 4) * F32
+    sums = b * (2 * 32 + 4) * F32
+    results = batch * (2 * k + 1) * F32 if b < batch else 0
+    placement = 2 * batch * F32 + 16  # [B] ints placing rows; 1-byte branch predicates
+    return gathers + sums + results + placement
+
+
+@functools.cache
+def _wide_engine(name: str, strategy: str) -> AbstractEngine:
+    config = dataclasses.replace(preset(name), vocab_size=WIDE_VOCAB)
+    parallel = ParallelConfig.parse(strategy)
+    mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
+    return AbstractEngine.build(config, parallel, max_batch=B, max_seq_len=64, mesh=mesh)
+
+
+def _wide_minimum(name: str, strategy: str, phase: str) -> int:
+    """:func:`minimum` (and the dropless padded excess) of the wide-vocabulary model: the
+    vocabulary changes none of the layers' collectives."""
+    want = minimum(name, strategy, phase)
+    if preset(name).n_experts:
+        extra = padded_dropless_excess(name, strategy, phase)
+        want = {k: v + extra.get(k, 0) for k, v in want.items()}
+    return sum(want.values())
+
+
+@pytest.mark.parametrize(("name", "strategy"), SERVE_CASES, ids=lambda x: x)
+def test_served_decode_step_is_the_minimum_plus_an_o_b_k_sampling_exchange(name, strategy):
+    eng = _wide_engine(name, strategy)
+    collectives = parse_collectives(compile_step(eng, "serve_decode", prompt_len=T))
+    got = sum(x.bytes * x.trip_count for x in collectives)
+    need = _wide_minimum(name, strategy, "decode")
+    assert need <= got <= need + sampler_bound(strategy), (got, need)
+    # Nothing vocab-sized moves: each collective is well below one device's rows x V.
+    rows = B // (degrees(strategy)["dp"] * degrees(strategy)["ep"] * degrees(strategy)["sp"])
+    assert max(x.bytes for x in collectives) < rows * WIDE_VOCAB * F32 / 2
+    # The inspect model states the same program: the minimum plus the sampler's items.
+    model = communication_model(
+        eng.run, eng.parallel_config, "decode", batch=B, prompt_len=T, program="serve_decode"
+    )
+    routed = sum(minimum(name, strategy, "decode").values())  # the model's, with no padding
+    assert 0 < model.total_bytes - routed <= sampler_bound(strategy)
+
+
+@pytest.mark.parametrize("strategy", ["sp=2,tp=4", "dp=4,tp=2"])
+def test_served_prefill_programs_and_insert_against_the_minimum(strategy):
+    eng = _wide_engine("tiny-dense", strategy)
+    c, deg = preset("tiny-dense"), degrees(strategy)
+
+    def kinds(program: str, **kw) -> dict[str, int]:
+        out: collections.Counter[str] = collections.Counter()
+        for x in parse_collectives(compile_step(eng, program, prompt_len=T, **kw)):
+            out[x.kind] += x.bytes * x.trip_count
+        return dict(out)
+
+    assert kinds("serve_prefill") == minimum("tiny-dense", strategy, "prefill")
+    # With T cached positions, the K/V gather over sp covers 2T tokens.
+    with_context = kinds("serve_prefill_context", context_len=T)
+    want = dict(minimum("tiny-dense", strategy, "prefill"))
+    k_local = c.n_kv_heads // deg["tp"]
+    if deg["sp"] > 1:
+        want["all-gather"] = 2 * c.n_layers * B * 2 * T * k_local * c.head_dim * F32
+    assert with_context["all-reduce"] == want["all-reduce"]
+    # Measured beyond it under sp: each layer gathers (and all-to-alls) the int32
+    # positions of the rows' context and new tokens for its mask, [B, 2T] per layer.
+    positions = 2 * c.n_layers * B * 2 * T * 4 if deg["sp"] > 1 else 0
+    extra = sum(with_context.values()) - sum(want.values())
+    assert with_context.get("all-gather", 0) >= want.get("all-gather", 0)
+    assert 0 <= extra <= positions, (with_context, want)
+    # The handoff: every device gathers the new rows' K/V over prefill's batch and sp axes
+    # (plus the rows' lengths and ids: a few hundred bytes).
+    kv = 2 * c.n_layers * B * T * k_local * c.head_dim * F32
+    assert kv <= sum(kinds("insert").values()) <= kv + 1024

@@ -25,8 +25,40 @@ CASES = [
 
 
 def run_json(capsys, argv: list[str]) -> dict:
-    assert main(["explain", *argv, "--json"]) == 0
+    """``explain --json``; the offline steps only unless ``argv`` names ``--programs``
+    (the serving programs have their own test: compiling them per case costs minutes)."""
+    programs = [] if "--programs" in argv else ["--programs", "offline"]
+    assert main(["explain", *argv, *programs, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_explain_reports_the_programs_that_serve(capsys):
+    """The paged decode step (sampling included), prefill with and without context, the
+    first tokens and the insert: each compiled, at the minimum under tp=2, with memory."""
+    data = run_json(capsys, ["--model", "tiny-dense", "--tp", "2", "--programs", "serving"])
+    rows = {r["program"]: r for r in data["serving"]["programs"]}
+    assert list(rows) == [
+        "serve_decode",
+        "serve_prefill",
+        "serve_prefill_context",
+        "first_tokens",
+        "insert",
+    ]
+    for name, row in rows.items():
+        c = row["collectives"]
+        assert c["program"] == name
+        assert c["compiled_bytes"] == c["minimum_bytes"], (name, c["exceptions"])
+        assert row["memory"]["peak"] > 0
+    steps = {s["step"] for s in rows["serve_decode"]["collectives"]["model"]["items"]}
+    assert {"attention out-proj", "sampling: candidates", "sampling: per-row sums"} <= steps
+    # Analytic only: the serving programs' minimum without compiling.
+    data = run_json(
+        capsys, ["--model", "tiny-dense", "--tp", "2", "--no-compile", "--programs", "all"]
+    )
+    assert (
+        data["serving"]["models"]["serve_decode"]["total_bytes"]
+        == (rows["serve_decode"]["collectives"]["minimum_bytes"])
+    )
 
 
 @pytest.mark.parametrize(("argv", "name"), CASES, ids=[c[1] for c in CASES])
@@ -92,6 +124,8 @@ def test_text_tables_and_dot_file(capsys, tmp_path):
                 "4",
                 "--phase",
                 "prefill",
+                "--programs",
+                "offline",
                 "--dot",
                 str(dot),
             ]

@@ -140,6 +140,14 @@ def _parser() -> argparse.ArgumentParser:
     add_model_args(explain, default_model="tiny-dense")
     add_degree_args(explain)
     explain.add_argument("--phase", choices=("prefill", "decode", "both"), default="both")
+    explain.add_argument(
+        "--programs",
+        choices=("offline", "serving", "all"),
+        default="all",
+        help="offline: the contiguous-cache prefill and decode steps (generate); serving: the "
+        "programs `jaxpar serve` runs (paged decode step with sampling, prefill with and "
+        "without cached context, first tokens, insert); all: both (default)",
+    )
     explain.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     explain.add_argument(
         "--prompt-len", type=int, default=16, help="padded prompt length (default 16)"

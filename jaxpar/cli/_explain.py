@@ -41,6 +41,8 @@ from jaxpar.inspect import (
     communication_model,
     execution_steps,
     phase_report,
+    serving_report,
+    serving_table,
 )
 from jaxpar.models import (
     KV_CACHE_DTYPES,
@@ -473,7 +475,38 @@ def explain(args: argparse.Namespace) -> dict[str, Any]:
         out["phases"][phase.value] = _phase(args, config, group, plan, phase, engines[group])
     if groups[Phase.PREFILL] != decode:
         out["disaggregated"] = handoff(config, groups, batch=args.batch, prompt_len=args.prompt_len)
+    if getattr(args, "programs", "all") != "offline":
+        out["serving"], out["_serving_rows"] = _serving(args, config, groups, engines)
     return out
+
+
+def _serving(args, config, groups, engines) -> tuple[dict[str, Any], list]:
+    """The serving programs of the decode group: compiled against the minimum, or the
+    analytic model alone (``--no-compile``, too few devices)."""
+    from jaxpar.engine import SERVING_PROGRAMS, program_phase
+
+    decode = groups[Phase.DECODE]
+    if groups[Phase.PREFILL] != decode:
+        return {"note": "disaggregated: serving programs are reported per group by serve"}, []
+    if decode.parallel.pp > 1:
+        return {"note": f"pp={decode.parallel.pp}: serving runs unpipelined strategies"}, []
+    engine = engines.get(decode) if decode in engines else decode.abstract_engine(config, args)
+    if engine is None:
+        models = {
+            p: communication_model(
+                config,
+                decode.parallel,
+                program_phase(p),
+                batch=args.batch,
+                prompt_len=args.prompt_len,
+                program=p,
+                context_len=args.prompt_len,
+            ).to_dict()
+            for p in SERVING_PROGRAMS
+        }
+        return {"note": _compile_note(args, decode), "models": models}, []
+    rows = serving_report(engine, prompt_len=args.prompt_len, label=str(decode.parallel))
+    return {"programs": [r.to_dict() for r in rows]}, rows
 
 
 def _phase(args, config, group, plan, phase, engine) -> dict[str, Any]:
@@ -553,6 +586,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
     }
     if args.dot:
         Path(args.dot).write_text(to_dot({p: d["execution"] for p, d in data["phases"].items()}))
+    serving_rows = data.pop("_serving_rows", [])
     if args.json:
         print(json.dumps({**data, "phases": public}, indent=1))
         return 0
@@ -572,6 +606,7 @@ def run_explain(args: argparse.Namespace, console: Console) -> int:
     for phase, d in data["phases"].items():
         _print_phase(console, phase, d, data["compiled_note"])
     _print_handoff(console, data.get("disaggregated"))
+    _print_serving(console, data.get("serving"), serving_rows)
     if args.dot:
         console.print(f"DOT graph written to {args.dot}")
     return 0
@@ -606,6 +641,24 @@ def _print_phase(console: Console, phase: str, d: dict[str, Any], compiled_note:
     for s in d["execution"]:
         kind = "[yellow]comm   [/]" if s["kind"] == "comm" else "compute"
         console.print(f"  {kind} [dim]{s['section']:<16}[/] {escape(s['text'])}", highlight=False)
+
+
+def _print_serving(console: Console, d: dict[str, Any] | None, rows: list) -> None:
+    """The serving programs: one summary table, then each program's collectives."""
+    if d is None:
+        return
+    console.rule("[bold]serving (what `jaxpar serve` runs)")
+    if rows:
+        console.print(serving_table(rows))
+        for row in rows:
+            _print_report(console, row.report)
+        return
+    if "models" in d:
+        console.print(f"serving programs: analytic minimum only ({d['note']})")
+        for program, model in d["models"].items():
+            console.print(f"  {program}: {model['total_bytes']:,} B per device per run")
+        return
+    console.print(f"[dim]{escape(d['note'])}[/]")
 
 
 def _print_handoff(console: Console, d: dict[str, Any] | None) -> None:

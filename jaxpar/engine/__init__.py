@@ -17,6 +17,8 @@ from jaxpar.engine._distributed import PEER_LOST_EXIT_STATUS, ProcessInfo, peer_
 from jaxpar.engine._distributed import initialize as initialize_distributed
 from jaxpar.engine._efficiency import WINDOW_STEPS, PhaseLog, StepFacts, StepLog
 from jaxpar.engine._engine import Generation, InferenceEngine, prompt_bucket
+from jaxpar.engine._filters import CANDIDATES as SAMPLING_CANDIDATES
+from jaxpar.engine._filters import RADIX_ROUNDS as SAMPLING_RADIX_ROUNDS
 from jaxpar.engine._grammar import Constraint, Grammar, Grammars, Matcher, allow_only
 from jaxpar.engine._kv_budget import (
     CPU_KV_TOKENS,
@@ -39,6 +41,7 @@ from jaxpar.engine._penalties import History, Seen
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
+from jaxpar.engine._serving_programs import SERVING_PROGRAMS, ServingPrograms, program_phase
 from jaxpar.engine._slots import FirstTokens, Inserted, Slots, SlotSteps
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._text import (
@@ -73,6 +76,10 @@ __all__ = [
     "GenerationDefaults",
     "History",
     "Inserted",
+    "SAMPLING_CANDIDATES",
+    "SAMPLING_RADIX_ROUNDS",
+    "SERVING_PROGRAMS",
+    "ServingPrograms",
     "AbstractEngine",
     "BatcherStats",
     "ContinuousBatcher",
@@ -115,6 +122,7 @@ __all__ = [
     "mask_padded",
     "merge_sampling",
     "pages_per_shard",
+    "program_phase",
     "select_rows",
     "announce_ready",
     "initialize_distributed",

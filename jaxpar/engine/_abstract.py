@@ -12,6 +12,7 @@ lower its steps over abstract parameters, so nothing is allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._moe_probe import mesh_compiles_ragged
 from jaxpar.engine._param_formats import decode_param_formats, stores_in_step_layouts
 from jaxpar.engine._placement import param_shardings
+from jaxpar.engine._serving_programs import SERVING_PROGRAMS, ServingPrograms
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import padded_run
 from jaxpar.errors import ConfigError
@@ -187,12 +189,43 @@ class AbstractEngine:
             max_seq_len,
         )
 
-    def lower(self, phase: Phase | str, *, prompt_len: int, params: Any = None) -> Any:
-        """The ``jax.stages.Lowered`` prefill (prompts of ``prompt_len``) or decode step.
+    @functools.cached_property
+    def serving(self) -> ServingPrograms:
+        """The serving programs (:mod:`jaxpar.engine._serving_programs`): what ``jaxpar
+        serve`` compiles, over a page pool of ``max_batch x max_seq_len`` tokens."""
+        if self.parallel_config.pp > 1:
+            raise ConfigError(
+                f"serving runs unpipelined strategies; {self.parallel_config} has "
+                f"pp={self.parallel_config.pp}: its serving programs do not exist"
+            )
+        return ServingPrograms(self)
+
+    def lower(
+        self,
+        phase: Phase | str,
+        *,
+        prompt_len: int,
+        params: Any = None,
+        rows: int | None = None,
+        context_len: int | None = None,
+    ) -> Any:
+        """The ``jax.stages.Lowered`` program ``phase``.
+
+        ``"prefill"`` (prompts of ``prompt_len``) and ``"decode"`` are the offline steps
+        over a contiguous cache (``generate`` when pipelined); the serving programs
+        (:data:`~jaxpar.engine._serving_programs.SERVING_PROGRAMS`: ``"serve_decode"``,
+        the paged step ``jaxpar serve`` and unpipelined ``generate`` run, sampling
+        included; ``"serve_prefill"``, ``"serve_prefill_context"`` (after
+        ``context_len`` cached tokens), ``"first_tokens"`` and ``"insert"``) are what
+        the server compiles, over ``rows`` rows (default ``max_batch``).
 
         Inputs are ``ShapeDtypeStruct`` in the step's own shardings; ``params`` (default:
         the abstract ones) may be placed arrays.
         """
+        if isinstance(phase, str) and phase in SERVING_PROGRAMS:
+            return self.serving.lower(
+                phase, prompt_len=prompt_len, rows=rows, context_len=context_len, params=params
+            )
         lay, batch = self.layouts, self.max_batch
         params = self.params if params is None else params
         if Phase.coerce(phase) is Phase.PREFILL:

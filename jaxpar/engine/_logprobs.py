@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.engine._vocab import VocabSplit
+
 #: The most alternatives a request can ask for (OpenAI's bound), and what a step computes.
 MAX_TOP_LOGPROBS = 20
 #: What an impossible token's logprob is reported as (JSON has no infinity), as vLLM does.
@@ -43,11 +45,21 @@ class Logprobs:
     top: jax.Array
 
     @classmethod
-    def of(cls, logits_xV: jax.Array, chosen_x: jax.Array) -> Logprobs:
-        """Of ``logits_xV`` (padded ids at ``-inf``) for tokens ``chosen_x`` (traced)."""
+    def of(
+        cls, logits_xV: jax.Array, chosen_x: jax.Array, split: VocabSplit | None = None
+    ) -> Logprobs:
+        """Of ``logits_xV`` (padded ids at ``-inf``) for tokens ``chosen_x`` (traced).
+
+        ``split``: how ``[B, V]`` logits are split over the vocabulary: the most likely
+        tokens are then each shard's own first, merged (an exchange of ``[B, shards, K]``,
+        not of the vocabulary); the log-sum-exp is a per-row reduction."""
         lp_xV = jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1)
         chosen = jnp.take_along_axis(lp_xV, chosen_x[..., None], axis=-1)[..., 0]
-        top, top_ids = jax.lax.top_k(lp_xV, min(MAX_TOP_LOGPROBS, lp_xV.shape[-1]))
+        k = min(MAX_TOP_LOGPROBS, lp_xV.shape[-1])
+        if split is not None and lp_xV.ndim == 2:
+            top, top_ids = split.top_k(lp_xV, k)
+        else:
+            top, top_ids = jax.lax.top_k(lp_xV, k)
         return cls(chosen, top_ids.astype(jnp.int32), top)
 
     @classmethod
@@ -60,11 +72,17 @@ class Logprobs:
         )
 
     @classmethod
-    def for_rows(cls, logits_BV: jax.Array, chosen_B: jax.Array, wants_B: jax.Array) -> Logprobs:
+    def for_rows(
+        cls,
+        logits_BV: jax.Array,
+        chosen_B: jax.Array,
+        wants_B: jax.Array,
+        split: VocabSplit | None = None,
+    ) -> Logprobs:
         """:meth:`of` where some row ``wants_B`` them, else zeros (traced)."""
         return jax.lax.cond(
             jnp.any(wants_B),
-            lambda: cls.of(logits_BV, chosen_B),
+            lambda: cls.of(logits_BV, chosen_B, split),
             lambda: cls.zeros(chosen_B.shape, logits_BV.shape[-1]),
         )
 

@@ -43,9 +43,14 @@ class Seen:
 
     def add(self, tokens_B: jax.Array, where_B: jax.Array) -> Seen:
         """One more generated token per row where ``where_B`` (traced)."""
-        rows_B = jnp.arange(tokens_B.shape[0])
-        counts_BV = self.counts_BV.at[rows_B, tokens_B].add(where_B.astype(jnp.int32))
-        return Seen(counts_BV, self.prompt_BV)
+
+        # A scatter per row (vmapped: the rows are a batch dimension of the scatter), so
+        # the partitioner keeps it on the devices holding the row: a scatter into the
+        # batch-split counts at replicated [row, token] indices is all-reduced whole.
+        def one(counts_V, token, where):
+            return counts_V.at[token].add(where.astype(jnp.int32))
+
+        return Seen(jax.vmap(one)(self.counts_BV, tokens_B, where_B), self.prompt_BV)
 
 
 @flax.struct.dataclass

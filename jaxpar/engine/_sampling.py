@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.engine._filters import kept
 from jaxpar.engine._grammar import allow_only
 from jaxpar.engine._penalties import Seen, penalize
+from jaxpar.engine._vocab import VocabSplit
 from jaxpar.errors import ConfigError
 
 
@@ -74,7 +76,9 @@ class Sampling:
         return self.temperature == 0
 
 
-def select(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+def select(
+    logits_BV: jax.Array, key: jax.Array, sampling: Sampling, split: VocabSplit | None = None
+) -> jax.Array:
     """The next token per row (int32 [B]), one :class:`Sampling` for the batch; traced.
 
     The filters are :func:`select_rows`' (one implementation); row ``b`` draws with
@@ -104,7 +108,7 @@ def select(logits_BV: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Arra
         logprobs_B=jnp.zeros(b, bool),
     )
     keys_B = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_B)
-    return _filter_and_draw(logits_BV, rows, keys_B)
+    return _filter_and_draw(logits_BV, rows, keys_B, split or VocabSplit())
 
 
 @flax.struct.dataclass
@@ -181,6 +185,7 @@ def select_rows(
     step_B: jax.Array,
     seen: Seen | None = None,
     allowed_BW: jax.Array | None = None,
+    split: VocabSplit | None = None,
 ) -> jax.Array:
     """The next token per row with that row's own parameters (int32 [B]); traced.
 
@@ -190,45 +195,52 @@ def select_rows(
     rows too; none without it). ``allowed_BW``: each row's packed token mask (structured
     output; :func:`~jaxpar.engine._grammar.allow_only`), applied after the penalties and
     before the filters, so temperature, top-k and top-p act on the tokens the grammar
-    allows. The sort the filters need runs only when some row samples.
+    allows. ``split``: how the logits are split over the vocabulary (default whole), so
+    the filters reduce per shard first and never gather the vocabulary. They run only
+    when some row samples.
     """
 
     def key(key_data: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key_data), step), row)
 
     keys_B = jax.vmap(key)(rows.key_B, step_B, rows.row_B)
-    logits_BV = logits_BV.astype(jnp.float32)
+    split = split or VocabSplit()
+    logits_BV = split.constrain(logits_BV.astype(jnp.float32))
     if seen is not None:
-        logits_BV = penalize(logits_BV, seen, rows)
+        logits_BV = split.constrain(penalize(logits_BV, seen, rows))
     if allowed_BW is not None:
-        logits_BV = allow_only(logits_BV, allowed_BW)
-    return _filter_and_draw(logits_BV, rows, keys_B)
+        logits_BV = split.constrain(allow_only(logits_BV, allowed_BW))
+    return _filter_and_draw(logits_BV, rows, keys_B, split)
 
 
-def _filter_and_draw(logits_BV: jax.Array, rows: RowSampling, keys_B: jax.Array) -> jax.Array:
-    """Temperature, top-k and top-p per row, then a categorical draw per row (argmax of
-    logits + Gumbel noise from that row's key over ``[V]``); greedy rows take the argmax."""
+def _filter_and_draw(
+    logits_BV: jax.Array, rows: RowSampling, keys_B: jax.Array, split: VocabSplit
+) -> jax.Array:
+    """Temperature, top-k and top-p per row, then a categorical draw per row (argmax of the
+    kept tokens' tempered logits + Gumbel noise from that row's key over ``[V]``); greedy
+    rows take the argmax. Vocab-parallel (:mod:`jaxpar.engine._filters`): each reduction
+    over V runs on each shard first, so no step gathers the vocabulary."""
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     sampled_B = rows.temperature_B > 0
 
     def draw(_) -> jax.Array:
         vocab = logits_BV.shape[-1]
         temperature_B1 = jnp.where(sampled_B, rows.temperature_B, 1.0)[:, None]
-        scaled_BV = logits_BV / temperature_B1
-        sorted_BV = -jnp.sort(-scaled_BV, axis=-1)
-        k_B1 = jnp.where(rows.top_k_B > 0, jnp.minimum(rows.top_k_B, vocab), vocab)[:, None]
-        kth_B1 = jnp.take_along_axis(sorted_BV, k_B1 - 1, axis=-1)
-        scaled_BV = jnp.where(scaled_BV < kth_B1, -jnp.inf, scaled_BV)
-        sorted_BV = jnp.where(sorted_BV < kth_B1, -jnp.inf, sorted_BV)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass
-        # before it is still below top_p (the top token always stays).
-        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        top_p_B1 = rows.top_p_B[:, None]
-        cutoff_B1 = jnp.min(jnp.where(before_BV < top_p_B1, sorted_BV, jnp.inf), -1, keepdims=True)
-        scaled_BV = jnp.where((top_p_B1 < 1.0) & (scaled_BV < cutoff_B1), -jnp.inf, scaled_BV)
+        scaled_BV = split.constrain(logits_BV / temperature_B1)
+        filtered = jnp.any((rows.top_k_B > 0) | (rows.top_p_B < 1.0))
+        keep_BV = jax.lax.cond(
+            filtered,
+            lambda: split.constrain(kept(scaled_BV, rows, split)),
+            # Every token (derived from the logits: inside a stage's shard_map it varies
+            # as they do).
+            lambda: split.constrain(~jnp.isnan(scaled_BV)),
+        )
         noise_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys_B)
-        drawn_B = jnp.argmax(scaled_BV + noise_BV, axis=-1).astype(jnp.int32)
+        noise_BV = split.constrain(noise_BV)
+        score_BV = split.constrain(
+            jnp.where(split.constrain(keep_BV), scaled_BV + noise_BV, -jnp.inf)
+        )
+        drawn_B = jnp.argmax(score_BV, axis=-1).astype(jnp.int32)
         return jnp.where(sampled_B, drawn_B, greedy_B)
 
     return jax.lax.cond(jnp.any(sampled_B), draw, lambda _: greedy_B, None)

@@ -23,7 +23,7 @@ from jaxpar.engine import _pipeline as pipeline
 from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global, to_host
 from jaxpar.engine._sampling import Sampling, select
-from jaxpar.engine._vocab import mask_padded
+from jaxpar.engine._vocab import VocabSplit, mask_padded
 from jaxpar.models import Decoder, KVCache
 from jaxpar.spec import Module, Phase
 
@@ -37,9 +37,12 @@ class Pick:
     key: jax.Array
     sampling: Sampling
     vocab_size: int
+    #: How the logits are split over the vocabulary (unpipelined; whole inside a stage).
+    split: VocabSplit = VocabSplit()
 
     def __call__(self, logits_BV: jax.Array) -> jax.Array:
-        return select(mask_padded(logits_BV, self.vocab_size), self.key, self.sampling)
+        logits_BV = mask_padded(logits_BV, self.vocab_size)
+        return select(logits_BV, self.key, self.sampling, self.split)
 
 
 @dataclasses.dataclass(frozen=True)

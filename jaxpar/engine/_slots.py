@@ -300,8 +300,10 @@ class SlotSteps:
             step_R = take(slots.step_B)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             seen_R = jax.tree.map(take, slots.seen)
-            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, take(allowed_BW))
-            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B)
+            split = self.steps.vocab_split(DECODE)
+            allowed_RW = take(allowed_BW)
+            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, allowed_RW, split)
+            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B, split)
             logprobs_B = jax.tree.map(
                 put, Logprobs.zeros(tokens_B.shape, logits_RV.shape[-1]), logprobs_R
             )
@@ -322,11 +324,12 @@ class SlotSteps:
 
     # --- compiled entry points -----------------------------------------------------------
 
-    def _insert_program(self, slots, new: Inserted, *rows):
+    def _insert_program(self, slots, new: Inserted, *rows, lower: bool = False):
         lay, rep = self.steps.layouts, self.steps.layouts.replicated
         sampling = RowSampling.like(rep)
         inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
-        return self.steps._compile(
+        return self.steps._compile_or_lower(
+            lower,
             "insert",
             (jax.tree.map(jnp.shape, new.k), self._pool_key, self.history_width),
             self._insert,
@@ -368,9 +371,10 @@ class SlotSteps:
         args = (slots, new, *rows, sampling_P, start, history)
         return self._insert_program(*args)(*args)
 
-    def compile_insert(self, new: Inserted) -> None:
+    def compile_insert(self, new: Inserted, *, lower: bool = False) -> Any:
         """Compiles ``insert`` for prefill results shaped like ``new`` (``ShapeDtypeStruct``
-        trees are enough) ahead of its first call."""
+        trees are enough) ahead of its first call (``lower``: returns the
+        ``jax.stages.Lowered`` program instead, compiling nothing)."""
         rows = new.lengths_P.shape[0]
         rep = self.steps.layouts.replicated
 
@@ -394,7 +398,7 @@ class SlotSteps:
         pages = jax.ShapeDtypeStruct(shape, np.int32, sharding=rep)
         row_ints = spec(np.zeros(rows, np.int32))
         history = jax.tree.map(spec, History.empty(rows, self.history_width))
-        self._insert_program(
+        return self._insert_program(
             self.abstract(),
             new,
             row_ints,
@@ -403,6 +407,7 @@ class SlotSteps:
             jax.tree.map(spec, host),
             row_ints,
             history,
+            lower=lower,
         )
 
     # --- prefill context -----------------------------------------------------------------
@@ -448,9 +453,10 @@ class SlotSteps:
         pages = jax.ShapeDtypeStruct(shape, np.int32, sharding=rep)
         self._context_program(self.abstract(), pages, out_layout, length)
 
-    def _step_program(self, params, slots, release, tables, allowed):
+    def _step_program(self, params, slots, release, tables, allowed, lower: bool = False):
         lay = self.steps.layouts
-        return self.steps._compile(
+        return self.steps._compile_or_lower(
+            lower,
             "slot_step",
             (tables.shape, self._pool_key),
             self._step,
@@ -532,9 +538,12 @@ class SlotSteps:
         out = self._step_program(*args)(*args)
         return out if self.steps.counts_drops else (*out, None)
 
-    def compile_step(self, params, width: int, rows: int | None = None) -> Any:
+    def compile_step(
+        self, params, width: int, rows: int | None = None, *, lower: bool = False
+    ) -> Any:
         """Compiles ``step`` for block tables of ``width`` columns over ``rows`` rows
-        (default all) ahead of its first call; returns the compiled program."""
+        (default all) ahead of its first call; returns the compiled program (``lower``:
+        the ``jax.stages.Lowered`` one, compiling nothing)."""
         rows = rows or self.n_slots
         release = jax.ShapeDtypeStruct((self.n_slots,), bool, sharding=self.layout.active_B)
         shape = (rows, width) if self.groups is None else (self.groups.n_groups, rows, width)
@@ -542,7 +551,7 @@ class SlotSteps:
         allowed = jax.ShapeDtypeStruct(
             (self.n_slots, self.mask_words), np.int32, sharding=self.mask_layout
         )
-        return self._step_program(params, self.abstract(), release, tables, allowed)
+        return self._step_program(params, self.abstract(), release, tables, allowed, lower)
 
 
 class FirstTokens:
@@ -563,13 +572,15 @@ class FirstTokens:
         with self.steps._context(Phase.PREFILL):
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
             seen_P = history.seen(logits_PV.shape[-1])
-            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P, allowed_PW)
-            return first_P, Logprobs.for_rows(logits_PV, first_P, sampling_P.logprobs_B)
+            split = self.steps.vocab_split(Phase.PREFILL)
+            first_P = select_rows(logits_PV, sampling_P, step_P, seen_P, allowed_PW, split)
+            return first_P, Logprobs.for_rows(logits_PV, first_P, sampling_P.logprobs_B, split)
 
-    def _program(self, logits_PV, sampling_P, step_P, history, allowed_PW):
+    def _program(self, logits_PV, sampling_P, step_P, history, allowed_PW, lower=False):
         lay = self.steps.layouts
         rep = lay.replicated
-        return self.steps._compile(
+        return self.steps._compile_or_lower(
+            lower,
             "first_tokens",
             (logits_PV.shape, self.history_width),
             self._draw,
@@ -606,8 +617,9 @@ class FirstTokens:
         args = (logits_PV, sampling_P, step, history, allowed)
         return self._program(*args)(*args)
 
-    def compile(self, logits_PV: jax.ShapeDtypeStruct) -> None:
-        """Compiles the draw for ``logits_PV``'s shape ahead of its first call."""
+    def compile(self, logits_PV: jax.ShapeDtypeStruct, *, lower: bool = False) -> Any:
+        """Compiles the draw for ``logits_PV``'s shape ahead of its first call (``lower``:
+        returns the ``jax.stages.Lowered`` program instead, compiling nothing)."""
         rep = self.steps.layouts.replicated
         rows = logits_PV.shape[0]
         host = RowSampling.rows([Sampling()] * rows, [0] * rows)
@@ -621,4 +633,4 @@ class FirstTokens:
         history = jax.tree.map(spec, History.empty(rows, self.history_width))
         step = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
         allowed = spec(all_allowed(rows, logits_PV.shape[-1]))
-        self._program(logits, jax.tree.map(spec, host), step, history, allowed)
+        return self._program(logits, jax.tree.map(spec, host), step, history, allowed, lower)

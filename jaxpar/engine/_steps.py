@@ -32,6 +32,7 @@ from jaxpar.engine._pipeline_stages import Stages
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
+from jaxpar.engine._vocab import VocabSplit
 from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, count_dropped, total_dropped
 from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
@@ -115,8 +116,16 @@ class Steps:
         target = "cuda" if self.platform == "gpu" else self.platform
         return jitted.trace(*args).lower(lowering_platforms=(target,))
 
-    def _pick(self, key: jax.Array, sampling: Sampling) -> Pick:
-        return Pick(key, sampling, self.vocab_size)
+    def vocab_split(self, phase: Phase) -> VocabSplit:
+        """How this strategy's logits of ``phase`` are split over the vocabulary (whole
+        when pipelined: a stage samples inside its own ``shard_map``)."""
+        if self.config.pp > 1:
+            return VocabSplit()
+        lay = self.layouts
+        return VocabSplit.of(lay.logits_prefill if phase is PREFILL else lay.logits)
+
+    def _pick(self, key: jax.Array, sampling: Sampling, phase: Phase = DECODE) -> Pick:
+        return Pick(key, sampling, self.vocab_size, self.vocab_split(phase))
 
     def _counted(self, out: tuple, drops: list) -> tuple:
         return (*out, total_dropped(drops)) if self.counts_drops else out
@@ -145,7 +154,7 @@ class Steps:
         with self._context(DECODE):
             mode = getattr(self.dims, "kv_cache_dtype", None)
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len, mode)
-            pick = self._pick(jax.random.fold_in(key, 0), sampling)
+            pick = self._pick(jax.random.fold_in(key, 0), sampling, PREFILL)
             return cache, self.schedule.first_tokens(logits, pick)
 
     def _decode(self, params, cache, tokens_B):
@@ -236,6 +245,16 @@ class Steps:
         jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
         return self._aot(name, key, jitted, args)
 
+    def _compile_or_lower(
+        self, lower: bool, name, key, fn, in_shardings, out_shardings, args, **kw
+    ):
+        """:meth:`_compile`, or with ``lower`` the same program's ``jax.stages.Lowered``
+        for :attr:`platform` (for inspection: nothing is compiled or cached)."""
+        if not lower:
+            return self._compile(name, key, fn, in_shardings, out_shardings, args, **kw)
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **kw)
+        return self._lower(jitted, *args)
+
     def lower_prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         """The ``jax.stages.Lowered`` prefill for these shapes (for inspection)."""
         return self._lower(self._jit_prefill(all_logits), params, tokens_BT, lengths_B)
@@ -270,7 +289,7 @@ class Steps:
         out = self._aot("prefill", (tokens_BT.shape, all_logits), jitted, args)(*args)
         return self._strip("prefill", out)
 
-    def _prefill_context_program(self, args):
+    def _prefill_context_program(self, args, lower: bool = False):
         lay = self.layouts
         if self.config.pp > 1:
             raise ConfigError(
@@ -278,7 +297,8 @@ class Steps:
                 f"strategies; {self.config} has pp={self.config.pp}"
             )
         tokens, ctx_k = args[1], args[4]
-        return self._compile(
+        return self._compile_or_lower(
+            lower,
             "prefill_context",
             (tokens.shape, jax.tree.leaves(ctx_k)[0].shape),
             self._prefill_context,
@@ -299,9 +319,12 @@ class Steps:
         args = (params, tokens_BT, lengths_B, start_B, ctx_k, ctx_v)
         return self._strip("prefill", self._prefill_context_program(args)(*args))
 
-    def compile_prefill_context(self, params, rows: int, length: int, context: int) -> None:
+    def compile_prefill_context(
+        self, params, rows: int, length: int, context: int, *, lower: bool = False
+    ) -> Any:
         """Compiles :meth:`prefill_context` for ``[rows, length]`` new tokens over
-        ``context`` cached positions ahead of its first call."""
+        ``context`` cached positions ahead of its first call (``lower``: returns the
+        ``jax.stages.Lowered`` program instead, compiling nothing)."""
         lay = self.layouts
 
         def spec(shape, dtype, sharding):
@@ -318,7 +341,7 @@ class Steps:
         k, v = (context_kv(w) for w in d.cache_kv_dims)
         lengths = spec((rows,), jnp.int32, lay.lengths_prefill_B)
         tokens = spec((rows, length), jnp.int32, lay.tokens_BT)
-        self._prefill_context_program((params, tokens, lengths, lengths, k, v))
+        return self._prefill_context_program((params, tokens, lengths, lengths, k, v), lower)
 
     def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts

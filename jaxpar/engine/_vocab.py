@@ -79,3 +79,69 @@ def mask_padded(logits_xV: jax.Array, vocab_size: int) -> jax.Array:
 def true_vocab(logits_xV: jax.Array, vocab_size: int) -> jax.Array:
     """Logits as callers see them: the padded ids cut off."""
     return logits_xV if logits_xV.shape[-1] == vocab_size else logits_xV[..., :vocab_size]
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSplit:
+    """How ``[B, V]`` logits are split over the vocabulary: ``shards`` contiguous blocks of
+    ``V / shards`` ids (the vocab-parallel LM head's), laid out as ``layout`` (the logits'
+    sharding; None on one device).
+
+    A sampler reduces over V by first reducing each block where it lies
+    (:meth:`top_k`): the partitioner then moves ``[B, shards, k]`` candidates, not the
+    ``[B, V]`` logits a sort over the whole vocabulary gathers.
+    """
+
+    shards: int = 1
+    layout: Any = None
+
+    @classmethod
+    def of(cls, logits: Any) -> VocabSplit:
+        """The split of logits laid out as ``logits`` (a ``NamedSharding`` of ``[B, V]``)."""
+        spec = tuple(logits.spec) + (None,) * (2 - len(logits.spec))
+        entry = spec[-1]
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        shards = int(np.prod([logits.mesh.shape[a] for a in axes], dtype=int))
+        return cls(shards, logits) if shards > 1 else cls()
+
+    def constrain(self, x_BV: jax.Array) -> jax.Array:
+        """``x_BV`` kept in the logits' layout (a ``cond`` or an operand laid out otherwise,
+        like a replicated mask, would otherwise let the partitioner gather it)."""
+        if self.shards == 1 or self.layout is None:
+            return x_BV
+        return jax.lax.with_sharding_constraint(x_BV, self.layout)
+
+    def top_k(self, x_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """The ``k`` largest values per row, largest first, and their ids (int32; traced).
+
+        Each shard's own ``k`` largest first (a ``shard_map``: local), then the largest of
+        those: the exchange is ``[B, shards x k]`` values and ids.
+        """
+        b, v = x_BV.shape
+        if self.shards == 1 or self.layout is None or v % self.shards:
+            vals_Bk, ids_Bk = jax.lax.top_k(x_BV, min(k, v))
+            return vals_Bk, ids_Bk.astype(jnp.int32)
+        per = v // self.shards
+        local = min(k, per)
+        spec = PartitionSpec(*(tuple(self.layout.spec) + (None,) * (2 - len(self.layout.spec))))
+        vocab_axes = spec[1] if isinstance(spec[1], tuple) else (spec[1],)
+
+        def shard_top_k(x_bv):
+            vals_bk, ids_bk = jax.lax.top_k(x_bv, local)
+            shard = jax.lax.axis_index(vocab_axes)  # this block's place in the vocabulary
+            ids_bk = ids_bk.astype(jnp.int32) + shard.astype(jnp.int32) * per
+            # The one exchange: every shard's candidates, [b, shards x k] values and ids.
+            vals_bN, ids_bN = (
+                jax.lax.all_gather(x, vocab_axes, axis=1, tiled=True) for x in (vals_bk, ids_bk)
+            )
+            vals_bk, pos_bk = jax.lax.top_k(vals_bN, min(k, vals_bN.shape[-1]))
+            return vals_bk, jnp.take_along_axis(ids_bN, pos_bk, axis=-1)
+
+        rows = PartitionSpec(spec[0], None)
+        return jax.shard_map(
+            shard_top_k,
+            mesh=self.layout.mesh,
+            in_specs=spec,
+            out_specs=(rows, rows),
+            check_vma=False,  # gathered over the vocab axes: the same on each of them
+        )(x_BV)

@@ -28,6 +28,7 @@ from jaxpar.inspect._report import (
     moe_exchange,
     phase_report,
 )
+from jaxpar.inspect._serving import ServingRow, serving_report, serving_table
 from jaxpar.inspect._summary import (
     UNMAPPED,
     CollectiveSummary,
@@ -50,6 +51,7 @@ __all__ = [
     "CommModel",
     "Expected",
     "ReportRow",
+    "ServingRow",
     "SummaryRow",
     "TOLERANCE",
     "axes_for_groups",
@@ -70,6 +72,8 @@ __all__ = [
     "parse_collectives",
     "parse_replica_groups",
     "phase_report",
+    "serving_report",
+    "serving_table",
     "summarize",
     "tpu_devices",
 ]

@@ -29,6 +29,16 @@ and ``T_l`` the batch rows and tokens one device holds:
 * PP: one collective-permute of ``[B_mb_l, T_l, D]`` per stage boundary per microbatch
   (per device: each stage forwards each microbatch once); layers per device are ``L / pp``.
 * DP: nothing. Decode: nothing whose size scales with the parameters.
+
+The serving programs (``program=``, :data:`jaxpar.engine.SERVING_PROGRAMS`) add:
+
+* ``serve_prefill_context``: the K/V gather over ``sp`` covers the ``context_len`` cached
+  positions too;
+* ``serve_decode`` and ``first_tokens`` (which samples): the vocab-parallel sampler's
+  exchanges, O(B x k) and nothing of size V (:func:`sampling_items`);
+* ``insert``: the handoff of prefilled K/V into the decode pool: where prefill splits
+  tokens over ``sp``, every device gathers the new rows' K/V (a row's pages lie on one
+  decode shard, decided at run time). ``first_tokens`` and ``insert`` run no layers.
 """
 
 from __future__ import annotations
@@ -159,6 +169,7 @@ class _Step:
     count: int  # per-layer collectives per step: layers per device x microbatches
     groups: int
     itemsize: int
+    context: int = 0  # cached positions before the new tokens (prefill with context)
     items: list[Expected] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -199,6 +210,8 @@ def communication_model(
     batch: int,
     prompt_len: int,
     itemsize: int | None = None,
+    program: str | None = None,
+    context_len: int = 0,
 ) -> CommModel:
     """The collectives jaxpar's design needs for one step of ``phase``.
 
@@ -211,6 +224,10 @@ def communication_model(
         batch: sequences per step (the engine's ``max_batch``).
         prompt_len: padded prompt length T of the prefill step.
         itemsize: bytes per activation element; default from ``model.dtype``.
+        program: a serving program (``"serve_decode"``, ``"serve_prefill"``,
+            ``"serve_prefill_context"``, ``"first_tokens"``, ``"insert"``) of ``phase``;
+            None: the offline step of ``phase``. ``batch`` is then the program's rows.
+        context_len: cached positions before the new tokens (``serve_prefill_context``).
 
     Returns:
         A :class:`CommModel` whose items use the parser's byte convention.
@@ -225,11 +242,29 @@ def communication_model(
         config,
         phase,
         batch=batch // groups,
-        tokens=prompt_len if prefill else 1,
+        tokens=prompt_len if prefill or program == "insert" else 1,
         count=model.n_layers // config.pp * groups,
         groups=groups,
         itemsize=itemsize or np.dtype(getattr(model, "dtype", "float32")).itemsize,
+        context=context_len if program == "serve_prefill_context" else 0,
     )
+    if program in ("first_tokens", "insert"):  # no layers: the draw, or the handoff
+        (sampling_items if program == "first_tokens" else _handoff)(step)
+        return CommModel(phase, config, tuple(step.items), tuple(step.notes))
+    _layers(step)
+    if program == "serve_decode":
+        sampling_items(step)
+    if not step.items:
+        step.notes.append(
+            "No collective is needed: every device holds whole sequences and whole "
+            "weights for its share of the work."
+        )
+    return CommModel(phase, config, tuple(step.items), tuple(step.notes))
+
+
+def _layers(step: _Step) -> None:
+    """The model's own collectives: embedding, layers, head, pipeline."""
+    model = step.model
     _embedding(step)
     _attention(step)
     if model.n_experts:
@@ -248,12 +283,6 @@ def communication_model(
         _ffn(step, step.count)
     _lm_head(step)
     _pipeline(step)
-    if not step.items:
-        step.notes.append(
-            "No collective is needed: every device holds whole sequences and whole "
-            "weights for its share of the work."
-        )
-    return CommModel(phase, config, tuple(step.items), tuple(step.notes))
 
 
 def _embedding(step: _Step) -> None:
@@ -288,7 +317,7 @@ def _attention(step: _Step) -> None:
         att["seq"],
         "attention",
         "K/V gather",
-        (b_l, step.tokens, kv_l, model.head_dim),
+        (b_l, step.tokens + step.context, kv_l, model.head_dim),
         2 * step.count,
         "causal attention: every query needs the K and V of all earlier "
         "tokens, which other sp shards computed (one gather for K, one for V)",
@@ -357,6 +386,86 @@ def _pipeline(step: _Step) -> None:
         "M + pp - 1 iterations on every stage, so bubbles multiply what runs inside "
         "the pipeline by (M + pp - 1) / M."
     )
+
+
+def sampling_items(step: _Step) -> None:
+    """The vocab-parallel sampler's exchanges (:mod:`jaxpar.engine._filters`), per device,
+    over the LM head's vocab shards ``S``, for the ``b`` rows a device holds: ``C``
+    threshold candidates and ``K`` top-logprob candidates per shard (values; the
+    logprobs' ids too), each argmax's per-shard maxima (value and id; greedy and drawn),
+    and per-row sums: the radix selects' 2 x 32 rounds (only in steps that need them),
+    the top-p normaliser and log-softmax's max, sum and chosen logprob. Rows' results
+    then reach every device (tokens and logprobs are replicated outputs): ``B x (2K+1)``
+    over the batch axes. All O(B x k); none of them of size V."""
+    from jaxpar.engine import MAX_TOP_LOGPROBS
+    from jaxpar.engine import SAMPLING_CANDIDATES as CANDIDATES
+    from jaxpar.engine import SAMPLING_RADIX_ROUNDS as RADIX_ROUNDS
+
+    lm = step.axes(Module.LM_HEAD)
+    shards = _split(lm["vocab"], step.config)
+    b_l = _local(step.batch, lm["batch"], step.config, "batch")
+    vocab = -(-step.model.vocab_size // step.config.tp) * step.config.tp  # padded for tp
+    per = vocab // shards
+    c, k = min(CANDIDATES, per), min(MAX_TOP_LOGPROBS, vocab, per)
+    why = "vocab-parallel sampling: each vocab shard's candidates, merged (no [B, V] gather)"
+    step.add("all-gather", lm["vocab"], None, "sampling: candidates", (b_l, shards * c), 1, why, 4)
+    step.add("all-gather", lm["vocab"], None, "logprobs: candidates", (b_l, shards * k), 2, why, 4)
+    step.add(
+        "all-gather",
+        lm["vocab"],
+        None,
+        "argmax: shard maxima",
+        (b_l, shards),
+        4,
+        "greedy and drawn tokens: each shard's maximum and its id, then the largest",
+        4,
+    )
+    step.add(
+        "all-reduce",
+        lm["vocab"],
+        None,
+        "sampling: per-row sums",
+        (b_l,),
+        2 * RADIX_ROUNDS + 4,
+        "radix-select rounds (2 x 32, when a row's top-k or nucleus is wider than the "
+        "candidates), the top-p normaliser, log-softmax's max and sum, the chosen logprob",
+        4,
+    )
+    if lm["batch"] and step.batch > b_l:
+        step.add(
+            "all-gather",
+            lm["batch"],
+            None,
+            "results to every device",
+            (step.batch, 2 * k + 1),
+            1,
+            "tokens and logprobs leave the step replicated (the host reads them)",
+            4,
+        )
+    step.notes.append(
+        f"Sampling: {shards} vocab shard(s) exchange {c} threshold and {k} logprob "
+        "candidates per row; no step gathers the vocabulary."
+    )
+
+
+def _handoff(step: _Step) -> None:
+    """The insert: prefill's K/V of the new rows into the decode pool."""
+    model = step.model
+    att = mesh_axes(Module.ATTENTION, Phase.PREFILL, step.config, dims=model)
+    kv_l = _local(model.n_kv_heads, att["kv_heads"], step.config, "n_kv_heads")
+    widths = getattr(model, "cache_kv_dims", (model.head_dim, model.head_dim))
+    for name, width in zip(("K", "V"), widths, strict=True):
+        step.add(
+            "all-gather",
+            (*att["batch"], *att["seq"]),
+            None,
+            f"handoff: {name} of the new rows",
+            (step.batch, step.tokens, kv_l, width),
+            model.n_layers,
+            "prefill splits the new rows over its batch axes and their tokens over sp; the "
+            "decode shard holding a row's pages, decided at run time, needs all of them, so "
+            "each device gathers every new row (a data-dependent send would move 1/shards)",
+        )
 
 
 def moe_routed_rows(model: ModelDims, tokens: int) -> int:

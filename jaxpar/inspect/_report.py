@@ -56,6 +56,10 @@ CAUSES: dict[str, str] = {
         "(M + pp - 1) / M times the minimum (M microbatches, or decode groups)"
     ),
     "cpu-bf16-upcast": "XLA:CPU runs bf16 collectives in f32 (twice the bytes); GPUs do not",
+    "branch-predicate": (
+        "a lax.cond over rows split across devices (does any row sample, penalise, ask "
+        "for logprobs?) decides on every device: a 1-byte all-reduce of its predicate"
+    ),
     "unclassified": "no known cause; inspect the op_name in the JSON report",
 }
 
@@ -81,6 +85,8 @@ def classify(
     scopes = (c.op_name or "").split("/")  # jaxpar's own named scopes, outermost first
     if c.kind == "ragged-all-to-all":
         return "moe-ragged-receive-buffer"
+    if c.dtypes and all(t == "pred" for t in c.dtypes):
+        return "branch-predicate"
     if EXPERT_ROWS_SCOPE in scopes:
         return "moe-dispatch-buffer"
     if phase is Phase.DECODE and cache_dims is not None:
@@ -163,6 +169,13 @@ class CollectiveReport:
     #: MoE models: how this program moves expert rows, read from the compiled program
     #: (:func:`moe_exchange`); None for dense models.
     moe_exchange: str | None = None
+    #: The serving program reported (``"serve_decode"``, ...), None for an offline step.
+    program: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The program's name: a serving program's, else the phase's."""
+        return self.program or self.phase.value
 
     @property
     def compiled_bytes(self) -> int:
@@ -196,6 +209,7 @@ class CollectiveReport:
         return {
             "label": self.label,
             "phase": self.phase.value,
+            "program": self.name,
             "compiled_bytes": self.compiled_bytes,
             "minimum_bytes": self.minimum_bytes,
             "ratio": _json_ratio(self.ratio),
@@ -214,7 +228,7 @@ class CollectiveReport:
 
         table = Table(
             title=title
-            or f"{self.label} {self.phase.value}: collectives, compiled "
+            or f"{self.label} {self.name}: collectives, compiled "
             "vs minimum (bytes per device per step)",
             title_justify="left",
         )
@@ -377,32 +391,78 @@ def moe_exchange(collectives: list[Collective]) -> str:
     return "local"
 
 
-def compile_step(engine: Any, phase: Phase | str, *, prompt_len: int) -> Any:
-    """Compiles the engine's prefill or decode step for abstract inputs (nothing runs).
+def compile_step(
+    engine: Any,
+    phase: Phase | str,
+    *,
+    prompt_len: int,
+    rows: int | None = None,
+    context_len: int | None = None,
+) -> Any:
+    """Compiles the engine's prefill or decode step, or one of its serving programs
+    (:data:`jaxpar.engine.SERVING_PROGRAMS`: ``rows`` rows, ``context_len`` cached
+    positions), for abstract inputs (nothing runs).
 
     ``engine`` is a :class:`jaxpar.engine.InferenceEngine` or
     :class:`jaxpar.engine.AbstractEngine` (anything with their ``lower(phase,
     prompt_len=)``); inputs are ``ShapeDtypeStruct`` in the step's own shardings, so
     nothing is allocated beyond the parameters the engine already holds.
     """
-    return engine.lower(phase, prompt_len=prompt_len).compile()
+    if rows is None and context_len is None:
+        return engine.lower(phase, prompt_len=prompt_len).compile()
+    return engine.lower(phase, prompt_len=prompt_len, rows=rows, context_len=context_len).compile()
 
 
 def phase_report(
-    engine: Any, phase: Phase | str, *, prompt_len: int, label: str | None = None
+    engine: Any,
+    phase: Phase | str,
+    *,
+    prompt_len: int,
+    label: str | None = None,
+    rows: int | None = None,
+    context_len: int | None = None,
 ) -> tuple[CollectiveReport, Any]:
-    """Compiles one step of ``engine`` and reports it against the analytic model.
+    """Compiles one program of ``engine`` and reports it against the analytic model.
+
+    Args:
+        engine: an :class:`~jaxpar.engine.AbstractEngine` (or an inference engine, for
+            the offline steps).
+        phase: ``"prefill"``/``"decode"`` (the offline steps) or a serving program
+            (:data:`jaxpar.engine.SERVING_PROGRAMS`: what ``jaxpar serve`` runs).
+        prompt_len: new tokens per row (prefill programs, insert).
+        label: a name for tables (default: the strategy).
+        rows: rows of a serving program (default the engine's ``max_batch``).
+        context_len: cached positions of ``serve_prefill_context`` (default
+            ``prompt_len``, whole pages).
 
     Returns:
         ``(report, compiled)``; ``compiled.memory_analysis()`` gives per-device memory.
     """
+    from jaxpar.engine import SERVING_PROGRAMS, program_phase
     from jaxpar.inspect._model import communication_model
     from jaxpar.models import ModelRun
 
+    program = phase if isinstance(phase, str) and phase in SERVING_PROGRAMS else None
     config = ModelRun(engine.model_config, engine.options)  # true vocabulary, run's MoE
-    compiled = compile_step(engine, phase, prompt_len=prompt_len)
+    context = 0
+    if program == "serve_prefill_context":
+        z = engine.serving.pool.page_size
+        context = -(-(context_len or prompt_len) // z) * z
+    compiled = compile_step(
+        engine,
+        phase,
+        prompt_len=prompt_len,
+        rows=rows if program else None,
+        context_len=context or None,
+    )
     model = communication_model(
-        config, engine.parallel_config, phase, batch=engine.max_batch, prompt_len=prompt_len
+        config,
+        engine.parallel_config,
+        program_phase(phase),
+        batch=(rows or engine.max_batch) if program else engine.max_batch,
+        prompt_len=prompt_len,
+        program=program,
+        context_len=context,
     )
     collectives = parse_collectives(compiled)
     report = collective_report(
@@ -412,6 +472,7 @@ def phase_report(
         label=label,
         cache_dims=(engine.max_seq_len, config.head_dim),
     )
+    report = dataclasses.replace(report, program=program)
     if config.is_moe:
         report = dataclasses.replace(report, moe_exchange=moe_exchange(collectives))
     return report, compiled

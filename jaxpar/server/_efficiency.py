@@ -60,7 +60,7 @@ class PhaseProfile:
         collective_min_bytes: the analytic minimum of the same step.
         program: which compiled step the collectives are of.
         collective_branch_bytes: of ``collective_bytes``, those in conditional branches
-            (the sampling filters' gathers of vocab-split logits): a step runs them only
+            (the vocab-parallel sampler's O(B x k) exchanges): a step runs them only
             when a row samples, so a greedy step moves ``collective_bytes`` less these.
     """
 
@@ -183,8 +183,16 @@ def _prefill_profile(batcher: Any) -> PhaseProfile:
 
 def _profile(eng, phase, compiled, *, step_bytes, kv_bytes, batch, prompt_len, program):
     config = ModelRun(eng.model_config, eng.options)  # the true vocabulary, the run's MoE
+    # The programs the server runs: the decode step samples (its minimum includes the
+    # vocab-parallel sampler's O(B x k) exchange); prefill is a serving bucket.
+    serving = "serve_decode" if phase is Phase.DECODE else "serve_prefill"
     minimum = communication_model(
-        config, eng.parallel_config, phase, batch=batch, prompt_len=prompt_len
+        config,
+        eng.parallel_config,
+        phase,
+        batch=batch,
+        prompt_len=prompt_len,
+        program=serving,
     )
     collectives = parse_collectives(compiled)
     report = collective_report(
