@@ -31,8 +31,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "fixtures" / "configs"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "scripts"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,12 @@ def strategy_for(case: PodCase, config: Any) -> str:
     return str(planning.ranked[0].config)
 
 
+def programs_for(parallel: Any) -> tuple[str, ...]:
+    """The steps compiled: the offline prefill and decode, and the paged decode step with
+    its sampler that ``jaxpar serve`` runs (pipelines serve no paged step yet)."""
+    return ("prefill", "decode") if parallel.pp > 1 else ("prefill", "decode", "serve_decode")
+
+
 def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path=None) -> dict:
     """Compiles the case's prefill and decode steps for its TPU slice; returns the figures."""
     from jaxpar.inspect import kernel_calls, phase_report, tpu_devices
@@ -148,7 +155,7 @@ def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path
         "build_s": round(time.perf_counter() - start, 1),
         "phases": {},
     }
-    for phase in ("prefill", "decode"):
+    for phase in programs_for(parallel):
         t0 = time.perf_counter()
         report, compiled = phase_report(engine, phase, prompt_len=case.prompt_len)
         seconds = time.perf_counter() - t0
@@ -171,7 +178,10 @@ def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path
             "collective_bytes": rep["compiled_bytes"],
             "minimum_bytes": rep["minimum_bytes"],
             "ratio": rep["ratio"],
+            "ratio_explained": report.ratio_explained,
+            "exceptions": report.exceptions,
             "kernel_calls": kernel_calls(compiled),
+            "splash_expected": _splash_expected(engine, phase),
             "moved_fraction": moved_fraction(
                 compiled, engine, case.batch, case.prompt_len + case.gen_len
             ),
@@ -185,8 +195,21 @@ def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path
 
 
 def predicted_bytes(pred: Any, phase: str) -> int:
-    """The planner's bytes per device for one compiled step of ``phase``."""
+    """The planner's bytes per device for one compiled step of ``phase`` (the served
+    decode step's pool holds the same batch x max_seq_len tokens as the offline cache)."""
     return pred.memory.prefill_step if phase == "prefill" else pred.memory.decode_step
+
+
+def _splash_expected(engine: Any, phase: str) -> int:
+    """Splash calls the step must hold where the options chose the kernel for prefill."""
+    if (
+        phase not in ("prefill", "serve_prefill")
+        or engine.options.prefill_attention != "pallas_tpu"
+    ):
+        return 0
+    from bench import splash_expected
+
+    return splash_expected(engine)
 
 
 def _gib(n: int) -> str:
@@ -219,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench import libtpu
 
     path, _ = libtpu()
