@@ -11,6 +11,7 @@ prefill 1.00 and 1.26.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -161,3 +162,21 @@ def test_plan_compile_names_the_slices_it_compiles_for():
         topology("h100", 8)
     with pytest.raises(ConfigError, match="no v5e slice of 12 chips"):
         topology("tpu-v5e", 12)
+
+
+def test_planner_predicts_an_unpipelined_decode_step_within_10_percent(v5e16):
+    """Llama-3-8B widths at tp=8, 64 sequences x 4096 cache, 2 layers: ``decode_step``
+    against the compiled decode step, measured 1.00 (v5e:2x4; 1.01 at all 32 layers:
+    5.875 predicted, 5.920 GiB compiled). The "8.87 predicted, 5.87 compiled" once
+    reported is the plan's ``total`` (both steps' terms: prompt K/V and prefill
+    activations too), not the decode step's."""
+    config = dataclasses.replace(
+        _config(2), d_model=4096, n_heads=32, d_ff=14336, max_position_embeddings=4096
+    )
+    parallel = ParallelConfig.parse("tp=8")
+    mesh = make_mesh(parallel, devices=v5e16[:8])
+    run = ModelRun(config, ExecutionOptions())
+    engine = AbstractEngine.build(run, parallel, max_batch=64, max_seq_len=4096, mesh=mesh)
+    compiled = program_bytes(engine.lower("decode", prompt_len=1024).compile())
+    predicted = memory(config, parallel, batch=64, prompt_len=1024, max_seq_len=4096)
+    assert 0.9 <= compiled / predicted.decode_step <= 1.1, (compiled, predicted.decode_step)
