@@ -83,8 +83,8 @@ def test_matches_single_device(case):
     assert eng.generate(PROMPTS, NEW_TOKENS).tokens == ref_tokens
 
 
-def test_parameters_in_the_decode_steps_layouts_match_single_device(monkeypatch):
-    """The TPU path (:mod:`jaxpar.engine._param_formats`) run on CPU: the decode step picks
+def test_parameters_in_the_steps_layouts_match_single_device(monkeypatch):
+    """The TPU path (:mod:`jaxpar.engine._param_formats`) run on CPU: the steps pick
     the parameter layouts, the engine places the parameters so, and every step compiled
     against them equals one device."""
     monkeypatch.setattr(

@@ -91,8 +91,8 @@ class Steps:
         self.counts_drops = getattr(dims, "moe_capacity_factor", None) is not None
         self.last_dropped: dict[str, jax.Array] = {}
         #: Where the parameters lie: ``None`` for their shardings in the default layout;
-        #: for a pipeline on TPU, the formats (sharding + layout) its decode step reads them
-        #: in (:func:`~jaxpar.engine._param_formats.decode_param_formats`).
+        #: for a pipeline on TPU, the formats (sharding + layout) its steps read them in
+        #: (:func:`~jaxpar.engine._param_formats.step_param_formats`).
         self.param_formats: Any = None
 
     @property
