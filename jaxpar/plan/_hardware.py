@@ -84,6 +84,14 @@ class Hardware:
     def hbm_bytes(self) -> int:
         return int(self.hbm_gib * 2**30)
 
+    @property
+    def platform(self) -> str:
+        """The JAX platform of this kind (``"tpu"``, ``"cpu"``, else ``"cuda"``): what the
+        options' ``"auto"`` kernels resolve for."""
+        if self.device_kind is not None or self.name.startswith("tpu"):
+            return "tpu"
+        return "cpu" if self.name == "cpu" else "cuda"
+
     def domain(self, n_devices: int) -> int:
         """Devices per fast-link domain for an ``n_devices`` mesh."""
         return min(self.per_host or self.domain_size, n_devices)

@@ -141,16 +141,24 @@ def input_bytes(
 
 
 def activation_bytes(
-    model: ModelConfig, config: ParallelConfig, phase: Phase, batch: int, tokens: int, context: int
+    model: ModelConfig,
+    config: ParallelConfig,
+    phase: Phase,
+    batch: int,
+    tokens: int,
+    context: int,
+    *,
+    fused_attention: bool = False,
 ) -> int:
     """Estimate of one step's activation peak on one device.
 
     Two copies of the residual stream ``[B_l, T_l, D]`` plus the largest intermediate of a
     layer: the gated FFN hidden ``[B_l, T_l, F_l]`` (x2), the attention scores
-    ``[B_l, N_l, T_l, S]`` in f32, or the MoE exchange blocks: ``P x C`` rows sent and as
-    many received, and their expert hidden ``[P x C, F_l]`` (x2), for a device's ``n``
-    tokens and its ``P`` expert peers. A pipelined prefill counts these for one
-    microbatch, plus the stage buffers its schedule holds.
+    ``[B_l, N_l, T_l, S]`` in f32 (not with ``fused_attention``: a fused kernel, splash or
+    cuDNN, holds a block of them at a time), or the MoE exchange blocks: ``P x C`` rows
+    sent and as many received, and their expert hidden ``[P x C, F_l]`` (x2), for a
+    device's ``n`` tokens and its ``P`` expert peers. A pipelined prefill counts these for
+    one microbatch, plus the stage buffers its schedule holds.
     """
     itemsize = np.dtype(model.dtype).itemsize
     att = mesh_axes(Module.ATTENTION, phase, config, dims=model)
@@ -162,7 +170,7 @@ def activation_bytes(
         b_l = -(-b_l // config.microbatches)
     n_l = -(-model.n_heads // _split(att["heads"], config))
     stream = 2 * b_l * t_l * model.d_model * itemsize
-    scores = b_l * n_l * t_l * context * 4
+    scores = 0 if fused_attention else b_l * n_l * t_l * context * 4
     if model.n_experts:
         moe = mesh_axes(Module.MOE, phase, config, dims=model)
         n = -(-batch // _split(moe["batch"], config)) * -(-tokens // _split(moe["seq"], config))
@@ -190,6 +198,13 @@ def _stage_buffers(model: ModelConfig, config: ParallelConfig, tokens: int) -> i
     return embeddings + 2 * tokens * model.d_model * 4
 
 
+def prefill_kernel(run: ModelRun, platform: str) -> str:
+    """The prefill attention ``run``'s options resolve to on ``platform``."""
+    if run.prefill_attention != "auto":
+        return run.prefill_attention
+    return run.options.resolve(run.config, platform, ragged_compiles=True).prefill_attention
+
+
 def memory(
     model: ModelConfig,
     config: ParallelConfig,
@@ -199,6 +214,7 @@ def memory(
     max_seq_len: int,
     prefill_batch: int | None = None,
     release_windows: bool = False,
+    platform: str | None = None,
 ) -> Memory:
     """Per-device memory of a strategy decoding ``batch`` sequences, prefilling
     ``prefill_batch`` prompts at a time (default: all ``batch`` at once).
@@ -206,7 +222,11 @@ def memory(
     ``release_windows``: served over pages (continuous batching, ``pp == 1``), where a
     sliding-window layer's sequence holds only the pages its window spans
     (:func:`~jaxpar.engine.cache_fraction` of the full cache, in pages of the server's
-    default size); otherwise every layer holds ``max_seq_len`` tokens."""
+    default size); otherwise every layer holds ``max_seq_len`` tokens.
+
+    ``platform`` (``"tpu"``, ``"cuda"``, ``"cpu"``): the prefill attention the options
+    resolve to there; a fused kernel never holds the whole score matrix. None: counted as
+    XLA's (the scores materialised)."""
     run = run_form(model, config)
     rows = batch if prefill_batch is None else prefill_batch
     fraction = 1.0
@@ -216,7 +236,10 @@ def memory(
     # narrow only at the handoff.
     float_kv = ModelRun.of(model).with_options(kv_cache_dtype=None)
     prompt_kv = cache_bytes(float_kv, config, rows, prompt_len) if prompt_len else 0
-    prefill_acts = activation_bytes(run, config, Phase.PREFILL, rows, prompt_len, prompt_len)
+    fused = platform is not None and prefill_kernel(run, platform) != "xla"
+    prefill_acts = activation_bytes(
+        run, config, Phase.PREFILL, rows, prompt_len, prompt_len, fused_attention=fused
+    )
     decode_acts = activation_bytes(run, config, Phase.DECODE, batch, 1, max_seq_len)
     return Memory(
         params=param_bytes(model, config),

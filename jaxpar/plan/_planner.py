@@ -242,6 +242,7 @@ def largest_batch(
     *,
     serving: bool = False,
     where: Placement | None = None,
+    platform: str | None = None,
 ) -> tuple[int, ParallelConfig] | None:
     """The largest batch below ``workload.batch`` that a strategy legal for the workload on
     ``devices`` fits in ``budget`` bytes per device (serving: unpipelined, prefilling its
@@ -269,6 +270,7 @@ def largest_batch(
                 max_seq_len=w.max_seq_len,
                 prefill_batch=step if serving else None,
                 release_windows=serving,
+                platform=platform,
             )
             return need.total <= budget
 
@@ -309,7 +311,13 @@ def _infeasible(
     )
     if unfit and workload.batch > 1:
         largest = largest_batch(
-            model, devices, workload, budget, serving=serving, where=placement(hardware, devices)
+            model,
+            devices,
+            workload,
+            budget,
+            serving=serving,
+            where=placement(hardware, devices),
+            platform=hardware.platform,
         )
         if largest is not None:
             where += (
@@ -357,6 +365,7 @@ def min_devices(
                 batch=workload.batch,
                 prompt_len=workload.prompt_len,
                 max_seq_len=workload.max_seq_len,
+                platform=hardware.platform,
             )
             if need.total <= budget:
                 return count

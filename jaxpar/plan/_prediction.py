@@ -170,6 +170,7 @@ def predict(
         max_seq_len=workload.max_seq_len,
         prefill_batch=workload.prefill_batch,
         release_windows=workload.serving,
+        platform=hardware.platform,
     )
     kw = dict(
         prompt_len=workload.prompt_len,
