@@ -5,7 +5,8 @@ heads, 8 kv heads, FFN 28672, vocab 128256) at few layers, ``pp=2,tp=8``. Before
 parameters were stored in the steps' layouts (:mod:`jaxpar.engine._param_formats`), every
 step copied each stage's whole stacked gate/up, query and key/value kernels into another
 tiled layout (XLA:CPU has no tiled layouts and never showed it): decode temporaries 0.52
-GiB at 4 layers and 0.80 at 8, prefill 1.00 and 1.26; now 0.058 / 0.050 and 0.497 / 0.493.
+GiB at 4 layers and 0.80 at 8, prefill 1.00 and 1.26; in decode's layouts 0.019 / 0.034
+and 0.536 / 0.571.
 """
 
 from __future__ import annotations
@@ -93,23 +94,28 @@ def test_pipelined_step_copies_no_whole_stage_kernel_on_tpu(depths, phase):
         assert result[phase][1] == 0, (layers, result[phase][1], result["stage_kernel"])
 
 
+#: Moved fraction allowed per step: decode, which runs every token, copies nothing;
+#: prefill's many-token matmuls read the stacked query and key/value kernels in another
+#: layout and copy them once per prefill step (measured 0.044 at 4 layers, 0.060 at 8,
+#: 0.078 at Llama-3-70B's 80; storing them in prefill's layouts instead made decode copy
+#: them every token at full depth).
+MOVED = {"decode": 0.0, "prefill": 0.08}
+
+
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_pipelined_step_moves_little_on_tpu(depths, phase):
     """Copies of any weight or cache layer that land in HBM, over parameter + cache bytes
-    per device: measured 0.0 for both steps at 4 and 8 layers. Before: 0.52 / 0.62
-    (decode) and 0.56 / 0.68 (prefill); with the layers in decode's layouts, prefill still
-    copied its stacked query and key/value kernels every step (0.044 / 0.060). Decode's
-    per-layer slices of the output kernel into VMEM (``S(1)``) are the matmul's own reads,
-    not a copy: not counted."""
+    per device (:data:`MOVED`). Before: 0.52 / 0.62 (decode) and 0.56 / 0.68 (prefill).
+    Decode's per-layer slices of the output kernel into VMEM (``S(1)``) are the matmul's
+    own reads, not a copy: not counted."""
     for layers, result in depths.items():
-        assert result[phase, "moved"] <= 0.05, (layers, result[phase, "moved"])
+        assert result[phase, "moved"] <= MOVED[phase], (layers, result[phase, "moved"])
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_pipelined_temporaries_do_not_grow_with_depth_on_tpu(depths, phase):
     """Four more layers add 0.40 GiB of parameters per device; the temporaries grew by 0.27
-    (decode) and 0.25 GiB (prefill) with them before; now they do not grow (-0.008 and
-    -0.004 GiB)."""
+    (decode) and 0.25 GiB (prefill) with them before; now by 0.015 and 0.035 GiB."""
     grown_args = depths[8]["args"] - depths[4]["args"]
     grown_temp = depths[8][phase][0] - depths[4][phase][0]
     assert grown_temp <= 0.1 * grown_args, (grown_temp, grown_args)
@@ -138,9 +144,9 @@ def test_plan_compile_reads_each_plans_bytes_from_the_tpu_program(monkeypatch, c
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_planner_predicts_the_pipelined_steps_within_10_percent(depths, phase):
     """The planner's step (weights + cache or prompt K/V + inputs + activations) against
-    the compiled pipelined step's bytes per device: measured 1.07 / 1.04 (decode, 4 / 8
-    layers; 1.02 / 1.03 with the layers in decode's own layouts) and 1.01 / 1.00 (prefill;
-    1.30 / 1.21 before the stage buffers were counted)."""
+    the compiled pipelined step's bytes per device: measured 1.02 / 1.03 (decode, 4 / 8
+    layers) and 1.01 / 1.00 (prefill, with the layers in prefill's layouts; 1.30 / 1.21
+    before the stage buffers were counted)."""
     for layers, result in depths.items():
         predicted = memory(
             _config(layers),

@@ -13,7 +13,8 @@ Each case asserts: the mesh builds on the slice's torus and both steps compile; 
 device (arguments + outputs + temporaries - aliased) fit the chip's usable HBM and lie
 near the planner's prediction for that step (:data:`PLAN_TOLERANCE`: 10% for the
 unpipelined offline steps, looser where the planner is known to miss, and why); copies of
-weights or of the cache are at most 5% of parameter + cache bytes; splash attention is
+weights or of the cache are at most 5% of parameter + cache bytes (a pipelined prefill's
+8%: :data:`PIPELINED_PREFILL_MOVED`); splash attention is
 called in every prefill layer where the options chose it; collectives equal the analytic
 minimum apart from the causes the report names (:data:`EXPLAINED`).
 
@@ -45,7 +46,11 @@ pytestmark = [pytest.mark.pod, pytest.mark.usefixtures("no_persistent_cache")]
 #: figure for those.
 PLAN_TOLERANCE = {"prefill": 0.10, "decode": 0.10, "serve_decode": 0.15}
 PIPELINED_TOLERANCE = 0.25
+#: Copies of weights or cache per step, over parameter + cache bytes. A pipelined prefill
+#: copies its stages' stacked query and key/value kernels once per step (their layouts are
+#: decode's, the step that runs every token: 0.078 at Llama-3-70B's full depth).
 MOVED_LIMIT = 0.05
+PIPELINED_PREFILL_MOVED = 0.08
 #: Traffic above the analytic minimum that is no excess: the parser counts a ragged
 #: all-to-all's whole receive buffer (the rows that move are decided at run time); an SPMD
 #: pipeline's bubble iterations. Anything else must stay under 1% of the minimum (the
@@ -79,10 +84,11 @@ def test_real_shapes_compile_for_their_slice(case, library_path):
         pipelined = "pp=" in row["strategy"]
         tolerance = PIPELINED_TOLERANCE if pipelined else PLAN_TOLERANCE[phase]
         other = sum(b for cause, b in p["exceptions"].items() if cause not in EXPLAINED)
+        moved = PIPELINED_PREFILL_MOVED if pipelined and phase == "prefill" else MOVED_LIMIT
         checks = {
             "fits the chip": p["compiled_bytes"] <= row["limit_bytes"],
             f"within {tolerance:.0%} of the plan ({error:.3f})": error <= tolerance,
-            f"moved {p['moved_fraction']:.3f} <= 0.05": p["moved_fraction"] <= MOVED_LIMIT,
+            f"moved {p['moved_fraction']:.3f} <= {moved}": p["moved_fraction"] <= moved,
             f"collectives at the minimum ({p['ratio_explained']}, {p['exceptions']})": (
                 p["ratio_explained"] is None or p["ratio_explained"] <= 1.05
             )

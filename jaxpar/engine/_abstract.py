@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxpar.engine._layouts import Layouts
 from jaxpar.engine._moe_probe import mesh_compiles_ragged
-from jaxpar.engine._param_formats import step_param_formats, stores_in_step_layouts
+from jaxpar.engine._param_formats import decode_param_formats, stores_in_step_layouts
 from jaxpar.engine._placement import param_shardings
 from jaxpar.engine._serving_programs import SERVING_PROGRAMS, ServingPrograms
 from jaxpar.engine._steps import Steps
@@ -168,7 +168,7 @@ class AbstractEngine:
             platform=platform,
         )
         if stores_in_step_layouts(target, parallel.pp):
-            steps.param_formats = step_param_formats(steps, params, max_batch)
+            steps.param_formats = decode_param_formats(steps, params, max_batch)
             params = jax.tree.map(
                 lambda x, f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=f),
                 params,

@@ -92,7 +92,7 @@ class Steps:
         self.last_dropped: dict[str, jax.Array] = {}
         #: Where the parameters lie: ``None`` for their shardings in the default layout;
         #: for a pipeline on TPU, the formats (sharding + layout) its steps read them in
-        #: (:func:`~jaxpar.engine._param_formats.step_param_formats`).
+        #: (:func:`~jaxpar.engine._param_formats.decode_param_formats`).
         self.param_formats: Any = None
 
     @property
