@@ -83,7 +83,7 @@ def model_config(case: PodCase, layers_per_stage: int | None = None) -> Any:
     config = config_from_hf(hf, source=str(CONFIGS / case.model))
     config = dataclasses.replace(config, dtype="bfloat16", param_dtype="bfloat16")
     if layers_per_stage is not None:
-        pp = _pp(case, config)
+        pp = _pp(case)
         layers = layers_per_stage * pp
         if config.first_dense_layers:
             layers = max(layers, config.first_dense_layers + pp)
@@ -91,7 +91,7 @@ def model_config(case: PodCase, layers_per_stage: int | None = None) -> Any:
     return config
 
 
-def _pp(case: PodCase, config: Any) -> int:
+def _pp(case: PodCase) -> int:
     from jaxpar.spec import ParallelConfig
 
     return ParallelConfig.parse(case.strategy).pp if case.strategy else 1
@@ -120,7 +120,9 @@ def programs_for(parallel: Any) -> tuple[str, ...]:
 
 
 def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path=None) -> dict:
-    """Compiles the case's prefill and decode steps for its TPU slice; returns the figures."""
+    """Compiles the case's steps (:func:`programs_for`) for its TPU slice; returns the
+    figures of each beside the planner's prediction."""
+    from jaxpar.engine import AbstractEngine
     from jaxpar.inspect import kernel_calls, phase_report, tpu_devices
     from jaxpar.plan import load_hardware, predict
     from jaxpar.spec import ParallelConfig, make_mesh
@@ -133,8 +135,6 @@ def run_case(case: PodCase, *, layers_per_stage: int | None = None, library_path
     devices = tpu_devices(case.topology, library_path=library_path)
     start = time.perf_counter()
     mesh = make_mesh(parallel, devices=devices)
-    from jaxpar.engine import AbstractEngine
-
     engine = AbstractEngine.build(
         config,
         parallel,
