@@ -35,6 +35,7 @@ from jaxpar.spec._topology import (
     slice_order,
     tpu_device_array,
 )
+from jaxpar.spec._tree import shard_tree, tree_shardings
 from jaxpar.spec._validate import (
     Assignment,
     Plan,
@@ -84,11 +85,13 @@ __all__ = [
     "modules_of",
     "param_partition_spec",
     "partition_spec",
+    "shard_tree",
     "sharding_context",
     "slice_devices",
     "slice_layout",
     "slice_order",
     "spec_table",
     "tpu_device_array",
+    "tree_shardings",
     "validate",
 ]
