@@ -185,7 +185,8 @@ def test_kv_heads_under_tp_need_the_models_kv_head_count():
         jax.sharding.PartitionSpec(None, None, None, None)
     )
     assert param_partition_spec(("embed", "mlp"), tp4) == jax.sharding.PartitionSpec(None, "tp")
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    page = Path(__file__).parents[1] / "scripts" / "docs" / "pages" / "spec-layer.md"
+    readme = " ".join(page.read_text().split())
     assert all(f"`{name}` {key}" in readme for name, key in LOGICAL_AXES.items())
 
 

@@ -1,6 +1,6 @@
-"""``jaxpar serve`` on one device, as the README starts it, with real clients.
+"""``jaxpar serve`` on one device, as the serving page starts it, with real clients.
 
-One server for the module (the README's command, plus ``--slots 2 --max-queue 2`` so
+One server for the module (scripts/docs/pages/serving.md's command, plus ``--slots 2 --max-queue 2`` so
 overload is reachable), talked to with the official ``openai`` client, with ``httpx`` and
 with lm-eval-harness's completions client. Every completion is checked token for token
 against ``InferenceEngine.generate`` run here on the same checkpoint (``return_token_ids``
@@ -25,7 +25,9 @@ from jaxpar.engine import Sampling
 from tests import _lm_eval
 from tests._serve_util import CHECKPOINT, MAX_SEQ_LEN, MODEL, ROOT, Offline, ServerProcess
 
-README = (ROOT / "README.md").read_text()
+# The serving page's examples (the README and Getting started show copies of them:
+# tests/test_docs_examples.py checks they are the same).
+README = (ROOT / "scripts" / "docs" / "pages" / "serving.md").read_text()
 SERVE_BLOCKS = re.findall(r"^```(\w+) serve\n(.*?)^```", README, flags=re.M | re.S)
 README_PORT = "8000"
 
@@ -524,7 +526,7 @@ def test_disconnect_mid_stream_frees_the_slot(ready, offline):
 
 
 def _run_curl_block(block: str, port: int) -> list[dict]:
-    """A README ``bash serve`` block run against the server: the responses it printed."""
+    """A serving page ``bash serve`` block run against the server: the responses it printed."""
     curl = block.replace(README_PORT, str(port))
     out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -536,10 +538,10 @@ def test_readme_examples_run_against_the_server(ready, tmp_path):
     completion, repeated = [_run_curl_block(b, ready.port) for lang, b in blocks if lang == "bash"]
     for response in [*completion, *repeated]:
         assert response["choices"][0]["finish_reason"] in ("stop", "length")
-    # The same prompt twice: the second reuses the K/V the first cached, as the README shows.
+    # The same prompt twice: the second reuses the K/V the first cached, as the serving page shows.
     usages = [response["usage"] for response in repeated]
     shown = re.search(r'```json\n(\{"id".*"cached_tokens":\d+\}\}\})\n```', README)
-    assert shown, "README.md lost the response of the repeated prompt"
+    assert shown, "serving.md lost the response of the repeated prompt"
     assert usages[1] == json.loads(shown.group(1))["usage"]
     assert usages[0]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert 0 < usages[1]["prompt_tokens_details"]["cached_tokens"] < usages[1]["prompt_tokens"]

@@ -29,7 +29,10 @@ CACHE_AXES = {"k_BSKH": ("batch", "cache_seq", "kv_heads", "head_dim")}
 def _params():
     shapes = {
         "embed": {"table_VD": (256, 64)},
-        "layers": [{"wq_DNH": (64, 8, 8), "w_in_DF": (64, 256)}, {"wkv_DKH": (64, 4, 8), "norm_D": (64,)}],
+        "layers": [
+            {"wq_DNH": (64, 8, 8), "w_in_DF": (64, 256)},
+            {"wkv_DKH": (64, 4, 8), "norm_D": (64,)},
+        ],
     }
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     arrays = [jnp.arange(np.prod(s), dtype=jnp.float32).reshape(s) for s in leaves]
@@ -41,7 +44,9 @@ def test_parameters_get_their_one_layout_and_keep_their_values():
     params = _params()
     placed = shard_tree(params, PARAM_AXES, mesh, CFG, dims=DIMS)
     flat_axes = jax.tree.leaves(PARAM_AXES, is_leaf=lambda x: isinstance(x, (tuple, P)))
-    for axes, before, after in zip(flat_axes, jax.tree.leaves(params), jax.tree.leaves(placed)):
+    for axes, before, after in zip(
+        flat_axes, jax.tree.leaves(params), jax.tree.leaves(placed), strict=True
+    ):
         assert after.sharding.mesh == mesh
         assert after.sharding.spec == param_partition_spec(tuple(axes), CFG, dims=DIMS)
         np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
@@ -56,7 +61,9 @@ def test_a_cache_tree_differs_between_the_phases():
     cache = {"k_BSKH": jnp.zeros((8, 16, 4, 8))}
     specs = {}
     for phase in ("prefill", "decode"):
-        placed = shard_tree(cache, CACHE_AXES, mesh, CFG, phase=phase, module="attention", dims=DIMS)
+        placed = shard_tree(
+            cache, CACHE_AXES, mesh, CFG, phase=phase, module="attention", dims=DIMS
+        )
         specs[phase] = placed["k_BSKH"].sharding.spec
         expected = partition_spec(CACHE_AXES["k_BSKH"], "attention", phase, CFG, dims=DIMS)
         assert specs[phase] == expected
@@ -70,7 +77,7 @@ def test_tree_shardings_serve_as_jit_out_shardings():
     shardings = tree_shardings(PARAM_AXES, mesh, CFG, dims=DIMS)
     init = jax.jit(_params, out_shardings=shardings)
     out = init()
-    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(shardings)):
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(shardings), strict=True):
         assert got.sharding == want
 
 

@@ -387,9 +387,9 @@ def test_server_plain_requests_unchanged_beside_constrained(client):
 
 
 def test_readme_structured_example_runs_against_the_server(server, client, tmp_path):
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "scripts" / "docs" / "pages" / "serving.md").read_text()
     block = re.search(r"^```python structured\n(.*?)^```", readme, flags=re.M | re.S)
-    assert block, "README.md lost its structured-output example"
+    assert block, "serving.md lost its structured-output example"
     script = tmp_path / "readme_structured.py"
     script.write_text(block.group(1).replace("8000", str(server.port)))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
