@@ -150,3 +150,13 @@ def test_spec_layer_comments_state_the_results():
         value = eval(expr, namespace)
         shown = str(value) if claim.startswith("P(") else f"Status.{value.name}"
         assert shown == claim, (expr, shown, claim)
+
+
+def test_readme_links_point_at_files_that_exist():
+    # The README links the pages by relative path (GitHub renders them); the site's own
+    # links are checked by its strict build (tests/test_docs_build.py).
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10, local
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
