@@ -18,6 +18,7 @@ CONFIG = ROOT / "scripts" / "docs" / "mkdocs.yml"
 
 
 @pytest.mark.slow
+@pytest.mark.server  # mkdocs in a process of its own
 def test_the_site_builds_strictly(tmp_path):
     missing = [
         m

@@ -56,6 +56,8 @@ def test_readme_and_pages_have_python_blocks():
         assert any(where.endswith(page) for where in on_pages), f"{page} lost its python examples"
 
 
+# Each block in a process of its own: the full tier (`server`: scripts/test.sh --fast leaves it out).
+@pytest.mark.server
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=list(EXAMPLES.values()))
 def test_python_block_runs(index, tmp_path):
     block = BLOCKS[index]
