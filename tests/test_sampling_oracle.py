@@ -326,7 +326,13 @@ def test_select_rows_frequencies_match_the_reference(index):
 
 # --- the serving core: generate's first-token draws -----------------------------------------
 
-SERVED_ROWS, SERVED_SEEDS = 32, 48  # 1,536 draws per case
+SERVED_ROWS, SERVED_SEEDS = 32, 32  # 1,024 draws per case
+
+
+#: Every batcher here: 6 pages of 4 tokens (tight enough to preempt), two prompts per
+#: prefill; one shape for all, so their programs compile once.
+PAGE = 4
+BUDGET = KVBudget(page_size=PAGE, tokens=24)
 
 
 @functools.cache
@@ -411,7 +417,7 @@ def test_served_greedy_penalties_equal_the_reference_step_by_step(sampling):
     assert (want[0] != argmax) == (sampling.repetition_penalty != 1.0)
     got = engine.generate([prompt], 6, sampling=sampling, stop_tokens=()).tokens[0]
     assert got == want
-    with ContinuousBatcher(engine, prefill_batch=1) as batcher:
+    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=BUDGET) as batcher:
         assert batcher.submit(prompt, max_tokens=6, sampling=sampling).result(120) == want
 
 
@@ -479,7 +485,7 @@ def test_served_logprobs_are_the_raw_log_softmax(sampling):
     the draw; the processed distribution's logprobs differ (the check has power)."""
     engine = tiny_engine()
     prompt = list(prompt_holding_its_argmax())
-    with ContinuousBatcher(engine, prefill_batch=1) as batcher:
+    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=BUDGET) as batcher:
         stream = batcher.submit(prompt, max_tokens=6, sampling=sampling, seed=4, logprobs=5)
         tokens = stream.result(120)
     lp_NV = teacher_forced_log_softmax(engine, prompt, tokens)
@@ -504,8 +510,6 @@ def test_served_logprobs_are_the_raw_log_softmax(sampling):
 
 # --- preemption: a resumed request draws at its own step ------------------------------------
 
-PAGE = 4
-
 
 def test_preempted_sampled_request_resumes_at_its_own_step():
     """Two 8-token prompts on 6 pages of 4 tokens: both decode until they need a fourth
@@ -521,10 +525,8 @@ def test_preempted_sampled_request_resumes_at_its_own_step():
         dict(prompt=first, max_tokens=8, sampling=Sampling(), seed=0),
         dict(prompt=second, max_tokens=10, sampling=sampled, seed=21),
     ]
-    with ContinuousBatcher(
-        engine, prefill_batch=2, kv_budget=KVBudget(page_size=PAGE, tokens=24)
-    ) as batcher:
-        assert batcher.pool.pages_per_shard == 24 // PAGE + 1  # + the scratch page
+    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=BUDGET) as batcher:
+        assert batcher.pool.pages_per_shard == BUDGET.tokens // PAGE + 1  # + the scratch page
         streams = [batcher.submit(**r) for r in requests]
         tight = [s.result(120) for s in streams]
         preemptions = batcher.stats.preemptions
