@@ -189,9 +189,8 @@ N_DRAWS = 20_000  # per row: steps 0..N-1 of one seed
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One row: its sampling, the prompt and generated tokens its penalties see, the
-    tokens its grammar allows (None: all), and the distributions a broken sampler would
-    draw from (each must be rejected)."""
+    """One row: its sampling, the prompt and generated tokens its penalties see, and the
+    tokens its grammar allows (None: all)."""
 
     name: str
     sampling: Sampling
@@ -266,9 +265,11 @@ def _cases() -> list[Case]:
 def _wrong(case: Case, logits_V: np.ndarray) -> list[np.ndarray]:
     """What a sampler with one of the bugs the issue names would draw from, for ``case``:
     the prompt left out of the repetition penalty; frequency/presence counting the
-    prompt; top-k / top-p taken of the unmasked distribution and then masked (with a
-    fallback to every allowed token when they keep none)."""
+    prompt; the mask ignored; top-k / top-p taken of the unmasked distribution and then
+    masked (with a fallback to every allowed token when they keep none)."""
     s, wrong = case.sampling, []
+    if case.allowed is not None:
+        wrong.append(case.p(logits_V, allowed=None))
     if s.repetition_penalty != 1.0 and case.prompt:
         wrong.append(case.p(logits_V, prompt=()))
     if (s.frequency_penalty or s.presence_penalty) and case.prompt:
