@@ -235,40 +235,70 @@ class Monitor:
     """Process 0's watch over the other processes' heartbeats: calls ``on_lost(error)``
     once, with a :class:`PeerLostError` naming every process whose heartbeat stopped for
     ``lost_after_s``, or that has not sent its first within :data:`START_GRACE_S` of
-    :meth:`start` (processes load and reach their batcher at different times)."""
+    :meth:`start` (processes load and reach their batcher at different times).
 
-    def __init__(self, on_lost: Callable[[PeerLostError], Any], lost_after_s: float = LOST_AFTER_S):
-        self._client, self._on_lost, self.lost_after_s = _client(), on_lost, lost_after_s
+    ``client`` (the coordination service's, by default), ``processes`` (the job's) and
+    ``clock`` (``time.monotonic``) can be replaced, so the policy runs without a job:
+    :meth:`arm` and :meth:`poll` are what the watch thread does, one look at a time.
+    """
+
+    def __init__(
+        self,
+        on_lost: Callable[[PeerLostError], Any],
+        lost_after_s: float = LOST_AFTER_S,
+        *,
+        client: Any = None,
+        processes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._client = client if client is not None else _client()
+        self._on_lost, self.lost_after_s = on_lost, lost_after_s
+        self._processes = processes if processes is not None else jax.process_count()
+        self._clock = clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="monitor", daemon=True)
+        self._seen: dict[int, tuple[Any, float]] = {}
         self.lost: list[int] = []
 
     def start(self) -> Monitor:
+        self.arm()
         self._thread.start()
         return self
 
     def close(self) -> None:
         self._stop.set()
 
+    def arm(self) -> None:
+        """Every other process counted as not heard from yet, as of now: the start grace
+        begins."""
+        now = self._clock()
+        self._seen = {pid: (None, now) for pid in range(1, self._processes)}
+
+    def poll(self) -> list[int]:
+        """One look at the heartbeats: the processes lost (empty: none). The first time
+        some are, marks the peer lost and calls ``on_lost``; never again after."""
+        if self.lost:
+            return self.lost
+        beats = dict(self._client.key_value_dir_get(ALIVE + "/"))
+        now = self._clock()
+        for pid, (value, _) in list(self._seen.items()):
+            current = beats.get(f"{ALIVE}/{pid}")
+            if current != value:
+                self._seen[pid] = (current, now)
+        lost = [
+            pid
+            for pid, (value, since) in self._seen.items()
+            if now - since > (self.lost_after_s if value is not None else START_GRACE_S)
+        ]
+        if lost:
+            self.lost = lost
+            mark_peer_lost()
+            self._on_lost(lost_error(lost, self._processes, self.lost_after_s))
+        return lost
+
     def _watch(self) -> None:
-        n = jax.process_count()
-        seen = {pid: (None, time.monotonic()) for pid in range(1, n)}
         while not self._stop.wait(HEARTBEAT_S / 2):
-            beats = dict(self._client.key_value_dir_get(ALIVE + "/"))
-            now = time.monotonic()
-            for pid, (value, _) in list(seen.items()):
-                current = beats.get(f"{ALIVE}/{pid}")
-                if current != value:
-                    seen[pid] = (current, now)
-            lost = [
-                pid
-                for pid, (value, since) in seen.items()
-                if now - since > (self.lost_after_s if value is not None else START_GRACE_S)
-            ]
-            if lost:
-                self.lost = lost
-                mark_peer_lost()
-                self._on_lost(lost_error(lost, n, self.lost_after_s))
+            if self.poll():
                 return
 
 
