@@ -185,7 +185,7 @@ def test_rope_scaling_from_mapping_and_hashable() -> None:
         original_max_position_embeddings=8192,
     )
     c = dataclasses.replace(preset("tiny-dense"), rope_scaling=raw)
-    assert isinstance(c.rope_scaling, Llama3RopeScaling)
+    assert isinstance(c.rope.scaling, Llama3RopeScaling)
     hash(c)
     with pytest.raises(ConfigError, match="lacks key"):
         dataclasses.replace(preset("tiny-dense"), rope_scaling={"rope_type": "llama3"})
@@ -215,10 +215,10 @@ def _llama3_reference(head_dim: int, theta: float, s: Llama3RopeScaling) -> np.n
 
 def test_llama3_rope_scaling_matches_reference() -> None:
     c = preset("llama-1b")
-    got = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-    want = _llama3_reference(c.head_dim, c.rope_theta, c.rope_scaling)
+    got = rope_inv_freq(c.head_dim, c.rope.theta, c.rope.scaling)
+    want = _llama3_reference(c.head_dim, c.rope.theta, c.rope.scaling)
     np.testing.assert_allclose(got, want, rtol=2e-6)
-    plain = rope_inv_freq(c.head_dim, c.rope_theta)
+    plain = rope_inv_freq(c.head_dim, c.rope.theta)
     # All three regimes occur: kept, divided by factor, and interpolated.
     ratio = plain / got
     assert np.any(np.isclose(ratio, 1.0)) and np.any(np.isclose(ratio, 32.0))
@@ -282,12 +282,12 @@ def test_yarn_rope_scaling_matches_the_paper(raw: dict) -> None:
         rope_scaling=raw,
         max_position_embeddings=131072,
     )
-    s = c.rope_scaling
+    s = c.rope.scaling
     assert isinstance(s, YarnRopeScaling)
     hash(c)
-    got = rope_inv_freq(c.head_dim, c.rope_theta, s)
-    np.testing.assert_allclose(got, _yarn_reference(c.head_dim, c.rope_theta, s), rtol=2e-6)
-    ratio = rope_inv_freq(c.head_dim, c.rope_theta) / got
+    got = rope_inv_freq(c.head_dim, c.rope.theta, s)
+    np.testing.assert_allclose(got, _yarn_reference(c.head_dim, c.rope.theta, s), rtol=2e-6)
+    ratio = rope_inv_freq(c.head_dim, c.rope.theta) / got
     assert np.any(np.isclose(ratio, 1.0)) and np.any(np.isclose(ratio, s.factor))
     assert np.any((ratio > 1.01) & (ratio < s.factor * 0.99))  # the ramp
     # cos/sin factor: 0.1 ln(factor) + 1, or its ratio to itself when both mscales are equal.
@@ -300,7 +300,7 @@ def test_yarn_config_errors_and_defaults() -> None:
     base = preset("tiny-dense")
     # transformers' defaults: original context = max_position_embeddings, betas 32 / 1.
     c = dataclasses.replace(base, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    assert c.rope_scaling == YarnRopeScaling(
+    assert c.rope.scaling == YarnRopeScaling(
         factor=4.0, original_max_position_embeddings=base.max_position_embeddings
     )
     explicit = dict(rope_type="yarn", factor=4.0, attention_factor=0.5)

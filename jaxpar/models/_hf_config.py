@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` -> :class:`ModelConfig`."""
+"""Hugging Face ``config.json`` -> :class:`ModelConfig`: the one place that maps Hugging
+Face's names onto jaxpar's fields, for every family."""
 
 from __future__ import annotations
 
@@ -6,9 +7,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models._config import (
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._config_groups import (
+    AttentionConfig,
+    EmbedConfig,
+    FfnConfig,
+    MlaConfig,
+    MoeConfig,
+    NormConfig,
+    RopeConfig,
+    WindowConfig,
+)
+from jaxpar.models._rope_scaling import (
     ROPE_SCALINGS,
-    ModelConfig,
     RopeScaling,
     YarnRopeScaling,
     rope_scaling_from_mapping,
@@ -115,7 +126,9 @@ def _sizes(
 ) -> dict[str, Any]:
     """The sizes every decoder's ``config.json`` names alike; the arguments are the family's
     defaults where a key is absent (``head_dim``, ``rms_norm_eps``,
-    ``max_position_embeddings``, ``tie_word_embeddings``)."""
+    ``max_position_embeddings``, ``tie_word_embeddings``). Norms and embeddings are
+    groups a family may replace with more of its own fields (keeping ``norms.eps`` and
+    ``embed.tied``)."""
     n_heads = hf["num_attention_heads"]
     return dict(
         vocab_size=hf["vocab_size"],
@@ -125,9 +138,9 @@ def _sizes(
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or head_dim,
         d_ff=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", eps),
         max_position_embeddings=hf.get("max_position_embeddings", positions),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", tied)),
+        norms=NormConfig(eps=hf.get("rms_norm_eps", eps)),
+        embed=EmbedConfig(tied=bool(hf.get("tie_word_embeddings", tied))),
     )
 
 
@@ -138,19 +151,26 @@ def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     head_dim = _default_head_dim(hf, arch)
     fields = _sizes(hf, head_dim=head_dim, eps=1e-6, positions=2048, tied=False)
     window, sliding = _window(hf, arch, source)
-    fields.update(rope_theta=theta, rope_scaling=scaling, sliding_window=window)
-    fields.update(sliding_layers=sliding)
+    fields.update(
+        rope=RopeConfig(theta=theta, scaling=scaling),
+        window=WindowConfig(size=window, layers=sliding),
+    )
     if arch == "qwen2":
-        fields["qkv_bias"] = True  # Qwen2 hard-codes q/k/v biases, none on o_proj.
+        # Qwen2 hard-codes q/k/v biases, none on o_proj.
+        fields["attention"] = AttentionConfig(qkv_bias=True)
     elif arch == "llama":
         bias = bool(hf.get("attention_bias", False))
-        fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+        fields["attention"] = AttentionConfig(qkv_bias=bias, out_bias=bias)
+        fields["ffn"] = FfnConfig(bias=bool(hf.get("mlp_bias", False)))
     elif arch in ("qwen3", "qwen3_moe"):
         # q_norm/k_norm on every head; attention_bias puts biases on q, k, v and o alike.
         bias = bool(hf.get("attention_bias", False))
-        fields.update(qk_norm=True, qkv_bias=bias, out_bias=bias)
+        fields["attention"] = AttentionConfig(qkv_bias=bias, out_bias=bias)
+        fields["norms"] = NormConfig(eps=fields["norms"].eps, qk=True)
     if arch == "mixtral":
-        fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+        fields.update(
+            n_experts=hf["num_local_experts"], moe=MoeConfig(top_k=hf["num_experts_per_tok"])
+        )
     elif arch == "qwen3_moe":
         fields.update(_qwen3_moe_fields(hf, source))
     return fields
@@ -195,25 +215,28 @@ def _deepseek_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         n_kv_heads=1,
         head_dim=rank + rope,
         d_ff=moe_width,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        kv_lora_rank=rank,
-        q_lora_rank=hf.get("q_lora_rank"),
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=hf["v_head_dim"],
-        rope_interleave=bool(hf.get("rope_interleave", True)),
-        attn_scale=_deepseek_score_scale(nope + rope, scaling),
         n_experts=experts,
-        top_k=hf["num_experts_per_tok"],
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        first_dense_layers=first_dense,
-        dense_d_ff=hf["intermediate_size"] if first_dense else 0,
-        shared_d_ff=int(hf.get("n_shared_experts") or 0) * moe_width,
-        moe_router="sigmoid_grouped",
-        moe_groups=int(hf.get("n_group") or 1),
-        moe_topk_groups=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        rope=RopeConfig(theta=theta, scaling=scaling),
+        mla=MlaConfig(
+            kv_lora_rank=rank,
+            q_lora_rank=hf.get("q_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=hf["v_head_dim"],
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+        ),
+        attention=AttentionConfig(scale=_deepseek_score_scale(nope + rope, scaling)),
+        moe=MoeConfig(
+            top_k=hf["num_experts_per_tok"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            first_dense_layers=first_dense,
+            dense_d_ff=hf["intermediate_size"] if first_dense else 0,
+            shared_d_ff=int(hf.get("n_shared_experts") or 0) * moe_width,
+            router="sigmoid_grouped",
+            groups=int(hf.get("n_group") or 1),
+            topk_groups=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        ),
     )
 
 
@@ -266,9 +289,12 @@ def _qwen3_moe_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     return dict(
         d_ff=hf["moe_intermediate_size"],
         n_experts=n_experts,
-        top_k=hf["num_experts_per_tok"],
-        # transformers' Qwen3MoeConfig defaults to False (Qwen3-30B-A3B's config says true).
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe=MoeConfig(
+            top_k=hf["num_experts_per_tok"],
+            # transformers' Qwen3MoeConfig defaults to False (Qwen3-30B-A3B's config says
+            # true).
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        ),
     )
 
 
@@ -357,30 +383,31 @@ def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     layers, window = _gemma_layers(hf, arch, source)
     theta, local_theta, linear = _gemma_rope(hf, arch, source)
     bias = bool(hf.get("attention_bias", False))
-    caps = {}
-    for ours, theirs in (
-        ("attn_softcap", "attn_logit_softcapping"),
-        ("final_softcap", "final_logit_softcapping"),
-    ):
-        value = hf.get(theirs)
-        caps[ours] = None if value is None else float(value)
+    caps = {
+        theirs: None if hf.get(theirs) is None else float(hf[theirs])
+        for theirs in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    # head_dim 256: Gemma2Config's and Gemma3TextConfig's default.
+    fields = _sizes(hf, head_dim=256, eps=1e-6, positions=8192, tied=True)
     return dict(
-        # head_dim 256: Gemma2Config's and Gemma3TextConfig's default.
-        _sizes(hf, head_dim=256, eps=1e-6, positions=8192, tied=True),
-        activation="gelu_tanh",
-        rope_theta=theta,
-        rope_local_theta=local_theta if layers else None,
-        rope_linear_factor=linear,
-        sliding_window=window,
-        sliding_layers=layers,
-        qkv_bias=bias,
-        out_bias=bias,
-        qk_norm=arch == "gemma3",
-        embed_scale=True,
-        norm_offset=True,
-        sandwich_norm=True,
-        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        **caps,
+        fields,
+        ffn=FfnConfig(activation="gelu_tanh"),
+        rope=RopeConfig(
+            theta=theta, local_theta=local_theta if layers else None, linear_factor=linear
+        ),
+        window=WindowConfig(size=window, layers=layers),
+        attention=AttentionConfig(
+            qkv_bias=bias,
+            out_bias=bias,
+            scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            softcap=caps["attn_logit_softcapping"],
+        ),
+        norms=NormConfig(eps=fields["norms"].eps, qk=arch == "gemma3", offset=True, sandwich=True),
+        embed=EmbedConfig(
+            tied=fields["embed"].tied,
+            scale=True,
+            logit_softcap=caps["final_logit_softcapping"],
+        ),
     )
 
 
@@ -466,24 +493,23 @@ def _gpt_oss_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     theta, scaling = _rope(hf, source)
     layers, window = _gemma_layers(hf, "gpt_oss", source)
     bias = bool(hf.get("attention_bias", True))
+    # GptOssConfig's defaults: head_dim 64, eps 1e-5, 131072 positions.
+    fields = _sizes(hf, head_dim=64, eps=1e-5, positions=131072, tied=False)
     return dict(
-        # GptOssConfig's defaults: head_dim 64, eps 1e-5, 131072 positions.
-        _sizes(hf, head_dim=64, eps=1e-5, positions=131072, tied=False),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        sliding_window=window,
-        sliding_layers=layers,
-        qkv_bias=bias,
-        out_bias=bias,
-        attn_sinks=True,
-        norm_scale_f32=True,
+        fields,
         n_experts=hf["num_local_experts"],
-        top_k=hf["num_experts_per_tok"],
-        norm_topk_prob=True,  # softmax over the chosen logits: renormalised probabilities
-        router_bias=True,
-        mlp_bias=True,
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        rope=RopeConfig(theta=theta, scaling=scaling),
+        window=WindowConfig(size=window, layers=layers),
+        attention=AttentionConfig(qkv_bias=bias, out_bias=bias, sinks=True),
+        norms=NormConfig(eps=fields["norms"].eps, scale_f32=True),
+        ffn=FfnConfig(bias=True),
+        moe=MoeConfig(
+            top_k=hf["num_experts_per_tok"],
+            norm_topk_prob=True,  # softmax over the chosen logits: renormalised probabilities
+            router_bias=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        ),
     )
 
 
@@ -506,14 +532,10 @@ def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         n_kv_heads=n,
         head_dim=d // n,
         d_ff=hf.get("n_inner") or 4 * d,
-        norm="layer",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation="gelu_tanh",
-        gated_ffn=False,
         positional="learned",
         max_position_embeddings=hf["n_positions"],
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        norms=NormConfig(kind="layer", eps=hf.get("layer_norm_epsilon", 1e-5)),
+        ffn=FfnConfig(activation="gelu_tanh", gated=False, bias=True),
+        attention=AttentionConfig(qkv_bias=True, out_bias=True),
+        embed=EmbedConfig(tied=bool(hf.get("tie_word_embeddings", True))),
     )
