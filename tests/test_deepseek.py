@@ -72,7 +72,7 @@ def test_config_mapping():
         ("attention_bias", True, "attention_bias"),
         ("topk_method", "greedy", "topk_method"),
         ("first_k_dense_replace", 3, "first_k_dense_replace"),
-        ("n_group", 3, "moe_groups"),
+        ("n_group", 3, "moe.groups"),
     ],
 )
 def test_unsupported_settings_refused(key, value, names):

@@ -23,7 +23,17 @@ from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
+from jaxpar.models import (
+    AttentionConfig,
+    EmbedConfig,
+    ExecutionOptions,
+    FfnConfig,
+    ModelRun,
+    NormConfig,
+    RopeConfig,
+    WindowConfig,
+    load_hf_checkpoint,
+)
 from jaxpar.models._hf_config import config_from_hf
 from tests._engine_util import check_matches_hf
 
@@ -231,16 +241,12 @@ def test_gemma3_on_interpreted_kernels_equals_xla():
 
     gemma = dict(
         arch="gemma3",
-        activation="gelu_tanh",
-        qk_norm=True,
-        embed_scale=True,
-        norm_offset=True,
-        sandwich_norm=True,
-        attn_scale=24**-0.5,
-        sliding_window=16,
-        sliding_layers=(True, True, True, False),
-        rope_local_theta=100.0,
-        rope_linear_factor=2.0,
+        ffn=FfnConfig(activation="gelu_tanh"),
+        norms=NormConfig(qk=True, offset=True, sandwich=True),
+        embed=EmbedConfig(scale=True),
+        attention=AttentionConfig(scale=24**-0.5),
+        window=WindowConfig(size=16, layers=(True, True, True, False)),
+        rope=RopeConfig(local_theta=100.0, linear_factor=2.0),
     )
     kernels = _config(
         "float32", gemma, prefill_attention="pallas_tpu", decode_attention="pallas_gpu"

@@ -22,17 +22,39 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models import ExecutionOptions, ModelConfig, init_params, load_hf_checkpoint, preset
+from jaxpar.models import (
+    AttentionConfig,
+    ExecutionOptions,
+    ModelConfig,
+    NormConfig,
+    init_params,
+    load_hf_checkpoint,
+    preset,
+)
 from jaxpar.models._decoder import with_layer_loop
 
-LLAMA_QWEN = dataclasses.replace(preset("tiny-gqa"), arch="qwen2", qkv_bias=True, n_layers=2)
-# Qwen3: q/k norms, head_dim 16 (8 x 16 != d_model 64); the second with attention_bias.
-QWEN3 = dataclasses.replace(preset("tiny-gqa"), arch="qwen3", qk_norm=True, head_dim=16)
-QWEN3_BIAS = dataclasses.replace(QWEN3, n_layers=2, qkv_bias=True, out_bias=True)
-QWEN3_MOE = dataclasses.replace(
-    preset("tiny-moe"), arch="qwen3_moe", qk_norm=True, n_kv_heads=4, head_dim=16, n_layers=2
+LLAMA_QWEN = dataclasses.replace(
+    preset("tiny-gqa"), arch="qwen2", attention=AttentionConfig(qkv_bias=True), n_layers=2
 )
-QWEN3_MOE_RAW = dataclasses.replace(QWEN3_MOE, norm_topk_prob=False)  # not renormalised
+# Qwen3: q/k norms, head_dim 16 (8 x 16 != d_model 64); the second with attention_bias.
+QWEN3 = dataclasses.replace(
+    preset("tiny-gqa"), arch="qwen3", norms=NormConfig(qk=True), head_dim=16
+)
+QWEN3_BIAS = dataclasses.replace(
+    QWEN3, n_layers=2, attention=AttentionConfig(qkv_bias=True, out_bias=True)
+)
+QWEN3_MOE = dataclasses.replace(
+    preset("tiny-moe"),
+    arch="qwen3_moe",
+    norms=NormConfig(qk=True),
+    n_kv_heads=4,
+    head_dim=16,
+    n_layers=2,
+)
+# Not renormalised.
+QWEN3_MOE_RAW = dataclasses.replace(
+    QWEN3_MOE, moe=dataclasses.replace(QWEN3_MOE.moe, norm_topk_prob=False)
+)
 
 
 def _flat(params: nnx.State) -> dict[str, np.ndarray]:
@@ -496,7 +518,7 @@ def test_qwen3_config_mapping() -> None:
     mixed = config_from_hf(_fixture_config("qwen3", max_window_layers=1, **slide), source="x")
     assert mixed.window.size == 8 and mixed.window.layers == (False, True)
     named = dict(slide, layer_types=["sliding_attention", "full_attention"])
-    assert config_from_hf(_fixture_config("qwen3", **named), source="x").sliding_layers == (
+    assert config_from_hf(_fixture_config("qwen3", **named), source="x").window.layers == (
         True,
         False,
     )
