@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import (
+    ARCHS,
     PRESETS,
     AttentionConfig,
     EmbedConfig,
@@ -35,6 +38,7 @@ from jaxpar.models import (
     rope_attention_factor,
     rope_inv_freq,
 )
+from jaxpar.models._hf_config import config_from_hf, hf_config_of
 from jaxpar.spec._dims import ModelDims
 from jaxpar.spec._enums import LOGICAL_AXES
 
@@ -474,3 +478,36 @@ def test_apply_rope_rotate_half() -> None:
 
 def test_presets_dict_is_complete() -> None:
     assert set(PRESETS) == {"tiny-dense", "tiny-gqa", "tiny-moe", "tiny-gpt2", "llama-1b"}
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CONFIG_JSONS = sorted(FIXTURES.glob("**/config.json"))
+#: Keys a fixture may state otherwise than hf_config_of writes them: the dense width
+#: Qwen3-MoE never runs, the ``rope_scaling`` spelling (compared parsed, as the config).
+_RESTATED = {"intermediate_size", "rope_scaling"}
+
+
+@pytest.mark.parametrize("path", CONFIG_JSONS, ids=lambda p: str(p.parent.relative_to(FIXTURES)))
+def test_config_json_round_trip(path: Path) -> None:
+    """Every family fixture's config.json -> ModelConfig -> config.json -> the same
+    ModelConfig, and the written file agrees with the fixture on the keys both state."""
+    raw = json.loads(path.read_text())
+    config = config_from_hf(raw, source=str(path))
+    written = json.loads(json.dumps(hf_config_of(config)))
+    assert config_from_hf(written, source="written") == config
+    differ = {k for k in raw.keys() & written.keys() if raw[k] != written[k]}
+    # A null in the fixture is the family's default, which the written file spells out.
+    assert {k for k in differ if raw[k] is not None} <= _RESTATED, differ
+
+
+def test_round_trip_covers_every_family() -> None:
+    archs = {config_from_hf(json.loads(p.read_text()), source=str(p)).arch for p in CONFIG_JSONS}
+    assert archs == set(ARCHS)
+
+
+def test_hf_config_of_refuses_what_no_config_json_says() -> None:
+    # Llama's attention_bias puts biases on q, k, v and o alike: q/k/v alone has no spelling.
+    biased = dataclasses.replace(preset("tiny-dense"), attention=AttentionConfig(qkv_bias=True))
+    with pytest.raises(ConfigError, match="LlamaForCausalLM config.json .*attention.out_bias"):
+        hf_config_of(biased)
+    assert config_from_hf(hf_config_of(preset("tiny-gpt2")), source="x") == preset("tiny-gpt2")

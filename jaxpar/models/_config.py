@@ -165,10 +165,11 @@ class ModelConfig:
             if self.head_dim % 2:
                 raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
             return
-        set_ = [f"rope.{n}" for n in ("scaling", "local_theta", "linear_factor")]
-        set_ = [n for n in set_ if getattr(rope, n.split(".")[1]) is not None]
-        if set_:
-            raise ConfigError(f"{', '.join(set_)}: only meaningful with positional='rope'")
+        named = [n for n in ("scaling", "local_theta", "linear_factor") if getattr(rope, n)]
+        if named:
+            raise ConfigError(
+                f"{', '.join(f'rope.{n}' for n in named)}: only meaningful with positional='rope'"
+            )
 
     def _check_window(self) -> None:
         layers = self.window.layers

@@ -3,12 +3,14 @@ Face's names onto jaxpar's fields, for every family."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models._config import ModelConfig
 from jaxpar.models._config_groups import (
+    GROUPS,
     AttentionConfig,
     EmbedConfig,
     FfnConfig,
@@ -538,4 +540,212 @@ def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         ffn=FfnConfig(activation="gelu_tanh", gated=False, bias=True),
         attention=AttentionConfig(qkv_bias=True, out_bias=True),
         embed=EmbedConfig(tied=bool(hf.get("tie_word_embeddings", True))),
+    )
+
+
+#: jaxpar arch -> the Hugging Face architecture class :func:`hf_config_of` writes.
+_CLASS_OF = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
+
+
+def hf_config_of(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` that describes ``config``: the inverse of
+    :func:`config_from_hf`, so that ``config_from_hf(hf_config_of(c)) == c``.
+
+    Raises:
+        ConfigError: ``config`` is no model a ``config.json`` of its architecture can
+            describe (say Llama with a bias on q/k/v but not on o); the message names the
+            fields that would change.
+    """
+    arch = config.arch
+    if arch == "gpt2":
+        out = _gpt2_hf(config)
+    else:
+        out = _common_hf(config)
+        if arch in ("gemma2", "gemma3"):
+            del out["hidden_act"], out["rope_theta"]  # Gemma's own keys name them
+            out.update(_gemma_hf(config))
+        elif arch == "deepseek_v3":
+            out.update(_deepseek_hf(config))
+        elif arch == "gpt_oss":
+            out.update(_gpt_oss_hf(config))
+        else:
+            out.update(_llama_hf(config))
+    back = config_from_hf(out, source="hf_config_of")
+    if back != config:
+        changed = _changed(config, back)
+        raise ConfigError(
+            f"no {_CLASS_OF[arch]} config.json describes this config: {', '.join(changed)} "
+            "would read back differently"
+        )
+    return out
+
+
+def _changed(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the fields where dataclasses ``a`` and ``b`` differ."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x != y and dataclasses.is_dataclass(x) and type(x) is type(y) and f.name in GROUPS:
+            out += _changed(x, y, f"{prefix}{f.name}.")
+        elif x != y:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def _common_hf(c: ModelConfig) -> dict[str, Any]:
+    """The keys every decoder but GPT-2 names alike (``_sizes``'s), RoPE included."""
+    model_type = "gemma3_text" if c.arch == "gemma3" else c.arch
+    out = dict(
+        architectures=[_CLASS_OF[c.arch]],
+        model_type=model_type,
+        dtype=str(c.dtype),
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        intermediate_size=c.d_ff,
+        rms_norm_eps=c.norms.eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.embed.tied,
+        hidden_act="silu",
+        rope_theta=c.rope.theta,
+    )
+    if c.rope.scaling is not None:
+        out["rope_scaling"] = _rope_scaling_hf(c.rope.scaling)
+    return out
+
+
+def _rope_scaling_hf(s: RopeScaling) -> dict[str, Any]:
+    if isinstance(s, YarnRopeScaling):
+        out = dict(
+            rope_type="yarn",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+            truncate=s.truncate,
+        )
+        optional = dict(
+            attention_factor=s.attention_factor_override,
+            mscale=s.mscale,
+            mscale_all_dim=s.mscale_all_dim,
+        )
+        return out | {k: v for k, v in optional.items() if v is not None}
+    return dict(rope_type="llama3", **dataclasses.asdict(s))
+
+
+def _layer_types(c: ModelConfig) -> list[str]:
+    return [
+        "sliding_attention" if c.layer_slides(i) else "full_attention" for i in range(c.n_layers)
+    ]
+
+
+def _llama_hf(c: ModelConfig) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE."""
+    out: dict[str, Any] = {}
+    if c.window.size is not None:
+        out.update(sliding_window=c.window.size, layer_types=_layer_types(c))
+        if c.arch in ("qwen2", "qwen3", "qwen3_moe"):
+            out["use_sliding_window"] = True
+    if c.arch in ("llama", "qwen3", "qwen3_moe"):
+        out["attention_bias"] = c.attention.qkv_bias
+    if c.arch == "llama":
+        out["mlp_bias"] = c.ffn.bias
+    if c.arch == "mixtral":
+        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.moe.top_k)
+    elif c.arch == "qwen3_moe":
+        out.update(
+            num_experts=c.n_experts,
+            num_experts_per_tok=c.moe.top_k,
+            moe_intermediate_size=c.d_ff,
+            norm_topk_prob=c.moe.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return out
+
+
+def _deepseek_hf(c: ModelConfig) -> dict[str, Any]:
+    mla, moe = c.mla, c.moe
+    return dict(
+        attention_bias=False,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        num_key_value_heads=c.n_heads,  # transformers expands every head from the latent
+        head_dim=mla.qk_rope_head_dim,  # transformers' DeepseekV3Config says so
+        kv_lora_rank=mla.kv_lora_rank,
+        q_lora_rank=mla.q_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rope_interleave=mla.rope_interleave,
+        n_routed_experts=c.n_experts,
+        num_experts_per_tok=moe.top_k,
+        moe_intermediate_size=c.d_ff,
+        intermediate_size=moe.dense_d_ff or c.d_ff,
+        first_k_dense_replace=moe.first_dense_layers,
+        n_shared_experts=moe.shared_d_ff // c.d_ff,
+        n_group=moe.groups,
+        topk_group=moe.topk_groups,
+        routed_scaling_factor=moe.routed_scaling_factor,
+        norm_topk_prob=moe.norm_topk_prob,
+    )
+
+
+def _gemma_hf(c: ModelConfig) -> dict[str, Any]:
+    """Gemma 2 and 3: the layer kinds, soft caps, score scale and per-kind RoPE."""
+    scale = c.attention.scale if c.attention.scale is not None else c.head_dim**-0.5
+    out: dict[str, Any] = dict(
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=c.attention.qkv_bias,
+        # The scale is stored as its square root's inverse: round off the float error.
+        query_pre_attn_scalar=round(scale**-2, 9),
+        attn_logit_softcapping=c.attention.softcap,
+        final_logit_softcapping=c.embed.logit_softcap,
+        layer_types=_layer_types(c),
+        sliding_window=c.window.size,
+    )
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope.theta}
+    if c.rope.linear_factor is not None:
+        full.update(rope_type="linear", factor=c.rope.linear_factor)
+    if c.arch == "gemma2":
+        out["rope_theta"] = c.rope.theta
+        if c.rope.linear_factor is not None:
+            out["rope_scaling"] = full
+        return out
+    params = {"full_attention": full}
+    if c.rope.local_theta is not None:
+        params["sliding_attention"] = {"rope_type": "default", "rope_theta": c.rope.local_theta}
+    out["rope_parameters"] = params
+    return out
+
+
+def _gpt_oss_hf(c: ModelConfig) -> dict[str, Any]:
+    return dict(
+        layer_types=_layer_types(c),
+        sliding_window=c.window.size,
+        attention_bias=c.attention.qkv_bias,
+        num_local_experts=c.n_experts,
+        num_experts_per_tok=c.moe.top_k,
+        swiglu_limit=c.moe.swiglu_limit,
+        swiglu_alpha=c.moe.swiglu_alpha,
+    )
+
+
+def _gpt2_hf(c: ModelConfig) -> dict[str, Any]:
+    return dict(
+        architectures=[_CLASS_OF["gpt2"]],
+        model_type="gpt2",
+        dtype=str(c.dtype),
+        vocab_size=c.vocab_size,
+        n_embd=c.d_model,
+        n_layer=c.n_layers,
+        n_head=c.n_heads,
+        n_inner=c.d_ff,
+        n_positions=c.max_position_embeddings,
+        layer_norm_epsilon=c.norms.eps,
+        activation_function="gelu_new",
+        tie_word_embeddings=c.embed.tied,
     )
