@@ -69,7 +69,7 @@ TPU_MATRIX: list[tuple[str, str, dict]] = [
     ("tiny-gqa", "sp=2,tp=2", {}),
     ("tiny-gqa", "pp=2,tp=2", {}),
     ("tiny-gqa", "tp=4", {}),
-    ("tiny-gqa", "tp=2", {"sliding_window": 64}),
+    ("tiny-gqa", "tp=2", {"window": {"size": 64}}),
     ("tiny-moe", "ep=2", {}),
     ("tiny-moe", "dp=2,ep=2,tp=2", {}),
 ]
@@ -458,8 +458,8 @@ def _reference(config, params, devices, cache0):
         functools.partial(
             reference_decode,
             n_heads=config.n_heads,
-            theta=config.rope_theta,
-            eps=config.norm_eps,
+            theta=config.rope.theta,
+            eps=config.norms.eps,
         ),
         donate_argnums=(1, 2),
     )
@@ -694,8 +694,12 @@ def libtpu() -> tuple[str | None, str | None]:
 
 
 def _label(preset_name: str, overrides: dict) -> str:
-    short = {"sliding_window": "window"}
-    return " ".join([preset_name, *(f"{short.get(k, k)}={v}" for k, v in overrides.items())])
+    """``tiny-gqa window=64``: a group given as a mapping of one field reads as the group."""
+    words = [
+        f"{k}={next(iter(v.values()))}" if isinstance(v, dict) and len(v) == 1 else f"{k}={v}"
+        for k, v in overrides.items()
+    ]
+    return " ".join([preset_name, *words])
 
 
 def splash_expected(engine: Any) -> int:

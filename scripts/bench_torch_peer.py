@@ -21,12 +21,12 @@ def _llama(config, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = config
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling is not None:
-        s = c.rope_scaling
+    rope = {"rope_type": "default", "rope_theta": c.rope.theta}
+    if c.rope.scaling is not None:
+        s = c.rope.scaling
         rope = {
             "rope_type": "llama3",
-            "rope_theta": c.rope_theta,
+            "rope_theta": c.rope.theta,
             "factor": s.factor,
             "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
@@ -41,8 +41,8 @@ def _llama(config, device: str):
         num_key_value_heads=c.n_kv_heads,
         head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.norm_eps,
-        tie_word_embeddings=c.tie_embeddings,
+        rms_norm_eps=c.norms.eps,
+        tie_word_embeddings=c.embed.tied,
         rope_parameters=rope,
         bos_token_id=None,
         eos_token_id=None,

@@ -85,8 +85,8 @@ def model_config(case: PodCase, layers_per_stage: int | None = None) -> Any:
     if layers_per_stage is not None:
         pp = _pp(case)
         layers = layers_per_stage * pp
-        if config.first_dense_layers:
-            layers = max(layers, config.first_dense_layers + pp)
+        if config.moe.first_dense_layers:
+            layers = max(layers, config.moe.first_dense_layers + pp)
         config = dataclasses.replace(config, n_layers=layers)
     return config
 

@@ -200,7 +200,7 @@ def test_bf16_steps_lower_and_partition_for_cuda(cuda_results, preset_name, stra
 def test_cases_cover_the_issue_strategies():
     strategies = {s for _, s, _ in TPU_CASES}
     assert {"", "tp=2", "dp=2,tp=2", "sp=2,tp=2", "pp=2,tp=2"} <= strategies
-    assert any(o.get("sliding_window") for _, _, o in TPU_CASES)
+    assert any(o.get("window") for _, _, o in TPU_CASES)
     # tiny-gqa has 2 kv heads: at tp=4 each is held twice, one per device.
     assert model_config("tiny-gqa").n_kv_heads < 4 and ("tiny-gqa", "tp=4", {}) in TPU_CASES
     assert set(MOE_CASES) == {"ep=2", "dp=2,ep=2,tp=2"}

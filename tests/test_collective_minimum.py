@@ -101,7 +101,7 @@ def minimum(
         k_local = c.n_kv_heads // tp if c.n_kv_heads % tp == 0 else c.n_kv_heads
         out["all-gather"] += 2 * L * b * T * k_local * c.head_dim * F32
         out["all-reduce"] += b * D * F32
-    routed = c.top_k * b * t_local  # rows one device sends to the experts
+    routed = c.moe.top_k * b * t_local  # rows one device sends to the experts
     if E and ep > 1:
         out["all-to-all"] += 2 * L * routed * D * F32
     if E and tp > 1:
@@ -117,8 +117,8 @@ def padded_dropless_excess(name: str, strategy: str, phase: str) -> dict[str, in
     ep, L, D = degrees(strategy)["ep"], c.n_layers, c.d_model
     b, t_local = _local(strategy, phase, B)
     n = b * t_local
-    rows = ep * n * min(c.top_k, c.n_experts // ep)  # sent and received per device
-    excess = (rows - c.top_k * n) * D * F32
+    rows = ep * n * min(c.moe.top_k, c.n_experts // ep)  # sent and received per device
+    excess = (rows - c.moe.top_k * n) * D * F32
     out: collections.Counter[str] = collections.Counter()
     if ep > 1:
         out["all-to-all"] += 2 * L * excess + L * ep * (c.n_experts // ep + 1) * 4  # + counts

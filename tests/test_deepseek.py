@@ -59,10 +59,10 @@ def test_config_mapping():
     assert (
         ModelRun.of(c).cache_bytes_per_token == 3 * (16 + 8) * 4
     )  # layers x (latent + rope) x f32
-    assert (c.first_dense_layers, c.dense_d_ff, c.shared_d_ff, c.d_ff) == (1, 48, 16, 8)
-    assert (c.moe_router, c.moe_groups, c.moe_topk_groups) == ("sigmoid_grouped", 4, 2)
-    assert c.routed_scaling_factor == 2.5 and c.rope_interleave
-    assert c.attn_scale == pytest.approx((8 + 8) ** -0.5)
+    assert (c.moe.first_dense_layers, c.moe.dense_d_ff, c.moe.shared_d_ff, c.d_ff) == (1, 48, 16, 8)
+    assert (c.moe.router, c.moe.groups, c.moe.topk_groups) == ("sigmoid_grouped", 4, 2)
+    assert c.moe.routed_scaling_factor == 2.5 and c.mla.rope_interleave
+    assert c.attention.scale == pytest.approx((8 + 8) ** -0.5)
     assert [c.layer_is_moe(i) for i in range(3)] == [False, True, True]
 
 
@@ -72,7 +72,7 @@ def test_config_mapping():
         ("attention_bias", True, "attention_bias"),
         ("topk_method", "greedy", "topk_method"),
         ("first_k_dense_replace", 3, "first_k_dense_replace"),
-        ("n_group", 3, "moe_groups"),
+        ("n_group", 3, "moe.groups"),
     ],
 )
 def test_unsupported_settings_refused(key, value, names):

@@ -23,6 +23,7 @@ from jaxpar.engine import AbstractEngine, InferenceEngine, engine_from_hf
 from jaxpar.engine._load import run_platform
 from jaxpar.errors import ConfigError
 from jaxpar.models import (
+    AttentionConfig,
     ExecutionOptions,
     ModelConfig,
     ModelRun,
@@ -157,7 +158,7 @@ def test_options_the_model_cannot_take_are_refused_before_anything_is_built(monk
     ):
         with pytest.raises(ConfigError, match="need a mixture of experts; arch 'llama' is dense"):
             InferenceEngine(dense, {}, max_batch=2, max_seq_len=16, options=options)
-    capped = dataclasses.replace(dense, attn_softcap=30.0)
+    capped = dataclasses.replace(dense, attention=AttentionConfig(softcap=30.0))
     with pytest.raises(ConfigError, match="decode_attention='cudnn' cannot soft-cap"):
         InferenceEngine(
             capped,
@@ -166,7 +167,7 @@ def test_options_the_model_cannot_take_are_refused_before_anything_is_built(monk
             max_seq_len=16,
             options=ExecutionOptions(decode_attention="cudnn"),
         )
-    sinks = dataclasses.replace(preset("tiny-moe"), attn_sinks=True)
+    sinks = dataclasses.replace(preset("tiny-moe"), attention=AttentionConfig(sinks=True))
     with pytest.raises(
         ConfigError, match="paged_attention='pallas_gpu' cannot add attention sinks"
     ):

@@ -25,7 +25,15 @@ from hypothesis import strategies as st
 
 from jaxpar.engine import InferenceEngine
 from jaxpar.errors import IllegalStrategyError, JaxparError
-from jaxpar.models import ModelConfig, init_params
+from jaxpar.models import (
+    AttentionConfig,
+    EmbedConfig,
+    FfnConfig,
+    ModelConfig,
+    MoeConfig,
+    NormConfig,
+    init_params,
+)
 from jaxpar.spec import Dims, ParallelConfig, make_mesh, validate
 from tests._engine_util import factorizations
 
@@ -50,7 +58,7 @@ MODELS = {
         head_dim=2,
         d_ff=16,
         n_experts=4,
-        top_k=2,
+        moe=MoeConfig(top_k=2),
     ),
     "gpt2": ModelConfig(
         arch="gpt2",
@@ -61,15 +69,12 @@ MODELS = {
         n_kv_heads=8,
         head_dim=2,
         d_ff=64,
-        norm="layer",
-        activation="gelu_tanh",
-        gated_ffn=False,
         positional="learned",
         max_position_embeddings=64,
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=True,
+        norms=NormConfig(kind="layer"),
+        ffn=FfnConfig(activation="gelu_tanh", gated=False, bias=True),
+        attention=AttentionConfig(qkv_bias=True, out_bias=True),
+        embed=EmbedConfig(tied=True),
     ),
 }
 MAX_SEQ_LEN = 32

@@ -23,7 +23,17 @@ from jaxpar.cli import main
 from jaxpar.engine import ContinuousBatcher, InferenceEngine, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
+from jaxpar.models import (
+    AttentionConfig,
+    EmbedConfig,
+    ExecutionOptions,
+    FfnConfig,
+    ModelRun,
+    NormConfig,
+    RopeConfig,
+    WindowConfig,
+    load_hf_checkpoint,
+)
 from jaxpar.models._hf_config import config_from_hf
 from tests._engine_util import check_matches_hf
 
@@ -110,14 +120,14 @@ def _hf_config(name: str) -> dict:
 
 def test_config_mapping():
     g2 = config_from_hf(_hf_config("gemma2"), source="gemma2")
-    assert g2.arch == "gemma2" and g2.sliding_layers == (True, False, True, False)
-    assert (g2.attn_softcap, g2.final_softcap, g2.sliding_window) == (1.0, 6.0, 4)
-    assert g2.attn_scale == pytest.approx(24**-0.5) and g2.head_dim == 12
-    assert g2.rope_local_theta is None and not g2.qk_norm and g2.tie_embeddings
+    assert g2.arch == "gemma2" and g2.window.layers == (True, False, True, False)
+    assert (g2.attention.softcap, g2.embed.logit_softcap, g2.window.size) == (1.0, 6.0, 4)
+    assert g2.attention.scale == pytest.approx(24**-0.5) and g2.head_dim == 12
+    assert g2.rope.local_theta is None and not g2.norms.qk and g2.embed.tied
     g3 = config_from_hf(_hf_config("gemma3_text"), source="gemma3")
-    assert g3.arch == "gemma3" and g3.sliding_layers == (True, True, True, False)
-    assert (g3.rope_theta, g3.rope_local_theta, g3.rope_linear_factor) == (1e4, 100.0, 2.0)
-    assert g3.qk_norm and g3.attn_softcap is None and g3.final_softcap is None
+    assert g3.arch == "gemma3" and g3.window.layers == (True, True, True, False)
+    assert (g3.rope.theta, g3.rope.local_theta, g3.rope.linear_factor) == (1e4, 100.0, 2.0)
+    assert g3.norms.qk and g3.attention.softcap is None and g3.embed.logit_softcap is None
     # Older Hub files: rope_local_base_freq, rope_scaling and sliding_window_pattern.
     old = {k: v for k, v in _hf_config("gemma3_text").items() if k not in ("layer_types",)}
     old.pop("rope_parameters")
@@ -129,8 +139,8 @@ def test_config_mapping():
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     )
     g3_old = config_from_hf(old, source="old")
-    assert g3_old.sliding_layers == (True, True, False, True, True, False)
-    assert (g3_old.rope_theta, g3_old.rope_local_theta, g3_old.rope_linear_factor) == (
+    assert g3_old.window.layers == (True, True, False, True, True, False)
+    assert (g3_old.rope.theta, g3_old.rope.local_theta, g3_old.rope.linear_factor) == (
         5e5,
         1e4,
         8.0,
@@ -231,16 +241,12 @@ def test_gemma3_on_interpreted_kernels_equals_xla():
 
     gemma = dict(
         arch="gemma3",
-        activation="gelu_tanh",
-        qk_norm=True,
-        embed_scale=True,
-        norm_offset=True,
-        sandwich_norm=True,
-        attn_scale=24**-0.5,
-        sliding_window=16,
-        sliding_layers=(True, True, True, False),
-        rope_local_theta=100.0,
-        rope_linear_factor=2.0,
+        ffn=FfnConfig(activation="gelu_tanh"),
+        norms=NormConfig(qk=True, offset=True, sandwich=True),
+        embed=EmbedConfig(scale=True),
+        attention=AttentionConfig(scale=24**-0.5),
+        window=WindowConfig(size=16, layers=(True, True, True, False)),
+        rope=RopeConfig(local_theta=100.0, linear_factor=2.0),
     )
     kernels = _config(
         "float32", gemma, prefill_attention="pallas_tpu", decode_attention="pallas_gpu"

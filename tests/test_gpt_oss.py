@@ -102,18 +102,18 @@ def test_served_over_pages_equals_whole_sequence_prefill():
 
 def test_config_mapping():
     c = config_from_hf(_hf_config(), source="gpt_oss")
-    assert c.arch == "gpt_oss" and c.is_moe and (c.n_experts, c.top_k) == (8, 2)
-    assert c.sliding_layers == (True, False, True, False) and c.sliding_window == 4
-    assert c.attn_sinks and c.router_bias and c.mlp_bias and c.norm_topk_prob
-    assert (c.swiglu_limit, c.swiglu_alpha) == (1.0, 1.702)
-    assert c.qkv_bias and c.out_bias and c.head_dim == 12 and not c.tie_embeddings
-    assert c.norm_scale_f32 and not c.norm_offset
-    assert type(c.rope_scaling).__name__ == "YarnRopeScaling"
+    assert c.arch == "gpt_oss" and c.is_moe and (c.n_experts, c.moe.top_k) == (8, 2)
+    assert c.window.layers == (True, False, True, False) and c.window.size == 4
+    assert c.attention.sinks and c.moe.router_bias and c.ffn.bias and c.moe.norm_topk_prob
+    assert (c.moe.swiglu_limit, c.moe.swiglu_alpha) == (1.0, 1.702)
+    assert c.attention.qkv_bias and c.attention.out_bias and c.head_dim == 12 and not c.embed.tied
+    assert c.norms.scale_f32 and not c.norms.offset
+    assert type(c.rope.scaling).__name__ == "YarnRopeScaling"
     # Older files: no layer_types (every other layer slides), no swiglu_alpha (1.702).
     old = {k: v for k, v in _hf_config().items() if k not in ("layer_types", "swiglu_alpha")}
     c_old = config_from_hf({**old, "swiglu_limit": 7.0}, source="old")
-    assert c_old.sliding_layers == (True, False, True, False)
-    assert (c_old.swiglu_limit, c_old.swiglu_alpha) == (7.0, 1.702)
+    assert c_old.window.layers == (True, False, True, False)
+    assert (c_old.moe.swiglu_limit, c_old.moe.swiglu_alpha) == (7.0, 1.702)
 
 
 def test_bf16_norms_scale_in_float32_as_transformers():
@@ -131,7 +131,7 @@ def test_bf16_norms_scale_in_float32_as_transformers():
     norm.scale.set_value(w)
     x = jnp.asarray(rng.normal(size=(64, bf16.d_model)), jnp.bfloat16)
     x32 = np.asarray(x, np.float32)
-    n32 = x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + bf16.norm_eps)
+    n32 = x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + bf16.norms.eps)
     f32_scale = (np.asarray(w, np.float32) * n32).astype(jnp.bfloat16)
     cast_first = n32.astype(jnp.bfloat16) * np.asarray(w)
     got = np.asarray(norm(x))

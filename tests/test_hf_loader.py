@@ -22,17 +22,39 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models import ExecutionOptions, ModelConfig, init_params, load_hf_checkpoint, preset
+from jaxpar.models import (
+    AttentionConfig,
+    ExecutionOptions,
+    ModelConfig,
+    NormConfig,
+    init_params,
+    load_hf_checkpoint,
+    preset,
+)
 from jaxpar.models._decoder import with_layer_loop
 
-LLAMA_QWEN = dataclasses.replace(preset("tiny-gqa"), arch="qwen2", qkv_bias=True, n_layers=2)
-# Qwen3: q/k norms, head_dim 16 (8 x 16 != d_model 64); the second with attention_bias.
-QWEN3 = dataclasses.replace(preset("tiny-gqa"), arch="qwen3", qk_norm=True, head_dim=16)
-QWEN3_BIAS = dataclasses.replace(QWEN3, n_layers=2, qkv_bias=True, out_bias=True)
-QWEN3_MOE = dataclasses.replace(
-    preset("tiny-moe"), arch="qwen3_moe", qk_norm=True, n_kv_heads=4, head_dim=16, n_layers=2
+LLAMA_QWEN = dataclasses.replace(
+    preset("tiny-gqa"), arch="qwen2", attention=AttentionConfig(qkv_bias=True), n_layers=2
 )
-QWEN3_MOE_RAW = dataclasses.replace(QWEN3_MOE, norm_topk_prob=False)  # not renormalised
+# Qwen3: q/k norms, head_dim 16 (8 x 16 != d_model 64); the second with attention_bias.
+QWEN3 = dataclasses.replace(
+    preset("tiny-gqa"), arch="qwen3", norms=NormConfig(qk=True), head_dim=16
+)
+QWEN3_BIAS = dataclasses.replace(
+    QWEN3, n_layers=2, attention=AttentionConfig(qkv_bias=True, out_bias=True)
+)
+QWEN3_MOE = dataclasses.replace(
+    preset("tiny-moe"),
+    arch="qwen3_moe",
+    norms=NormConfig(qk=True),
+    n_kv_heads=4,
+    head_dim=16,
+    n_layers=2,
+)
+# Not renormalised.
+QWEN3_MOE_RAW = dataclasses.replace(
+    QWEN3_MOE, moe=dataclasses.replace(QWEN3_MOE.moe, norm_topk_prob=False)
+)
 
 
 def _flat(params: nnx.State) -> dict[str, np.ndarray]:
@@ -49,7 +71,7 @@ def _llama_tensors(c: ModelConfig, p: dict[str, np.ndarray], moe: str) -> dict[s
         "model.embed_tokens.weight": p["embed/token_table"],
         "model.norm.weight": p["final_norm/scale"],
     }
-    if not c.tie_embeddings:
+    if not c.embed.tied:
         t["lm_head.weight"] = p["lm_head/kernel"].T
     for i in range(c.n_layers):
         pre = f"model.layers.{i}."
@@ -72,14 +94,14 @@ def _attention_tensors(c: ModelConfig, p: dict[str, np.ndarray], i: int, pre: st
     q_DNH, k_DKH, v_DKH = p["layers/attn/q_kernel"][i], kv_DCKH[:, 0], kv_DCKH[:, 1]
     for n, kernel in zip("qkv", (q_DNH, k_DKH, v_DKH), strict=True):
         t[pre + f"{n}_proj.weight"] = _linear(kernel, 1)
-    if c.qkv_bias:
+    if c.attention.qkv_bias:
         kv_bias = p["layers/attn/kv_bias"][i]
         for n, bias in zip("qkv", (p["layers/attn/q_bias"][i], *kv_bias), strict=True):
             t[pre + f"{n}_proj.bias"] = bias.reshape(-1)
     t[pre + "o_proj.weight"] = _linear(p["layers/attn/o_kernel"][i], 2)
-    if c.out_bias:
+    if c.attention.out_bias:
         t[pre + "o_proj.bias"] = p["layers/attn/o_bias"][i]
-    if c.qk_norm:  # Qwen3: one [H] scale each
+    if c.norms.qk:  # Qwen3: one [H] scale each
         for n in "qk":
             t[pre + f"{n}_norm.weight"] = p[f"layers/attn/{n}_norm/scale"][i]
     return t
@@ -147,7 +169,7 @@ def _hf_config(c: ModelConfig) -> dict:
             n_head=c.n_heads,
             n_positions=c.max_position_embeddings,
             n_inner=c.d_ff,
-            layer_norm_epsilon=c.norm_eps,
+            layer_norm_epsilon=c.norms.eps,
             tie_word_embeddings=True,
         )
     cls = {
@@ -166,26 +188,26 @@ def _hf_config(c: ModelConfig) -> dict:
         num_key_value_heads=c.n_kv_heads,
         head_dim=c.head_dim,
         intermediate_size=c.d_ff,
-        rms_norm_eps=c.norm_eps,
-        rope_theta=c.rope_theta,
+        rms_norm_eps=c.norms.eps,
+        rope_theta=c.rope.theta,
         max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_embeddings,
+        tie_word_embeddings=c.embed.tied,
         hidden_act="silu",
     )
     if c.arch in ("llama", "qwen3", "qwen3_moe"):
-        out["attention_bias"] = c.qkv_bias
+        out["attention_bias"] = c.attention.qkv_bias
     if c.arch == "qwen3_moe":
         out.update(
             num_experts=c.n_experts,
-            num_experts_per_tok=c.top_k,
+            num_experts_per_tok=c.moe.top_k,
             moe_intermediate_size=c.d_ff,
             intermediate_size=4 * c.d_ff,  # the dense MLP's width, unused: every layer sparse
-            norm_topk_prob=c.norm_topk_prob,
+            norm_topk_prob=c.moe.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
     elif c.is_moe:
-        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.top_k)
+        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.moe.top_k)
     return out
 
 
@@ -469,7 +491,14 @@ def test_qwen3_config_mapping() -> None:
     from jaxpar.models import config_from_hf
 
     c = config_from_hf(_fixture_config("qwen3"), source="qwen3")
-    assert (c.arch, c.qk_norm, c.qkv_bias, c.out_bias, c.head_dim, c.d_model) == (
+    assert (
+        c.arch,
+        c.norms.qk,
+        c.attention.qkv_bias,
+        c.attention.out_bias,
+        c.head_dim,
+        c.d_model,
+    ) == (
         "qwen3",
         True,
         False,
@@ -477,19 +506,19 @@ def test_qwen3_config_mapping() -> None:
         16,
         32,
     )
-    assert c.sliding_window is None and c.tie_embeddings and not c.is_moe
+    assert c.window.size is None and c.embed.tied and not c.is_moe
     # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads.
     assert config_from_hf(_fixture_config("qwen3", head_dim=_DROP), source="x").head_dim == 128
     biased = config_from_hf(_fixture_config("qwen3", attention_bias=True), source="x")
-    assert biased.qkv_bias and biased.out_bias
+    assert biased.attention.qkv_bias and biased.attention.out_bias
     # use_sliding_window without layer_types: layers from max_window_layers on slide.
     slide = dict(use_sliding_window=True, sliding_window=8, layer_types=_DROP)
     every = config_from_hf(_fixture_config("qwen3", max_window_layers=0, **slide), source="x")
-    assert every.sliding_window == 8 and every.sliding_layers is None  # every layer
+    assert every.window.size == 8 and every.window.layers is None  # every layer
     mixed = config_from_hf(_fixture_config("qwen3", max_window_layers=1, **slide), source="x")
-    assert mixed.sliding_window == 8 and mixed.sliding_layers == (False, True)
+    assert mixed.window.size == 8 and mixed.window.layers == (False, True)
     named = dict(slide, layer_types=["sliding_attention", "full_attention"])
-    assert config_from_hf(_fixture_config("qwen3", **named), source="x").sliding_layers == (
+    assert config_from_hf(_fixture_config("qwen3", **named), source="x").window.layers == (
         True,
         False,
     )
@@ -504,7 +533,7 @@ def test_qwen3_moe_config_mapping() -> None:
     from jaxpar.models import config_from_hf
 
     c = config_from_hf(_fixture_config("qwen3_moe"), source="qwen3_moe")
-    assert (c.arch, c.n_experts, c.top_k, c.d_ff, c.norm_topk_prob, c.qk_norm) == (
+    assert (c.arch, c.n_experts, c.moe.top_k, c.d_ff, c.moe.norm_topk_prob, c.norms.qk) == (
         "qwen3_moe",
         64,
         8,
@@ -518,7 +547,7 @@ def test_qwen3_moe_config_mapping() -> None:
         "qwen3_moe", num_local_experts=_DROP, num_experts=64, norm_topk_prob=_DROP
     )
     c = config_from_hf(hub, source="x")
-    assert c.n_experts == 64 and not c.norm_topk_prob
+    assert c.n_experts == 64 and not c.moe.norm_topk_prob
 
 
 @pytest.mark.parametrize(

@@ -275,4 +275,4 @@ def test_shared_experts_ride_the_moe_reduction(strategy, ffn_runs):
     ffn = got.get("FFN down-proj")
     assert (ffn.count if ffn else 0) == ffn_runs
     if "tp" in strategy:
-        assert got["expert down-proj"].count == c.n_layers - c.first_dense_layers
+        assert got["expert down-proj"].count == c.n_layers - c.moe.first_dense_layers

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.models import ExecutionOptions, KVCache, ModelRun, init_model, preset
+from jaxpar.models import ExecutionOptions, KVCache, ModelRun, WindowConfig, init_model, preset
 from jaxpar.models import prefill as prefill_fn
 from tests.test_models_helpers import (
     MAX_SEQ,
@@ -26,7 +26,7 @@ from tests.test_models_helpers import (
 
 # Two layers, window 2: each layer reaches one token further back, so token 0 can affect
 # positions 0..2 only.
-WINDOWED = dataclasses.replace(preset("tiny-gqa"), n_layers=2, sliding_window=2)
+WINDOWED = dataclasses.replace(preset("tiny-gqa"), n_layers=2, window=WindowConfig(size=2))
 
 
 def test_sliding_window_decode_matches_prefill() -> None:

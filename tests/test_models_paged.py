@@ -20,6 +20,7 @@ from jaxpar.models import (
     KVCache,
     ModelRun,
     PagedKVCache,
+    WindowConfig,
     init_model,
     preset,
     write_prompts,
@@ -46,7 +47,7 @@ def _paged_tables(lengths, steps, page_size, pages, seed):
 )
 def test_paged_decode_equals_contiguous(layer_loop, page_size, window) -> None:
     config = ModelRun(
-        dataclasses.replace(preset("tiny-gqa"), n_layers=2, sliding_window=window),
+        dataclasses.replace(preset("tiny-gqa"), n_layers=2, window=WindowConfig(size=window)),
         ExecutionOptions(layer_loop=layer_loop),
     )
     model = init_model(config, seed=1)

@@ -20,7 +20,7 @@ from jaxpar.cli._plan_compile import program_bytes
 from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import tpu_devices
 from jaxpar.inspect._movement import data_movement
-from jaxpar.models import ExecutionOptions, ModelConfig, ModelRun
+from jaxpar.models import ExecutionOptions, ModelConfig, ModelRun, RopeConfig
 from jaxpar.plan._memory import memory
 from jaxpar.spec import ParallelConfig, make_mesh
 from tests._accelerator_cases import bench
@@ -41,7 +41,7 @@ def _config(layers: int) -> ModelConfig:
         n_kv_heads=8,
         head_dim=128,
         d_ff=28672,
-        rope_theta=500000.0,
+        rope=RopeConfig(theta=500000.0),
         max_position_embeddings=8192,
         dtype="bfloat16",
         param_dtype="bfloat16",

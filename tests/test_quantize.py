@@ -20,6 +20,7 @@ from jaxpar.engine import AbstractEngine
 from jaxpar.errors import ConfigError
 from jaxpar.inspect._report import compile_step
 from jaxpar.models import (
+    EmbedConfig,
     ExecutionOptions,
     ModelRun,
     abstract_model,
@@ -104,7 +105,7 @@ def test_quantized_embeddings_track_the_float_model_and_split_with_the_table(tie
     teacher-forced logits stay within int8's bounds above (measured rel rms 0.034 untied
     and tied, against 0.028 with float tables; greedy agreement 61 and 59 of 64, against 62
     and 60), and tp2 equals one device."""
-    config = dataclasses.replace(CONFIG, tie_embeddings=tied)
+    config = dataclasses.replace(CONFIG, embed=EmbedConfig(tied=tied))
     params = init_params(config, seed=0)
     run = ModelRun(config, ExecutionOptions(quantize="int8", quantize_embeddings=True))
     assert "token_table_scale" not in quantize_params(config, params, "int8")["embed"]
@@ -214,7 +215,7 @@ def test_a_tied_float_table_runs_as_row_reductions_at_one_row():
     """XLA:CPU's ``"rows"`` form also reads a tied float table ``[V, D]`` (out-major) at one
     row: the decode step's LM head is a reduction, not a dot (one dot fewer in the compiled
     step), and its logits and tokens equal the ``"dot"`` form's."""
-    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    config = dataclasses.replace(CONFIG, embed=EmbedConfig(tied=True))
     params = init_params(config, seed=0)
     engines = {
         form: jaxpar.InferenceEngine(

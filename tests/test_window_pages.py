@@ -33,6 +33,7 @@ from jaxpar.engine._prefix import cache_salt, page_keys
 from jaxpar.models import (
     SCRATCH_PAGE,
     PagedKVCache,
+    WindowConfig,
     config_from_hf,
     kv_groups,
     kv_positions,
@@ -151,7 +152,7 @@ def test_pool_figures_count_the_window():
 @pytest.fixture(scope="module")
 def windowed():
     config, params = load_hf_checkpoint(FIXTURE)
-    config = dataclasses.replace(config, sliding_window=WINDOW)
+    config = dataclasses.replace(config, window=WindowConfig(size=WINDOW))
     assert kv_windows(config) == (WINDOW,)
     return config, params
 
@@ -248,7 +249,7 @@ def test_layers_fall_into_groups_of_the_rarer_kinds_count():
         assert sorted(groups.position_of[i] for i in layers) == list(range(len(layers)))
     assert [groups.group_of.count(g) for g in range(7)] == [4, 4, 4, 4, 4, 4, 2]
     assert kv_positions(config) == 4 and kv_windows(config) == groups.windows
-    every = dataclasses.replace(config, sliding_layers=None)  # all sliding: one table
+    every = dataclasses.replace(config, window=WindowConfig(size=config.window.size))  # all slide
     assert kv_groups(every) is None and kv_windows(every) == (512,)
 
 

@@ -324,7 +324,7 @@ def check_context(args: argparse.Namespace, config, max_seq_len: int) -> None:
     if args.hf is None or getattr(args, "allow_long_max_seq_len", False):
         return
     trained = config.max_position_embeddings
-    if config.positional == "rope" and config.rope_scaling is None and max_seq_len > trained:
+    if config.positional == "rope" and config.rope.scaling is None and max_seq_len > trained:
         raise ConfigError(
             f"--max-seq-len {max_seq_len} exceeds the {trained} positions {args.hf} was "
             f"trained on (max_position_embeddings, unscaled RoPE): use --max-seq-len {trained} "

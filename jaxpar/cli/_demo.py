@@ -70,7 +70,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"[bold]jaxpar demo[/bold]: {args.model or args.hf or args.default_model} "
         f"({config.arch}, {config.n_layers} layers, d_model {config.d_model}"
-        f"{f', {config.n_experts} experts top-{config.top_k}' if config.is_moe else ''}, "
+        f"{f', {config.n_experts} experts top-{config.moe.top_k}' if config.is_moe else ''}, "
         f"{config.dtype}) on {describe_devices()}, strategy {parallel}"
         f"{'' if degrees_given(args) else ' (default)'}",
         soft_wrap=True,

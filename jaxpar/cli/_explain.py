@@ -321,7 +321,7 @@ def moe_rows(
             "bytes_per_device": peers * cap * config.d_model * size,
         },
         {
-            "tensor": f"MoE expert hidden (routed rows: top_k x n = {config.top_k * n})",
+            "tensor": f"MoE expert hidden (routed rows: top_k x n = {config.moe.top_k * n})",
             "module": Module.MOE.value,
             "shape": [peers * cap, f_l],
             "dtype": config.dtype.name,

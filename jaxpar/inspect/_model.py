@@ -50,7 +50,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.spec import MESH_AXES, ModelDims, Module, ParallelConfig, Phase, mesh_axes
+from jaxpar.spec import (
+    MESH_AXES,
+    ModelDims,
+    Module,
+    ParallelConfig,
+    Phase,
+    mesh_axes,
+    model_field,
+)
 
 Key = tuple[str, tuple[str, ...], str | None]
 
@@ -272,11 +280,11 @@ def _layers(step: _Step) -> None:
         # The shared expert's partial sums are added to the routed experts' before their
         # one reduction where both split their intermediate over the same axes: its own
         # all-reduce is needed only where they do not.
-        dense = getattr(model, "first_dense_layers", 0)
+        dense = model_field(model, "moe.first_dense_layers", 0)
         moe_layers = model.n_layers - dense
         _moe(step, step.count * moe_layers // model.n_layers)
         shared_apart = step.axes(Module.MOE)["mlp"] != step.axes(Module.FFN)["mlp"]
-        shared = getattr(model, "shared_d_ff", 0) and shared_apart
+        shared = model_field(model, "moe.shared_d_ff", 0) and shared_apart
         ffn_layers = dense + (moe_layers if shared else 0)
         _ffn(step, step.count * ffn_layers // model.n_layers)
     else:
@@ -470,7 +478,7 @@ def _handoff(step: _Step) -> None:
 
 def moe_routed_rows(model: ModelDims, tokens: int) -> int:
     """Rows one device must send to the experts (and get back): ``top_k x tokens``."""
-    return model.top_k * tokens
+    return model.moe.top_k * tokens
 
 
 def _moe(step: _Step, count: int) -> None:
@@ -487,7 +495,7 @@ def _moe(step: _Step, count: int) -> None:
         "dispatch + combine",
         (rows, d),
         2 * count,
-        f"each of the {b_l * t_l} tokens on a device goes to top_k={model.top_k} experts and "
+        f"each of the {b_l * t_l} tokens on a device goes to top_k={model.moe.top_k} experts and "
         "back: top_k x tokens rows each way, (ep-1)/ep of them to other expert peers",
     )
     step.add(
@@ -505,8 +513,8 @@ def _moe(step: _Step, count: int) -> None:
     cap = None
     if hasattr(model, "expert_capacity"):  # a jaxpar ModelRun: its capacity factor's C
         cap = model.expert_capacity(b_l * t_l, peers)
-    elif hasattr(model, "top_k"):  # a bare ModelConfig runs dropless: min(k, E_l) per token
-        cap = b_l * t_l * min(model.top_k, model.n_experts // peers)
+    elif model_field(model, "moe.top_k"):  # a bare ModelConfig runs dropless: min(k, E_l) per token
+        cap = b_l * t_l * min(model.moe.top_k, model.n_experts // peers)
     if cap is not None:
         step.notes.append(
             f"MoE: a device's {b_l * t_l} tokens are one dispatch group; "
@@ -569,11 +577,11 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
     step(
         "embedding",
         "token lookup"
-        + (" x sqrt(d_model)" if getattr(config, "embed_scale", False) else "")
+        + (" x sqrt(d_model)" if model_field(config, "embed.scale", False) else "")
         + (" + learned positions" if config.positional == "learned" else ""),
         "embedding lookup",
     )
-    qk_norm = " + per-head q/k norms" if getattr(config, "qk_norm", False) else ""
+    qk_norm = " + per-head q/k norms" if model_field(config, "norms.qk", False) else ""
     step(
         layer,
         "attention norm; Q/K/V projections"
@@ -588,26 +596,28 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         + ", softmax, weighted V; output projection",
         "attention out-proj",
     )
-    sandwich = getattr(config, "sandwich_norm", False)
+    sandwich = model_field(config, "norms.sandwich", False)
     step(layer, ("post-attention norm; " if sandwich else "") + "residual add; FFN norm")
     if config.is_moe:
-        renorm = "" if getattr(config, "norm_topk_prob", True) else " (weights not renormalised)"
-        biased = " (biased logits)" if getattr(config, "router_bias", False) else ""
-        if getattr(config, "moe_router", "softmax") == "sigmoid_grouped":
+        renorm = (
+            "" if model_field(config, "moe.norm_topk_prob", True) else " (weights not renormalised)"
+        )
+        biased = " (biased logits)" if model_field(config, "moe.router_bias", False) else ""
+        if model_field(config, "moe.router", "softmax") == "sigmoid_grouped":
             renorm += (
-                f" of sigmoid scores + correction bias within the best {config.moe_topk_groups}"
-                f" of {config.moe_groups} expert groups, weights x {config.routed_scaling_factor:g}"
+                f" of sigmoid scores + correction bias within the best {config.moe.topk_groups}"
+                f" of {config.moe.groups} expert groups, weights x {config.moe.routed_scaling_factor:g}"
             )
-        if getattr(config, "first_dense_layers", 0):
+        if model_field(config, "moe.first_dense_layers", 0):
             step(
                 layer,
-                f"the first {config.first_dense_layers} layer(s): a dense FFN in place of the "
+                f"the first {config.moe.first_dense_layers} layer(s): a dense FFN in place of the "
                 "MoE below",
                 "FFN down-proj",
             )
         step(
             layer,
-            f"router top-{config.top_k}{biased}{renorm}; sort this device's assignments by expert",
+            f"router top-{config.moe.top_k}{biased}{renorm}; sort this device's assignments by expert",
             "dispatch:dispatch + combine",
         )
         step(
@@ -617,7 +627,7 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
             "expert down-proj",
             "combine:dispatch + combine",
         )
-        if getattr(config, "shared_d_ff", 0):
+        if model_field(config, "moe.shared_d_ff", 0):
             step(
                 layer,
                 "shared experts: a dense SwiGLU on every token (column-, then row-parallel), "
@@ -643,8 +653,8 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
         "head",
         ("LM head: vocab-parallel logits" if model.config.tp > 1 else "LM head: logits")
         + (
-            f", soft-capped at {config.final_softcap:g}"
-            if getattr(config, "final_softcap", None)
+            f", soft-capped at {config.embed.logit_softcap:g}"
+            if model_field(config, "embed.logit_softcap")
             else ""
         ),
         "next tokens to stage 0",
@@ -654,13 +664,13 @@ def execution_steps(config: Any, model: CommModel) -> list[dict[str, str]]:
 
 def _expert_glu(config: Any) -> str:
     """The experts' gating: SwiGLU, or GPT-OSS's clamped one with biases."""
-    limit = getattr(config, "swiglu_limit", None)
+    limit = model_field(config, "moe.swiglu_limit")
     text = (
         "SwiGLU"
         if limit is None
-        else (f"clamped SwiGLU (limit {limit:g}, alpha {config.swiglu_alpha:g})")
+        else (f"clamped SwiGLU (limit {limit:g}, alpha {config.moe.swiglu_alpha:g})")
     )
-    if getattr(config, "mlp_bias", False):
+    if model_field(config, "ffn.bias", False):
         text += " with expert biases (down bias added on one tp rank)"
     return text
 
@@ -669,17 +679,17 @@ def _attention_variant(config: Any) -> str:
     """What a model's attention adds to plain causal scores: soft cap, sinks, sliding
     windows."""
     text = ""
-    if getattr(config, "kv_lora_rank", None) is not None:
+    if model_field(config, "mla.kv_lora_rank") is not None:
         text += (
             f" (multi-head latent attention, absorbed: each head's query projected into the "
-            f"{config.kv_lora_rank}-wide latent; scores over the cached latent and "
-            f"{config.qk_rope_head_dim}-wide RoPE key, no heads; values expanded after)"
+            f"{config.mla.kv_lora_rank}-wide latent; scores over the cached latent and "
+            f"{config.mla.qk_rope_head_dim}-wide RoPE key, no heads; values expanded after)"
         )
-    if getattr(config, "attn_softcap", None):
-        text += f" (soft-capped at {config.attn_softcap:g}, XLA path)"
-    if getattr(config, "attn_sinks", False):
+    if model_field(config, "attention.softcap"):
+        text += f" (soft-capped at {config.attention.softcap:g}, XLA path)"
+    if model_field(config, "attention.sinks", False):
         text += " (a learned sink logit per head in each softmax denominator, XLA path)"
-    window = getattr(config, "sliding_window", None)
+    window = model_field(config, "window.size")
     if window:
         slides = getattr(config, "layer_slides", lambda _: True)
         sliding = sum(slides(i) for i in range(config.n_layers))

@@ -49,9 +49,9 @@ class Context:
 class Attention(nnx.Module):
     """Self-attention; Q kernel [D,N,H], fused K/V kernel [D,2,K,H], output kernel [N,H,D].
 
-    ``N x H`` need not equal D (Qwen3, Gemma). With ``config.qk_norm`` the projected q and
+    ``N x H`` need not equal D (Qwen3, Gemma). With ``config.norms.qk`` the projected q and
     k are RMS-normalised per head (scales ``q_norm``/``k_norm`` ``[H]``) before RoPE.
-    With ``config.attn_sinks`` (GPT-OSS) each query head has a learned sink logit
+    With ``config.attention.sinks`` (GPT-OSS) each query head has a learned sink logit
     (``sinks [N]``, split with the heads) in its softmax denominator, on every path.
 
     Layers may differ (Gemma: sliding layers interleaved with global ones, each kind with
@@ -71,21 +71,21 @@ class Attention(nnx.Module):
         self.dtype = c.dtype
         self.matmul = c.matmul
         self.n_kv_heads, self.q_per_kv, self.head_dim = k, c.q_per_kv, h
-        self.window = c.sliding_window
+        self.window = c.window.size
         # Which layers slide (static, hashable): the layer index passed to prefill/decode
         # picks the window and the RoPE base of its layer (see :meth:`_slides`).
         self.sliding_layers = tuple(c.layer_slides(i) for i in range(c.n_layers))
-        self.scale = c.attn_scale if c.attn_scale is not None else h**-0.5
-        self.softcap = c.attn_softcap
+        self.scale = c.attention.scale if c.attention.scale is not None else h**-0.5
+        self.softcap = c.attention.softcap
         self.prefill_impl, self.decode_impl = c.prefill_attention, c.decode_attention
         # Paged "auto" follows a named decode_attention (as ExecutionOptions.resolve does);
         # unresolved (a model built outside an engine) it is chosen at trace time.
         paged = c.paged_attention
         self.paged_impl = c.decode_attention if paged == "auto" else paged
-        self.rope_theta = c.rope_theta if c.positional == "rope" else None
-        self.rope_local_theta = c.rope_local_theta
-        self.rope_scaling = c.rope_scaling
-        self.rope_linear_factor = c.rope_linear_factor
+        self.rope_theta = c.rope.theta if c.positional == "rope" else None
+        self.rope_local_theta = c.rope.local_theta
+        self.rope_scaling = c.rope.scaling
+        self.rope_linear_factor = c.rope.linear_factor
         # Quantized (config.quantize): each kernel has a <name>_scale, else None.
         self.q_kernel, self.q_kernel_scale = kernel(
             rngs, fan_in_normal(d), (d, n, h), ("embed", "heads", "head_dim"), c
@@ -101,18 +101,18 @@ class Attention(nnx.Module):
             rngs, fan_in_normal(n, h), (n, h, d), ("heads", "head_dim", "embed"), c, contract=2
         )
         # Optional biases are None (static) when absent: assign each attribute once.
-        qkv = c.qkv_bias
+        qkv = c.attention.qkv_bias
         self.q_bias = bias_init(rngs, (n, h), ("heads", "head_dim"), pd) if qkv else None
         self.kv_bias = bias_init(rngs, (2, k, h), kv_axes[1:], pd) if qkv else None
-        self.o_bias = bias_init(rngs, (d,), ("embed",), pd) if c.out_bias else None
+        self.o_bias = bias_init(rngs, (d,), ("embed",), pd) if c.attention.out_bias else None
         # Qwen3: each query and key head RMS-normalised over head_dim before RoPE, with one
         # [H] scale shared by the heads (axis head_dim, never split: no collective under tp).
-        self.q_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
-        self.k_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.qk_norm else None
+        self.q_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.norms.qk else None
+        self.k_norm = RMSNorm(c, rngs=rngs, axis="head_dim") if c.norms.qk else None
         # GPT-OSS: one sink logit per query head, split over tp with its head. Random init
         # of unit scale (real values come from checkpoints) so that tests see it bind.
         self.sinks = (
-            param(rngs, Init("normal", 1.0), (n,), ("heads",), pd) if c.attn_sinks else None
+            param(rngs, Init("normal", 1.0), (n,), ("heads",), pd) if c.attention.sinks else None
         )
 
     def _sinks(self) -> jax.Array | None:

@@ -162,7 +162,7 @@ def _resolve(impl: str, legal: tuple[str, ...], which: int, dtype, softcap=None,
         raise ConfigError(f"unknown attention impl {impl!r}; legal: {', '.join(legal)}")
     if softcap is not None or sinks is not None:
         # No fused kernel soft-caps scores or adds sinks; ModelConfig refuses a kernel named
-        # explicitly with attn_softcap or attn_sinks, so only "auto" (or "xla") gets here.
+        # explicitly with attention.softcap or attention.sinks, so only "auto" (or "xla") gets here.
         return "xla"
     if impl == "auto":
         return attention_impls(active_platform(), dtype)[which]

@@ -28,7 +28,7 @@ from jaxpar.models._run import ModelRun
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)) (ffn dense or MoE).
 
-    With ``config.sandwich_norm`` (Gemma 2/3) each sub-block's output is normalised again
+    With ``config.norms.sandwich`` (Gemma 2/3) each sub-block's output is normalised again
     before its residual add: x + norm(attn(norm(x))), then x + norm(ffn(norm(x))).
     """
 
@@ -40,13 +40,13 @@ class DecoderLayer(nnx.Module):
         self.attn = (
             LatentAttention(config, rngs=rngs) if config.is_mla else Attention(config, rngs=rngs)
         )
-        sandwich = config.sandwich_norm
+        sandwich = config.norms.sandwich
         self.post_attn_norm = make_norm(config, rngs=rngs) if sandwich else None
         self.ffn_norm = make_norm(config, rngs=rngs)
         if config.layer_is_moe(layer):
             self.ffn = MoE(config, rngs=rngs)
         elif config.is_moe:
-            self.ffn = FFN(config, rngs=rngs, d_ff=config.dense_d_ff)
+            self.ffn = FFN(config, rngs=rngs, d_ff=config.moe.dense_d_ff)
         else:
             self.ffn = FFN(config, rngs=rngs)
         self.post_ffn_norm = make_norm(config, rngs=rngs) if sandwich else None
@@ -161,10 +161,10 @@ class Decoder(nnx.Module):
 
     def logits(self, x_BxD: jax.Array) -> jax.Array:
         """Final norm and LM head: hidden ``[B, (T,) D]`` -> float32 logits ``[B, (T,) V]``,
-        soft-capped ``c * tanh(logits / c)`` with ``config.final_softcap`` (Gemma 2)."""
-        tied = self.embed.table() if self.config.tie_embeddings else None
+        soft-capped ``c * tanh(logits / c)`` with ``config.embed.logit_softcap`` (Gemma 2)."""
+        tied = self.embed.table() if self.config.embed.tied else None
         logits = self.lm_head(self.final_norm(x_BxD), tied)
-        cap = self.config.final_softcap
+        cap = self.config.embed.logit_softcap
         return logits if cap is None else jnp.tanh(logits / cap) * cap
 
     def prefill(

@@ -124,7 +124,7 @@ def load_hf_checkpoint(
         recipes = _recipes(heads, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
         scales = _scale_recipes(recipes, wanted, ckpt.shapes) if prequant else {}
-        _validate({**recipes, **scales}, ckpt, config.tie_embeddings, prequant is not None)
+        _validate({**recipes, **scales}, ckpt, config.embed.tied, prequant is not None)
         flat = nnx.to_flat_state(nnx.state(abstract_model(float_config)))
         sharding_of = _sharding_lookup(shardings)
         loaded = []

@@ -1,14 +1,27 @@
-"""Hugging Face ``config.json`` -> :class:`ModelConfig`."""
+"""Hugging Face ``config.json`` -> :class:`ModelConfig`: the one place that maps Hugging
+Face's names onto jaxpar's fields, for every family."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models._config import (
+from jaxpar.models._config import ModelConfig
+from jaxpar.models._config_groups import (
+    GROUPS,
+    AttentionConfig,
+    EmbedConfig,
+    FfnConfig,
+    MlaConfig,
+    MoeConfig,
+    NormConfig,
+    RopeConfig,
+    WindowConfig,
+)
+from jaxpar.models._rope_scaling import (
     ROPE_SCALINGS,
-    ModelConfig,
     RopeScaling,
     YarnRopeScaling,
     rope_scaling_from_mapping,
@@ -115,7 +128,9 @@ def _sizes(
 ) -> dict[str, Any]:
     """The sizes every decoder's ``config.json`` names alike; the arguments are the family's
     defaults where a key is absent (``head_dim``, ``rms_norm_eps``,
-    ``max_position_embeddings``, ``tie_word_embeddings``)."""
+    ``max_position_embeddings``, ``tie_word_embeddings``). Norms and embeddings are
+    groups a family may replace with more of its own fields (keeping ``norms.eps`` and
+    ``embed.tied``)."""
     n_heads = hf["num_attention_heads"]
     return dict(
         vocab_size=hf["vocab_size"],
@@ -125,9 +140,9 @@ def _sizes(
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or head_dim,
         d_ff=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", eps),
         max_position_embeddings=hf.get("max_position_embeddings", positions),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", tied)),
+        norms=NormConfig(eps=hf.get("rms_norm_eps", eps)),
+        embed=EmbedConfig(tied=bool(hf.get("tie_word_embeddings", tied))),
     )
 
 
@@ -138,19 +153,26 @@ def _llama_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     head_dim = _default_head_dim(hf, arch)
     fields = _sizes(hf, head_dim=head_dim, eps=1e-6, positions=2048, tied=False)
     window, sliding = _window(hf, arch, source)
-    fields.update(rope_theta=theta, rope_scaling=scaling, sliding_window=window)
-    fields.update(sliding_layers=sliding)
+    fields.update(
+        rope=RopeConfig(theta=theta, scaling=scaling),
+        window=WindowConfig(size=window, layers=sliding),
+    )
     if arch == "qwen2":
-        fields["qkv_bias"] = True  # Qwen2 hard-codes q/k/v biases, none on o_proj.
+        # Qwen2 hard-codes q/k/v biases, none on o_proj.
+        fields["attention"] = AttentionConfig(qkv_bias=True)
     elif arch == "llama":
         bias = bool(hf.get("attention_bias", False))
-        fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+        fields["attention"] = AttentionConfig(qkv_bias=bias, out_bias=bias)
+        fields["ffn"] = FfnConfig(bias=bool(hf.get("mlp_bias", False)))
     elif arch in ("qwen3", "qwen3_moe"):
         # q_norm/k_norm on every head; attention_bias puts biases on q, k, v and o alike.
         bias = bool(hf.get("attention_bias", False))
-        fields.update(qk_norm=True, qkv_bias=bias, out_bias=bias)
+        fields["attention"] = AttentionConfig(qkv_bias=bias, out_bias=bias)
+        fields["norms"] = NormConfig(eps=fields["norms"].eps, qk=True)
     if arch == "mixtral":
-        fields.update(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"])
+        fields.update(
+            n_experts=hf["num_local_experts"], moe=MoeConfig(top_k=hf["num_experts_per_tok"])
+        )
     elif arch == "qwen3_moe":
         fields.update(_qwen3_moe_fields(hf, source))
     return fields
@@ -195,25 +217,28 @@ def _deepseek_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         n_kv_heads=1,
         head_dim=rank + rope,
         d_ff=moe_width,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        kv_lora_rank=rank,
-        q_lora_rank=hf.get("q_lora_rank"),
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=hf["v_head_dim"],
-        rope_interleave=bool(hf.get("rope_interleave", True)),
-        attn_scale=_deepseek_score_scale(nope + rope, scaling),
         n_experts=experts,
-        top_k=hf["num_experts_per_tok"],
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        first_dense_layers=first_dense,
-        dense_d_ff=hf["intermediate_size"] if first_dense else 0,
-        shared_d_ff=int(hf.get("n_shared_experts") or 0) * moe_width,
-        moe_router="sigmoid_grouped",
-        moe_groups=int(hf.get("n_group") or 1),
-        moe_topk_groups=int(hf.get("topk_group") or 1),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        rope=RopeConfig(theta=theta, scaling=scaling),
+        mla=MlaConfig(
+            kv_lora_rank=rank,
+            q_lora_rank=hf.get("q_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=hf["v_head_dim"],
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+        ),
+        attention=AttentionConfig(scale=_deepseek_score_scale(nope + rope, scaling)),
+        moe=MoeConfig(
+            top_k=hf["num_experts_per_tok"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            first_dense_layers=first_dense,
+            dense_d_ff=hf["intermediate_size"] if first_dense else 0,
+            shared_d_ff=int(hf.get("n_shared_experts") or 0) * moe_width,
+            router="sigmoid_grouped",
+            groups=int(hf.get("n_group") or 1),
+            topk_groups=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        ),
     )
 
 
@@ -266,9 +291,12 @@ def _qwen3_moe_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     return dict(
         d_ff=hf["moe_intermediate_size"],
         n_experts=n_experts,
-        top_k=hf["num_experts_per_tok"],
-        # transformers' Qwen3MoeConfig defaults to False (Qwen3-30B-A3B's config says true).
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe=MoeConfig(
+            top_k=hf["num_experts_per_tok"],
+            # transformers' Qwen3MoeConfig defaults to False (Qwen3-30B-A3B's config says
+            # true).
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        ),
     )
 
 
@@ -357,30 +385,31 @@ def _gemma_fields(hf: Mapping[str, Any], arch: str, source: str) -> dict[str, An
     layers, window = _gemma_layers(hf, arch, source)
     theta, local_theta, linear = _gemma_rope(hf, arch, source)
     bias = bool(hf.get("attention_bias", False))
-    caps = {}
-    for ours, theirs in (
-        ("attn_softcap", "attn_logit_softcapping"),
-        ("final_softcap", "final_logit_softcapping"),
-    ):
-        value = hf.get(theirs)
-        caps[ours] = None if value is None else float(value)
+    caps = {
+        theirs: None if hf.get(theirs) is None else float(hf[theirs])
+        for theirs in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    # head_dim 256: Gemma2Config's and Gemma3TextConfig's default.
+    fields = _sizes(hf, head_dim=256, eps=1e-6, positions=8192, tied=True)
     return dict(
-        # head_dim 256: Gemma2Config's and Gemma3TextConfig's default.
-        _sizes(hf, head_dim=256, eps=1e-6, positions=8192, tied=True),
-        activation="gelu_tanh",
-        rope_theta=theta,
-        rope_local_theta=local_theta if layers else None,
-        rope_linear_factor=linear,
-        sliding_window=window,
-        sliding_layers=layers,
-        qkv_bias=bias,
-        out_bias=bias,
-        qk_norm=arch == "gemma3",
-        embed_scale=True,
-        norm_offset=True,
-        sandwich_norm=True,
-        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        **caps,
+        fields,
+        ffn=FfnConfig(activation="gelu_tanh"),
+        rope=RopeConfig(
+            theta=theta, local_theta=local_theta if layers else None, linear_factor=linear
+        ),
+        window=WindowConfig(size=window, layers=layers),
+        attention=AttentionConfig(
+            qkv_bias=bias,
+            out_bias=bias,
+            scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            softcap=caps["attn_logit_softcapping"],
+        ),
+        norms=NormConfig(eps=fields["norms"].eps, qk=arch == "gemma3", offset=True, sandwich=True),
+        embed=EmbedConfig(
+            tied=fields["embed"].tied,
+            scale=True,
+            logit_softcap=caps["final_logit_softcapping"],
+        ),
     )
 
 
@@ -466,24 +495,23 @@ def _gpt_oss_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     theta, scaling = _rope(hf, source)
     layers, window = _gemma_layers(hf, "gpt_oss", source)
     bias = bool(hf.get("attention_bias", True))
+    # GptOssConfig's defaults: head_dim 64, eps 1e-5, 131072 positions.
+    fields = _sizes(hf, head_dim=64, eps=1e-5, positions=131072, tied=False)
     return dict(
-        # GptOssConfig's defaults: head_dim 64, eps 1e-5, 131072 positions.
-        _sizes(hf, head_dim=64, eps=1e-5, positions=131072, tied=False),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        sliding_window=window,
-        sliding_layers=layers,
-        qkv_bias=bias,
-        out_bias=bias,
-        attn_sinks=True,
-        norm_scale_f32=True,
+        fields,
         n_experts=hf["num_local_experts"],
-        top_k=hf["num_experts_per_tok"],
-        norm_topk_prob=True,  # softmax over the chosen logits: renormalised probabilities
-        router_bias=True,
-        mlp_bias=True,
-        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        rope=RopeConfig(theta=theta, scaling=scaling),
+        window=WindowConfig(size=window, layers=layers),
+        attention=AttentionConfig(qkv_bias=bias, out_bias=bias, sinks=True),
+        norms=NormConfig(eps=fields["norms"].eps, scale_f32=True),
+        ffn=FfnConfig(bias=True),
+        moe=MoeConfig(
+            top_k=hf["num_experts_per_tok"],
+            norm_topk_prob=True,  # softmax over the chosen logits: renormalised probabilities
+            router_bias=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        ),
     )
 
 
@@ -506,14 +534,218 @@ def _gpt2_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
         n_kv_heads=n,
         head_dim=d // n,
         d_ff=hf.get("n_inner") or 4 * d,
-        norm="layer",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        activation="gelu_tanh",
-        gated_ffn=False,
         positional="learned",
         max_position_embeddings=hf["n_positions"],
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        norms=NormConfig(kind="layer", eps=hf.get("layer_norm_epsilon", 1e-5)),
+        ffn=FfnConfig(activation="gelu_tanh", gated=False, bias=True),
+        attention=AttentionConfig(qkv_bias=True, out_bias=True),
+        embed=EmbedConfig(tied=bool(hf.get("tie_word_embeddings", True))),
+    )
+
+
+#: jaxpar arch -> the Hugging Face architecture class :func:`hf_config_of` writes.
+_CLASS_OF = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
+
+
+def hf_config_of(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` that describes ``config``: the inverse of
+    :func:`config_from_hf`, so that ``config_from_hf(hf_config_of(c)) == c``.
+
+    Raises:
+        ConfigError: ``config`` is no model a ``config.json`` of its architecture can
+            describe (say Llama with a bias on q/k/v but not on o); the message names the
+            fields that would change.
+    """
+    arch = config.arch
+    if arch == "gpt2":
+        out = _gpt2_hf(config)
+    else:
+        out = _common_hf(config)
+        if arch in ("gemma2", "gemma3"):
+            del out["hidden_act"], out["rope_theta"]  # Gemma's own keys name them
+            out.update(_gemma_hf(config))
+        elif arch == "deepseek_v3":
+            out.update(_deepseek_hf(config))
+        elif arch == "gpt_oss":
+            out.update(_gpt_oss_hf(config))
+        else:
+            out.update(_llama_hf(config))
+    back = config_from_hf(out, source="hf_config_of")
+    if back != config:
+        changed = _changed(config, back)
+        raise ConfigError(
+            f"no {_CLASS_OF[arch]} config.json describes this config: {', '.join(changed)} "
+            "would read back differently"
+        )
+    return out
+
+
+def _changed(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the fields where dataclasses ``a`` and ``b`` differ."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x != y and dataclasses.is_dataclass(x) and type(x) is type(y) and f.name in GROUPS:
+            out += _changed(x, y, f"{prefix}{f.name}.")
+        elif x != y:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def _common_hf(c: ModelConfig) -> dict[str, Any]:
+    """The keys every decoder but GPT-2 names alike (``_sizes``'s), RoPE included."""
+    model_type = "gemma3_text" if c.arch == "gemma3" else c.arch
+    out = dict(
+        architectures=[_CLASS_OF[c.arch]],
+        model_type=model_type,
+        dtype=str(c.dtype),
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        intermediate_size=c.d_ff,
+        rms_norm_eps=c.norms.eps,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.embed.tied,
+        hidden_act="silu",
+        rope_theta=c.rope.theta,
+    )
+    if c.rope.scaling is not None:
+        out["rope_scaling"] = _rope_scaling_hf(c.rope.scaling)
+    return out
+
+
+def _rope_scaling_hf(s: RopeScaling) -> dict[str, Any]:
+    if isinstance(s, YarnRopeScaling):
+        out = dict(
+            rope_type="yarn",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+            beta_fast=s.beta_fast,
+            beta_slow=s.beta_slow,
+            truncate=s.truncate,
+        )
+        optional = dict(
+            attention_factor=s.attention_factor_override,
+            mscale=s.mscale,
+            mscale_all_dim=s.mscale_all_dim,
+        )
+        return out | {k: v for k, v in optional.items() if v is not None}
+    return dict(rope_type="llama3", **dataclasses.asdict(s))
+
+
+def _layer_types(c: ModelConfig) -> list[str]:
+    return [
+        "sliding_attention" if c.layer_slides(i) else "full_attention" for i in range(c.n_layers)
+    ]
+
+
+def _llama_hf(c: ModelConfig) -> dict[str, Any]:
+    """Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE."""
+    out: dict[str, Any] = {}
+    if c.window.size is not None:
+        out.update(sliding_window=c.window.size, layer_types=_layer_types(c))
+        if c.arch in ("qwen2", "qwen3", "qwen3_moe"):
+            out["use_sliding_window"] = True
+    if c.arch in ("llama", "qwen3", "qwen3_moe"):
+        out["attention_bias"] = c.attention.qkv_bias
+    if c.arch == "llama":
+        out["mlp_bias"] = c.ffn.bias
+    if c.arch == "mixtral":
+        out.update(num_local_experts=c.n_experts, num_experts_per_tok=c.moe.top_k)
+    elif c.arch == "qwen3_moe":
+        out.update(
+            num_experts=c.n_experts,
+            num_experts_per_tok=c.moe.top_k,
+            moe_intermediate_size=c.d_ff,
+            norm_topk_prob=c.moe.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return out
+
+
+def _deepseek_hf(c: ModelConfig) -> dict[str, Any]:
+    mla, moe = c.mla, c.moe
+    return dict(
+        attention_bias=False,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        num_key_value_heads=c.n_heads,  # transformers expands every head from the latent
+        head_dim=mla.qk_rope_head_dim,  # transformers' DeepseekV3Config says so
+        kv_lora_rank=mla.kv_lora_rank,
+        q_lora_rank=mla.q_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rope_interleave=mla.rope_interleave,
+        n_routed_experts=c.n_experts,
+        num_experts_per_tok=moe.top_k,
+        moe_intermediate_size=c.d_ff,
+        intermediate_size=moe.dense_d_ff or c.d_ff,
+        first_k_dense_replace=moe.first_dense_layers,
+        n_shared_experts=moe.shared_d_ff // c.d_ff,
+        n_group=moe.groups,
+        topk_group=moe.topk_groups,
+        routed_scaling_factor=moe.routed_scaling_factor,
+        norm_topk_prob=moe.norm_topk_prob,
+    )
+
+
+def _gemma_hf(c: ModelConfig) -> dict[str, Any]:
+    """Gemma 2 and 3: the layer kinds, soft caps, score scale and per-kind RoPE."""
+    scale = c.attention.scale if c.attention.scale is not None else c.head_dim**-0.5
+    out: dict[str, Any] = dict(
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=c.attention.qkv_bias,
+        # The scale is stored as its square root's inverse: round off the float error.
+        query_pre_attn_scalar=round(scale**-2, 9),
+        attn_logit_softcapping=c.attention.softcap,
+        final_logit_softcapping=c.embed.logit_softcap,
+        layer_types=_layer_types(c),
+        sliding_window=c.window.size,
+    )
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope.theta}
+    if c.rope.linear_factor is not None:
+        full.update(rope_type="linear", factor=c.rope.linear_factor)
+    if c.arch == "gemma2":
+        out["rope_theta"] = c.rope.theta
+        if c.rope.linear_factor is not None:
+            out["rope_scaling"] = full
+        return out
+    params = {"full_attention": full}
+    if c.rope.local_theta is not None:
+        params["sliding_attention"] = {"rope_type": "default", "rope_theta": c.rope.local_theta}
+    out["rope_parameters"] = params
+    return out
+
+
+def _gpt_oss_hf(c: ModelConfig) -> dict[str, Any]:
+    return dict(
+        layer_types=_layer_types(c),
+        sliding_window=c.window.size,
+        attention_bias=c.attention.qkv_bias,
+        num_local_experts=c.n_experts,
+        num_experts_per_tok=c.moe.top_k,
+        swiglu_limit=c.moe.swiglu_limit,
+        swiglu_alpha=c.moe.swiglu_alpha,
+    )
+
+
+def _gpt2_hf(c: ModelConfig) -> dict[str, Any]:
+    return dict(
+        architectures=[_CLASS_OF["gpt2"]],
+        model_type="gpt2",
+        dtype=str(c.dtype),
+        vocab_size=c.vocab_size,
+        n_embd=c.d_model,
+        n_layer=c.n_layers,
+        n_head=c.n_heads,
+        n_inner=c.d_ff,
+        n_positions=c.max_position_embeddings,
+        layer_norm_epsilon=c.norms.eps,
+        activation_function="gelu_new",
+        tie_word_embeddings=c.embed.tied,
     )

@@ -235,7 +235,7 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
         # pre_feedforward_layernorm is what Llama's post_attention_layernorm is.
         ("layers", "ffn_norm", "scale"): _plain(
             lay
-            + ("pre_feedforward" if c.sandwich_norm else "post_attention")
+            + ("pre_feedforward" if c.norms.sandwich else "post_attention")
             + "_layernorm.weight",
             ((d,),),
             st,
@@ -246,27 +246,27 @@ def llama_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recipe |
         ),
         ("layers", "attn", "o_kernel"): _linear(lay + "self_attn.o_proj.weight", (d,), (n, h), st),
     }
-    if c.sandwich_norm:
+    if c.norms.sandwich:
         for ours, theirs in (
             ("post_attn_norm", "post_attention"),
             ("post_ffn_norm", "post_feedforward"),
         ):
             r[("layers", ours, "scale")] = _plain(lay + f"{theirs}_layernorm.weight", ((d,),), st)
-    if c.qkv_bias:
+    if c.attention.qkv_bias:
         r[("layers", "attn", "q_bias")] = _plain(lay + "self_attn.q_proj.bias", ((n, h),), st)
         r[("layers", "attn", "kv_bias")] = Fused(
             tuple(_plain(lay + f"self_attn.{x}_proj.bias", ((k, h),), st) for x in "kv"), 0
         )
-    if c.out_bias:
+    if c.attention.out_bias:
         r[("layers", "attn", "o_bias")] = _plain(lay + "self_attn.o_proj.bias", ((d,),), st)
-    if c.attn_sinks:
+    if c.attention.sinks:
         r[("layers", "attn", "sinks")] = _plain(lay + "self_attn.sinks", ((n,),), st)
-    if c.qk_norm:
+    if c.norms.qk:
         for x in "qk":
             r[("layers", "attn", f"{x}_norm", "scale")] = _plain(
                 lay + f"self_attn.{x}_norm.weight", ((h,),), st
             )
-    if not c.tie_embeddings:
+    if not c.embed.tied:
         r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
     r.update(_ffn_recipes(c, lay) if not c.is_moe else _expert_recipes(c, moe_layout, lay))
     return r
@@ -282,7 +282,7 @@ def _ffn_recipes(c: ModelConfig, lay: str, d_ff: int | None = None) -> dict[Path
         ),
         ("layers", "ffn", "down_kernel"): _linear(lay + "mlp.down_proj.weight", (d,), (f,), st),
     }
-    if c.mlp_bias:
+    if c.ffn.bias:
         r[("layers", "ffn", "gate_up_bias")] = Fused(
             tuple(_plain(lay + f"mlp.{x}_proj.bias", ((f,),), st) for x in ("gate", "up")), 0
         )
@@ -410,7 +410,7 @@ def gpt2_recipes(c: ModelConfig, prefix: str) -> dict[Path, Recipe | Fused]:
     r[("layers", "attn", "q_bias")] = _plain(b, ((n, h),), st, (0, 0, d, 3 * d))
     r[("layers", "attn", "kv_kernel")] = _plain(w, ((d,), (2, n, h)), st, (1, d, 3 * d, 3 * d))
     r[("layers", "attn", "kv_bias")] = _plain(b, ((2, n, h),), st, (0, d, 3 * d, 3 * d))
-    if not c.tie_embeddings:
+    if not c.embed.tied:
         r[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
     return r
 
@@ -425,8 +425,12 @@ def deepseek_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recip
     router's ``e_score_correction_bias`` and ``shared_experts``; the experts are the Hub's
     per-expert tensors or transformers 5.x's fused ones (``moe_layout``).
     """
-    d, n, v, r = c.d_model, c.n_heads, c.vocab_size, c.kv_lora_rank
-    qk, p, st = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim, (c.n_layers,)
+    d, n, v, r = c.d_model, c.n_heads, c.vocab_size, c.mla.kv_lora_rank
+    qk, p, st = (
+        c.mla.qk_nope_head_dim + c.mla.qk_rope_head_dim,
+        c.mla.qk_rope_head_dim,
+        (c.n_layers,),
+    )
     lay = "model.layers.{layer}."
     att = lay + "self_attn."
     stacked: dict[Path, Recipe | Fused] = {
@@ -441,14 +445,16 @@ def deepseek_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recip
             att + "kv_a_layernorm.weight", ((r,),), st
         ),
         ("layers", "attn", "kv_b_kernel"): _linear(
-            att + "kv_b_proj.weight", (n, c.qk_nope_head_dim + c.v_head_dim), (r,), st
+            att + "kv_b_proj.weight", (n, c.mla.qk_nope_head_dim + c.mla.v_head_dim), (r,), st
         ),
-        ("layers", "attn", "o_kernel"): _linear(att + "o_proj.weight", (d,), (n, c.v_head_dim), st),
+        ("layers", "attn", "o_kernel"): _linear(
+            att + "o_proj.weight", (d,), (n, c.mla.v_head_dim), st
+        ),
     }
-    if c.q_lora_rank is None:
+    if c.mla.q_lora_rank is None:
         stacked[("layers", "attn", "q_kernel")] = _linear(att + "q_proj.weight", (n, qk), (d,), st)
     else:
-        rq = c.q_lora_rank
+        rq = c.mla.q_lora_rank
         stacked[("layers", "attn", "q_a_kernel")] = _linear(
             att + "q_a_proj.weight", (rq,), (d,), st
         )
@@ -458,13 +464,13 @@ def deepseek_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recip
         stacked[("layers", "attn", "q_kernel")] = _linear(
             att + "q_b_proj.weight", (n, qk), (rq,), st
         )
-    dense = _ffn_recipes(c, lay, d_ff=c.dense_d_ff)
+    dense = _ffn_recipes(c, lay, d_ff=c.moe.dense_d_ff)
     moe: dict[Path, Recipe | Fused] = dict(_expert_recipes(c, moe_layout, lay))
     moe[("layers", "ffn", "router", "bias")] = _plain(
         lay + "mlp.gate.e_score_correction_bias", ((c.n_experts,),), st
     )
-    if c.shared_d_ff:
-        shared = _ffn_recipes(c, lay + "mlp.shared_experts.", d_ff=c.shared_d_ff)
+    if c.moe.shared_d_ff:
+        shared = _ffn_recipes(c, lay + "mlp.shared_experts.", d_ff=c.moe.shared_d_ff)
         for path, recipe in shared.items():
             fixed = _rename(recipe, lay + "mlp.shared_experts.mlp.", lay + "mlp.shared_experts.")
             moe[("layers", "ffn", "shared", *path[2:])] = fixed
@@ -472,7 +478,7 @@ def deepseek_recipes(c: ModelConfig, moe_layout: str | None) -> dict[Path, Recip
         ("embed", "token_table"): _plain("model.embed_tokens.weight", ((v,), (d,)), ()),
         ("final_norm", "scale"): _plain("model.norm.weight", ((d,),), ()),
     }
-    if not c.tie_embeddings:
+    if not c.embed.tied:
         r_out[("lm_head", "kernel")] = _linear("lm_head.weight", (v,), (d,), ())
     for i in range(c.n_layers):
         ffn = moe if c.layer_is_moe(i) else dense

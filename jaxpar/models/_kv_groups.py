@@ -62,7 +62,7 @@ class KVGroups:
 
 def kv_groups(config: ModelConfig) -> KVGroups | None:
     """The groups of ``config``'s layers, or None where every layer is of one kind."""
-    window = config.sliding_window
+    window = config.window.size
     if window is None:
         return None
     slides = [config.layer_slides(i) for i in range(config.n_layers)]
@@ -95,4 +95,4 @@ def kv_windows(config: ModelConfig) -> tuple[int | None, ...]:
     if groups is not None:
         return groups.windows
     every = all(config.layer_slides(i) for i in range(config.n_layers))
-    return (config.sliding_window if every else None,)
+    return (config.window.size if every else None,)

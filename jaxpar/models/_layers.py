@@ -152,9 +152,9 @@ class RMSNorm(nnx.Module):
     By default over the residual stream (scale ``[D]``, axis ``embed``); ``axis="head_dim"``
     gives Qwen3's and Gemma 3's per-head q/k norm (scale ``[H]``, shared by every head).
     Each vector is normalised alone, so a split of the other dimensions (heads over tp,
-    tokens over dp/sp) needs no collective. With ``config.norm_offset`` (Gemma) the scale
+    tokens over dp/sp) needs no collective. With ``config.norms.offset`` (Gemma) the scale
     is ``1 + w`` and is applied in float32 before the cast back, as Gemma's
-    ``RMSNorm`` does; with ``config.norm_scale_f32`` (GPT-OSS) ``w`` is applied in float32
+    ``RMSNorm`` does; with ``config.norms.scale_f32`` (GPT-OSS) ``w`` is applied in float32
     before the cast back; otherwise the normalised vector is cast first and scaled by ``w``
     in its dtype, as Llama's does.
     """
@@ -168,9 +168,9 @@ class RMSNorm(nnx.Module):
         size: int | None = None,
         eps: float | None = None,
     ):
-        self.eps = config.norm_eps if eps is None else eps
-        self.offset = config.norm_offset
-        self.f32_scale = config.norm_offset or config.norm_scale_f32
+        self.eps = config.norms.eps if eps is None else eps
+        self.offset = config.norms.offset
+        self.f32_scale = config.norms.offset or config.norms.scale_f32
         if size is None:  # ``size`` (with axis None): a vector no primitive splits (MLA's latents)
             size = {"embed": config.d_model, "head_dim": config.head_dim}[axis]
         init = ZEROS if self.offset else ONES  # an identity scale either way
@@ -191,7 +191,7 @@ class LayerNorm(nnx.Module):
     """Layer norm with learned scale and bias (GPT-2), statistics in float32."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.eps = config.norm_eps
+        self.eps = config.norms.eps
         d, pd = config.d_model, config.param_dtype
         self.scale = param(rngs, ONES, (d,), ("embed",), pd)
         self.bias = param(rngs, ZEROS, (d,), ("embed",), pd)
@@ -208,7 +208,9 @@ class LayerNorm(nnx.Module):
 
 def make_norm(config: ModelConfig, *, rngs: nnx.Rngs) -> RMSNorm | LayerNorm:
     """The norm the config asks for."""
-    return RMSNorm(config, rngs=rngs) if config.norm == "rms" else LayerNorm(config, rngs=rngs)
+    return (
+        RMSNorm(config, rngs=rngs) if config.norms.kind == "rms" else LayerNorm(config, rngs=rngs)
+    )
 
 
 def _table_run(config: ModelRun) -> ModelRun:
@@ -220,7 +222,7 @@ def _table_run(config: ModelRun) -> ModelRun:
 
 
 class Embedding(nnx.Module):
-    """Token embedding (scaled by sqrt(D) with ``config.embed_scale``), plus learned
+    """Token embedding (scaled by sqrt(D) with ``config.embed.scale``), plus learned
     absolute positions when ``positional='learned'``. With ``quantize_embeddings`` the
     token table is quantized per row (``token_table_scale [V, 1]``; int4 ``[V, D // g]``):
     the lookup scales the rows it gathers."""
@@ -231,7 +233,7 @@ class Embedding(nnx.Module):
         v, d, pd = config.vocab_size, config.d_model, config.param_dtype
         # Gemma: vectors times sqrt(D), rounded to the compute dtype first as Hugging Face
         # does (its normaliser is a tensor of the hidden states' dtype).
-        self.scale = math.sqrt(d) if config.embed_scale else None
+        self.scale = math.sqrt(d) if config.embed.scale else None
         # std 1/sqrt(D): a tied LM head then gives O(1) logits. Rows are per token: a batch
         # dim of the quantization (per-row scales), contracted over D by a tied head.
         init = Init("normal", d**-0.5)
@@ -287,7 +289,7 @@ class LMHead(nnx.Module):
         d, v = config.d_model, config.vocab_size
         self.kernel, self.kernel_scale = (
             (None, None)
-            if config.tie_embeddings
+            if config.embed.tied
             else kernel(rngs, fan_in_normal(d), (d, v), ("embed", "vocab"), config)
         )
 
@@ -342,8 +344,8 @@ class FFN(nnx.Module):
         d, f, pd = config.d_model, d_ff or config.d_ff, config.param_dtype
         self.dtype = config.dtype
         self.matmul = config.matmul
-        self.act = config.activation
-        gated, biased = config.gated_ffn, config.mlp_bias
+        self.act = config.ffn.activation
+        gated, biased = config.ffn.gated, config.ffn.bias
         # Optional parameters are None (static) when absent: assign each attribute once.
         # Quantized (config.quantize): each kernel has a <name>_scale, else None.
         self.gate_up_kernel, self.gate_up_kernel_scale = (

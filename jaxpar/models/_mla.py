@@ -105,31 +105,35 @@ class LatentAttention(nnx.Module):
         d, n, pd = c.d_model, c.n_heads, c.param_dtype
         self.dtype = c.dtype
         self.rank, self.rope_dim, self.nope_dim = (
-            c.kv_lora_rank,
-            c.qk_rope_head_dim,
-            c.qk_nope_head_dim,
+            c.mla.kv_lora_rank,
+            c.mla.qk_rope_head_dim,
+            c.mla.qk_nope_head_dim,
         )
-        self.interleave = c.rope_interleave
-        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-        self.scale = c.attn_scale if c.attn_scale is not None else qk**-0.5
+        self.interleave = c.mla.rope_interleave
+        qk = c.mla.qk_nope_head_dim + c.mla.qk_rope_head_dim
+        self.scale = c.attention.scale if c.attention.scale is not None else qk**-0.5
         # Static RoPE settings (an array attribute would become module state).
-        self.rope = (c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+        self.rope = (c.mla.qk_rope_head_dim, c.rope.theta, c.rope.scaling)
         q_axes = (None, "heads", None)
-        if c.q_lora_rank is None:
+        if c.mla.q_lora_rank is None:
             self.q_a_kernel, self.q_a_norm = None, None
             self.q_kernel = param(rngs, fan_in_normal(d), (d, n, qk), ("embed", "heads", None), pd)
         else:
-            rq = c.q_lora_rank
+            rq = c.mla.q_lora_rank
             self.q_a_kernel = param(rngs, fan_in_normal(d), (d, rq), ("embed", None), pd)
             self.q_a_norm = RMSNorm(c, rngs=rngs, axis=None, size=rq, eps=LATENT_NORM_EPS)
             self.q_kernel = param(rngs, fan_in_normal(rq), (rq, n, qk), q_axes, pd)
-        r, p = c.kv_lora_rank, c.qk_rope_head_dim
+        r, p = c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
         self.kv_a_kernel = param(rngs, fan_in_normal(d), (d, r + p), ("embed", None), pd)
         self.kv_a_norm = RMSNorm(c, rngs=rngs, axis=None, size=r, eps=LATENT_NORM_EPS)
-        kv_b = (r, n, c.qk_nope_head_dim + c.v_head_dim)
+        kv_b = (r, n, c.mla.qk_nope_head_dim + c.mla.v_head_dim)
         self.kv_b_kernel = param(rngs, fan_in_normal(r), kv_b, q_axes, pd)
         self.o_kernel = param(
-            rngs, fan_in_normal(n, c.v_head_dim), (n, c.v_head_dim, d), ("heads", None, "embed"), pd
+            rngs,
+            fan_in_normal(n, c.mla.v_head_dim),
+            (n, c.mla.v_head_dim, d),
+            ("heads", None, "embed"),
+            pd,
         )
 
     def _w(self, p: nnx.Param) -> jax.Array:

@@ -74,7 +74,7 @@ def route_tokens(
 
 @dataclasses.dataclass(frozen=True)
 class GroupedRouting:
-    """DeepSeek-V3's group-limited routing settings (``moe_router="sigmoid_grouped"``)."""
+    """DeepSeek-V3's group-limited routing settings (``moe.router="sigmoid_grouped"``)."""
 
     groups: int
     topk_groups: int
@@ -93,7 +93,7 @@ def route_grouped(
     choice only; experts in ``groups`` contiguous groups, each scored by the sum of its two
     best biased scores; a token picks its top-k experts within its best ``topk_groups``
     groups; the weights are the unbiased scores of those experts, renormalised (``normalize``)
-    and multiplied by ``scale`` (``routed_scaling_factor``).
+    and multiplied by ``scale`` (``moe.routed_scaling_factor``).
 
     Returns (weights [n, k] float32, expert ids [n, k] int32).
     """
@@ -126,13 +126,19 @@ class Router(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e, pd = config.d_model, config.n_experts, config.param_dtype
-        self.dtype, self.top_k, self.normalize = config.dtype, config.top_k, config.norm_topk_prob
+        self.dtype, self.top_k, self.normalize = (
+            config.dtype,
+            config.moe.top_k,
+            config.moe.norm_topk_prob,
+        )
         self.kernel = param(rngs, fan_in_normal(d), (d, e), ROUTER_AXES, pd)
-        if config.moe_router == "sigmoid_grouped":  # DeepSeek's correction bias, float32
+        if config.moe.router == "sigmoid_grouped":  # DeepSeek's correction bias, float32
             self.bias = param(rngs, ZEROS, (e,), ROUTER_BIAS_AXES, jnp.float32)
             self.grouped = grouped_routing(config)
         else:  # GPT-OSS's logit bias, or none
-            self.bias = bias_init(rngs, (e,), ROUTER_BIAS_AXES, pd) if config.router_bias else None
+            self.bias = (
+                bias_init(rngs, (e,), ROUTER_BIAS_AXES, pd) if config.moe.router_bias else None
+            )
             self.grouped = None
 
     def __call__(self, x_nD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -147,7 +153,9 @@ class Router(nnx.Module):
 
 def grouped_routing(config: ModelConfig | ModelRun) -> GroupedRouting:
     """DeepSeek-V3's group-limited routing settings of ``config``."""
-    return GroupedRouting(config.moe_groups, config.moe_topk_groups, config.routed_scaling_factor)
+    return GroupedRouting(
+        config.moe.groups, config.moe.topk_groups, config.moe.routed_scaling_factor
+    )
 
 
 def _top_k(probs_nE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -185,8 +193,8 @@ class Experts(nnx.Module):
         self.down_kernel, self.down_kernel_scale = kernel(
             rngs, fan_in_normal(f), down, DOWN_AXES, config, batch=1
         )
-        # GPT-OSS (config.mlp_bias): each expert's gate, up and down biases.
-        biased = config.mlp_bias
+        # GPT-OSS (config.ffn.bias): each expert's gate, up and down biases.
+        biased = config.ffn.bias
         self.gate_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
         self.up_bias = bias_init(rngs, (e, f), GATE_UP_BIAS_AXES, pd) if biased else None
         self.down_bias = bias_init(rngs, (e, d), DOWN_BIAS_AXES, pd) if biased else None
@@ -324,7 +332,7 @@ class MoE(nnx.Module):
         self.router = Router(config, rngs=rngs)
         self.experts = Experts(config, rngs=rngs)
         # DeepSeek's shared experts: a dense SwiGLU every token runs, added to the routed sum.
-        shared = config.shared_d_ff
+        shared = config.moe.shared_d_ff
         self.shared = FFN(config, rngs=rngs, d_ff=shared) if shared else None
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -342,8 +350,8 @@ class MoE(nnx.Module):
             )  # split as their kernels: experts, mlp columns
             local = _Local(
                 n_experts=c.n_experts,
-                top_k=c.top_k,
-                normalize=c.norm_topk_prob,
+                top_k=c.moe.top_k,
+                normalize=c.moe.norm_topk_prob,
                 capacity_factor=c.moe_capacity_factor,
                 path="ragged" if c.moe_dispatch == "ragged" else "padded",
                 dtype=c.dtype,
@@ -351,7 +359,9 @@ class MoE(nnx.Module):
                 mlp_axes=active_mesh_axes("mlp", Module.MOE),
                 cpu=active_platform() == "cpu",
                 router_bias=self.router.bias is not None,
-                clamp=None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha),
+                clamp=None
+                if c.moe.swiglu_limit is None
+                else (c.moe.swiglu_limit, c.moe.swiglu_alpha),
                 grouped=self.router.grouped,
                 quantized=bool(scales),
             )
@@ -363,7 +373,7 @@ class MoE(nnx.Module):
             if self.router.bias is not None:
                 args.append(self.router.bias[...])
                 in_axes.append(ROUTER_BIAS_AXES)
-            if c.mlp_bias:
+            if c.ffn.bias:
                 args += e.biases()
                 in_axes += [GATE_UP_BIAS_AXES, GATE_UP_BIAS_AXES, DOWN_BIAS_AXES]
             run = logical_shard_map(

@@ -163,8 +163,8 @@ class ExecutionOptions:
         # or reads MLA's latent: "auto" runs XLA for such a model; a kernel named explicitly
         # would be silently wrong.
         xla_only = {
-            "cannot soft-cap attention scores": model.attn_softcap is not None,
-            "cannot add attention sinks to the softmax": model.attn_sinks,
+            "cannot soft-cap attention scores": model.attention.softcap is not None,
+            "cannot add attention sinks to the softmax": model.attention.sinks,
             "cannot attend over MLA's latent (its own XLA core does)": model.is_mla,
         }
         for why in (why for why, applies in xla_only.items() if applies):
@@ -172,12 +172,13 @@ class ExecutionOptions:
                 if getattr(self, name) not in ("auto", "xla"):
                     raise ConfigError(
                         f"ExecutionOptions.{name}={getattr(self, name)!r} {why} (the model's "
-                        f"attn_softcap={model.attn_softcap}, attn_sinks={model.attn_sinks}, "
+                        f"attention.softcap={model.attention.softcap}, "
+                        f"attention.sinks={model.attention.sinks}, "
                         f"MLA={model.is_mla}); legal: 'auto' or 'xla' (both run the XLA path)"
                     )
-        if model.first_dense_layers and self.layer_loop == "scan":
+        if model.moe.first_dense_layers and self.layer_loop == "scan":
             raise ConfigError(
-                f"the model's first_dense_layers={model.first_dense_layers}: dense and MoE "
+                f"the model's moe.first_dense_layers={model.moe.first_dense_layers}: dense and MoE "
                 "layers differ in structure and cannot stack under layer_loop='scan' (nor "
                 "split into pipeline stages, which run the stacked form); use "
                 "layer_loop='unrolled' and pp=1"
@@ -190,7 +191,7 @@ class ExecutionOptions:
         if self.quantize is not None or self.kv_cache_dtype is not None:
             raise ConfigError(
                 f"ExecutionOptions: quantize={self.quantize!r}, kv_cache_dtype="
-                f"{self.kv_cache_dtype!r}: multi-head latent attention (kv_lora_rank) runs "
+                f"{self.kv_cache_dtype!r}: multi-head latent attention (mla.kv_lora_rank) runs "
                 "unquantized weights and cache here; leave both None"
             )
         if self.layer_loop != "unrolled":
@@ -221,7 +222,7 @@ class ExecutionOptions:
         dtype = self.dtype if self.dtype is not None else model.dtype
         prefill, decode = attention_impls(platform, dtype)
         paged = paged_attention_impl(platform, dtype)
-        if model.attn_softcap is not None or model.attn_sinks or model.is_mla:
+        if model.attention.softcap is not None or model.attention.sinks or model.is_mla:
             prefill = decode = paged = "xla"  # no fused kernel soft-caps scores or adds sinks
         if self.kv_cache_dtype is not None:  # only XLA and the Pallas GPU paged kernel scale
             decode = "xla"
@@ -232,7 +233,7 @@ class ExecutionOptions:
         if self.decode_attention == "auto":
             out["decode_attention"] = decode
         if self.paged_attention == "auto":
-            named = self.decode_attention != "auto" and model.attn_softcap is None
+            named = self.decode_attention != "auto" and model.attention.softcap is None
             named = named and (self.kv_cache_dtype is None or self.decode_attention == "xla")
             out["paged_attention"] = self.decode_attention if named else paged
         if self.moe_dispatch == "ragged" and not ragged_compiles:

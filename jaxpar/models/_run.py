@@ -140,7 +140,9 @@ class ModelRun:
         ``cf``: ``ceil(cf * tokens * top_k / peers)``, capped at the dropless bound.
         """
         c = self.config
-        return capacity_rows(tokens, c.top_k, c.n_experts, peers, self.options.moe_capacity_factor)
+        return capacity_rows(
+            tokens, c.moe.top_k, c.n_experts, peers, self.options.moe_capacity_factor
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the view does not define itself. Guarded so that copying

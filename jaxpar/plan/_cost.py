@@ -26,7 +26,7 @@ import numpy as np
 from jaxpar.inspect import CAUSES, CommModel, Expected, communication_model
 from jaxpar.models import ModelConfig, ModelRun
 from jaxpar.plan._hardware import Hardware
-from jaxpar.spec import ParallelConfig, Phase
+from jaxpar.spec import ParallelConfig, Phase, model_field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +155,7 @@ def known_excess(model: ModelConfig, analytic: CommModel) -> list[Expected]:
             continue
         rows, d = item.shape
         peers = math.prod(analytic.config.degree(a) for a in item.axes)
-        cap = ModelRun.of(model).expert_capacity(rows // model.top_k, peers)
+        cap = ModelRun.of(model).expert_capacity(rows // model.moe.top_k, peers)
         why = CAUSES["moe-dispatch-buffer"]
         out.append(
             Expected(
@@ -211,23 +211,23 @@ def step_flops(model: ModelConfig, phase: Phase, *, batch: int, prompt_len: int,
     t = prompt_len if prefill else 1
     ctx = prompt_len if prefill else context
     tokens = batch * t
-    if getattr(model, "kv_lora_rank", None) is not None:
+    if model_field(model, "mla.kv_lora_rank") is not None:
         qkvo, scores = _mla_flops(model, ctx)
     else:
         qkvo = 2 * d * (2 * model.n_heads * h + 2 * model.n_kv_heads * h)
         scores = 2 * 2 * model.n_heads * h * ctx
-    gated = 3 if model.gated_ffn else 2
+    gated = 3 if model.ffn.gated else 2
     ffn = 2 * d * model.d_ff * gated
-    dense_layers = getattr(model, "first_dense_layers", 0)
+    dense_layers = model_field(model, "moe.first_dense_layers", 0)
     if model.n_experts:
         # Router, then each token's top_k experts: the grouped matmul of the ragged path
         # (GPU, TPU) runs the routed rows only (XLA:CPU's padded blocks run more); shared
         # experts (DeepSeek) run every token.
-        shared = 2 * d * getattr(model, "shared_d_ff", 0) * gated
-        mix = (2 * d * model.n_experts + model.top_k * ffn + shared) * tokens
+        shared = 2 * d * model_field(model, "moe.shared_d_ff", 0) * gated
+        mix = (2 * d * model.n_experts + model.moe.top_k * ffn + shared) * tokens
     else:
         mix = ffn * tokens
-    dense = 2 * d * getattr(model, "dense_d_ff", 0) * gated * tokens
+    dense = 2 * d * model_field(model, "moe.dense_d_ff", 0) * gated * tokens
     layers = model.n_layers * (qkvo + scores) * tokens
     layers += (model.n_layers - dense_layers) * mix + dense_layers * dense
     head = 2 * d * model.vocab_size * batch  # one position per sequence in both phases
@@ -237,11 +237,11 @@ def step_flops(model: ModelConfig, phase: Phase, *, batch: int, prompt_len: int,
 def _mla_flops(model: ModelConfig, ctx: int) -> tuple[int, int]:
     """Per token: MLA's projections (absorbed: q into the latent, values out of it) and its
     scores and weighted latent over ``ctx`` cached positions."""
-    d, n, r, p = model.d_model, model.n_heads, model.kv_lora_rank, model.qk_rope_head_dim
-    qk, v = model.qk_nope_head_dim + p, model.v_head_dim
-    rq = model.q_lora_rank
+    d, n, r, p = model.d_model, model.n_heads, model.mla.kv_lora_rank, model.mla.qk_rope_head_dim
+    qk, v = model.mla.qk_nope_head_dim + p, model.mla.v_head_dim
+    rq = model.mla.q_lora_rank
     q = 2 * d * n * qk if rq is None else 2 * (d * rq + rq * n * qk)
-    proj = q + 2 * d * (r + p) + 2 * n * model.qk_nope_head_dim * r + 2 * n * r * v
+    proj = q + 2 * d * (r + p) + 2 * n * model.mla.qk_nope_head_dim * r + 2 * n * r * v
     proj += 2 * n * v * d
     return proj, 2 * n * ctx * (r + p) + 2 * n * ctx * r
 

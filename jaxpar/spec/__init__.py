@@ -12,7 +12,7 @@ from jaxpar.spec._constrain import (
     logical_shard_map,
     sharding_context,
 )
-from jaxpar.spec._dims import Dims, ModelDims
+from jaxpar.spec._dims import Dims, ModelDims, model_field
 from jaxpar.spec._enums import LOGICAL_AXES, MESH_AXES, Module, Phase, Primitive, Status
 from jaxpar.spec._kv_heads import kv_head_replicas
 from jaxpar.spec._mesh import MESH_NAME_ORDER, canonical_mesh, default_mesh, make_mesh
@@ -53,6 +53,7 @@ __all__ = [
     "AxisLayout",
     "array_layout",
     "Dims",
+    "model_field",
     "Entry",
     "ModelDims",
     "Module",

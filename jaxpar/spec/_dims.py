@@ -48,3 +48,15 @@ class Dims:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+
+def model_field(model: object, path: str, default: object = None) -> object:
+    """A grouped setting of a model, ``path`` dotted as jaxpar's ``ModelConfig`` groups it
+    (``"moe.first_dense_layers"``), or ``default`` where the model has none (a :class:`Dims`
+    or a user's own :class:`ModelDims` names only the sizes) or it is unset (None)."""
+    value = model
+    for part in path.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return default
+    return value

@@ -15,7 +15,7 @@ import math
 
 from jaxpar.errors import IllegalStrategyError
 from jaxpar.spec._config import ParallelConfig
-from jaxpar.spec._dims import ModelDims
+from jaxpar.spec._dims import ModelDims, model_field
 from jaxpar.spec._enums import Module, Phase, Primitive, Status
 from jaxpar.spec._rules import SPLITTING, mesh_axes
 from jaxpar.spec._tables import SpecTable, spec_table
@@ -64,7 +64,9 @@ def modules_of(model: ModelDims) -> tuple[Module, ...]:
     for its dense first layers or shared experts (DeepSeek-V3)."""
     if model.n_experts <= 0:
         return (Module.EMBEDDING, Module.ATTENTION, Module.FFN, Module.LM_HEAD)
-    dense = getattr(model, "first_dense_layers", 0) or getattr(model, "shared_d_ff", 0)
+    dense = model_field(model, "moe.first_dense_layers", 0) or model_field(
+        model, "moe.shared_d_ff", 0
+    )
     ffn = (Module.FFN, Module.MOE) if dense else (Module.MOE,)
     return (Module.EMBEDDING, Module.ATTENTION, *ffn, Module.LM_HEAD)
 
@@ -97,7 +99,7 @@ def _check_int4_groups(model: ModelDims, tp: int, checks, out: _Collector) -> No
     if not group:
         return
     for module, name, size in checks:
-        if name not in ("d_ff", "dense_d_ff", "shared_d_ff"):
+        if name not in ("d_ff", "moe.dense_d_ff", "moe.shared_d_ff"):
             continue
         groups = size // min(group, size)
         if groups > 1 and groups % tp:
@@ -323,9 +325,9 @@ def _check_sizes(model: ModelDims, config: ParallelConfig, out: _Collector) -> N
             (Module.LM_HEAD, "vocab_size", model.vocab_size),
         ]
         # DeepSeek-V3's dense first layers and shared experts split their width like an FFN.
-        for name in ("dense_d_ff", "shared_d_ff"):
-            if getattr(model, name, 0):
-                checks.append((Module.FFN, name, getattr(model, name)))
+        for name in ("moe.dense_d_ff", "moe.shared_d_ff"):
+            if model_field(model, name, 0):
+                checks.append((Module.FFN, name, model_field(model, name)))
         legal = _divisors(math.gcd(*(size for _, _, size in checks)))
         for module, name, size in checks:
             if size % tp:
