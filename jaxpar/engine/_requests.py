@@ -75,6 +75,12 @@ class RequestStream:
             return list(self._tokens)
 
     @property
+    def context(self) -> list[int]:
+        """The tokens its K/V pages hold once prefilled: its prompt, and the tokens it drew
+        before a preemption (it is prefilled again with them)."""
+        return [*self.request.prompt, *self.tokens]
+
+    @property
     def logprobs(self) -> list[TokenLogprob]:
         """Each token's logprob so far (empty unless the request asked for them)."""
         with self._cond:
