@@ -11,6 +11,7 @@ and block-table width) and compiled, for :meth:`ContinuousBatcher.warmup
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
@@ -20,8 +21,11 @@ import numpy as np
 from jaxpar.engine._cache import CacheManager
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import Executor
+from jaxpar.engine._kv_budget import KVBudget, size_pool
 from jaxpar.engine._kv_regroup import regrouped_shapes
-from jaxpar.engine._scheduler import Scheduler
+from jaxpar.engine._pages import PagePool, PageTable
+from jaxpar.engine._prefix import cache_salt
+from jaxpar.engine._scheduler import Scheduler, SchedulerConfig
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
 from jaxpar.engine._warmup import Bucket, WarmupPlan, ordered
 from jaxpar.errors import ConfigError
@@ -81,6 +85,111 @@ def row_buckets(engine: InferenceEngine, batch: int) -> list[int]:
         out.append(rows)
         rows *= 4
     return [*out, batch]
+
+
+def scheduler_config(
+    engine: InferenceEngine,
+    page_size: int,
+    batch: int | None,
+    max_prefill_tokens: int | None,
+    separate: InferenceEngine | None,
+    platform: str,
+) -> SchedulerConfig:
+    """A batcher's prefill limits on the prefill ``engine``: ``batch`` prompts at most
+    (:func:`size_prefill_batch`) in :func:`row_buckets`, ``max_prefill_tokens`` between two
+    decode steps (default :func:`default_max_prefill_tokens` on the decode devices'
+    ``platform``), and a long prompt's chunk:
+    what fits that in the smallest row bucket, in whole pages."""
+    batch = size_prefill_batch(engine, batch, separate)
+    budget = max_prefill_tokens or default_max_prefill_tokens(platform, page_size)
+    if budget < 1:
+        raise ConfigError(f"max_prefill_tokens must be >= 1, got {budget}")
+    buckets = row_buckets(engine, batch)
+    chunk = max(budget // buckets[0] // page_size, 1) * page_size
+    return SchedulerConfig(batch, tuple(buckets), chunk, budget)
+
+
+def decode_pool(engine: InferenceEngine, budget: KVBudget) -> PagePool:
+    """The decode rows' page pool: ``budget`` on the engine's devices, for its
+    ``max_batch`` rows (room left for a decode step's temporaries)."""
+    return size_pool(
+        budget,
+        config=engine.parallel_config,
+        mesh=engine.mesh,
+        dims=engine.program.run,
+        rows=engine.max_batch,
+        max_seq_len=engine.max_seq_len,
+        step_temp_bytes=lambda: step_temp_bytes(engine),
+    )
+
+
+def prefill_pool(engine: InferenceEngine, budget: KVBudget, page_size: int, longest: int):
+    """A disaggregated prefill group's own page pool: ``budget`` on its devices, for its
+    ``max_batch`` rows of up to ``longest`` tokens, in the decode cache's page size."""
+    return size_pool(
+        dataclasses.replace(budget, page_size=page_size),
+        config=engine.parallel_config,
+        mesh=engine.mesh,
+        dims=engine.program.run,
+        rows=engine.max_batch,
+        max_seq_len=longest,
+        step_temp_bytes=lambda: 0,  # no decode step runs there
+        release=False,  # whole prompts move to the decode group
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherParts:
+    """A batcher's page pools: the decode rows' (``pool``, its book ``pages``, their
+    programs and cache manager) and the pages prefill writes (the same colocated; a
+    disaggregated prefill group's own, which hold its prefix cache), the longest prompt
+    either holds, and the scheduler over them."""
+
+    pool: PagePool
+    pages: PageTable
+    slot_steps: SlotSteps
+    cache: CacheManager
+    prefill_cache: CacheManager
+    prefill_slot_steps: SlotSteps
+    max_prompt_len: int
+    scheduler: Scheduler
+
+
+def batcher_parts(
+    engine: InferenceEngine,
+    prefill: InferenceEngine | None,
+    budget: KVBudget,
+    caching: bool,
+    batch: int | None,
+    max_prefill_tokens: int | None,
+) -> BatcherParts:
+    """Sizes and builds the page pools of a batcher decoding on ``engine`` (prefilling on
+    ``prefill`` when disaggregated), with prefix caching where prefill writes, and its
+    scheduler (:func:`scheduler_config`'s limits)."""
+    if prefill is not None:
+        check_pair(engine, prefill)
+    pool = decode_pool(engine, budget)
+    pages, salt = PageTable(pool), cache_salt(engine.program.run)
+    slot_steps = SlotSteps(engine.steps, engine.program.run, pool)
+    longest = min(pool.max_seq_len, (prefill or engine).max_seq_len)
+    cache = prefill_cache = CacheManager(pages, salt, caching=caching and prefill is None)
+    prefill_steps, eng = slot_steps, prefill or engine
+    if prefill is not None:
+        own = prefill_pool(prefill, budget, pool.page_size, longest)
+        prefill_cache = CacheManager(PageTable(own), salt, caching=caching)
+        prefill_steps = SlotSteps(prefill.steps, prefill.program.run, own)
+    platform = engine.mesh.devices.flat[0].platform
+    config = scheduler_config(eng, pool.page_size, batch, max_prefill_tokens, prefill, platform)
+    scheduler = Scheduler(
+        config,
+        cache,
+        bucket=eng.bucket,
+        prefill_cache=prefill_cache if prefill is not None else None,
+        prefill_rows=eng.max_batch,
+    )
+    return BatcherParts(
+        pool, pages, slot_steps, cache, prefill_cache, prefill_steps, longest, scheduler
+    )
 
 
 def check_pair(decode: InferenceEngine, prefill: InferenceEngine) -> None:
