@@ -58,7 +58,7 @@ class ContinuousBatcher:
         prefix_caching: reuse earlier prompts' K/V pages that a new prompt starts with.
         max_prefill_tokens: prefill tokens (padded) run between two decode steps while
             requests are decoding; longer prompts are prefilled in chunks of about that
-            many tokens. Default: :func:`default_max_prefill_tokens`.
+            many tokens. Default: :func:`~._batcher_programs.default_max_prefill_tokens`.
     """
 
     def __init__(
