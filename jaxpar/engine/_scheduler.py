@@ -21,10 +21,14 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
   tokens it drew) until the others fit: the oldest always fits alone, so every admitted
   request finishes.
 
-Requests are opaque to it: anything with ``cancel_requested`` and ``context`` (the tokens
-its pages will hold: the prompt, and what it drew before a preemption) and ``drawn`` (how
-many tokens it drew). It is not thread-safe: :class:`~jaxpar.engine.ContinuousBatcher`
-calls it with its lock held.
+Fairness: admission is first come, first served, and a request that does not fit yet
+holds the head of the queue (a later, smaller one does not overtake it, so none waits
+forever); a preempted request goes back to the front.
+
+Requests are opaque to it (:class:`Schedulable`): anything with ``cancel_requested`` and
+``context`` (the tokens its pages will hold: the prompt, and what it drew before a
+preemption). It is not thread-safe: :class:`~jaxpar.engine.ContinuousBatcher` calls it
+with its lock held (:mod:`jaxpar.engine._core`).
 """
 
 from __future__ import annotations
