@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import pathlib
 
 import pytest
@@ -305,7 +304,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(
         length=st.integers(1, 16),
-        new=st.integers(1, 4),
+        new=st.integers(1, 12),
         vocab=st.integers(1, 3),
     )
     def submit(self, length, new, vocab):
@@ -365,7 +364,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=40,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -435,7 +434,6 @@ def test_policy_modules_import_no_jax(module):
 def test_import_walk_sees_jax_where_it_is():
     # The walk is not vacuous: a request (its grammar masks are JAX arrays) reaches JAX.
     assert "jax" in {n.split(".")[0] for n in _reached("jaxpar.engine._requests")}
-    assert importlib.util.find_spec("jaxpar.engine._scheduler") is not None
 
 
 def test_scratch_page_matches_the_models():
