@@ -157,7 +157,7 @@ class Runner:
             [r.seed for r in requests],
             logprobs=wants + [False] * (rows - len(streams)),
         )
-        history = _history(streams, rows, self.engine_max_seq_len)
+        history = _history(streams, rows, self.slot_steps.pool.max_seq_len)  # the longest request
         context = plan.with_context
         pages_PN = None
         if context:
@@ -205,10 +205,6 @@ class Runner:
             plan.final,
             history,
         )
-
-    @property
-    def engine_max_seq_len(self) -> int:
-        return self.slot_steps.pool.max_seq_len
 
     def _first_masks(self, streams: list[RequestStream], rows: int) -> np.ndarray | None:
         """The token masks of a prefill's first tokens (None: no request has a grammar)."""
