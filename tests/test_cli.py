@@ -84,7 +84,7 @@ def test_serve_prefill_flags_reach_the_batcher():
     assert _prefill_note(default).endswith("prefix caching on")
     disaggregated = build_batcher(_serve_args("--tp", "4", "--prefill", "sp=4"), quiet)
     assert disaggregated.prefix_caching  # in the prefill devices' own pages
-    assert disaggregated._side.pages is not disaggregated.pages
+    assert disaggregated.prefill_cache.pages is not disaggregated.pages
     flags = ("--no-prefix-caching", "--max-prefill-tokens", "8")
     for layout in [(), ("--tp", "4", "--prefill", "sp=4")]:
         batcher = build_batcher(_serve_args(*flags, *layout), quiet)

@@ -114,8 +114,8 @@ def test_disaggregated_chunks_and_hits_on_the_prefill_group():
     assert stats.prefix_hits > 0 and stats.prefill_chunks >= 2
     assert stats.transfers == stats.prefill_batches
     _balanced(batcher)
-    batcher._side.pages.check()
-    assert batcher._side.pages.used_pages == 0  # the prefill group holds no row after
+    batcher.prefill_cache.pages.check()
+    assert batcher.prefill_cache.pages.used_pages == 0  # the prefill group holds no row after
 
 
 def test_no_prefix_caching_computes_every_token():

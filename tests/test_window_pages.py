@@ -183,11 +183,12 @@ def _serve_and_check(
     )
     pool = batcher.pool
     assert pool.window == WINDOW
-    reserve = batcher._reserve
+    scheduler = batcher.scheduler
+    reserve, owners = scheduler.reserve, scheduler.owners
     held = {g: [] for g in range(pool.groups)}
 
-    def spy(owners):  # pages each decoding row holds per group once its next token has one
-        ok = reserve(owners)
+    def spy():  # pages each decoding row holds per group once its next token has one
+        ok = reserve()
         pages = batcher.pages
         for g in held:
             held[g] += [
@@ -196,7 +197,7 @@ def _serve_and_check(
         pages.check()
         return ok
 
-    batcher._reserve = spy
+    scheduler.reserve = spy
     requests = _requests(engine.model_config.vocab_size, 4 if together else 3)
     with batcher:
         streams = []
@@ -340,8 +341,8 @@ def test_gemma2_disaggregated_decode_releases_what_the_prefill_group_sent(gemma2
 
     prefill = engine(ParallelConfig(tp=2), 0, 2)
     batcher = _serve_and_check(engine(ParallelConfig(tp=2), 2, 4), prefill)
-    assert batcher._side.pages.pool.windows == (None, None)
-    batcher._side.pages.check()
+    assert batcher.prefill_cache.pages.pool.windows == (None, None)
+    batcher.prefill_cache.pages.check()
 
 
 def test_a_model_without_windows_keeps_one_table_and_its_layers():

@@ -36,7 +36,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxpar.errors import ConfigError
-from jaxpar.models import SCRATCH_PAGE
+
+#: Local page id of each shard's scratch page (free rows write there; never handed out).
+#: The models' paged cache names the same page (``jaxpar.models.SCRATCH_PAGE``, checked
+#: equal by a test); it is repeated here so the host's page book imports no JAX.
+SCRATCH_PAGE = 0
 
 #: The fewest positions per row a decode step reads (its narrowest block table).
 MIN_STEP_TOKENS = 64

@@ -7,12 +7,12 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from jaxpar.engine._grammar import Grammar, Matcher
-from jaxpar.engine._logprobs import TokenLogprob
+from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from jaxpar.engine._sampling import Sampling
-from jaxpar.errors import GrammarError
+from jaxpar.errors import GrammarError, ShapeError
 
 #: Why a request ended: a stop token, ``max_tokens``, a ``cancel()`` (a client went away,
 #: a stop string matched), the batcher shutting down, or an error in a step.
@@ -37,6 +37,43 @@ class Request:
     stop_tokens: frozenset[int] = frozenset()
     logprobs: int | None = None
     grammar: Grammar | None = None
+
+
+def new_request(
+    prompt: Sequence[int],
+    *,
+    max_tokens: int,
+    vocab_size: int,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    stop_tokens: Sequence[int] = (),
+    logprobs: int | None = None,
+    grammar: Grammar | None = None,
+) -> Request:
+    """A :class:`Request` from a client's values (the prompt already checked); its grammar
+    must be compiled for the model's ``vocab_size`` ids.
+
+    Raises:
+        GrammarError: a grammar compiled for another vocabulary.
+        ShapeError: ``logprobs`` outside ``[0, MAX_TOP_LOGPROBS]``.
+    """
+    if grammar is not None and grammar.vocab_size != vocab_size:
+        raise GrammarError(
+            f"the grammar was compiled for a vocabulary of {grammar.vocab_size} ids; this "
+            f"model's has {vocab_size}: compile it with Grammars(tokenizer, {vocab_size}, "
+            "eos_ids)"
+        )
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ShapeError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    return Request(
+        prompt=tuple(int(t) for t in prompt),
+        max_tokens=max_tokens,
+        sampling=sampling or Sampling(),
+        seed=int(seed),
+        stop_tokens=frozenset(int(t) for t in stop_tokens),
+        logprobs=logprobs,
+        grammar=grammar,
+    )
 
 
 class RequestStream:
@@ -73,6 +110,12 @@ class RequestStream:
     def tokens(self) -> list[int]:
         with self._cond:
             return list(self._tokens)
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens its K/V pages hold once prefilled: its prompt, and the tokens it drew
+        before a preemption (it is prefilled again with them)."""
+        return [*self.request.prompt, *self.tokens]
 
     @property
     def logprobs(self) -> list[TokenLogprob]:

@@ -1,0 +1,490 @@
+"""The continuous batcher's policy: who prefills what, who decodes, who is preempted.
+
+:class:`Scheduler` is plain Python (no JAX, no devices): from the request queue, the
+running rows and the cache manager's answers (:mod:`jaxpar.engine._cache`) it returns
+step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) executes:
+
+* :meth:`~Scheduler.schedule_prefill`: the next prefill, a :class:`PrefillPlan`. Queued
+  requests are admitted in order (first come, first served; a preempted request goes
+  back to the front) while a free row and the pages for their context and first new
+  token fit, their padded tokens stay within the step's budget (``max_prefill_tokens``
+  while requests decode, at least one dispatch), and each fits one chunk. A request is
+  placed in the batch shard holding the longest cached run of its prefix (then the one
+  with the most free pages) and prefills only the rest. A prompt longer than a chunk is
+  prefilled alone, one chunk of whole pages per plan, each continuing the ones before.
+* :meth:`~Scheduler.prefilled`: after the runner ran a plan: the pages written join the
+  prefix cache, and the requests it completed start decoding in their rows.
+* :meth:`~Scheduler.reserve`, :meth:`~Scheduler.preempt_for_room` and
+  :meth:`~Scheduler.decode_plan`: every running row's page for its next token; when a
+  shard runs out, the request admitted last in that shard is preempted (its pages are
+  freed and it goes back to the front of the queue, to be prefilled again with the
+  tokens it drew) until the others fit: the oldest always fits alone, so every admitted
+  request finishes.
+
+Fairness: admission is first come, first served, and a request that does not fit yet
+holds the head of the queue (a later, smaller one does not overtake it, so none waits
+forever); a preempted request goes back to the front.
+
+Requests are opaque to it (:class:`Schedulable`): anything with ``cancel_requested`` and
+``context`` (the tokens its pages will hold: the prompt, and what it drew before a
+preemption). It is not thread-safe: :class:`~jaxpar.engine.ContinuousBatcher` calls it
+with its lock held (:mod:`jaxpar.engine._core`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from jaxpar.engine._cache import CacheManager, Hit
+from jaxpar.errors import ConfigError
+
+
+class Schedulable(Protocol):
+    """What the scheduler reads of a request (:class:`~jaxpar.engine.RequestStream`)."""
+
+    @property
+    def cancel_requested(self) -> bool: ...
+
+    @property
+    def context(self) -> list[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits.
+
+    Attributes:
+        prefill_batch: most requests prefilled together.
+        row_buckets: prefill batch sizes (ascending, the last ``prefill_batch``); a
+            prefill of ``n`` requests pads to the smallest that holds them.
+        chunk_tokens: new tokens of one chunk of a long prompt (whole pages).
+        max_prefill_tokens: padded prefill tokens between two decode steps while
+            requests decode.
+    """
+
+    prefill_batch: int
+    row_buckets: tuple[int, ...]
+    chunk_tokens: int
+    max_prefill_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.row_buckets or self.row_buckets[-1] != self.prefill_batch:
+            raise ConfigError(
+                f"row_buckets {self.row_buckets} must end with prefill_batch={self.prefill_batch}"
+            )
+        if list(self.row_buckets) != sorted(set(self.row_buckets)):
+            raise ConfigError(f"row_buckets must ascend, got {self.row_buckets}")
+        for name in ("chunk_tokens", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def rows(self, n: int) -> int:
+        """The row bucket of a prefill of ``n`` requests."""
+        return next(r for r in self.row_buckets if r >= n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One request's part of a prefill.
+
+    Attributes:
+        request: the request.
+        row: the row whose pages it reads its context from and writes to (disaggregated:
+            a row of the prefill group's pages).
+        start: tokens of its context already in its pages (a prefix hit, earlier
+            chunks), whole pages.
+        tokens: the new tokens this prefill computes (its context from ``start``).
+        total: its whole context's length (``start + len(tokens)`` on its last chunk).
+        admitted: it joined this prefill from the queue (not a later chunk).
+        queried: context tokens looked up in the prefix cache on admission (0: none).
+    """
+
+    request: Any
+    row: int
+    start: int
+    tokens: tuple[int, ...]
+    total: int
+    admitted: bool = True
+    queried: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def hit(self) -> int:
+        """Tokens served by the prefix cache on admission."""
+        return self.start if self.admitted else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+    """One prefill: its chunks (one per row), the padded shape, and what it leaves.
+
+    Attributes:
+        chunks: the requests' parts (none: nothing to prefill now).
+        rows: the row bucket (padding rows past the chunks).
+        length: the new-token bucket (padding tokens past each chunk).
+        final: it completes every chunk's context (its rows draw their first tokens).
+        chunked: a chunk of a long prompt (its last included).
+        cancelled: queued requests found cancelled on the way (to finish).
+    """
+
+    chunks: tuple[Chunk, ...] = ()
+    rows: int = 0
+    length: int = 0
+    final: bool = True
+    chunked: bool = False
+    cancelled: tuple = ()
+
+    @property
+    def cost(self) -> int:
+        """Padded tokens."""
+        return self.rows * self.length
+
+    @property
+    def with_context(self) -> bool:
+        return any(c.start for c in self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """One decode step over the rows.
+
+    Attributes:
+        live: per row, whether it computes a token for a running request.
+        lengths: per row, tokens its pages hold before the step.
+        released: per row, freed since the last step (its device state is reset).
+    """
+
+    live: tuple[bool, ...]
+    lengths: tuple[int, ...]
+    released: tuple[bool, ...]
+
+    @property
+    def longest(self) -> int:
+        """Tokens the longest running row holds after the step."""
+        return max(n for n, b in zip(self.lengths, self.live, strict=True) if b) + 1
+
+
+@dataclasses.dataclass
+class _Work:
+    """A request admitted for prefill: its row is taken and ``done`` tokens of its
+    context are in its pages (a prefix hit, then chunks)."""
+
+    request: Any
+    row: int
+    context: list[int]
+    keys: list[bytes]
+    done: int = 0
+    admitted: bool = True
+    queried: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.context) - self.done
+
+
+class Scheduler:
+    """Queue, running rows and policy of one continuous batcher.
+
+    Args:
+        config: its limits.
+        cache: the decode rows' pages.
+        bucket: a prefill's padded new-token length for its longest chunk.
+        prefill_cache: a disaggregated prefill group's own pages (default: ``cache``,
+            colocated: prefill writes the decode rows' pages).
+        prefill_rows: rows of the prefill group's pages (disaggregated only).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheManager,
+        *,
+        bucket: Callable[[int], int],
+        prefill_cache: CacheManager | None = None,
+        prefill_rows: int = 0,
+    ):
+        self.config = config
+        self.cache = cache
+        self.bucket = bucket
+        self.disaggregated = prefill_cache is not None
+        self.prefill_cache = prefill_cache or cache
+        rows = cache.pool.rows
+        #: Queued requests, in order.
+        self.waiting: collections.deque = collections.deque()
+        #: The request decoding in each row (None: free, or prefilling).
+        self.owners: list = [None] * rows
+        #: The rows a prefill group's requests hold (disaggregated; never decoding).
+        self._prefill_owners = [None] * prefill_rows if self.disaggregated else self.owners
+        self.lengths = [0] * rows  # tokens cached per decoding row
+        self.released = [False] * rows  # rows freed since the last step
+        self._admitted = [0] * rows  # admission order of each decoding row
+        self._admissions = 0
+        #: A long prompt between two of its chunks.
+        self.chunking: _Work | None = None
+        self._works: dict[int, _Work] = {}  # by id(request): admitted, not decoding yet
+
+    # --- queue ---------------------------------------------------------------------------
+
+    def add(self, request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def running(self) -> int:
+        """Requests decoding."""
+        return sum(s is not None for s in self.owners)
+
+    def pending(self) -> bool:
+        """Something waits to be prefilled (queued requests, or a long prompt's chunks)."""
+        return bool(self.waiting) or self.chunking is not None
+
+    def _wanted(self, cancelled: list):
+        """The first queued request still wanted; cancelled ones before it are dropped
+        into ``cancelled``."""
+        while self.waiting:
+            request = self.waiting[0]
+            if not request.cancel_requested:
+                return request
+            cancelled.append(self.waiting.popleft())
+        return None
+
+    def drain(self) -> list:
+        """Every request it holds that is not decoding (queued, or a long prompt between
+        chunks), removed: the batcher is ending them."""
+        out = list(self.waiting)
+        self.waiting.clear()
+        if self.chunking is not None:
+            out.append(self.chunking.request)
+        return out
+
+    # --- prefill -------------------------------------------------------------------------
+
+    def context_lengths(self) -> list[int]:
+        """New-token buckets of a prefill with context: a chunk's bucket, and a quarter of
+        it (a short suffix after a prefix hit pads to that: few compiles)."""
+        top = self.bucket(self.config.chunk_tokens)
+        return sorted({top, max(8, top // 4)} if top >= 8 else {top})
+
+    def _cost(self, n: int, longest: int) -> int:
+        """Padded tokens of a prefill of ``n`` rows of up to ``longest`` new tokens."""
+        return self.config.rows(n) * self.bucket(longest)
+
+    def schedule_prefill(self, budget: int | None) -> PrefillPlan:
+        """The next prefill: the next chunk of a long prompt, or queued requests placed in
+        free rows with their pages, in order, while their pages fit, their padded tokens
+        stay within ``budget`` (None: no bound; the first request always goes), and each
+        fits one chunk. A request longer than a chunk is prefilled alone, chunk by chunk
+        (on CPU a 4,096-token prompt prefilled whole took 3-4x as long as in chunks)."""
+        chunk, cancelled = self.config.chunk_tokens, []
+        if self.chunking is not None:
+            work = self.chunking
+            if budget is not None and self._cost(1, min(work.remaining, chunk)) > budget:
+                return PrefillPlan()
+            return self._plan([work], ())
+        works: list[_Work] = []
+        cache, owners = self.prefill_cache, self._prefill_owners
+        while len(works) < self.config.prefill_batch:
+            request = self._wanted(cancelled)
+            if request is None:
+                break
+            work = self._place(request, [w.row for w in works], request.context, cache, owners)
+            if work is None:
+                break
+            long = work.remaining > chunk
+            longest = max(w.remaining for w in [*works, work])
+            cost = self._cost(len(works) + 1, min(longest, chunk))
+            if (works and long) or (budget is not None and works and cost > budget):
+                cache.free(work.row)  # it waits for the next prefill
+                break
+            self.waiting.popleft()
+            work.queried = len(work.context) if cache.caching else 0
+            works.append(work)
+            if long:  # alone, chunk by chunk
+                self.chunking = work
+                break
+        return self._plan(works, tuple(cancelled))
+
+    def _plan(self, works: list[_Work], cancelled: tuple) -> PrefillPlan:
+        if not works:
+            return PrefillPlan(cancelled=cancelled)
+        takes = [min(w.remaining, self.config.chunk_tokens) for w in works]
+        chunks = []
+        for work, take in zip(works, takes, strict=True):
+            self._works[id(work.request)] = work
+            tokens = tuple(work.context[work.done : work.done + take])
+            chunks.append(
+                Chunk(
+                    work.request,
+                    work.row,
+                    work.done,
+                    tokens,
+                    len(work.context),
+                    work.admitted,
+                    work.queried,
+                )
+            )
+            work.admitted, work.queried = False, 0
+        length = self.bucket(max(takes))
+        if any(w.done for w in works):  # pads to the fewer buckets of a prefill with context
+            length = next((t for t in self.context_lengths() if t >= length), length)
+        return PrefillPlan(
+            tuple(chunks),
+            self.config.rows(len(works)),
+            length,
+            final=all(t == w.remaining for t, w in zip(takes, works, strict=True)),
+            chunked=self.chunking is not None and works[0] is self.chunking,
+            cancelled=cancelled,
+        )
+
+    def _place(
+        self, request, taken: Sequence[int], context: list[int], cache: CacheManager, owners
+    ) -> _Work | None:
+        """A free row, its shard's cached pages of the context's prefix, and pages for the
+        rest of it and its first new token: in the shard with the longest cached prefix
+        (then the most free pages). None if no shard has room."""
+        keys = cache.keys(context)
+        tokens = min(len(context) + 1, cache.pool.max_seq_len)
+        best: tuple[tuple[int, int], int, Hit] | None = None
+        seen = set()
+        for row, owner in enumerate(owners):
+            shard = cache.shard(row)
+            if owner is not None or row in taken or not cache.row_free(row) or shard in seen:
+                continue
+            seen.add(shard)
+            hit = cache.computed(shard, keys, len(context))
+            if not cache.fits(hit, tokens):
+                continue
+            score = (len(hit.pages), cache.free_pages(shard))
+            if best is None or score > best[0]:
+                best = (score, row, hit)
+        if best is None:
+            return None
+        _, row, hit = best
+        cache.admit(row, hit, tokens)
+        return _Work(request, row, context, keys, done=hit.tokens)
+
+    def prefilled(self, plan: PrefillPlan, live: Sequence[bool]) -> list[int]:
+        """After the runner ran ``plan`` (and wrote its K/V): the full pages written join
+        the prefix cache, and where prefill writes the decode rows (colocated) the
+        requests it completed start decoding (``live[i]``: chunk ``i``'s request did not
+        finish at its first token; one that did is freed). Returns the rows that start
+        decoding."""
+        cache, started = self.prefill_cache, []
+        for chunk, alive in zip(plan.chunks, live, strict=True):
+            work = self._works[id(chunk.request)]
+            work.done = chunk.end
+            cache.commit(work.row, work.keys[: work.done // cache.page_size])
+            if plan.final and not self.disaggregated and not alive:
+                cache.free(work.row)
+            else:  # its next query (chunk or decode) sits at ``done``: the window's pages
+                cache.trim(work.row, work.done)
+            if plan.final:
+                del self._works[id(chunk.request)]
+                if self.chunking is work:
+                    self.chunking = None
+                if alive and not self.disaggregated:
+                    self.start_decoding(work.row, chunk.request, work.done)
+                    started.append(work.row)
+        return started
+
+    def release_prefill(self, plan: PrefillPlan) -> None:
+        """Disaggregated: a finished prefill moved to the decode rows; its rows of the
+        prefill group's pages are freed (their full pages stay cached)."""
+        for chunk in plan.chunks:
+            self.prefill_cache.free(chunk.row)
+
+    def cancelled_chunk(self):
+        """The long prompt between chunks, if its client cancelled it: its row is freed;
+        returned to finish (else None)."""
+        work = self.chunking
+        if work is None or not work.request.cancel_requested:
+            return None
+        self.chunking = None
+        self._works.pop(id(work.request), None)
+        self.prefill_cache.free(work.row)
+        return work.request
+
+    # --- decode --------------------------------------------------------------------------
+
+    def place(self, contexts: Sequence[list[int]]) -> list[int] | None:
+        """Disaggregated: decode rows with pages for prefilled requests' contexts (all or
+        none; None if they do not all fit now)."""
+        rows: list[int] = []
+        for context in contexts:
+            work = self._place(None, rows, context, self.cache, self.owners)
+            if work is None:
+                for taken in rows:
+                    self.cache.free(taken)
+                return None
+            rows.append(work.row)
+        return rows
+
+    def start_decoding(self, row: int, request, length: int) -> None:
+        """``request`` decodes in ``row`` (its pages taken), ``length`` tokens cached."""
+        self.owners[row] = request
+        self.released[row] = False
+        self.lengths[row] = length
+        self._admissions += 1
+        self._admitted[row] = self._admissions
+
+    def cancelled_running(self) -> list[tuple[int, Any]]:
+        """Decoding requests whose clients cancelled them: their rows are freed;
+        returned as (row, request) to finish."""
+        out = [(i, s) for i, s in enumerate(self.owners) if s is not None and s.cancel_requested]
+        for i, _ in out:
+            self.finish(i)
+        return out
+
+    def finish(self, row: int):
+        """Frees a decoding row and its pages (its request ended); returns the request."""
+        request = self.owners[row]
+        self.owners[row] = None
+        self.released[row] = True
+        self.cache.free(row)
+        return request
+
+    def reserve(self) -> bool:
+        """Pages for every running row's next token, after giving back those that left
+        every layer's window (sliding-window models); False if some shard ran out."""
+        for i, request in enumerate(self.owners):
+            if request is not None:
+                self.cache.trim(i, self.lengths[i])
+        return all(
+            self.cache.allocate(i, self.lengths[i] + 1)
+            for i, s in enumerate(self.owners)
+            if s is not None
+        )
+
+    def victim(self, shard: int) -> int:
+        """The row to preempt when ``shard`` is out of pages: the request admitted last
+        there (it has waited least; the oldest keeps running)."""
+        rows = [
+            j for j, s in enumerate(self.owners) if s is not None and self.cache.shard(j) == shard
+        ]
+        return max(rows, key=lambda j: self._admitted[j])
+
+    def preempt_for_room(self) -> list[tuple[int, Any]]:
+        """Preempts until every running row has room for its next token; returns the
+        (row, request) preempted, each back at the front of the queue."""
+        out = []
+        for i, request in enumerate(self.owners):
+            while request is not None and not self.cache.allocate(i, self.lengths[i] + 1):
+                victim = self.victim(self.cache.shard(i))
+                preempted = self.finish(victim)
+                self.waiting.appendleft(preempted)
+                out.append((victim, preempted))
+                request = self.owners[i]
+        return out
+
+    def decode_plan(self) -> DecodePlan:
+        """The next decode step (call once rows are reserved): then counts its token."""
+        live = tuple(s is not None for s in self.owners)
+        plan = DecodePlan(live, tuple(self.lengths), tuple(self.released))
+        self.lengths = [n + b for n, b in zip(self.lengths, live, strict=True)]
+        self.released = [False] * len(self.owners)
+        return plan

@@ -1,0 +1,442 @@
+"""The batcher's policy without devices: the scheduler and cache manager on plain requests.
+
+Every test here builds a real :class:`~jaxpar.engine._pages.PageTable` and
+:class:`~jaxpar.engine._cache.CacheManager` (host-side NumPy) and a
+:class:`~jaxpar.engine._scheduler.Scheduler`, and plays the runner's part by hand: a
+prefill plan draws one token per request it completes, a decode plan one per live row.
+Nothing compiles; the file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jaxpar.engine._cache import CacheManager
+from jaxpar.engine._pages import SCRATCH_PAGE, PagePool, PageTable
+from jaxpar.engine._scheduler import PrefillPlan, Scheduler, SchedulerConfig
+
+Z = 4  # tokens per page
+
+
+@dataclasses.dataclass(eq=False)
+class Req:
+    """A request as the scheduler sees it: a prompt, the tokens drawn, a cancel flag."""
+
+    prompt: list[int]
+    max_tokens: int
+    drawn: list[int] = dataclasses.field(default_factory=list)
+    cancel_requested: bool = False
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return [*self.prompt, *self.drawn]
+
+
+def bucket(n: int) -> int:
+    """A prefill's padded length: a power of two >= 8."""
+    return max(8, 1 << (n - 1).bit_length())
+
+
+def make(
+    *,
+    pages: int = 16,
+    shards: int = 1,
+    rows: int = 4,
+    max_seq_len: int = 32,
+    prefill_batch: int = 2,
+    chunk: int = 8,
+    budget: int = 16,
+    caching: bool = True,
+) -> Scheduler:
+    pool = PagePool(Z, pages, shards, rows, max_seq_len)
+    cache = CacheManager(PageTable(pool), b"test", caching=caching)
+    buckets = tuple(sorted({1, prefill_batch}))
+    return Scheduler(SchedulerConfig(prefill_batch, buckets, chunk, budget), cache, bucket=bucket)
+
+
+def prefill(sched: Scheduler, budget: int | None = None) -> PrefillPlan:
+    """Plans a prefill and runs it as the runner would: requests it completes draw their
+    first token (and end there if that was their last)."""
+    plan = sched.schedule_prefill(budget)
+    for request in plan.cancelled:
+        request.done = True
+    live = []
+    for chunk in plan.chunks:
+        request = chunk.request
+        if plan.final:
+            request.drawn.append(len(request.drawn))
+            request.done = len(request.drawn) >= request.max_tokens
+        live.append(not request.done)
+    sched.prefilled(plan, live)
+    return plan
+
+
+def decode(sched: Scheduler) -> list[Req]:
+    """One decode step: every running row reserved (preempting if a shard is short),
+    then one token each; returns the preempted requests."""
+    preempted = []
+    if sched.running and not sched.reserve():
+        preempted = [r for _, r in sched.preempt_for_room()]
+    if not sched.running:
+        return preempted
+    plan = sched.decode_plan()
+    for row, live in enumerate(plan.live):
+        if not live:
+            continue
+        request = sched.owners[row]
+        request.drawn.append(len(request.drawn))
+        if len(request.drawn) >= request.max_tokens:
+            request.done = True
+            sched.finish(row)
+    return preempted
+
+
+def step(sched: Scheduler) -> list[Req]:
+    """A colocated batcher's loop iteration: cancellations, admission within the budget
+    while requests decode, then a decode step."""
+    for _, request in sched.cancelled_running():
+        request.done = True
+    chunk = sched.cancelled_chunk()
+    if chunk is not None:
+        chunk.done = True
+    budget = sched.config.max_prefill_tokens if sched.running else None
+    while budget is None or budget > 0:
+        plan = prefill(sched, budget)
+        if not plan.chunks:
+            break
+        if budget is not None:
+            budget -= plan.cost
+    return decode(sched)
+
+
+def conserved(sched: Scheduler) -> None:
+    """Every usable page is held, cached or free, once; no page is counted twice."""
+    pages = sched.cache.pages
+    pages.check()
+    free = sum(pages.free_pages(s) for s in range(pages.pool.shards))
+    assert pages.used_pages + free == pages.pool.usable_pages
+
+
+def test_preemption_takes_the_latest_admitted_request_of_the_short_shard():
+    sched = make(pages=7, rows=4, max_seq_len=24)  # 6 usable pages, one shard
+    old, new = Req([1] * 7, 20), Req([2] * 7, 20)
+    sched.add(old)
+    prefill(sched)
+    sched.add(new)
+    prefill(sched)
+    assert sched.owners[:2] == [old, new]
+    preempted = []
+    for _ in range(8):
+        preempted += decode(sched)
+        conserved(sched)
+        if preempted:
+            break
+    assert preempted == [new]  # admitted last: it goes, the oldest keeps running
+    assert sched.waiting[0] is new  # back at the front of the queue
+    assert old in sched.owners and new not in sched.owners
+    # It comes back with the tokens it drew, to be prefilled again from its context.
+    assert len(new.context) == len(new.prompt) + len(new.drawn) > len(new.prompt)
+
+
+def test_victim_is_chosen_within_the_shard():
+    sched = make(pages=8, shards=2, rows=4)
+    requests = [Req([i] * 3, 8) for i in range(4)]
+    for request in requests:
+        sched.add(request)
+    prefill(sched)
+    prefill(sched)
+    rows = {sched.owners.index(r): r for r in requests}
+    for shard in (0, 1):
+        victim = sched.victim(shard)
+        assert sched.cache.shard(victim) == shard
+        in_shard = [row for row in rows if sched.cache.shard(row) == shard]
+        # The victim is the request of that shard admitted last.
+        order = [requests.index(rows[row]) for row in in_shard]
+        assert requests.index(rows[victim]) == max(order)
+
+
+def test_long_prompts_prefill_alone_in_chunks_within_the_budget():
+    sched = make(pages=32, rows=4, max_seq_len=64, chunk=8, budget=16)
+    short = Req([5] * 3, 4)
+    sched.add(short)
+    prefill(sched)  # decoding from now on: the budget applies
+    long, after = Req(list(range(21)), 4), Req([7] * 3, 4)
+    sched.add(long)
+    sched.add(after)
+    plans = []
+    while long.context == long.prompt:
+        plan = prefill(sched, 16)
+        assert plan.chunks, "a chunk within the budget is always planned"
+        plans.append(plan)
+    assert [len(p.chunks) for p in plans] == [1, 1, 1]  # alone, chunk by chunk
+    assert [len(p.chunks[0].tokens) for p in plans] == [8, 8, 5]
+    assert [p.chunks[0].start for p in plans] == [0, 8, 16]  # each continues the last
+    assert [p.final for p in plans] == [False, False, True]
+    assert all(p.chunked for p in plans)
+    assert all(p.cost <= 16 for p in plans)
+    assert after in sched.waiting  # it waited for the long prompt's last chunk
+    # A budget below one chunk's padded cost plans nothing more than a chunk.
+    sched.add(Req(list(range(30, 50)), 2))
+    sched.waiting.remove(after)
+    plan = prefill(sched, 16)
+    assert len(plan.chunks) == 1 and plan.cost <= 16
+    assert prefill(sched, 4).chunks == ()  # the next chunk waits for the next step
+
+
+def test_requests_share_a_prefill_within_the_budget():
+    sched = make(pages=32, rows=4, prefill_batch=2, chunk=8, budget=16)
+    for i in range(3):
+        sched.add(Req([i] * 5, 4))
+    plan = sched.schedule_prefill(16)
+    assert len(plan.chunks) == 2 and plan.cost <= 16  # two rows of 8 padded tokens
+    assert [c.request.prompt[0] for c in plan.chunks] == [0, 1]  # in order
+
+
+def test_prefix_hit_is_placed_in_the_shard_that_caches_it():
+    sched = make(pages=10, shards=2, rows=4, max_seq_len=32, chunk=16)
+    first = Req(list(range(13)), 1)  # ends at its first token: its pages stay cached
+    sched.add(first)
+    plan = prefill(sched)
+    shard = sched.cache.shard(plan.chunks[0].row)
+    assert sched.cache.pages.cached_pages == 3  # its three full pages
+    # Hold pages in the caching shard so the other has more free ones.
+    filler = Req([99] * 5, 8)
+    sched.add(filler)
+    prefill(sched)
+    cache = sched.cache
+    assert cache.free_pages(shard) < cache.free_pages(1 - shard)
+    again = Req([*range(13), 50, 51], 4)
+    sched.add(again)
+    plan = prefill(sched)
+    (chunk,) = plan.chunks
+    assert sched.cache.shard(chunk.row) == shard  # where its prefix is, not the emptier shard
+    assert chunk.start == 12 and chunk.hit == 12  # three cached pages
+    assert chunk.tokens == (12, 50, 51)  # only the rest is computed
+    # A prompt that is exactly its cached pages still computes its last token.
+    filler.cancel_requested = True  # (a row of the caching shard frees)
+    sched.cancelled_running()
+    same = Req(list(range(12)), 2)
+    sched.add(same)
+    (chunk,) = prefill(sched).chunks
+    assert chunk.start == 8 and chunk.tokens == tuple(range(8, 12))
+    conserved(sched)
+
+
+def test_admission_under_a_tight_pool_keeps_order():
+    sched = make(pages=6, rows=4, max_seq_len=20)  # 5 usable pages
+    big, small = Req(list(range(17)), 4), Req([1, 2], 2)  # big: 17 tokens + its next: 5 pages
+    running = Req([3] * 3, 8)
+    sched.add(running)
+    prefill(sched)  # holds one page
+    sched.add(big)
+    sched.add(small)
+    plan = sched.schedule_prefill(None)
+    assert plan.chunks == ()  # big does not fit; small does not overtake it
+    assert list(sched.waiting) == [big, small]
+    conserved(sched)
+    while not running.done:
+        decode(sched)
+    plan = prefill(sched)
+    assert [c.request for c in plan.chunks] == [big]  # first in, first admitted
+    conserved(sched)
+
+
+def test_cancelled_requests_leave_the_queue_and_free_their_rows():
+    sched = make()
+    gone, kept = Req([1] * 3, 4, cancel_requested=True), Req([2] * 3, 4)
+    sched.add(gone)
+    sched.add(kept)
+    plan = prefill(sched)
+    assert plan.cancelled == (gone,) and [c.request for c in plan.chunks] == [kept]
+    kept.cancel_requested = True
+    assert sched.cancelled_running() == [(plan.chunks[0].row, kept)]
+    assert sched.running == 0 and sched.cache.pages.used_pages == 0
+
+
+def test_no_request_starves():
+    sched = make(pages=9, shards=2, rows=4, max_seq_len=24, chunk=8, budget=16)
+    lengths = [3, 17, 5, 9, 2, 20, 4, 11, 6, 8, 13, 3, 7, 19, 2, 5]
+    requests = [Req([i % 7] * n, 4 + i % 5) for i, n in enumerate(lengths)]
+    first_admitted = {}
+    for request in requests:
+        sched.add(request)
+    for n in range(400):
+        before = set(map(id, sched.waiting))
+        step(sched)
+        conserved(sched)
+        for request in requests:
+            admitted = id(request) in before and id(request) not in set(map(id, sched.waiting))
+            if admitted:
+                first_admitted.setdefault(id(request), n)
+        if all(r.done for r in requests):
+            break
+    assert all(r.done for r in requests), f"unfinished after {n + 1} steps"
+    assert all(len(r.drawn) == r.max_tokens for r in requests)
+    order = [first_admitted[id(r)] for r in requests]
+    assert order == sorted(order)  # admitted first come, first served
+    assert sched.cache.pages.used_pages == 0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random submissions, cancellations, prefills and decode steps against the invariants:
+    pages conserved and never held twice, plans within their limits, and every admitted
+    request finishing once the queue drains."""
+
+    @initialize(
+        shards=st.sampled_from([1, 2]),
+        pages=st.integers(6, 14),
+        caching=st.booleans(),
+    )
+    def setup(self, shards, pages, caching):
+        self.sched = make(
+            pages=pages, shards=shards, rows=4, max_seq_len=20, chunk=8, budget=16,
+            caching=caching,
+        )  # fmt: skip
+        self.requests: list[Req] = []
+
+    @rule(
+        length=st.integers(1, 16),
+        new=st.integers(1, 12),
+        vocab=st.integers(1, 3),
+    )
+    def submit(self, length, new, vocab):
+        usable = (self.sched.cache.pool.pages_per_shard - 1) * Z
+        new = min(new, 20 - length + 1)
+        if length + new - 1 > usable - Z:  # the batcher's admission refuses what never fits
+            return
+        request = Req([i % vocab for i in range(length)], new)
+        self.requests.append(request)
+        self.sched.add(request)
+
+    @precondition(lambda self: any(not r.done for r in self.requests))
+    @rule(data=st.data())
+    def cancel(self, data):
+        live = [r for r in self.requests if not r.done]
+        data.draw(st.sampled_from(live)).cancel_requested = True
+
+    @rule(budget=st.sampled_from([None, 4, 8, 16, 32]))
+    def plan_prefill(self, budget):
+        if budget is None and self.sched.running:
+            budget = self.sched.config.max_prefill_tokens
+        plan = prefill(self.sched, budget)
+        config = self.sched.config
+        assert len(plan.chunks) <= config.prefill_batch
+        assert plan.rows in (0, *config.row_buckets) and plan.rows >= len(plan.chunks)
+        assert all(0 < len(c.tokens) <= config.chunk_tokens for c in plan.chunks)
+        assert all(c.start % Z == 0 for c in plan.chunks)
+        if budget is not None and len(plan.chunks) > 1:
+            assert plan.cost <= budget
+        rows = [c.row for c in plan.chunks]
+        assert len(set(rows)) == len(rows)
+
+    @rule()
+    def run_step(self):
+        step(self.sched)
+
+    @invariant()
+    def pages_conserved(self):
+        conserved(self.sched)
+
+    @invariant()
+    def rows_hold_one_request(self):
+        owners = [r for r in self.sched.owners if r is not None]
+        assert len(owners) == len({id(r) for r in owners})
+        assert not {id(r) for r in owners} & {id(r) for r in self.sched.waiting}
+
+    def teardown(self):
+        sched = self.sched
+        for _ in range(300):
+            if all(r.done for r in self.requests):
+                break
+            step(sched)
+            conserved(sched)
+        assert all(r.done for r in self.requests), "an admitted request never finished"
+        assert sched.running == 0 and not sched.waiting and sched.chunking is None
+        assert sched.cache.pages.used_pages == 0
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_scheduler_machine = SchedulerMachine.TestCase
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _imports(path: pathlib.Path, package: str) -> set[str]:
+    """Every module ``path`` imports, at the top or inside functions (absolute names)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}  # a submodule imported by name
+    return names
+
+
+def _module_file(name: str) -> pathlib.Path | None:
+    parts = name.split(".")
+    for candidate in (
+        ROOT.joinpath(*parts).with_suffix(".py"),
+        ROOT.joinpath(*parts, "__init__.py"),
+    ):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _reached(module: str) -> set[str]:
+    """``module`` and every jaxpar module it imports, transitively; third-party names too."""
+    seen, todo, names = set(), [module], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = _module_file(name)
+        if path is None:
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for imported in _imports(path, package):
+            names.add(imported)
+            if imported.startswith("jaxpar.") and _module_file(imported) is not None:
+                todo.append(imported)
+    return names | seen
+
+
+@pytest.mark.parametrize("module", ["jaxpar.engine._scheduler", "jaxpar.engine._cache"])
+def test_policy_modules_import_no_jax(module):
+    reached = _reached(module)
+    assert "jaxpar.engine._pages" in reached or module.endswith("_pages")
+    heavy = sorted(n for n in reached if n.split(".")[0] in {"jax", "jaxlib", "flax", "optax"})
+    assert heavy == [], f"{module} reaches {heavy}"
+    engine_heavy = {"jaxpar.engine._engine", "jaxpar.engine._executor", "jaxpar.models"}
+    assert not engine_heavy & reached
+
+
+def test_import_walk_sees_jax_where_it_is():
+    # The walk is not vacuous: a request (its grammar masks are JAX arrays) reaches JAX.
+    assert "jax" in {n.split(".")[0] for n in _reached("jaxpar.engine._requests")}
+
+
+def test_scratch_page_matches_the_models():
+    from jaxpar.models import SCRATCH_PAGE as MODELS_SCRATCH
+
+    assert SCRATCH_PAGE == MODELS_SCRATCH
