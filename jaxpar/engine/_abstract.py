@@ -198,7 +198,7 @@ class AbstractEngine:
                 f"serving runs unpipelined strategies; {self.parallel_config} has "
                 f"pp={self.parallel_config.pp}: its serving programs do not exist"
             )
-        return ServingPrograms(self)
+        return ServingPrograms(self.steps, self.params, self.max_batch)
 
     def lower(
         self,

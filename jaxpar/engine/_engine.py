@@ -18,8 +18,10 @@ from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
 from jaxpar.engine._admission import Admission
 from jaxpar.engine._grammar import Constraint, Grammar, Grammars
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from jaxpar.engine._offline import OfflineCore, decode_offline
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
+from jaxpar.engine._scoring import PromptScorer
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import ConfigError, ShapeError
@@ -349,10 +351,8 @@ class InferenceEngine:
     @property
     def scorer(self):
         """The :class:`~jaxpar.engine._scoring.PromptScorer` of this engine (built once)."""
-        from jaxpar.engine._scoring import PromptScorer
-
         if self._scorer is None:
-            self._scorer = PromptScorer(self)
+            self._scorer = PromptScorer(self.steps, self.params, self.bucket)
         return self._scorer
 
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
@@ -536,11 +536,9 @@ class InferenceEngine:
             for width in core.widths(min(prompt_len + max_new_tokens, self.max_seq_len)):
                 core.slot_steps.compile_step(self.params, width, rows)
 
-    def _offline_core(self):
-        from jaxpar.engine._offline import OfflineCore
-
+    def _offline_core(self) -> OfflineCore:
         if self._core is None:
-            self._core = OfflineCore.build(self)
+            self._core = OfflineCore.build(self.steps, self.max_batch)
         return self._core
 
     def _generate_on_core(
@@ -556,14 +554,12 @@ class InferenceEngine:
         logprobs,
         grammar=None,
     ) -> Generation:
-        from jaxpar.engine._offline import decode_offline
-
         core = self._offline_core()
         start = time.perf_counter()
         times = []
         decoded = decode_offline(
-            self,
             core,
+            self.params,
             tokens_BT,
             lengths_B,
             n,
