@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark: continuous vs static batching, paged vs dense KV cache, prefix caching, chunked prefill.
+"""Serving benchmark: continuous vs static batching, paged vs slot-bound rows and contiguous steps, prefix caching, chunked prefill.
 
 Sections (``--sections``, default all):
 
@@ -337,7 +337,7 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-# --- paged vs dense KV cache, same bytes -----------------------------------------------
+# --- paged rows vs slot-bound rows, same KV bytes --------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -866,7 +866,7 @@ def _served_markdown(name: str):
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
-    "paged": ("paged vs dense KV cache, same bytes, at saturation", paged_markdown),
+    "paged": ("paged rows vs slot-bound rows, same KV bytes, at saturation", paged_markdown),
     "step": ("one decode step: paged vs contiguous; host dispatch", step_markdown),
     "prefix": ("prefix caching: a shared system prompt, served", _served_markdown("prefix")),
     "chunked": (
