@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving benchmark: continuous vs static batching, paged vs dense KV cache, prefix caching, chunked prefill.
+"""Serving benchmark: continuous vs static batching, paged vs slot-bound rows and contiguous steps, prefix caching, chunked prefill.
 
 Sections (``--sections``, default all):
 
@@ -12,13 +12,18 @@ Sections (``--sections``, default all):
   TTFT goal compares a short prompt's p50 TTFT under the moderate load with its prefill
   time plus two decode steps, both measured alone in the same run.
 * ``paged``: the same KV bytes per device served two ways, at saturation: the paged
-  batcher (``KVBudget(tokens=T)``, many rows) and the pre-paging dense baseline
-  (``scripts/_dense_slots.py``: ``T // max_seq_len`` contiguous slots). Peak and mean
-  concurrent sequences, output tokens/s, TTFT; goals >= 4x sequences, >= 2x tokens/s.
+  batcher with many rows (``KVBudget(tokens=T)``, admitting by pages) and the slot
+  baseline, the same batcher with ``T // max_seq_len`` rows, each of which the pool holds
+  at ``max_seq_len`` (admitting by slots, as a contiguous cache of that many rows would).
+  Peak and mean concurrent sequences, output tokens/s, TTFT; goals >= 4x sequences,
+  >= 2x tokens/s. The slot baseline's steps are paged ones (they read only the live
+  pages); what a contiguous cache's step costs is the ``step`` section's.
 * ``step``: one decode step, paged (XLA gather over block tables as wide as the rows)
-  vs contiguous, same batch and tokens per row, interleaved; how the paged step follows
-  the live tokens; and the host's dispatch time as a share of the step (goals: paged /
-  dense <= 1.15x, dispatch <= 10%).
+  vs contiguous (the engine's contiguous-cache decode step, which pipelined ``generate``
+  runs and ``jaxpar explain`` lowers as ``decode``: every row reads all ``S`` positions),
+  same batch and tokens per row, interleaved; how the paged step follows the live tokens;
+  and the host's dispatch time as a share of the step (goals: paged / dense <= 1.15x,
+  dispatch <= 10%).
 * ``prefix`` (served: ``jaxpar serve`` as a process, an HTTP client; ``_bench_served.py``):
   32 requests sharing a 1,024-token system prompt, each with its own 16..64-token
   question, sent one at a time, by a server with the prefix cache and one with
@@ -332,12 +337,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-# --- paged vs dense KV cache, same bytes -----------------------------------------------
+# --- paged rows vs slot-bound rows, same KV bytes --------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedSetup:
-    """The ``paged`` section's sizes: a KV budget of ``dense_slots * max_seq_len`` tokens."""
+    """The ``paged`` section's sizes: a KV budget of ``dense_slots * max_seq_len`` tokens
+    (``dense_slots``: the slot baseline's rows)."""
 
     prompt: tuple[int, int]
     output: tuple[int, int]
@@ -440,10 +446,9 @@ class System:
 
 
 def _systems(setup: PagedSetup, config, params) -> list[System]:
-    """The dense baseline, then one paged batcher per row count, each warmed up. The
-    baseline runs on the first paged engine (its own slots), sharing its prefill programs."""
+    """The slot baseline, then one paged batcher per row count, each warmed up: the same
+    batcher and KV budget each, over an engine of that many rows."""
     import jax
-    from _dense_slots import DenseBatcher
 
     from jaxpar.engine import ContinuousBatcher, InferenceEngine, KVBudget
     from jaxpar.spec import ParallelConfig, make_mesh
@@ -453,19 +458,20 @@ def _systems(setup: PagedSetup, config, params) -> list[System]:
     budget = KVBudget(page_size=setup.page_size, tokens=setup.kv_tokens)
     lens = range(setup.prompt[0], setup.prompt[1] + 1)
     systems = []
-    for rows in setup.paged_rows:
+    for rows in (setup.dense_slots, *setup.paged_rows):
         engine = InferenceEngine(
             config, params, parallel, mesh=mesh, max_batch=rows, max_seq_len=setup.max_seq_len
         )
+        batcher = ContinuousBatcher(engine, kv_budget=budget, prefill_batch=1)
+        batcher.warmup(lens)
         if not systems:
-            dense = DenseBatcher(engine, slots=setup.dense_slots, prefill_batch=1)
-            dense.warmup(lens)
-            cache = f"{setup.dense_slots} slots x {setup.max_seq_len}"
-            systems.append(System(f"dense, {setup.dense_slots} slots", cache, dense))
-        paged = ContinuousBatcher(engine, kv_budget=budget, prefill_batch=1)
-        paged.warmup(lens)
-        cache = f"{paged.pool.usable_pages} pages x {paged.pool.page_size}"
-        systems.append(System(f"paged, {rows} rows", cache, paged))
+            # Every row can grow to max_seq_len: the pool never preempts, and admits no
+            # more requests than the slots a contiguous cache of these bytes would hold.
+            cache = f"{rows} slots x {setup.max_seq_len} (paged)"
+            systems.append(System(f"slots, {rows} rows", cache, batcher))
+            continue
+        cache = f"{batcher.pool.usable_pages} pages x {batcher.pool.page_size}"
+        systems.append(System(f"paged, {rows} rows", cache, batcher))
     return systems
 
 
@@ -485,7 +491,7 @@ def _serve_each(systems: list[System], work: Workload) -> dict[str, Any]:
 
 
 def paged_section(quick: bool = False) -> dict:
-    """Dense slots vs paged rows over the same KV tokens, one saturating Poisson stream:
+    """Slot-bound rows vs paged rows over the same KV tokens, one saturating Poisson stream:
     arrivals at :data:`SATURATION` times the most requests/s a lone prefill admits."""
     from jaxpar.models import init_params
 
@@ -545,7 +551,7 @@ def paged_markdown(res: dict) -> str:
             f"{100 * m['queued_share']:.0f}% |"
         )
     names = list(res["systems"])
-    dense = res["systems"][names[0]]
+    slots = res["systems"][names[0]]
     lines += [
         "",
         "Saturated: from the first arrival to the last request's first token (from then on "
@@ -556,24 +562,24 @@ def paged_markdown(res: dict) -> str:
     ]
     for name in names[1:]:
         m = res["systems"][name]
-        seqs = m["mean_seqs"] / dense["mean_seqs"]
-        peak = m["peak_seqs"] / dense["peak_seqs"]
-        tps = m["output_tokens_per_s"] / dense["output_tokens_per_s"]
+        seqs = m["mean_seqs"] / slots["mean_seqs"]
+        peak = m["peak_seqs"] / slots["peak_seqs"]
+        tps = m["output_tokens_per_s"] / slots["output_tokens_per_s"]
         lines += [
-            f"- {name} / dense: concurrent sequences **{seqs:.2f}x** mean, {peak:.2f}x peak "
+            f"- {name} / slots: concurrent sequences **{seqs:.2f}x** mean, {peak:.2f}x peak "
             f"({_verdict(seqs, 4)}); output tokens/s **{tps:.2f}x** ({_verdict(tps, 2)})",
         ]
     lines.append(
         f"- The budget holds about {s['fit_seqs']:.1f} of these requests at once (a request "
         f"holds {s['live_tokens']:.0f} tokens on average over its decode steps): "
-        f"{s['fit_seqs'] / s['dense_slots']:.2f}x the dense slots: on average, the most "
+        f"{s['fit_seqs'] / s['dense_slots']:.2f}x the slots: on average, the most "
         "sequences the paged cache can add at this budget."
     )
     differ = {k: v for k, v in res["differing_requests"].items() if v}
     lines.append(
         "- Same tokens from every system for every request."
         if not differ
-        else f"- Requests whose tokens differ from the dense baseline's: {differ}."
+        else f"- Requests whose tokens differ from the slot baseline's: {differ}."
     )
     return "\n".join(lines)
 
@@ -610,9 +616,10 @@ STEP_CASES = (
 )
 
 
-class _TimedStep:
-    """One decode step over ``n_slots`` full rows of ``tokens`` tokens (lengths set again
-    before every call), timed; subclasses place their lengths and make the call."""
+class _PagedStep:
+    """The paged step over ``slot_steps.n_slots`` full rows of ``tokens`` tokens (lengths
+    set again before every call), its block tables as wide as the rows (``tokens /
+    page_size`` pages), in a pool with room for every row at the longest length."""
 
     def __init__(self, slot_steps, params, tokens: int):
         import jax
@@ -620,85 +627,98 @@ class _TimedStep:
         from jaxpar.engine import put_global
 
         self._put, self._block = put_global, jax.block_until_ready
-        self.slot_steps, self.params, self.tokens = slot_steps, params, tokens
+        self.slot_steps, self.params = slot_steps, params
         b = slot_steps.n_slots
         self.release_B = np.zeros(b, bool)
         self.lengths_B = np.full(b, tokens - 1, np.int32)  # + the step's token: full rows
         active = put_global(np.ones(b, bool), slot_steps.layout.active_B)
         self.slots = slot_steps.empty().replace(active_B=active)
+        pool = slot_steps.pool
+        b, n = pool.rows, pool.pages_per_row
+        tables_BN = 1 + np.arange(b * n, dtype=np.int32).reshape(b, n)  # page 0: scratch
+        self.tables = slot_steps.tables(tables_BN[:, : pool.pages_for(tokens)])
 
     def time_once(self) -> tuple[float, float]:
         """(dispatch s, step s): the call returning, and the step done."""
-        slots = self._with_lengths(self.slots)
+        lengths = self._put(self.lengths_B, self.slot_steps.layout.lengths_B)
+        slots = self.slots.replace(lengths_B=lengths)
         start = time.perf_counter()
-        slots, tokens_B = self._call(slots)
+        slots, tokens_B, *_ = self.slot_steps.step(self.params, slots, self.release_B, self.tables)
         returned = time.perf_counter()
         self._block((slots, tokens_B))
         self.slots = slots
         return returned - start, time.perf_counter() - start
 
 
-class _PagedStep(_TimedStep):
-    """The paged step, its block tables as wide as the rows (``tokens / page_size``
-    pages), in a pool with room for every row at the longest length."""
+class _DenseStep:
+    """The engine's contiguous-cache step (``Steps.decode_select``: one decode step and the
+    next tokens' greedy pick, one program) over its ``max_batch`` rows of ``tokens``
+    tokens: every row reads all ``max_seq_len`` positions of its cache row."""
 
-    def __init__(self, slot_steps, params, tokens: int):
-        super().__init__(slot_steps, params, tokens)
-        pool = slot_steps.pool
-        b, n = pool.rows, pool.pages_per_row
-        tables_BN = 1 + np.arange(b * n, dtype=np.int32).reshape(b, n)  # page 0: scratch
-        self.tables = slot_steps.tables(tables_BN[:, : pool.pages_for(tokens)])
+    def __init__(self, engine, tokens: int):
+        import jax
 
-    def _with_lengths(self, slots):
-        return slots.replace(lengths_B=self._put(self.lengths_B, self.slot_steps.layout.lengths_B))
+        from jaxpar.engine import Sampling, put_global
+        from jaxpar.models import KVCache
 
-    def _call(self, slots):
-        slots, tokens_B, *_ = self.slot_steps.step(self.params, slots, self.release_B, self.tables)
-        return slots, tokens_B
+        self._put, self._block = put_global, jax.block_until_ready
+        self.engine, lay, b = engine, engine.layouts, engine.max_batch
+        self.lengths_B = np.full(b, tokens - 1, np.int32)  # + the step's token: full rows
+        empty = KVCache.empty(engine.run, b, engine.max_seq_len)
+        self.cache = jax.device_put(empty, lay.cache)
+        self.tokens_B = put_global(np.zeros(b, np.int32), lay.next_tokens)
+        key = np.asarray(jax.random.key_data(jax.random.key(0)))
+        self.key = jax.random.wrap_key_data(put_global(key, lay.replicated))
+        self.step = put_global(np.asarray(1, np.int32), lay.replicated)
+        self.sampling = Sampling()
+
+    def time_once(self) -> tuple[float, float]:
+        """(dispatch s, step s): the call returning, and the step done."""
+        lengths = self._put(self.lengths_B, self.engine.layouts.cache.lengths_B)
+        cache = self.cache.replace(lengths_B=lengths)
+        start = time.perf_counter()
+        tokens_B, cache = self.engine.steps.decode_select(
+            self.engine.params, cache, self.tokens_B, self.key, self.step, self.sampling
+        )
+        returned = time.perf_counter()
+        self._block((cache, tokens_B))
+        self.cache = cache
+        return returned - start, time.perf_counter() - start
 
 
-class _DenseStep(_TimedStep):
-    """The contiguous step: every row reads all ``max_seq_len`` positions of its slot."""
-
-    def _with_lengths(self, slots):
-        lengths = self._put(self.lengths_B, self.slot_steps.layout.cache.lengths_B)
-        return slots.replace(cache=slots.cache.replace(lengths_B=lengths))
-
-    def _call(self, slots):
-        return self.slot_steps.step(self.params, slots, self.release_B)
-
-
-def _step_cases(config) -> dict[StepCase, _TimedStep]:
-    """:data:`STEP_CASES`, ready to time: one engine; one slot program per (kind, batch,
-    max_seq_len), shared by the cases that differ only in tokens per row."""
+def _step_cases(config) -> dict[StepCase, _PagedStep | _DenseStep]:
+    """:data:`STEP_CASES`, ready to time: the paged cases' slot programs over one engine
+    (one per (batch, max_seq_len)); each dense (batch, max_seq_len) an engine of its own
+    (the contiguous step's program is the engine's, for its rows and positions). The
+    cases that differ only in tokens per row share their program."""
     import jax
-    from _dense_slots import DenseSlotSteps
 
     from jaxpar.engine import InferenceEngine, PagePool, SlotSteps
     from jaxpar.models import init_params
     from jaxpar.spec import ParallelConfig, make_mesh
 
     parallel = ParallelConfig()
-    engine = InferenceEngine(
-        config,
-        init_params(config),
-        parallel,
-        mesh=make_mesh(parallel, jax.devices()[:1]),
-        max_batch=STEP_BATCH,
-        max_seq_len=max(c.max_seq_len for c in STEP_CASES),
-    )
-    dims, programs, cases = engine.program.run, {}, {}
+    mesh, params = make_mesh(parallel, jax.devices()[:1]), init_params(config)
+
+    def engine(batch: int, max_seq_len: int) -> InferenceEngine:
+        return InferenceEngine(
+            config, params, parallel, mesh=mesh, max_batch=batch, max_seq_len=max_seq_len
+        )
+
+    paged = engine(STEP_BATCH, max(c.max_seq_len for c in STEP_CASES))
+    programs, cases = {}, {}
     for case in STEP_CASES:
         key = (case.kind, case.batch, case.max_seq_len)
-        if key not in programs:
-            b, s = case.batch, case.max_seq_len
-            programs[key] = (
-                SlotSteps(engine.steps, dims, PagePool(16, b * s // 16 + 1, 1, b, s))
-                if case.kind == "paged"
-                else DenseSlotSteps(engine.steps, dims, b, max_seq_len=s)
-            )
-        timed = _PagedStep if case.kind == "paged" else _DenseStep
-        cases[case] = timed(programs[key], engine.params, case.tokens)
+        b, s = case.batch, case.max_seq_len
+        if case.kind == "paged":
+            if key not in programs:
+                pool = PagePool(16, b * s // 16 + 1, 1, b, s)
+                programs[key] = SlotSteps(paged.steps, paged.program.run, pool)
+            cases[case] = _PagedStep(programs[key], paged.params, case.tokens)
+        else:
+            if key not in programs:
+                programs[key] = engine(b, s)
+            cases[case] = _DenseStep(programs[key], case.tokens)
     return cases
 
 
@@ -846,7 +866,7 @@ def _served_markdown(name: str):
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
-    "paged": ("paged vs dense KV cache, same bytes, at saturation", paged_markdown),
+    "paged": ("paged rows vs slot-bound rows, same KV bytes, at saturation", paged_markdown),
     "step": ("one decode step: paged vs contiguous; host dispatch", step_markdown),
     "prefix": ("prefix caching: a shared system prompt, served", _served_markdown("prefix")),
     "chunked": (

@@ -123,7 +123,9 @@ class AbstractEngine:
         """Validates the strategy (nothing is built for an illegal one), then lays it out.
 
         Args:
-            model_config: the model (the checkpoint's config).
+            model_config: the model (the checkpoint's config), or a run of it: a run form
+                (:func:`run_form`, as :class:`~jaxpar.engine.InferenceEngine` hands down)
+                is taken as it is.
             parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
             max_batch: sequences per step.
             max_seq_len: KV cache length per sequence.
@@ -135,9 +137,9 @@ class AbstractEngine:
             options: how it runs (default ``ExecutionOptions()``); ``"auto"`` values are
                 resolved here, once, for ``platform`` or else the mesh's devices.
         """
-        model_config, options = ModelRun.split(model_config, options)
         parallel = parallel_config or ParallelConfig()
         run = run_form(model_config, parallel, options)
+        model_config = run.config
         devices = mesh.devices.size if mesh is not None else parallel.size
         plan = validate(run, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
         mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
@@ -198,7 +200,7 @@ class AbstractEngine:
                 f"serving runs unpipelined strategies; {self.parallel_config} has "
                 f"pp={self.parallel_config.pp}: its serving programs do not exist"
             )
-        return ServingPrograms(self)
+        return ServingPrograms(self.steps, self.params, self.max_batch)
 
     def lower(
         self,

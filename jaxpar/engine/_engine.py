@@ -14,12 +14,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxpar.engine._abstract import AbstractEngine, layer_loop_for
+from jaxpar.engine._abstract import AbstractEngine, run_form
 from jaxpar.engine._admission import Admission
 from jaxpar.engine._grammar import Constraint, Grammar, Grammars
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from jaxpar.engine._offline import OfflineCore, decode_offline
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
+from jaxpar.engine._scoring import PromptScorer
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import ConfigError, ShapeError
@@ -69,43 +71,42 @@ class Generation:
         return self.new_tokens / self.decode_seconds if self.decode_seconds else math.nan
 
 
-def prepare_params(
-    model_config: ModelConfig,
-    params: nnx.State,
-    options: ExecutionOptions,
-    parallel: ParallelConfig,
-) -> tuple[ExecutionOptions, nnx.State]:
-    """The options with what the parameters already are, and the parameters in the form
-    the engine runs: quantized as ``options.quantize`` asks (parameters quantized already
-    say their mode, which the options take), in the :func:`layer_loop_for` layer form
-    (a pipelined engine restacks per-layer parameters once, here), in ``options.dtype``
-    when given.
+def prepare_params(run: ModelRun, params: nnx.State) -> tuple[ModelRun, nnx.State]:
+    """The run with what the parameters already are, and the parameters in the form the
+    engine runs: quantized as ``run.quantize`` asks (parameters quantized already say their
+    mode, which the run takes), in the run's layer form (a pipelined engine restacks
+    per-layer parameters once, here), in ``run.options.dtype`` when given.
+
+    Args:
+        run: the run form (:func:`~jaxpar.engine._abstract.run_form`): the layer form,
+            padded vocabulary and KV-head replicas the strategy calls for.
+        params: the parameters as given: the checkpoint's vocabulary and KV heads.
 
     Raises:
-        ConfigError: parameters quantized in another mode than ``options.quantize``.
+        ConfigError: parameters quantized in another mode than ``run.quantize``.
     """
     holds = held_quantization(params)
-    held = holds["quantize"]
-    if held is not None and options.quantize not in (None, held):
+    held, wanted = holds["quantize"], run.options.quantize
+    if held is not None and wanted not in (None, held):
         raise ConfigError(
             f"the parameters are quantized ({held}) but options.quantize="
-            f"{options.quantize!r}: pass float parameters to quantize them, or "
+            f"{wanted!r}: pass float parameters to quantize them, or "
             f"quantize={held!r} (or None) for these"
         )
-    if held is not None and options.quantize_embeddings and not holds["quantize_embeddings"]:
+    if held is not None and run.options.quantize_embeddings and not holds["quantize_embeddings"]:
         raise ConfigError(
             "options.quantize_embeddings=True, but the parameters are quantized with a float "
             "embedding and LM head: pass float parameters to quantize them all"
         )
-    if held is None and options.quantize is not None:
-        params = quantize_params(ModelRun(model_config, options), params, options.quantize)
-        holds = {"quantize": options.quantize, "quantize_embeddings": options.quantize_embeddings}
-    loop = layer_loop_for(options, parallel)
-    options = dataclasses.replace(options, layer_loop=loop, **holds)
-    params = with_layer_loop(model_config, params, loop)
-    if options.dtype is not None:
-        params = _cast_floats(params, abstract_model(model_config, options))
-    return options, params
+    as_given = dataclasses.replace(run, padded_vocab=None, kv_head_replicas=1)
+    if held is None and wanted is not None:
+        params = quantize_params(as_given, params, wanted)
+        holds = {"quantize": wanted, "quantize_embeddings": run.options.quantize_embeddings}
+    run = run.with_options(**holds)
+    params = with_layer_loop(run.config, params, run.layer_loop)
+    if run.options.dtype is not None:
+        params = _cast_floats(params, abstract_model(as_given.with_options(**holds)))
+    return run, params
 
 
 def _cast_floats(params: nnx.State, model: Any) -> nnx.State:
@@ -133,7 +134,9 @@ class InferenceEngine:
 
     Args:
         model_config: the model: its architecture, as the checkpoint says (kept as given:
-            :attr:`model_config` is this object).
+            :attr:`model_config` is this object), or a run of it (a
+            :class:`~jaxpar.models.ModelRun`: its config, and its options unless
+            ``options`` are given).
         params: its parameters (``nnx.State`` as from ``init_params`` or
             ``load_hf_checkpoint``); host or device arrays.
         parallel_config: degrees of dp, pp, sp, ep, tp (default: one device).
@@ -163,7 +166,7 @@ class InferenceEngine:
 
     def __init__(
         self,
-        model_config: ModelConfig,
+        model_config: ModelConfig | ModelRun,
         params: nnx.State,
         parallel_config: ParallelConfig | None = None,
         *,
@@ -174,27 +177,24 @@ class InferenceEngine:
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
     ):
-        model_config, options = ModelRun.split(model_config, options)
         config = parallel_config or ParallelConfig()
-        options = (options or ExecutionOptions()).merged(
+        options = (ModelRun.split(model_config, options)[1] or ExecutionOptions()).merged(
             quantize=quantize, kv_cache_dtype=kv_cache_dtype
         )
-        # Checked before any parameter is touched, in the layer form the strategy runs
-        # (pipeline stages stack the layers).
-        dataclasses.replace(options, layer_loop=layer_loop_for(options, config)).check(model_config)
-        _check_quantize_backend(options.quantize or params_quantization(params))
+        # The run form, once (a run form given, as engine_from_hf gives one, is kept): the
+        # options checked in the layer form the strategy runs (pipeline stages stack the
+        # layers) before any parameter is touched, the padded vocabulary, the KV-head
+        # replicas. Handed down as it is from here on.
+        run = run_form(model_config, config, options)
+        model_config = run.config
+        _check_quantize_backend(run.options.quantize or params_quantization(params))
         model_config.check_max_seq_len(max_seq_len)  # learned position tables end somewhere
-        options, params = prepare_params(model_config, params, options, config)
+        run, params = prepare_params(run, params)
         # Validated and laid out from shapes; a vocabulary tp does not divide is padded
         # (see _vocab): the engine runs the padded model, and everything callers see has
         # the true vocabulary.
         self.program = AbstractEngine.build(
-            model_config,
-            config,
-            max_batch=max_batch,
-            max_seq_len=max_seq_len,
-            mesh=mesh,
-            options=options,
+            run, config, max_batch=max_batch, max_seq_len=max_seq_len, mesh=mesh
         )
         self.plan: Plan = self.program.plan
         self.mesh = self.program.mesh
@@ -210,15 +210,16 @@ class InferenceEngine:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
 
-        run = self.program.run
         # tp a multiple of the KV heads: each head repeated for its group of devices (rule
         # kv-head-replicas), then placed one head per device. Parameters come with the
         # checkpoint's heads, or expanded already (engine_from_hf reads them so).
-        axes = logical_axes_of(nnx.state(abstract_model(model_config, options)))
+        as_given = dataclasses.replace(run, padded_vocab=None, kv_head_replicas=1)
+        axes = logical_axes_of(nnx.state(abstract_model(as_given)))
         params = repeat_kv_heads(params, axes, model_config.n_kv_heads, run.kv_head_replicas)
-        held = ModelRun(model_config, options, kv_head_replicas=run.kv_head_replicas)
-        _check_params(nnx.state(abstract_model(held)), params)
-        if run.vocab_size != model_config.vocab_size:
+        _check_params(
+            nnx.state(abstract_model(dataclasses.replace(run, padded_vocab=None))), params
+        )
+        if run.padded_vocab is not None:
             params = pad_vocab_params(params, axes, run.vocab_size)
         self.layouts = self.program.layouts
         self.steps = self.program.steps
@@ -349,10 +350,8 @@ class InferenceEngine:
     @property
     def scorer(self):
         """The :class:`~jaxpar.engine._scoring.PromptScorer` of this engine (built once)."""
-        from jaxpar.engine._scoring import PromptScorer
-
         if self._scorer is None:
-            self._scorer = PromptScorer(self)
+            self._scorer = PromptScorer(self.steps, self.params, self.bucket)
         return self._scorer
 
     def decode(self, cache: KVCache, tokens_B: np.ndarray | jax.Array) -> tuple[jax.Array, KVCache]:
@@ -536,11 +535,9 @@ class InferenceEngine:
             for width in core.widths(min(prompt_len + max_new_tokens, self.max_seq_len)):
                 core.slot_steps.compile_step(self.params, width, rows)
 
-    def _offline_core(self):
-        from jaxpar.engine._offline import OfflineCore
-
+    def _offline_core(self) -> OfflineCore:
         if self._core is None:
-            self._core = OfflineCore.build(self)
+            self._core = OfflineCore.build(self.steps, self.max_batch)
         return self._core
 
     def _generate_on_core(
@@ -556,14 +553,12 @@ class InferenceEngine:
         logprobs,
         grammar=None,
     ) -> Generation:
-        from jaxpar.engine._offline import decode_offline
-
         core = self._offline_core()
         start = time.perf_counter()
         times = []
         decoded = decode_offline(
-            self,
             core,
+            self.params,
             tokens_BT,
             lengths_B,
             n,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxpar.engine._vocab import VocabSplit
 
 if TYPE_CHECKING:
-    from jaxpar.engine._sampling import RowSampling
+    from jaxpar.engine._sampling_params import RowSampling
 
 #: Candidates per row each vocab shard contributes to the top-k / top-p thresholds.
 CANDIDATES = 64

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxpar.engine._coordination import agree_min
 from jaxpar.engine._pages import PagePool
 from jaxpar.errors import ConfigError
 from jaxpar.models import (
@@ -154,8 +155,6 @@ def free_device_bytes(devices) -> int | None:
         free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     least = min(free) if free else -1
     if jax.process_count() > 1:
-        from jaxpar.engine._lockstep import agree_min
-
         least = agree_min("free_device_bytes", least)
     return None if least < 0 else least
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -11,12 +10,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar.engine._abstract import layer_loop_for
+from jaxpar.engine._abstract import run_form
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._text import Tokenizer, generation_defaults, load_tokenizer
-from jaxpar.engine._vocab import padded_run, unsplit_vocab
+from jaxpar.engine._vocab import unsplit_vocab
 from jaxpar.errors import CheckpointError
-from jaxpar.models import ExecutionOptions, ModelRun, config_from_hf, load_hf_checkpoint
+from jaxpar.models import ExecutionOptions, config_from_hf, load_hf_checkpoint
 from jaxpar.spec import (
     ParallelConfig,
     canonical_mesh,
@@ -91,35 +90,34 @@ def engine_from_hf(
         quantize=quantize, kv_cache_dtype=kv_cache_dtype
     )
     options = options.merged(dtype=compute_dtype(hf, dtype or options.dtype, run_platform(mesh)))
-    # Pipelined engines run stacked layers (one block per stage): load them in that form.
-    options = dataclasses.replace(options, layer_loop=layer_loop_for(options, parallel))
     config = config_from_hf(hf, source=str(source))
-    options.check(config)
+    # The run form (stacked layers when pipelined, the padded vocabulary, the K/V heads of
+    # rule kv-head-replicas): each device reads the parameters in the form it holds them,
+    # and the engine takes this run as it is.
+    run = run_form(config, parallel, options)
     devices = mesh.devices.size if mesh is not None else parallel.size
-    # The run's K/V heads (rule kv-head-replicas): each device reads the heads it holds.
-    padded = padded_run(ModelRun(config, options), parallel.tp).with_kv_heads_for(parallel)
-    validate(padded, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
+    validate(run, parallel, n_devices=devices, batch=max_batch, max_seq_len=max_seq_len)
     mesh = canonical_mesh(mesh) if mesh is not None else default_mesh(parallel)
 
     def sharding(path_: tuple[str, ...], axes: tuple[str | None, ...]) -> NamedSharding:
         if on_tensor is not None:
             on_tensor(".".join(map(str, path_)))
-        spec = param_partition_spec(axes, parallel, dims=padded)
-        if padded.padded_vocab is not None:  # tp does not divide it: the engine pads it
+        spec = param_partition_spec(axes, parallel, dims=run)
+        if run.padded_vocab is not None:  # tp does not divide it: the engine pads it
             spec = unsplit_vocab(spec, axes)
         return NamedSharding(mesh, spec)
 
-    config, params = load_hf_checkpoint(
-        path, shardings=sharding, options=options, kv_head_replicas=padded.kv_head_replicas
+    # Its config is config_from_hf of the same config.json: run.config.
+    _, params = load_hf_checkpoint(
+        path, shardings=sharding, options=run.options, kv_head_replicas=run.kv_head_replicas
     )
     engine = InferenceEngine(
-        config,
+        run,
         params,
         parallel,
         max_batch=max_batch,
         max_seq_len=max_seq_len,
         mesh=mesh,
-        options=options,
     )
     # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
     engine.generation_defaults = generation_defaults(path)

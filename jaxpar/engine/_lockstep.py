@@ -45,9 +45,10 @@ from typing import Any
 
 import jax
 
+from jaxpar.engine._coordination import coordination_client as _client
 from jaxpar.engine._distributed import mark_peer_lost
 from jaxpar.engine._executor import Executor, Recorder
-from jaxpar.errors import DistributedError, PeerLostError
+from jaxpar.errors import PeerLostError
 
 PREFIX = "jaxpar/lockstep"
 ALIVE = "jaxpar/alive"
@@ -64,18 +65,6 @@ LOST_AFTER_S = 5.0
 #: take one host longer than another); JAX's own heartbeats still end a dead one.
 START_GRACE_S = 300.0
 _STOP = "stop"
-
-
-def _client():
-    from jax._src import distributed  # the runtime's client: no public accessor
-
-    client = distributed.global_state.client
-    if client is None:
-        raise DistributedError(
-            "serving from several processes needs jax.distributed initialised first "
-            "(jaxpar --coordinator ... --num-processes ... --process-id ...)"
-        )
-    return client
 
 
 def _key(seq: int) -> str:
@@ -310,20 +299,6 @@ def lost_error(lost: list[int], n: int, after_s: float) -> PeerLostError:
         f"heartbeat for {after_s:.0f} s): the model spans every process, so this server "
         "cannot run it any more; restart all processes"
     )
-
-
-def agree_min(name: str, value: int) -> int:
-    """The smallest of every process's ``value`` (each process calls this once per
-    ``name``, in the same order): e.g. free device memory, which each process can only
-    read from its own devices, so that every process sizes the same KV cache."""
-    global _agreements
-    _agreements += 1
-    client, n, key = _client(), jax.process_count(), f"jaxpar/agree/{_agreements}-{name}"
-    client.key_value_set(f"{key}/{jax.process_index()}", str(int(value)))
-    return min(int(client.blocking_key_value_get(f"{key}/{pid}", 300_000)) for pid in range(n))
-
-
-_agreements = 0
 
 
 def announce_ready() -> None:

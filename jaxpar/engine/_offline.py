@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -34,37 +34,41 @@ from jaxpar.engine._penalties import History
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling, Sampling
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
+from jaxpar.engine._steps import Steps
 from jaxpar.errors import GrammarError
 from jaxpar.models import kv_windows
-
-if TYPE_CHECKING:
-    from jaxpar.engine._engine import InferenceEngine
 
 
 @dataclasses.dataclass
 class OfflineCore:
-    """The serving core of one engine for offline generation (built on first use)."""
+    """The serving core of one engine for offline generation (built on first use): its
+    steps, the rows it generates at once, the slot steps over a pool that holds every
+    row at full length, and the first tokens' draw."""
 
+    steps: Steps
+    max_batch: int
     slot_steps: SlotSteps
     first_tokens: FirstTokens
 
     @classmethod
-    def build(cls, engine: InferenceEngine) -> OfflineCore:
-        program = engine.program
-        shards = batch_shards(engine.parallel_config, program.run)
-        page_size = min(PAGE_SIZE, engine.max_seq_len)
-        rows_per_shard = engine.max_batch // shards
-        per_row = -(-engine.max_seq_len // page_size)
-        groups = len(kv_windows(program.model_config))  # a block table per KV group
+    def build(cls, steps: Steps, max_batch: int) -> OfflineCore:
+        """The core over ``steps`` (an engine's: the run, strategy and ``max_seq_len``
+        are theirs) for ``max_batch`` rows."""
+        run, max_seq_len = steps.dims, steps.max_seq_len
+        shards = batch_shards(steps.config, run)
+        page_size = min(PAGE_SIZE, max_seq_len)
+        rows_per_shard = max_batch // shards
+        per_row = -(-max_seq_len // page_size)
+        groups = len(kv_windows(run.config))  # a block table per KV group
         pool = PagePool(
             page_size=page_size,
             pages_per_shard=groups * rows_per_shard * per_row + 1,  # every row at max_seq_len
             shards=shards,
-            rows=engine.max_batch,
-            max_seq_len=engine.max_seq_len,
+            rows=max_batch,
+            max_seq_len=max_seq_len,
             windows=(None,) * groups,  # sized for every page: none is given back
         )
-        return cls(SlotSteps(engine.steps, program.run, pool), FirstTokens(engine.steps))
+        return cls(steps, max_batch, SlotSteps(steps, run, pool), FirstTokens(steps))
 
     @property
     def pool(self) -> PagePool:
@@ -88,8 +92,8 @@ class Decoded:
 
 
 def decode_offline(
-    engine: InferenceEngine,
     core: OfflineCore,
+    params: Any,
     tokens_BT: np.ndarray,
     lengths_B: np.ndarray,
     n_rows: int,
@@ -102,10 +106,10 @@ def decode_offline(
     logprobs: int | None = None,
     grammar: Grammar | None = None,
 ) -> Decoded:
-    """Prefill, insert and decode ``n_rows`` prompts (padded rows past them are dropped);
-    ``logprobs``: each token's logprob and that many alternatives (None: none);
-    ``grammar``: every row's structured output (None: none)."""
-    b = engine.max_batch
+    """Prefill, insert and decode ``n_rows`` prompts (padded rows past them are dropped)
+    with the engine's placed ``params``; ``logprobs``: each token's logprob and that many
+    alternatives (None: none); ``grammar``: every row's structured output (None: none)."""
+    b = core.max_batch
     table = PageTable(core.pool)
     live = np.arange(b) < n_rows
     wants = live & (logprobs is not None)
@@ -114,10 +118,10 @@ def decode_offline(
     history = History.rows(contexts, live & sampling.penalized, b, core.slot_steps.history_width)
     rows = _RowGrammars(grammar, live)
     slots, first, first_lp, dropped = _prefill_into_pages(
-        engine, core, table, tokens_BT, lengths_B, n_rows, sampling_B, history, rows
+        core, params, table, tokens_BT, lengths_B, n_rows, sampling_B, history, rows
     )
     on_prefilled()
-    loop = _Loop(engine, table, max_new_tokens, stop_tokens, logprobs, callback, rows, dropped)
+    loop = _Loop(core, table, max_new_tokens, stop_tokens, logprobs, callback, rows, dropped)
     loop.out[live, 0] = first[live]
     _collect(loop.logprobs_B, logprobs, first_lp, first, live)
     loop.done[:] = ~live | np.isin(first, loop.stops) | (max_new_tokens == 1)
@@ -138,7 +142,7 @@ def decode_offline(
             allowed = core.slot_steps.masks(
                 rows.masks(loop.done, core.slot_steps.model_config.vocab_size)
             )
-            slots, *drawn = _step(engine, core, table, slots, cached, loop, allowed)
+            slots, *drawn = _step(core, params, table, slots, cached, loop, allowed)
             dispatched = (step, *drawn)
             step += 1
         if pending is not None and loop.read(*pending):
@@ -186,9 +190,9 @@ class _Loop:
     """The host side of the decode loop: tokens so far, which rows are done, which to
     release at the next step."""
 
-    def __init__(self, engine, table, max_new_tokens, stop_tokens, top, callback, rows, dropped):
-        b = engine.max_batch
-        self.engine, self.table, self.max_new_tokens = engine, table, max_new_tokens
+    def __init__(self, core, table, max_new_tokens, stop_tokens, top, callback, rows, dropped):
+        b = core.max_batch
+        self.steps, self.table, self.max_new_tokens = core.steps, table, max_new_tokens
         self.top, self.callback, self.rows, self.dropped = top, callback, rows, dropped
         self.stops = np.asarray(list(stop_tokens), np.int32)
         self.out = np.full((b, max_new_tokens), -1, np.int32)
@@ -198,7 +202,7 @@ class _Loop:
 
     def read(self, i: int, next_B, step_lp, step_dropped) -> bool:
         """Takes step ``i``'s tokens for the rows still running; True once all are done."""
-        host = self.engine.steps.host_batch(next_B)
+        host = self.steps.host_batch(next_B)
         fresh = ~self.done
         self.out[fresh, i] = host[fresh]
         _collect(self.logprobs_B, self.top, step_lp, host, fresh)
@@ -226,16 +230,17 @@ def _collect(logprobs_B, top: int | None, step_lp, tokens_B: np.ndarray, rows_B:
 
 
 def _prefill_into_pages(
-    engine, core, table, tokens_BT, lengths_B, n_rows, sampling_B, history, rows: _RowGrammars
+    core, params, table, tokens_BT, lengths_B, n_rows, sampling_B, history, rows: _RowGrammars
 ):
     """Prefills the prompts, draws their first tokens (step 0) and writes their K/V into
     pages of rows ``0..n_rows-1``; returns the slots, the first tokens on the host, their
     logprobs (on device), and the prefill's dropped MoE assignments as a list (None when
     dropless)."""
-    steps, lay, b = engine.steps, engine.layouts, engine.max_batch
+    steps, b = core.steps, core.max_batch
+    lay = steps.layouts
     lengths = put_global(np.asarray(lengths_B, np.int32), lay.lengths_prefill_B)
     tokens = put_global(np.asarray(tokens_BT, np.int32), lay.tokens_BT)
-    logits_BV, k, v = steps.prefill(engine.params, tokens, lengths)
+    logits_BV, k, v = steps.prefill(params, tokens, lengths)
     dropped = [int(steps.last_dropped["prefill"])] if steps.counts_drops else None
     allowed = rows.masks(np.zeros(b, bool), logits_BV.shape[-1])
     first_B, first_lp = core.first_tokens(
@@ -254,7 +259,7 @@ def _prefill_into_pages(
     return slots, steps.host_batch(first_B), first_lp, dropped
 
 
-def _step(engine, core, table, slots, cached, loop: _Loop, allowed):
+def _step(core, params, table, slots, cached, loop: _Loop, allowed):
     """Dispatches one step for the rows not known to be done (pages for their next token
     first), releasing the rows ``loop`` says; ``cached`` counts it."""
     done = loop.done
@@ -264,7 +269,7 @@ def _step(engine, core, table, slots, cached, loop: _Loop, allowed):
     width = table.width(int(cached[running].max()) + 1)
     rows = core.slot_steps.rows_for(~done)
     tables = core.slot_steps.tables(table.step_tables(width), rows)
-    out = core.slot_steps.step(engine.params, slots, loop.release.copy(), tables, allowed)
+    out = core.slot_steps.step(params, slots, loop.release.copy(), tables, allowed)
     loop.release[:] = False
     cached[running] += 1
     return out

@@ -56,12 +56,7 @@ def decode_param_formats(steps: Any, params: Any, batch: int) -> Any:
     """
     lay = steps.layouts
     auto = jax.tree.map(lambda s: Format(Layout.AUTO, s), lay.params)
-    jitted = jax.jit(
-        steps._decode,
-        in_shardings=(auto, lay.cache, lay.tokens_B),
-        out_shardings=steps._with_drops((lay.logits, lay.cache)),
-        donate_argnums=(1,),
-    )
+    jitted = steps.jit_decode(params_in=auto)
     cache = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         KVCache.abstract(steps.dims, batch, steps.max_seq_len),
@@ -69,7 +64,7 @@ def decode_param_formats(steps: Any, params: Any, batch: int) -> Any:
     )
     tokens = jax.ShapeDtypeStruct((batch,), np.int32, sharding=lay.tokens_B)
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-    compiled = steps._lower(jitted, shapes, cache, tokens).compile()
+    compiled = steps.lower(jitted, shapes, cache, tokens).compile()
     return jax.tree_util.tree_map_with_path(_row_major_outside_layers, compiled.input_formats[0][0])
 
 

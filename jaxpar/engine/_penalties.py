@@ -7,7 +7,7 @@ decode slots' state): ``counts_BV``, how often each token was generated, and
 ``prompt_BV``, whether it is in the prompt. The insert builds a new row's from its
 context (:class:`History`: the prompt, then the tokens a preempted request drew before)
 plus its first token, and each decode step adds the token it drew. The parameters are
-per-row arrays (:class:`~jaxpar.engine._sampling.RowSampling`), so nothing recompiles;
+per-row arrays (:class:`~jaxpar.engine._sampling_params.RowSampling`), so nothing recompiles;
 a step in which no row is penalised skips the ``[B, V]`` arithmetic (``lax.cond``).
 
 As vLLM applies them (before temperature, top-k and top-p, to greedy rows too):
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxpar.engine._sampling import RowSampling
+    from jaxpar.engine._sampling_params import RowSampling
 
 
 @flax.struct.dataclass

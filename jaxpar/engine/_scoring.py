@@ -16,40 +16,45 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpar.engine._logprobs import Logprobs, TokenLogprob
 from jaxpar.engine._placement import put_global
+from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import mask_padded
 from jaxpar.errors import ConfigError
 from jaxpar.models import count_dropped
 from jaxpar.spec import Phase
 
-if TYPE_CHECKING:
-    from jaxpar.engine._engine import InferenceEngine
-
 
 class PromptScorer:
     """Scores prompts on one engine's prefill layout; calls are serialised (a lock), so
-    concurrent callers (server threads) hold one batch of logits at a time."""
+    concurrent callers (server threads) hold one batch of logits at a time.
 
-    def __init__(self, engine: InferenceEngine):
-        if engine.parallel_config.pp > 1:
+    Args:
+        steps: the engine's steps (its prefill layout, the programs' cache).
+        params: the engine's placed parameters.
+        bucket: a prompt length -> the padded length it is scored at (the engine's
+            prompt buckets: few programs).
+    """
+
+    def __init__(self, steps: Steps, params: Any, bucket: Callable[[int], int]):
+        parallel = steps.config
+        if parallel.pp > 1:
             raise ConfigError(
-                f"prompt logprobs run unpipelined strategies; {engine.parallel_config} has "
-                f"pp={engine.parallel_config.pp}"
+                f"prompt logprobs run unpipelined strategies; {parallel} has pp={parallel.pp}"
             )
-        self.engine = engine
-        self.rows = engine.parallel_config.dp  # one prompt per batch shard of the prefill
+        self.steps, self.params, self.bucket = steps, params, bucket
+        self.rows = parallel.dp  # one prompt per batch shard of the prefill
         self._lock = threading.Lock()
 
     def _score(self, params, tokens_BT, lengths_B):
-        steps = self.engine.steps
-        with steps._context(Phase.PREFILL), count_dropped():
-            model = steps._model(params)
+        steps = self.steps
+        with steps.context(Phase.PREFILL), count_dropped():
+            model = steps.model(params)
             logits_BTV = model.prefill(tokens_BT, lengths_B, all_logits=True)[0]
             logits_BTV = mask_padded(logits_BTV, steps.vocab_size)
             # Position t predicts token t + 1; the last position predicts nothing here.
@@ -57,23 +62,24 @@ class PromptScorer:
             return Logprobs.of(logits_BTV, next_BT)
 
     def _program(self, tokens, lengths):
-        steps, lay = self.engine.steps, self.engine.layouts
-        return steps._compile(
+        steps = self.steps
+        lay = steps.layouts
+        return steps.compile(
             "prompt_logprobs",
             (tokens.shape,),
             self._score,
             (steps.params_in, lay.tokens_BT, lay.lengths_prefill_B),
             lay.replicated,
-            (self.engine.params, tokens, lengths),
+            (self.params, tokens, lengths),
         )
 
     def dispatch(self, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> Logprobs:
         """Dispatches the scoring of ``dp`` padded prompts; the device arrays it returns
         hold each position's next-token logprob and top alternatives."""
-        eng = self.engine
-        tokens = put_global(tokens_BT, eng.layouts.tokens_BT)
-        lengths = put_global(lengths_B, eng.layouts.lengths_prefill_B)
-        return self._program(tokens, lengths)(eng.params, tokens, lengths)
+        lay = self.steps.layouts
+        tokens = put_global(tokens_BT, lay.tokens_BT)
+        lengths = put_global(lengths_B, lay.lengths_prefill_B)
+        return self._program(tokens, lengths)(self.params, tokens, lengths)
 
     def __call__(
         self,
@@ -85,12 +91,11 @@ class PromptScorer:
         most likely tokens there; None for the first token (nothing comes before it).
         ``run``: padded prompts and lengths -> their logprobs on the host (default:
         :meth:`dispatch`, then read; a multi-process server records it first)."""
-        eng = self.engine
         run = run or (lambda tokens_BT, lengths_B: self.dispatch(tokens_BT, lengths_B).host())
         out: list[list[TokenLogprob | None]] = []
         for start in range(0, len(prompts), self.rows):
             group = [list(p) for p in prompts[start : start + self.rows]]
-            tokens_BT = np.zeros((self.rows, eng.bucket(max(map(len, group)))), np.int32)
+            tokens_BT = np.zeros((self.rows, self.bucket(max(map(len, group)))), np.int32)
             lengths_B = np.ones(self.rows, np.int32)
             for i, prompt in enumerate(group):
                 tokens_BT[i, : len(prompt)] = prompt

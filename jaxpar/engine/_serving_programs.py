@@ -22,18 +22,16 @@ Programs (:data:`SERVING_PROGRAMS`, each with the phase whose layout it runs in)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxpar.engine._kv_budget import PAGE_SIZE, KVBudget, size_pool
 from jaxpar.engine._slots import FirstTokens, Inserted, SlotSteps
+from jaxpar.engine._steps import Steps
 from jaxpar.errors import ConfigError
 from jaxpar.spec import Phase
-
-if TYPE_CHECKING:
-    from jaxpar.engine._abstract import AbstractEngine
 
 #: The serving programs, and the phase whose layouts (and analytic minimum) each runs in.
 SERVING_PROGRAMS: dict[str, Phase] = {
@@ -53,26 +51,29 @@ def program_phase(program: str | Phase) -> Phase:
 
 
 class ServingPrograms:
-    """Lowers an :class:`AbstractEngine`'s serving programs (nothing is allocated).
+    """Lowers an abstract engine's serving programs (nothing is allocated).
 
     Args:
-        engine: the abstract engine (unpipelined: the server refuses ``pp > 1``).
+        steps: the engine's steps (unpipelined: the server refuses ``pp > 1``); their
+            mesh, strategy, run and ``max_seq_len`` are the engine's.
+        params: the parameters the programs take by default (the abstract ones).
+        max_batch: rows of a program by default; the pool holds ``max_batch x
+            max_seq_len`` tokens.
         page_size: tokens per KV page (the server's default).
     """
 
-    def __init__(self, engine: AbstractEngine, page_size: int = PAGE_SIZE):
-        self.engine = engine
-        batch, seq = engine.max_batch, engine.max_seq_len
+    def __init__(self, steps: Steps, params: Any, max_batch: int, page_size: int = PAGE_SIZE):
+        self.steps, self.params, self.max_batch = steps, params, max_batch
         self.pool = size_pool(
-            KVBudget(page_size=page_size, tokens=batch * seq),
-            config=engine.parallel_config,
-            mesh=engine.mesh,
-            dims=engine.run,
-            rows=batch,
-            max_seq_len=seq,
+            KVBudget(page_size=page_size, tokens=max_batch * steps.max_seq_len),
+            config=steps.config,
+            mesh=steps.mesh,
+            dims=steps.dims,
+            rows=max_batch,
+            max_seq_len=steps.max_seq_len,
         )
-        self.slots = SlotSteps(engine.steps, engine.run, self.pool)
-        self.first = FirstTokens(engine.steps)
+        self.slots = SlotSteps(steps, steps.dims, self.pool)
+        self.first = FirstTokens(steps)
 
     def lower(
         self,
@@ -97,15 +98,14 @@ class ServingPrograms:
             raise ConfigError(
                 f"unknown serving program {program!r}; one of {', '.join(SERVING_PROGRAMS)}"
             )
-        eng = self.engine
-        params = eng.params if params is None else params
-        rows = rows or eng.max_batch
+        params = self.params if params is None else params
+        rows = rows or self.max_batch
         if program == "serve_decode":
             return self.slots.compile_step(params, self.pool.pages_per_row, rows, lower=True)
         if program == "serve_prefill_context":
             z = self.pool.page_size
             context = -(-(context_len or prompt_len) // z) * z
-            return eng.steps.compile_prefill_context(params, rows, prompt_len, context, lower=True)
+            return self.steps.compile_prefill_context(params, rows, prompt_len, context, lower=True)
         prefill = self._prefill(params, rows, prompt_len)
         logits, k, v = prefill.out_info[:3]
         if program == "serve_prefill":
@@ -116,7 +116,7 @@ class ServingPrograms:
         return self.slots.compile_insert(Inserted(k, v, row_ints, row_ints), lower=True)
 
     def _prefill(self, params: Any, rows: int, length: int) -> Any:
-        lay = self.engine.layouts
+        lay = self.steps.layouts
         tokens = jax.ShapeDtypeStruct((rows, length), np.int32, sharding=lay.tokens_BT)
         lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=lay.lengths_prefill_B)
-        return self.engine.steps.lower_prefill(params, tokens, lengths)
+        return self.steps.lower_prefill(params, tokens, lengths)

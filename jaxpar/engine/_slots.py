@@ -103,7 +103,7 @@ class KVQuantizer:
 
     def _program(self, k, v):
         lay = self.steps.layouts.kv_prefill
-        return self.steps._compile(
+        return self.steps.compile(
             "quantize_kv",
             (jax.tree.map(jnp.shape, k), self.mode),
             lambda k, v: (quantize_tree(k, self.mode), quantize_tree(v, self.mode)),
@@ -234,7 +234,7 @@ class SlotSteps:
         ``start_P``: tokens each row had cached before these (its pages ``pages_PN`` start
         at that position, a page boundary); ``history``: each row's context, whose
         generated tokens and the first new one it counts."""
-        with self.steps._context(DECODE):
+        with self.steps.context(DECODE):
 
             def put(x_B, x_P):
                 return x_B.at[slot_P].set(x_P.astype(x_B.dtype), mode="drop")
@@ -277,7 +277,7 @@ class SlotSteps:
         ``allowed_BW`` allows; returns the tokens ``[B]`` (``-1`` for inactive rows), their
         logprobs (zeros unless some row asks; of the model's distribution, unmasked) and,
         for a capacity-limited MoE, the step's dropped expert assignments."""
-        with self.steps._context(DECODE), count_dropped() as drops:
+        with self.steps.context(DECODE), count_dropped() as drops:
             take, put = self._row_views(tables_RN.shape[-2])
             # Released rows (finished requests) are freed wherever they lie.
             active_B = slots.active_B & ~release_B
@@ -295,7 +295,7 @@ class SlotSteps:
                 lengths_B=jnp.where(active_R, take(lengths_B), 0),
                 groups=self.groups,
             )
-            logits_RV, cache = self.steps._model(params).decode(take(tokens_B), cache)
+            logits_RV, cache = self.steps.model(params).decode(take(tokens_B), cache)
             logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
             step_R = take(slots.step_B)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
@@ -328,7 +328,7 @@ class SlotSteps:
         lay, rep = self.steps.layouts, self.steps.layouts.replicated
         sampling = RowSampling.like(rep)
         inserted = Inserted(lay.kv_prefill, lay.kv_prefill, lay.lengths_prefill_B, rep)
-        return self.steps._compile_or_lower(
+        return self.steps.compile_or_lower(
             lower,
             "insert",
             (jax.tree.map(jnp.shape, new.k), self._pool_key, self.history_width),
@@ -413,7 +413,7 @@ class SlotSteps:
     # --- prefill context -----------------------------------------------------------------
 
     def _gather(self, slots: Slots, pages_PN, length: int | None):
-        with self.steps._context(DECODE):
+        with self.steps.context(DECODE):
 
             def read(pool):
                 # [(L,) P, N * Z, K, H], dequantized (a quantized pool) in the model dtype
@@ -424,7 +424,7 @@ class SlotSteps:
 
     def _context_program(self, slots, pages_PN, out_layout, length):
         rep = self.steps.layouts.replicated
-        return self.steps._compile(
+        return self.steps.compile(
             "context",
             (pages_PN.shape, length, self._pool_key),
             functools.partial(self._gather, length=length),
@@ -455,7 +455,7 @@ class SlotSteps:
 
     def _step_program(self, params, slots, release, tables, allowed, lower: bool = False):
         lay = self.steps.layouts
-        return self.steps._compile_or_lower(
+        return self.steps.compile_or_lower(
             lower,
             "slot_step",
             (tables.shape, self._pool_key),
@@ -467,7 +467,7 @@ class SlotSteps:
                 self.tables_layout,
                 self.mask_layout,
             ),
-            self.steps._with_drops((self.layout, *(lay.replicated,) * 2)),
+            self.steps.with_drops((self.layout, *(lay.replicated,) * 2)),
             (params, slots, release, tables, allowed),
             donate_argnums=(1,),
         )
@@ -569,7 +569,7 @@ class FirstTokens:
         self.history_width = history_width or steps.max_seq_len
 
     def _draw(self, logits_PV, sampling_P, step_P, history, allowed_PW):
-        with self.steps._context(Phase.PREFILL):
+        with self.steps.context(Phase.PREFILL):
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
             seen_P = history.seen(logits_PV.shape[-1])
             split = self.steps.vocab_split(Phase.PREFILL)
@@ -579,7 +579,7 @@ class FirstTokens:
     def _program(self, logits_PV, sampling_P, step_P, history, allowed_PW, lower=False):
         lay = self.steps.layouts
         rep = lay.replicated
-        return self.steps._compile_or_lower(
+        return self.steps.compile_or_lower(
             lower,
             "first_tokens",
             (logits_PV.shape, self.history_width),

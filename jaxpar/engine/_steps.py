@@ -103,13 +103,20 @@ class Steps:
 
     # --- traced bodies -------------------------------------------------------------------
 
-    def _model(self, params):
+    # The public surface a program built outside this class uses (the serving core's
+    # slot steps, prompt scoring): the model over parameters, a phase's sharding context,
+    # the compile cache, the drop-count output, lowering for the target platform.
+
+    def model(self, params):
+        """The model over ``params`` (``nnx.merge`` with this engine's graph); traced."""
         return nnx.merge(self.graphdef, params)
 
-    def _context(self, phase: Phase):
+    def context(self, phase: Phase):
+        """The sharding context a traced body of ``phase`` runs in, where logical axes
+        become that phase's partition specs on this mesh."""
         return sharding_context(self.mesh, phase, self.config, self.dims, platform=self.platform)
 
-    def _lower(self, jitted, *args):
+    def lower(self, jitted, *args):
         """``jitted`` lowered for :attr:`platform` (the mesh's own when not named)."""
         if self.platform is None:
             return jitted.lower(*args)
@@ -136,35 +143,37 @@ class Steps:
             return out[:-1]
         return out
 
-    def _with_drops(self, shardings: tuple) -> tuple:
+    def with_drops(self, shardings: tuple) -> tuple:
+        """A program's output shardings, with the drop count's (replicated) appended when
+        the steps count MoE drops (:attr:`counts_drops`)."""
         return (*shardings, self.layouts.replicated) if self.counts_drops else shardings
 
     def _prefill(self, params, tokens_BT, lengths_B, all_logits=False):
-        with self._context(PREFILL), count_dropped() as drops:
-            out = self.schedule.prefill(self._model(params), tokens_BT, lengths_B, all_logits)
+        with self.context(PREFILL), count_dropped() as drops:
+            out = self.schedule.prefill(self.model(params), tokens_BT, lengths_B, all_logits)
             return self._counted(out, drops)
 
     def _prefill_context(self, params, tokens_BT, lengths_B, start_B, ctx_k, ctx_v):
-        with self._context(PREFILL), count_dropped() as drops:
+        with self.context(PREFILL), count_dropped() as drops:
             context = (ctx_k, ctx_v, start_B)
-            out = self.schedule.prefill(self._model(params), tokens_BT, lengths_B, False, context)
+            out = self.schedule.prefill(self.model(params), tokens_BT, lengths_B, False, context)
             return self._counted(out, drops)
 
     def _handoff(self, k, v, lengths_B, logits, key, sampling):
-        with self._context(DECODE):
+        with self.context(DECODE):
             mode = getattr(self.dims, "kv_cache_dtype", None)
             cache = KVCache.from_prefill(k, v, lengths_B, self.max_seq_len, mode)
             pick = self._pick(jax.random.fold_in(key, 0), sampling, PREFILL)
             return cache, self.schedule.first_tokens(logits, pick)
 
     def _decode(self, params, cache, tokens_B):
-        with self._context(DECODE), count_dropped() as drops:
-            return self._counted(self.schedule.decode(self._model(params), cache, tokens_B), drops)
+        with self.context(DECODE), count_dropped() as drops:
+            return self._counted(self.schedule.decode(self.model(params), cache, tokens_B), drops)
 
     def _decode_select(self, params, cache, tokens, key, step, sampling):
-        with self._context(DECODE), count_dropped() as drops:
+        with self.context(DECODE), count_dropped() as drops:
             pick = self._pick(jax.random.fold_in(key, step), sampling)
-            out = self.schedule.decode_tokens(self._model(params), cache, tokens, pick)
+            out = self.schedule.decode_tokens(self.model(params), cache, tokens, pick)
             return self._counted(out, drops)
 
     def _decode_loop(self, params, cache, first, done_B, key, stop_S, n_new, sampling):
@@ -235,7 +244,7 @@ class Steps:
         """Programs compiled (or loaded from the persistent cache) so far."""
         return len(self._compiled)
 
-    def _compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
+    def compile(self, name: str, key: tuple, fn, in_shardings, out_shardings, args, **jit_kw):
         """:meth:`_aot` of ``jax.jit(fn, ...)``; a compiled program is looked up before
         anything is built (building a ``jax.jit`` wrapper per call parses the shardings of
         every parameter: most of a decode step's host time)."""
@@ -245,19 +254,17 @@ class Steps:
         jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kw)
         return self._aot(name, key, jitted, args)
 
-    def _compile_or_lower(
-        self, lower: bool, name, key, fn, in_shardings, out_shardings, args, **kw
-    ):
-        """:meth:`_compile`, or with ``lower`` the same program's ``jax.stages.Lowered``
+    def compile_or_lower(self, lower: bool, name, key, fn, in_shardings, out_shardings, args, **kw):
+        """:meth:`compile`, or with ``lower`` the same program's ``jax.stages.Lowered``
         for :attr:`platform` (for inspection: nothing is compiled or cached)."""
         if not lower:
-            return self._compile(name, key, fn, in_shardings, out_shardings, args, **kw)
+            return self.compile(name, key, fn, in_shardings, out_shardings, args, **kw)
         jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **kw)
-        return self._lower(jitted, *args)
+        return self.lower(jitted, *args)
 
     def lower_prefill(self, params, tokens_BT, lengths_B, *, all_logits: bool = False):
         """The ``jax.stages.Lowered`` prefill for these shapes (for inspection)."""
-        return self._lower(self._jit_prefill(all_logits), params, tokens_BT, lengths_B)
+        return self.lower(self._jit_prefill(all_logits), params, tokens_BT, lengths_B)
 
     def _jit_prefill(self, all_logits: bool):
         lay = self.layouts
@@ -265,7 +272,7 @@ class Steps:
         return jax.jit(
             lambda p, t, n: self._prefill(p, t, n, all_logits),
             in_shardings=(self.params_in, lay.tokens_BT, lay.lengths_prefill_B),
-            out_shardings=self._with_drops((logits, lay.kv_prefill, lay.kv_prefill)),
+            out_shardings=self.with_drops((logits, lay.kv_prefill, lay.kv_prefill)),
         )
 
     def compile_prefill(self, params, rows: int, length: int) -> Any:
@@ -297,13 +304,13 @@ class Steps:
                 f"strategies; {self.config} has pp={self.config.pp}"
             )
         tokens, ctx_k = args[1], args[4]
-        return self._compile_or_lower(
+        return self.compile_or_lower(
             lower,
             "prefill_context",
             (tokens.shape, jax.tree.leaves(ctx_k)[0].shape),
             self._prefill_context,
             (self.params_in, lay.tokens_BT, *(lay.lengths_prefill_B,) * 2, *(lay.kv_prefill,) * 2),
-            self._with_drops((lay.logits_prefill, lay.kv_prefill, lay.kv_prefill)),
+            self.with_drops((lay.logits_prefill, lay.kv_prefill, lay.kv_prefill)),
             args,
         )
 
@@ -345,7 +352,7 @@ class Steps:
 
     def handoff(self, k, v, lengths_B, logits, key, sampling: Sampling):
         lay = self.layouts
-        compiled = self._compile(
+        compiled = self.compile(
             "handoff",
             (jax.tree.map(jnp.shape, k), sampling),
             lambda k, v, n, lg, key: self._handoff(k, v, n, lg, key, sampling),
@@ -361,18 +368,24 @@ class Steps:
         )
         return compiled(k, v, lengths_B, logits, key)
 
-    def jit_decode(self):
+    def jit_decode(self, params_in: Any = None):
+        """The jitted decode step; ``params_in``: the parameters' formats or shardings
+        (default :attr:`params_in`)."""
         lay = self.layouts
         return jax.jit(
             self._decode,
-            in_shardings=(self.params_in, lay.cache, lay.tokens_B),
-            out_shardings=self._with_drops((lay.logits, lay.cache)),
+            in_shardings=(
+                self.params_in if params_in is None else params_in,
+                lay.cache,
+                lay.tokens_B,
+            ),
+            out_shardings=self.with_drops((lay.logits, lay.cache)),
             donate_argnums=(1,),
         )
 
     def lower_decode(self, params, cache, tokens_B):
         """The ``jax.stages.Lowered`` decode step for these shapes (for inspection)."""
-        return self._lower(self.jit_decode(), params, cache, tokens_B)
+        return self.lower(self.jit_decode(), params, cache, tokens_B)
 
     def decode(self, params, cache, tokens_B):
         args = (params, cache, tokens_B)
@@ -381,12 +394,12 @@ class Steps:
     def decode_select(self, params, cache, tokens, key, step, sampling: Sampling):
         """A decode step that picks the next tokens from the previous step's ``tokens``."""
         lay = self.layouts
-        compiled = self._compile(
+        compiled = self.compile(
             "decode_step",
             (sampling,),
             lambda p, c, t, k, s: self._decode_select(p, c, t, k, s, sampling),
             (self.params_in, lay.cache, lay.next_tokens, lay.replicated, lay.replicated),
-            self._with_drops((lay.next_tokens, lay.cache)),
+            self.with_drops((lay.next_tokens, lay.cache)),
             (params, cache, tokens, key, step),
             donate_argnums=(1,),
         )
@@ -400,12 +413,12 @@ class Steps:
         lay = self.layouts
         n_new = put_global(np.asarray(n_new, np.int32), lay.replicated)
         r = lay.replicated
-        compiled = self._compile(
+        compiled = self.compile(
             "decode_loop",
             (sampling, stop_S.shape),
             lambda p, c, f, d, k, s, n: self._decode_loop(p, c, f, d, k, s, n, sampling),
             (self.params_in, lay.cache, lay.next_tokens, lay.tokens_B, r, r, r),
-            self._with_drops((lay.out_tokens, lay.cache)),
+            self.with_drops((lay.out_tokens, lay.cache)),
             (params, cache, first, done_B, key, stop_S, n_new),
             donate_argnums=(1,),
         )

@@ -32,8 +32,11 @@ def padded_run(model: ModelConfig | ModelRun, tp: int) -> ModelRun:
     tp divides it); the config itself keeps the true vocabulary."""
     run = ModelRun.of(model)
     padded = padded_vocab_size(run.config.vocab_size, tp)
-    return dataclasses.replace(
-        run, padded_vocab=None if padded == run.config.vocab_size else padded
+    padded_vocab = None if padded == run.config.vocab_size else padded
+    return (
+        run
+        if run.padded_vocab == padded_vocab
+        else dataclasses.replace(run, padded_vocab=padded_vocab)
     )
 
 

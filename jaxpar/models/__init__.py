@@ -39,6 +39,7 @@ from jaxpar.models._decoder import (
     param_logical_axes,
     params_layer_loop,
     prefill,
+    quantize_params,
     with_layer_loop,
 )
 from jaxpar.models._hf import load_hf_checkpoint
@@ -84,7 +85,6 @@ from jaxpar.models._quant import (
     held_quantization,
     param_bytes,
     params_quantization,
-    quantize_params,
 )
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxpar.models._run import ModelRun

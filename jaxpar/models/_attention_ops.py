@@ -47,6 +47,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask
 from jaxpar.models._cache import LAYER_KV_AXES
+from jaxpar.models._kernel_choice import HALF as _HALF
+from jaxpar.models._kernel_choice import attention_impls
 from jaxpar.models._kv_quant import QuantKV
 from jaxpar.spec import Module, active_platform, logical_shard_map
 
@@ -71,7 +73,6 @@ DECODE_IMPLS = ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu")
 #: int32, this for the global layers; the fused kernels take only static windows, so a
 #: traced one runs the XLA path.
 NO_WINDOW = 2**30
-_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 Q_AXES = ("batch", "seq", "heads", "head_dim")  # also the model's query constraint
 # Keys replicated over the sequence: under sp each shard's queries see every earlier key.
@@ -79,25 +80,6 @@ KV_SCORE_AXES = ("batch", None, "kv_heads", "head_dim")
 POS_AXES = ("batch", "seq")
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
 CACHE_AXES = LAYER_KV_AXES
-
-
-def attention_impls(backend: str, dtype: jnp.dtype) -> tuple[str, str]:
-    """The (prefill, decode) implementations ``impl="auto"`` picks.
-
-    Fused kernels for half precision on GPU and TPU; XLA on CPU and for float32, where the
-    XLA path is the exact reference (cuDNN flash attention takes only bf16/fp16, and the
-    Pallas kernels' f32 dots may run at reduced precision: TF32 on GPU, bf16 passes on TPU).
-
-    Args:
-        backend: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``; anything else gets XLA.
-        dtype: The dtype of q, k and v.
-    """
-    half = jnp.dtype(dtype) in _HALF
-    if backend in ("gpu", "cuda") and half:
-        return "cudnn", "cudnn"
-    if backend == "tpu" and half:
-        return "pallas_tpu", "xla"
-    return "xla", "xla"
 
 
 _INTERPRET = contextvars.ContextVar("jaxpar_interpret_kernels", default=False)

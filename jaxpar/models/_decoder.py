@@ -21,7 +21,14 @@ from jaxpar.models._mla import LatentAttention
 from jaxpar.models._moe import MoE
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
 from jaxpar.models._options import ExecutionOptions
-from jaxpar.models._quant import held_quantization, quantize_params
+from jaxpar.models._quant import (
+    SCALE_SUFFIX,
+    check_quantize,
+    held_quantization,
+    params_quantization,
+    quantize_array,
+    to_stored,
+)
 from jaxpar.models._run import ModelRun
 
 
@@ -340,6 +347,41 @@ def params_layer_loop(params: nnx.State) -> str:
         if path[0] == "layers":
             return "unrolled" if isinstance(path[1], int) else "scan"
     raise ConfigError("the parameters have no 'layers': not a jaxpar Decoder's state")
+
+
+def quantize_params(config: ModelConfig | ModelRun, params: nnx.State, mode: str) -> nnx.State:
+    """A float model's parameters quantized (weight-only PTQ): every kernel the quantized
+    model stores with a ``_scale`` is quantized where it lies; every other parameter is
+    passed through. ``config``: the model (a ``ModelConfig`` or ``ModelRun``, whose
+    ``quantize_embeddings`` option quantizes the embedding and LM head too); the
+    parameters' layer form is read off them.
+
+    Raises:
+        ConfigError: an unknown mode, or parameters that are already quantized.
+    """
+    check_quantize(mode)
+    held = params_quantization(params)
+    if held is not None:
+        raise ConfigError(f"parameters are already quantized ({held})")
+    # ``config``'s options say whether the embedding and LM head are quantized too.
+    target = ModelRun.of(config).with_options(quantize=mode, layer_loop=params_layer_loop(params))
+    source = dict(nnx.to_flat_state(params))
+    wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
+    loaded = []
+    for path, var in wanted.items():
+        name = str(path[-1])
+        if name.endswith(SCALE_SUFFIX) and (*path[:-1], name[: -len(SCALE_SUFFIX)]) in wanted:
+            continue  # made with its kernel
+        scale_path = (*path[:-1], name + SCALE_SUFFIX)
+        value = source[path].get_value()
+        if scale_path in wanted:
+            scale_var = wanted[scale_path]
+            value = to_stored(value, var.get_metadata().get("stored_order"))
+            q, s = quantize_array(value, scale_var.get_value().shape, mode)
+            loaded += [(path, var.replace(q)), (scale_path, scale_var.replace(s))]
+        else:
+            loaded.append((path, var.replace(value)))
+    return nnx.from_flat_state(loaded)
 
 
 def with_layer_loop(

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxpar.errors import CheckpointError
+from jaxpar.models._hf_quant import PREQUANTIZED_METHODS
 
 #: The 16 E2M1 values, by 4-bit code (the sign is the high bit).
 FP4_VALUES = np.array(
@@ -46,8 +47,6 @@ def is_mxfp4(hf: Mapping[str, Any], arch: str, source: str) -> bool:
     if not isinstance(qc, Mapping) or qc.get("quant_method") != "mxfp4":
         return False
     if arch != "gpt_oss":
-        from jaxpar.models._hf_quant import PREQUANTIZED_METHODS  # noqa: PLC0415
-
         legal = ", ".join(map(repr, PREQUANTIZED_METHODS))
         raise CheckpointError(
             f"{source}: quantization_config.quant_method 'mxfp4' is supported for "

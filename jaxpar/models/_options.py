@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.models._config import ModelConfig, float_dtype
+from jaxpar.models._kernel_choice import attention_impls, paged_attention_impl
 from jaxpar.models._kv_quant import check_kv_cache_dtype
 from jaxpar.models._quant import check_quantize
 
@@ -215,9 +216,6 @@ class ExecutionOptions:
         Raises:
             ConfigError: ``moe_dispatch="ragged"`` where it does not compile.
         """
-        from jaxpar.models._attention_ops import attention_impls
-        from jaxpar.models._paged_attention import paged_attention_impl
-
         self.check(model)
         dtype = self.dtype if self.dtype is not None else model.dtype
         prefill, decode = attention_impls(platform, dtype)

@@ -50,7 +50,6 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import _attention_kernels as kern
 from jaxpar.models._attention_kernels import MASKED, key_mask, kv_replicated
 from jaxpar.models._attention_ops import (
-    _HALF,
     DECODE_IMPLS,
     _interpret,
     kernel_scaled_q,
@@ -60,6 +59,7 @@ from jaxpar.models._attention_ops import (
     softmax_with_sinks,
     split_scale,
 )
+from jaxpar.models._kernel_choice import paged_attention_impl
 from jaxpar.models._kv_quant import QuantKV, kv_map
 from jaxpar.models._paged import PAGE_AXES, TABLE_AXES, PagedLayer
 from jaxpar.spec import Module, active_platform, logical_shard_map
@@ -67,24 +67,6 @@ from jaxpar.spec import Module, active_platform, logical_shard_map
 DECODE_Q_AXES = ("batch", "heads", "head_dim")
 #: What :func:`paged_decode_attention` takes: ``ExecutionOptions.paged_attention``'s choices.
 PAGED_DECODE_IMPLS = DECODE_IMPLS
-
-
-def paged_attention_impl(backend: str, dtype) -> str:
-    """The implementation ``impl="auto"`` picks for paged decode.
-
-    The Pallas paged kernel of the backend for half precision (TPU: bf16 only, the kernel
-    computes in bf16 and Mosaic takes no f16); XLA on CPU and for f32, the exact reference.
-
-    Args:
-        backend: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``; anything else gets XLA.
-        dtype: The dtype of q and the pool.
-    """
-    dtype = jnp.dtype(dtype)
-    if backend in ("gpu", "cuda") and dtype in _HALF:
-        return "pallas_gpu"
-    if backend == "tpu" and dtype == jnp.dtype(jnp.bfloat16):
-        return "pallas_tpu"
-    return "xla"
 
 
 def _resolve(impl: str, dtype) -> str:

@@ -300,44 +300,6 @@ def held_quantization(params: nnx.State) -> dict[str, Any]:
     return {"quantize": params_quantization(params), "quantize_embeddings": table_scale in flat}
 
 
-def quantize_params(config: Any, params: nnx.State, mode: str) -> nnx.State:
-    """A float model's parameters quantized (weight-only PTQ): every kernel the quantized
-    model stores with a ``_scale`` is quantized where it lies; every other parameter is
-    passed through. ``config``: the model (a ``ModelConfig`` or ``ModelRun``, whose
-    ``quantize_embeddings`` option quantizes the embedding and LM head too); the
-    parameters' layer form is read off them.
-
-    Raises:
-        ConfigError: an unknown mode, or parameters that are already quantized.
-    """
-    from jaxpar.models._decoder import abstract_model, params_layer_loop
-    from jaxpar.models._run import ModelRun
-
-    check_quantize(mode)
-    held = params_quantization(params)
-    if held is not None:
-        raise ConfigError(f"parameters are already quantized ({held})")
-    # ``config``'s options say whether the embedding and LM head are quantized too.
-    target = ModelRun.of(config).with_options(quantize=mode, layer_loop=params_layer_loop(params))
-    source = dict(nnx.to_flat_state(params))
-    wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
-    loaded = []
-    for path, var in wanted.items():
-        name = str(path[-1])
-        if name.endswith(SCALE_SUFFIX) and (*path[:-1], name[: -len(SCALE_SUFFIX)]) in wanted:
-            continue  # made with its kernel
-        scale_path = (*path[:-1], name + SCALE_SUFFIX)
-        value = source[path].get_value()
-        if scale_path in wanted:
-            scale_var = wanted[scale_path]
-            value = to_stored(value, var.get_metadata().get("stored_order"))
-            q, s = quantize_array(value, scale_var.get_value().shape, mode)
-            loaded += [(path, var.replace(q)), (scale_path, scale_var.replace(s))]
-        else:
-            loaded.append((path, var.replace(value)))
-    return nnx.from_flat_state(loaded)
-
-
 def element_bytes(dtype: Any) -> float:
     """Bytes per element as stored: int4 is half a byte (two to a byte when packed)."""
     dtype = np.dtype(dtype)

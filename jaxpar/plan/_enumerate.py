@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from jaxpar.errors import IllegalStrategyError
+from jaxpar.errors import ConfigError, IllegalStrategyError
+from jaxpar.models import ModelConfig, ModelRun
 from jaxpar.spec import MESH_AXES, ModelDims, ParallelConfig, validate
 
-if TYPE_CHECKING:
-    from jaxpar.plan._placement import Placement
+
+class Where(Protocol):
+    """Where the strategies must be laid out, as far as enumerating them needs to know:
+    why a strategy cannot be laid out there (None: it can). A
+    :class:`~jaxpar.plan._placement.Placement` (TPU chips of a known slice) is one."""
+
+    def refusal(self, config: ParallelConfig) -> str | None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,8 +42,6 @@ class Workload:
     prefill_batch: int | None = None
 
     def __post_init__(self) -> None:
-        from jaxpar.errors import ConfigError
-
         for name in ("batch", "prompt_len", "gen_len", "prefill_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -130,9 +134,6 @@ def _unstackable(model: ModelDims) -> str | None:
     """Why a jaxpar model cannot run stacked layers (pipeline stages), or None: DeepSeek's
     dense and MoE layers differ, MLA's caches are per layer (``ExecutionOptions`` refuses
     ``layer_loop="scan"`` for such a model, with the reason)."""
-    from jaxpar.errors import ConfigError
-    from jaxpar.models import ModelConfig, ModelRun
-
     if not isinstance(model, (ModelConfig, ModelRun)):
         return None
     run = ModelRun.of(model)
@@ -146,7 +147,7 @@ def _unstackable(model: ModelDims) -> str | None:
 
 
 def legal_strategies(
-    model: ModelDims, n_devices: int, workload: Workload, where: Placement | None = None
+    model: ModelDims, n_devices: int, workload: Workload, where: Where | None = None
 ) -> tuple[list[ParallelConfig], list[Refused]]:
     """(legal, refused) strategies on exactly ``n_devices`` devices; with ``where`` (TPU
     chips of a known slice), also refused: those ``make_mesh`` could not lay out there."""

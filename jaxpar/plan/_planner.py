@@ -250,8 +250,6 @@ def largest_batch(
     Memory grows with the batch, so each strategy's largest is found by bisection over the
     multiples of its smallest legal batch. On TPU, only strategies that lay out on the chips
     (``where``) count."""
-    from jaxpar.plan._memory import memory
-
     best: tuple[int, ParallelConfig] | None = None
     for config in legal_strategies(model, devices, workload, where)[0]:
         if serving and config.pp > 1:

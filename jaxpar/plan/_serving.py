@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterator
 
 from jaxpar.engine import prompt_bucket
+from jaxpar.errors import ConfigError
 from jaxpar.models import ModelConfig
 from jaxpar.plan._enumerate import Refused, Workload, check
 from jaxpar.plan._hardware import Hardware
@@ -48,8 +49,6 @@ class Bounds:
     max_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
-        from jaxpar.errors import ConfigError
-
         for name, flag in (("max_ttft_s", "--max-ttft-ms"), ("max_tpot_s", "--max-tpot-ms")):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -1,0 +1,52 @@
+"""Which attention kernel ``"auto"`` picks for a platform and dtype.
+
+Plain policy, no kernel code: the execution options resolve their ``"auto"`` values with
+it (:meth:`~jaxpar.models.ExecutionOptions.resolve`) and the attention paths with it
+(:mod:`jaxpar.models._attention_ops`, :mod:`jaxpar.models._paged_attention`) pick a kernel
+at trace time, so the choice is made in one place and the options need not import the
+kernels to make it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+#: The half-precision dtypes the fused kernels are picked for.
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def attention_impls(backend: str, dtype: jnp.dtype) -> tuple[str, str]:
+    """The (prefill, decode) implementations ``impl="auto"`` picks.
+
+    Fused kernels for half precision on GPU and TPU; XLA on CPU and for float32, where the
+    XLA path is the exact reference (cuDNN flash attention takes only bf16/fp16, and the
+    Pallas kernels' f32 dots may run at reduced precision: TF32 on GPU, bf16 passes on TPU).
+
+    Args:
+        backend: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``; anything else gets XLA.
+        dtype: The dtype of q, k and v.
+    """
+    half = jnp.dtype(dtype) in HALF
+    if backend in ("gpu", "cuda") and half:
+        return "cudnn", "cudnn"
+    if backend == "tpu" and half:
+        return "pallas_tpu", "xla"
+    return "xla", "xla"
+
+
+def paged_attention_impl(backend: str, dtype) -> str:
+    """The implementation ``impl="auto"`` picks for paged decode.
+
+    The Pallas paged kernel of the backend for half precision (TPU: bf16 only, the kernel
+    computes in bf16 and Mosaic takes no f16); XLA on CPU and for f32, the exact reference.
+
+    Args:
+        backend: ``"cpu"``, ``"gpu"`` (or ``"cuda"``) or ``"tpu"``; anything else gets XLA.
+        dtype: The dtype of q and the pool.
+    """
+    dtype = jnp.dtype(dtype)
+    if backend in ("gpu", "cuda") and dtype in HALF:
+        return "pallas_gpu"
+    if backend == "tpu" and dtype == jnp.dtype(jnp.bfloat16):
+        return "pallas_tpu"
+    return "xla"
