@@ -327,7 +327,7 @@ class BatcherPrograms:
         row_ints = jax.ShapeDtypeStruct((rows,), np.int32)
         steps.compile_insert(Inserted(k, v, row_ints, row_ints))
         if self.disaggregated:
-            quantizer = self.executor._quantizer  # quantized decode cache: quantized K/V in
+            quantizer = self.executor.kv_quantizer  # quantized decode cache: quantized K/V in
             if quantizer is not None:
                 k, v = quantizer.compile(k, v)
             have, want = eng.run.kv_head_replicas, self.engine.run.kv_head_replicas

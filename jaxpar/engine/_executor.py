@@ -126,9 +126,10 @@ class Executor:
     ):
         self.engine = engine
         self.prefill_engine = prefill_engine
-        #: A quantized decode cache: prefilled K/V are quantized before they cross.
+        #: A quantized decode cache: prefilled K/V are quantized before they cross (None:
+        #: the decode cache holds the prefill's dtype).
         mode = engine.options.kv_cache_dtype
-        self._quantizer = None if mode is None else KVQuantizer(prefill_engine.steps, mode)
+        self.kv_quantizer = None if mode is None else KVQuantizer(prefill_engine.steps, mode)
         self._slot_steps = {DECODE: slot_steps, PREFILL: prefill_slot_steps or slot_steps}
         self._shared = prefill_slot_steps is None  # one pool for prefill and decode
         self.first_tokens = first_tokens
@@ -244,8 +245,8 @@ class Executor:
         """Moves batch ``handle`` onto the decode devices (their prefill layout); returns
         the bytes moved."""
         lay, new = self.engine.layouts, self._batches[handle]
-        if self._quantizer is not None:  # the K/V cross quantized, with their scales
-            new = self._quantizer(new)
+        if self.kv_quantizer is not None:  # the K/V cross quantized, with their scales
+            new = self.kv_quantizer(new)
         have = self.prefill_engine.run.kv_head_replicas
         want = self.engine.run.kv_head_replicas
         if have == want:
