@@ -10,9 +10,10 @@ collection of the file are not. With ``--dist loadfile`` a file runs in one work
 seconds are that worker's time on it.
 
 At the session's end the terminal summary shows the slowest files (the top 15) and the
-sum over all of them, and, when ``JAXPAR_TEST_TIMES`` names a file, the whole table is
-written there as JSON: ``{"wall_s", "total_s", "files": [{"file", "seconds", "tests",
-"failed"}, ...]}``, slowest first.
+sum over all of them. When ``JAXPAR_TEST_TIMES`` names a file, the whole table is written
+there as JSON, ``{"wall_s", "total_s", "finished", "files": [{"file", "seconds", "tests",
+"failed"}, ...]}`` with the files slowest first, after each test and at the end
+(``"finished": true``): a run stopped early still says where its time went.
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ class FileTimes:
             self.tests[path] += 1
         if report.failed:
             self.failed[path] += 1
+        if self.out_path and report.when == "teardown":
+            self.write(finished=False)
+
+    def write(self, finished: bool) -> None:
+        """The table as JSON, to ``out_path``."""
+        rows = self.table()
+        report = {
+            "wall_s": round(time.monotonic() - self.started, 2),
+            "total_s": round(sum(row["seconds"] for row in rows), 2),
+            "finished": finished,
+            "files": rows,
+        }
+        with open(self.out_path, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
 
     def table(self) -> list[dict]:
         """One row a file, slowest first."""
@@ -71,10 +87,7 @@ class FileTimes:
             write(f"{rest:9.1f} s  in the other {len(rows) - TOP} files")
         write(f"{total_s:9.1f} s  in all {len(rows)} files; {wall_s:.1f} s of wall time")
         if self.out_path:
-            report = {"wall_s": round(wall_s, 2), "total_s": round(total_s, 2), "files": rows}
-            with open(self.out_path, "w") as f:
-                json.dump(report, f, indent=1)
-                f.write("\n")
+            self.write(finished=True)
             write(f"(written to {self.out_path})")
 
 

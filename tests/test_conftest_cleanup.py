@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.server
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -53,4 +57,6 @@ def test_one_xla_cache_directory_per_run_shared_and_removed(tmp_path):
     report = json.loads(times.read_text())
     (row,) = report["files"]  # the probe ran once in each worker: both counted, once each
     assert (row["file"], row["tests"], row["failed"]) == ("test_probe.py", 2, 0), report
-    assert 0 < row["seconds"] == report["total_s"] <= report["wall_s"], report
+    assert report["finished"] and 0 < row["seconds"] == report["total_s"] <= report["wall_s"], (
+        report
+    )

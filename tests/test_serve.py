@@ -25,6 +25,8 @@ from jaxpar.engine import Sampling
 from tests import _lm_eval
 from tests._serve_util import CHECKPOINT, MAX_SEQ_LEN, MODEL, ROOT, Offline, ServerProcess
 
+pytestmark = pytest.mark.server
+
 README = (ROOT / "README.md").read_text()
 SERVE_BLOCKS = re.findall(r"^```(\w+) serve\n(.*?)^```", README, flags=re.M | re.S)
 README_PORT = "8000"
