@@ -15,18 +15,21 @@ import pytest
 from _pytest.mark.structures import ParameterSet
 
 
-def sweep(points: Iterable, fast: Callable[[object], bool]) -> list:
+def sweep(points: Iterable, fast: Callable[[object], bool], *, one_argument: bool = False) -> list:
     """``points`` for ``pytest.mark.parametrize``, those ``fast`` rejects marked ``sweep``.
 
-    A point is one argument value, or a tuple of them for several argument names, or a
-    ``pytest.param`` (its marks and id kept). ``fast`` sees the value (the tuple for
-    several names)."""
+    A point is a tuple of values for several argument names, or one value for one
+    (``one_argument``: the parametrize names one argument, and a tuple is its value), or a
+    ``pytest.param`` (its marks and id kept). ``fast`` sees the point's value: the tuple
+    for several names."""
     out = []
     for point in points:
         if isinstance(point, ParameterSet):
             values, marks, id_ = point.values, list(point.marks), point.id
+        elif one_argument or not isinstance(point, tuple):
+            values, marks, id_ = (point,), [], None
         else:
-            values, marks, id_ = (point if isinstance(point, tuple) else (point,)), [], None
+            values, marks, id_ = point, [], None
         if fast(values if len(values) > 1 else values[0]):
             out.append(point)
         else:
