@@ -16,7 +16,7 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from tests import _timing  # noqa: E402
+from tests import _schedule, _timing  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -43,6 +43,11 @@ def pytest_configure(config) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # Seconds per test file, shown at the end (and written to $JAXPAR_TEST_TIMES).
     _timing.register(config)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The long files first, so that xdist's workers end together (tests/_schedule.py)."""
+    _schedule.long_files_first(items)
 
 
 @pytest.hookimpl(optionalhook=True)
