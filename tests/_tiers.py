@@ -1,10 +1,11 @@
-"""The fast tier's share of a strategy sweep (``scripts/test.sh --fast``).
+"""The fast tier's share of a sweep (``scripts/test.sh --fast``).
 
-A sweep runs one check over many strategies. The fast tier keeps a few of its points, the
-ones that between them take each path the sweep covers (each axis at least once, the model
-kinds the sweep holds); :func:`sweep` marks the rest ``sweep``, which the fast tier
-deselects and the full tier runs. Nothing is skipped: every point still runs in the full
-tier, and the fast tier's deselection is counted in pytest's summary.
+A sweep runs one check over many strategies (or kernels, checkpoints, presets). The fast
+tier keeps a few of its points, the ones that between them take the paths the sweep covers
+(each axis at least once, the model kinds it holds); :func:`sweep` marks the rest
+``sweep``, which the fast tier deselects and the full tier runs. Nothing is skipped: every
+point still runs in the full tier, and the fast tier's deselection is counted in pytest's
+summary.
 """
 
 from __future__ import annotations

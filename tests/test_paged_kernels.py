@@ -49,6 +49,7 @@ from jaxpar.models._paged_attention import (
 )
 from jaxpar.spec import Dims, ParallelConfig, make_mesh, partition_spec, sharding_context
 from jaxpar.spec._constrain import _jax_version
+from tests._tiers import sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 # Rows, query heads, kv heads, head_dim (the TPU kernel takes multiples of 128), positions
@@ -195,8 +196,12 @@ def _compare(config, impl, *, n_kv_heads=K, dtype=jnp.float32, atol=1e-5):
     assert _max_diff(out, _reference(case)) < atol
 
 
+# The fast tier's strategies: rows and heads split together; kv heads held whole under tp.
+FAST = ("dp2-tp2", "tp4-kv-replicated")
+
+
 @pytest.mark.jax_compat
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", sweep(STRATEGIES, FAST.__contains__))
 @pytest.mark.parametrize("impl", KERNELS)
 def test_paged_kernel_matches_xla(impl, name):
     config, n_kv_heads = STRATEGIES[name]
