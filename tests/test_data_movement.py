@@ -120,9 +120,25 @@ def test_bf16_unrolled_steps_copy_no_weight_or_layer_cache(parallel, phase):
 # applied to its output (MAX_BATCH rows), or as the operand of row reductions over the
 # out-major kernel (one row: XLA:CPU's "rows" form). A dequantized weight (cast and
 # scaled) would count as a copy, as would a kernel re-laid for either form.
-@pytest.mark.parametrize("quantize", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("batch", [MAX_BATCH, 1])
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2)], ids=str)
+QUANTIZED_CASES = [
+    (parallel, batch, quantize)
+    for parallel in (ParallelConfig(), ParallelConfig(tp=2))
+    for batch in (MAX_BATCH, 1)
+    for quantize in ("int8", "fp8", "int4")
+]
+# The fast tier's points: each format once, both forms (MAX_BATCH rows and one), both layouts.
+FAST_QUANTIZED = {
+    (ParallelConfig(tp=2), MAX_BATCH, "int8"),
+    (ParallelConfig(), 1, "fp8"),
+    (ParallelConfig(tp=2), 1, "int4"),
+}
+
+
+@pytest.mark.parametrize(
+    ("parallel", "batch", "quantize"),
+    sweep(QUANTIZED_CASES, FAST_QUANTIZED.__contains__),
+    ids=lambda x: str(x),
+)
 def test_quantized_decode_copies_no_weight_or_layer_cache(parallel, batch, quantize):
     model = WIDE_HEADS if batch == 1 else CONFIG
     fraction = _moved_fraction("unrolled", parallel, "decode", batch, "bfloat16", quantize, model)
