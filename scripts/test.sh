@@ -2,11 +2,27 @@
 # Checks format and lint (ruff), then runs the test suite on 8 simulated CPU devices (the
 # tests force them themselves), spread over JAXPAR_TEST_WORKERS processes (default: one per
 # core, at most 4), a file per worker at a time: files share their compiled programs and
-# servers within one process. Arguments go to pytest.
+# servers within one process. Arguments after the options go to pytest. At the end pytest
+# prints each file's seconds, slowest first (tests/_timing.py); JAXPAR_TEST_TIMES=FILE
+# writes the whole table there as JSON.
 #
-# Two JAX releases, the ends of the range pyproject.toml pins, within CI's time (2 cores;
-# one whole run of the suite took 25 minutes of it on 2026-11-27, 4 of them the `pod` tests,
-# which `-m "not pod"` skips locally):
+#   scripts/test.sh --fast   the fast tier, for a quick check while working: Python 3.12
+#                            alone (.venv-py312, the `test` extra; no lm-eval, no
+#                            accelerator compilers installed), lint, then every test not
+#                            marked server, sweep, accel, pod, slow or hf_live
+#                            (pyproject.toml): each layer (spec, models, engine on a few
+#                            strategies each, inspect, plan, the CLI and the server app in
+#                            process). Measured 2026-11-28 on the shared 2-core machine:
+#                            996 tests, 14 min 19 s wall, 1,487 s of CPU (so about 12 min
+#                            on 2 idle cores): not yet the 5 minutes it is meant to take.
+#   scripts/test.sh          the full tier, what CI runs (.ci/run): every test, on two JAX
+#                            releases, below. CI's last run before the tiers: 28 min 25 s.
+# Nothing the fast tier leaves out is skipped: it is deselected by its marker, and the full
+# tier runs it.
+#
+# The full tier: two JAX releases, the ends of the range pyproject.toml pins, within CI's
+# time (2 cores; `pod` compiles real model shapes for TPU slices for minutes, which
+# `-m "not pod"` leaves out locally):
 #   1. Python 3.11 with jax 0.10.2, the newest pip gives 3.11 (.venv): only the tests marked
 #      `jax_compat` (pyproject.toml), the version-sensitive ones: compiled-HLO parsing, MoE
 #      nested in the pipeline, attention kernels, the planner against compiled programs.
@@ -18,7 +34,9 @@
 # interpreters are found on PATH or in pyenv (JAXPAR_PYTHON_3_11 / _3_12 override).
 # The whole suite's environment also gets the `lmeval` extra (lm-eval-harness and the
 # transformers tokenizer its OpenAI client counts tokens with; no torch): a test runs its
-# completions client against `jaxpar serve`.
+# completions client against `jaxpar serve`, and the `docs` extra (MkDocs: a test builds the
+# site with --strict). Both environments get the accelerator
+# compilers (scripts/_accelerators.sh) for the tests marked `accel`.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh"
 source "$(dirname "$0")/_accelerators.sh"
@@ -36,13 +54,23 @@ python_for() {  # python_for X.Y: the interpreter for Python X.Y, or exit with w
 
 venv_for() { [ "$1" = 3.12 ] && echo .venv-py312 || echo .venv; }
 
+fast=""
+if [ "${1:-}" = --fast ]; then
+  fast=1
+  shift
+fi
+
 full="${JAXPAR_TEST_JAX:-3.12}"
 compat=""
-[ -z "${JAXPAR_TEST_JAX:-}" ] && compat=3.11
+[ -z "${JAXPAR_TEST_JAX:-}" ] && [ -z "$fast" ] && compat=3.11
 full_python="$(python_for "$full")"
 [ -z "$compat" ] || compat_python="$(python_for "$compat")"
-jaxpar_venv "$(venv_for "$full")" "$full_python" test,lmeval
-jaxpar_accelerators "$(venv_for "$full")"
+if [ -n "$fast" ]; then
+  jaxpar_venv "$(venv_for "$full")" "$full_python" test
+else
+  jaxpar_venv "$(venv_for "$full")" "$full_python" test,lmeval,docs
+  jaxpar_accelerators "$(venv_for "$full")"
+fi
 if [ -n "$compat" ]; then
   jaxpar_venv "$(venv_for "$compat")" "$compat_python"
   jaxpar_accelerators "$(venv_for "$compat")"
@@ -61,5 +89,10 @@ if [ -n "$compat" ]; then
   "$venv/bin/python" "${pytest[@]}" -m jax_compat "$@" || [ $? -eq 5 ]
 fi
 venv="$(venv_for "$full")"
-echo "== all tests on $("$venv/bin/python" -c 'import sys, jax, flax; print(f"Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")' 2>/dev/null)"
+if [ -n "$fast" ]; then
+  # The markers (pyproject.toml) of what only the full tier runs; a -m of the caller's,
+  # coming later, replaces this one.
+  pytest+=(-m "not (server or sweep or accel or pod or slow or hf_live)")
+fi
+echo "== ${fast:+the fast tier of }all tests on $("$venv/bin/python" -c 'import sys, jax, flax; print(f"Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")' 2>/dev/null)"
 exec "$venv/bin/python" "${pytest[@]}" "$@"

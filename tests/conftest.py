@@ -16,6 +16,8 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import _schedule, _timing  # noqa: E402
+
 jax.config.update("jax_enable_x64", False)
 
 # Identical programs (same model, strategy and shapes) recur across test files; a cache
@@ -39,6 +41,13 @@ def pytest_configure(config) -> None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = path
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # Seconds per test file, shown at the end (and written to $JAXPAR_TEST_TIMES).
+    _timing.register(config)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The long files first, so that xdist's workers end together (tests/_schedule.py)."""
+    _schedule.long_files_first(items)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -64,17 +73,3 @@ def no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", False)
     yield
     jax.config.update("jax_enable_compilation_cache", was)
-
-
-_TIMES = os.environ.get("JAXPAR_TEST_TIMES")
-
-
-def pytest_runtest_logreport(report) -> None:
-    """With JAXPAR_TEST_TIMES=FILE, appends each test phase's wall seconds to FILE as it
-    ends (``worker seconds phase outcome nodeid``): where the suite's time goes, and what
-    failed, even from a run that is stopped before pytest's own summary."""
-    if _TIMES:
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        with open(_TIMES, "a") as f:
-            line = f"{worker} {report.duration:.2f} {report.when} {report.outcome} {report.nodeid}"
-            f.write(line + "\n")

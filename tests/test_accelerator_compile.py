@@ -35,7 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.sh)
 # Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases): each
 # release brings its own libtpu and CUDA plugin.
-pytestmark = [pytest.mark.jax_compat, pytest.mark.usefixtures("no_persistent_cache")]
+pytestmark = [
+    pytest.mark.accel,
+    pytest.mark.jax_compat,
+    pytest.mark.usefixtures("no_persistent_cache"),
+]
 BATCH, SEQ = 8, 256
 TRITON_NEEDS_A_GPU = _jax_version() >= (0, 12)
 

@@ -67,6 +67,7 @@ def _run(max_new_tokens: int) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.server
 def test_jaxpar_run_accepts_the_exact_fit_the_engine_accepts():
     exact = _run(MAX_SEQ_LEN + 1 - 3)  # 3 prompt tokens + 30 new - 1 = 32 cached
     assert exact.returncode == 0, exact.stdout + exact.stderr

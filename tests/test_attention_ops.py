@@ -20,6 +20,7 @@ from jaxpar.models import _attention_kernels as kern
 from jaxpar.models import _attention_ops as ops
 from jaxpar.models._attention_ops import attention_impls, decode_attention, prefill_attention
 from jaxpar.spec import Dims, ParallelConfig, logical_shard_map, make_mesh, sharding_context
+from tests._tiers import sweep
 
 # Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases).
 pytestmark = pytest.mark.jax_compat
@@ -159,7 +160,7 @@ def _compare_prefill(config, window, n_kv_heads=K):
     assert not np.asarray(out)[~np.broadcast_to(valid, out.shape)].any()
 
 
-@pytest.mark.parametrize("name", [*STRATEGIES, "sp2"])
+@pytest.mark.parametrize("name", sweep([*STRATEGIES, "sp2"], ("dp2-tp2", "sp2").__contains__))
 def test_splash_prefill_matches_xla(name):
     # sp2: queries split over sp (each shard picks its offset's mask), K/V gathered.
     config = STRATEGIES.get(name) or ParallelConfig(sp=2)
@@ -231,7 +232,7 @@ def _compare_decode(config, window, n_kv_heads=K, dtype=jnp.float32, atol=1e-5):
     assert diff < atol, diff
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", sweep(STRATEGIES, ("tp2", "dp2-tp2").__contains__))
 def test_gpu_decode_kernel_matches_xla(name):
     _compare_decode(STRATEGIES[name], window=None if name == "tp2" else 6)
 

@@ -22,6 +22,7 @@ from jaxpar.inspect import CAUSES, TOLERANCE, classify, parse_collectives
 from jaxpar.models import preset as preset_config
 from jaxpar.plan import Workload, load_hardware, predict
 from jaxpar.spec import ParallelConfig
+from tests._tiers import sweep
 
 _spec = importlib.util.spec_from_file_location(
     "jaxpar_bench", Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
@@ -56,7 +57,19 @@ def test_documented_exceptions_name_known_causes_of_matrix_entries():
         assert set(causes) <= set(CAUSES) - {"unclassified"}, causes
 
 
-@pytest.mark.parametrize(("preset", "strategy", "phase"), CASES, ids=lambda x: str(x))
+# The fast tier's points: dp, sp and tp together; experts split beside dp and tp; a pipeline.
+FAST = {
+    ("tiny-dense", "dp=2,sp=2,tp=2"),
+    ("tiny-moe", "dp=2,ep=2,tp=2"),
+    ("tiny-dense", "pp=2,dp=2,tp=2,microbatches=2,decode_groups=2"),
+}
+
+
+@pytest.mark.parametrize(
+    ("preset", "strategy", "phase"),
+    sweep(CASES, lambda case: case[:2] in FAST),
+    ids=lambda x: str(x),
+)
 def test_compiled_bytes_meet_the_minimum_or_the_documented_exceptions(preset, strategy, phase):
     c = case(preset, strategy)
     report = c.reports[phase]

@@ -27,6 +27,7 @@ def section() -> dict:
     return bench.tpu_section([("tiny-gqa", "", {}), ("tiny-gqa", "tp=2", {})])
 
 
+@pytest.mark.accel
 def test_tpu_rows_are_real_figures(section):
     assert "skipped" not in section, section
     assert section["device_kind"].startswith("TPU v5") and section["libtpu"]
@@ -54,6 +55,7 @@ def test_tpu_rows_are_real_figures(section):
         assert tpu["argument_bytes"] == pytest.approx(cpu["argument_bytes"], rel=0.01)
 
 
+@pytest.mark.accel
 def test_tpu_table_pairs_each_step_with_cpu(section):
     lines = bench.tpu_markdown(section)
     assert "nothing ran on a TPU" in lines[0] and section["libtpu"] in lines[0]

@@ -56,6 +56,7 @@ def test_devices_simulated_only_where_the_cpu_is_used(monkeypatch):
     assert re.findall(r"device_count=(\d+)", os.environ["XLA_FLAGS"]) == ["4"]
 
 
+@pytest.mark.server
 def test_readme_example_runs_without_any_environment():
     # Done-when of issue 11: `jaxpar run --hf tests/fixtures/hf/llama --tp 4 --prompt
     # "hello world"` with no JAX_PLATFORMS / XLA_FLAGS: no accelerator here, so 8 simulated

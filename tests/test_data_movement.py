@@ -27,6 +27,7 @@ from jaxpar.models import ExecutionOptions, ModelRun, preset
 from jaxpar.spec import make_mesh
 from tests._movement import moved_fraction, paged_moved_fraction
 from tests._prompts import MAX_BATCH, MAX_SEQ_LEN
+from tests._tiers import sweep
 
 BUDGET = 0.05  # of parameter + cache bytes per device
 PROMPT_LEN = 24  # 8 x 24 rows: no activation of the prompt has a weight's size by chance
@@ -86,7 +87,14 @@ STRATEGIES = [
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
-@pytest.mark.parametrize(("parallel", "batch"), STRATEGIES, ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    ("parallel", "batch"),
+    sweep(
+        STRATEGIES,
+        lambda case: case in {(ParallelConfig(dp=2, tp=2), MAX_BATCH), (ParallelConfig(), 1)},
+    ),
+    ids=lambda x: str(x),
+)
 def test_unrolled_steps_copy_no_weight_or_layer_cache(parallel, batch, phase):
     fraction = _moved_fraction("unrolled", parallel, phase, batch)
     assert fraction <= BUDGET, f"{fraction:.1%} of parameter + cache bytes moved per step"
@@ -112,9 +120,25 @@ def test_bf16_unrolled_steps_copy_no_weight_or_layer_cache(parallel, phase):
 # applied to its output (MAX_BATCH rows), or as the operand of row reductions over the
 # out-major kernel (one row: XLA:CPU's "rows" form). A dequantized weight (cast and
 # scaled) would count as a copy, as would a kernel re-laid for either form.
-@pytest.mark.parametrize("quantize", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("batch", [MAX_BATCH, 1])
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2)], ids=str)
+QUANTIZED_CASES = [
+    (parallel, batch, quantize)
+    for parallel in (ParallelConfig(), ParallelConfig(tp=2))
+    for batch in (MAX_BATCH, 1)
+    for quantize in ("int8", "fp8", "int4")
+]
+# The fast tier's points: each format once, both forms (MAX_BATCH rows and one), both layouts.
+FAST_QUANTIZED = {
+    (ParallelConfig(tp=2), MAX_BATCH, "int8"),
+    (ParallelConfig(), 1, "fp8"),
+    (ParallelConfig(tp=2), 1, "int4"),
+}
+
+
+@pytest.mark.parametrize(
+    ("parallel", "batch", "quantize"),
+    sweep(QUANTIZED_CASES, FAST_QUANTIZED.__contains__),
+    ids=lambda x: str(x),
+)
 def test_quantized_decode_copies_no_weight_or_layer_cache(parallel, batch, quantize):
     model = WIDE_HEADS if batch == 1 else CONFIG
     fraction = _moved_fraction("unrolled", parallel, "decode", batch, "bfloat16", quantize, model)
@@ -285,7 +309,11 @@ PAGED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("parallel", "batch", "dtype"), PAGED_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    ("parallel", "batch", "dtype"),
+    sweep(PAGED_CASES, lambda case: case[0] in (ParallelConfig(dp=2, tp=2), ParallelConfig(tp=4))),
+    ids=lambda x: str(x),
+)
 def test_paged_serving_step_copies_no_weight_or_page_pool(parallel, batch, dtype):
     """The step writes each row's token into its page in place and gathers only the
     rows' pages: no copy of the pool (or of a weight) per step."""

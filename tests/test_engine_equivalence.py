@@ -12,6 +12,7 @@ import pytest
 from jaxpar.errors import IllegalStrategyError
 from jaxpar.spec import ParallelConfig
 from tests._engine_util import PROMPTS, engine, factorizations, reference
+from tests._tiers import sweep
 
 # Every assignment of the 8 devices. Sub-meshes (2 or 4 devices) add no layout these lack
 # (each axis appears here at 2, 4 and 8, alone and mixed), and tp2, dp2·tp2, sp2·tp2 run in
@@ -36,6 +37,13 @@ CASES = [
     # paths (tp inside the experts, sp groups): dp/sp/tp mixes alone repeat tiny-dense.
     if (parallel.ep == 1 if name == "tiny-dense" else parallel.ep > 1 or _moe_without_ep(parallel))
 ]
+# The fast tier's points: dp, sp and tp together on the dense model; the experts split
+# beside dp and tp, and over all 8 devices.
+FAST = {
+    ("tiny-dense", "dp2-sp2-ep1-tp2"),
+    ("tiny-moe", "dp2-sp1-ep2-tp2"),
+    ("tiny-moe", "dp1-sp1-ep8-tp1"),
+}
 
 
 def test_dense_model_refuses_ep():
@@ -44,7 +52,9 @@ def test_dense_model_refuses_ep():
 
 
 @pytest.mark.parametrize(
-    ("name", "parallel"), CASES, ids=lambda x: x if isinstance(x, str) else _id(x)
+    ("name", "parallel"),
+    sweep(CASES, lambda case: (case[0], _id(case[1])) in FAST),
+    ids=lambda x: x if isinstance(x, str) else _id(x),
 )
 def test_matches_single_device(name, parallel):
     ref_logits, ref_tokens = reference(name)

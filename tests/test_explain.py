@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.cli import main
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CASES = [
@@ -61,7 +62,11 @@ def test_explain_reports_the_programs_that_serve(capsys):
     )
 
 
-@pytest.mark.parametrize(("argv", "name"), CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    sweep(CASES, lambda case: case[1] in ("tiny-dense", "tiny-moe", "hf-llama")),
+    ids=[c[1] for c in CASES],
+)
 def test_json_holds_per_tensor_specs_and_compiled_collectives(capsys, argv, name):
     data = run_json(capsys, argv)
     assert data["compiled"] and set(data["phases"]) == {"prefill", "decode"}

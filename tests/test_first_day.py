@@ -190,6 +190,7 @@ def test_kv_heads_under_tp_need_the_models_kv_head_count():
     assert all(f"`{name}` {key}" in readme for name, key in LOGICAL_AXES.items())
 
 
+@pytest.mark.server
 def test_a_warm_restart_of_serve_compiles_nothing(tmp_path):
     """Two starts of ``jaxpar serve`` over one compile cache: the first compiles every
     program, the second loads them all and compiles none (counted from JAX's events)."""

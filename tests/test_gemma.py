@@ -36,25 +36,33 @@ from jaxpar.models import (
 )
 from jaxpar.models._hf_config import config_from_hf
 from tests._engine_util import check_matches_hf
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 PAGE = 4
 
 
+# The fast tier runs Gemma 2 with sp and Gemma 3 pipelined (tests/_tiers.py).
+FAST_SHARDED = {("gemma2", ParallelConfig(sp=2, tp=2)), ("gemma3_text", ParallelConfig(pp=2, tp=2))}
+
+
 @pytest.mark.parametrize(
     ("name", "parallel"),
-    [
-        # 2 kv heads < tp=4: one per device (each held twice); soft caps, windows per shard.
-        ("gemma2", ParallelConfig(tp=4)),
-        # Queries split over sp in prefill: each shard's window reaches into the other's keys.
-        ("gemma2", ParallelConfig(sp=2, tp=2)),
-        ("gemma3_text", ParallelConfig(dp=2, tp=4)),
-        # Stacked layers under the pipeline: each stage picks its layers' windows and RoPE
-        # bases from the model-wide index (Gemma 3's stages hold [s, s] and [s, global]:
-        # a stage-local index would give stage 1 the wrong kinds; Gemma 2's alternation
-        # could not tell). Soft caps in the contiguous decode: test_hf_fixtures.
-        ("gemma3_text", ParallelConfig(pp=2, tp=2)),
-    ],
+    sweep(
+        [
+            # 2 kv heads < tp=4: one per device (each held twice); soft caps, windows per shard.
+            ("gemma2", ParallelConfig(tp=4)),
+            # Queries split over sp in prefill: each shard's window reaches into the other's keys.
+            ("gemma2", ParallelConfig(sp=2, tp=2)),
+            ("gemma3_text", ParallelConfig(dp=2, tp=4)),
+            # Stacked layers under the pipeline: each stage picks its layers' windows and RoPE
+            # bases from the model-wide index (Gemma 3's stages hold [s, s] and [s, global]:
+            # a stage-local index would give stage 1 the wrong kinds; Gemma 2's alternation
+            # could not tell). Soft caps in the contiguous decode: test_hf_fixtures.
+            ("gemma3_text", ParallelConfig(pp=2, tp=2)),
+        ],
+        lambda case: case in FAST_SHARDED,
+    ),
     ids=str,
 )
 def test_sharded_gemma_matches_transformers(name, parallel):

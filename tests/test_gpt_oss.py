@@ -41,6 +41,7 @@ from jaxpar.models._hf_config import config_from_hf
 from jaxpar.models._hf_mxfp4 import FP4_VALUES, Mxfp4Tensors, dequantize
 from jaxpar.spec import validate
 from tests._engine_util import check_matches_hf
+from tests._tiers import sweep
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "gpt_oss"
 PAGE = 4
@@ -52,13 +53,16 @@ def _hf_config() -> dict:
 
 @pytest.mark.parametrize(
     "parallel",
-    [
-        # 2 kv heads < tp=4: one per device (each held twice), each shard its heads' sinks.
-        ParallelConfig(dp=2, tp=4),
-        # Queries split over sp in prefill (a shard's window reaches into the other's keys);
-        # experts over ep, their intermediate over tp (the down bias must count once).
-        ParallelConfig(sp=2, ep=2, tp=2),
-    ],
+    sweep(
+        [
+            # 2 kv heads < tp=4: one per device (each held twice), each shard its heads' sinks.
+            ParallelConfig(dp=2, tp=4),
+            # Queries split over sp in prefill (a shard's window reaches into the other's
+            # keys); experts over ep, their intermediate over tp (the down bias counts once).
+            ParallelConfig(sp=2, ep=2, tp=2),
+        ],
+        lambda parallel: parallel == ParallelConfig(sp=2, ep=2, tp=2),
+    ),
     ids=str,
 )
 def test_sharded_gpt_oss_matches_transformers(parallel):

@@ -25,6 +25,7 @@ from jaxpar.models import (
     load_hf_checkpoint,
     params_quantization,
 )
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 FIXTURE_DIRS = sorted(p.parent for p in FIXTURES.glob("*/reference.npz"))
@@ -46,7 +47,14 @@ def _reference(fixture: Path) -> list[dict[str, np.ndarray]]:
         ]
 
 
-@pytest.mark.parametrize("fixture", FIXTURE_DIRS, ids=lambda p: p.name)
+# The fast tier's checkpoints: one of each architecture family; their variants (rope
+# scalings, windows, fused or legacy layouts, stored formats) run in the full tier.
+FAST_FIXTURES = ("llama", "gpt2", "gemma2", "qwen3_moe", "gpt_oss", "deepseek_v3")
+
+
+@pytest.mark.parametrize(
+    "fixture", sweep(FIXTURE_DIRS, lambda p: p.name in FAST_FIXTURES), ids=lambda p: p.name
+)
 def test_matches_transformers(fixture: Path) -> None:
     config, params = load_hf_checkpoint(fixture)
     # A pre-quantized checkpoint's parameters say their mode; the model is built to match.

@@ -272,6 +272,7 @@ def _groups(process: subprocess.Popen) -> list:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.server
 def test_mesh_form_expands_like_the_iota_form_xla_prints_without_it():
     # The flag is read when XLA starts, so each setting needs its own process.
     on, off = (_start(f"--xla_enable_rgv3_materialization={v}") for v in ("true", "false"))

@@ -279,6 +279,7 @@ def _subprocess(script: str, devices: int, timeout: int = 600) -> subprocess.Com
     )
 
 
+@pytest.mark.server
 def test_tp16_over_8_kv_heads_matches_one_device():
     """32 query / 8 K/V heads on 16 simulated devices: each head on its 2 devices only."""
     done = _subprocess(_SIXTEEN, 16)
@@ -299,6 +300,7 @@ def llama70b(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.server
 def test_explain_70b_tp16_splits_kv_kernel_over_tp(llama70b):
     from jaxpar.cli import main  # noqa: F401 (the CLI's parser, in-process)
 

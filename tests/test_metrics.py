@@ -424,6 +424,7 @@ async def _stream_while_scraping(url: str, prompts: list[list[int]], max_tokens:
         return streams.result(), scrapes
 
 
+@pytest.mark.server
 def test_metrics_follow_the_running_server(ready):
     before = _idle(ready)
     assert (before[RUNNING], before[WAITING], before[USAGE]) == (0, 0, 0)
@@ -458,6 +459,7 @@ def test_metrics_follow_the_running_server(ready):
     assert after[HITS] <= after[QUERIES] and after[CACHED] <= after[PROMPT_TOKENS]
 
 
+@pytest.mark.server
 def test_prefix_cache_counters_follow_a_repeated_prompt(ready):
     """A prompt sent twice: the second reuses what the first cached. The cached-tokens
     counter moves by what the two usages say; every one of them was looked up and found."""
@@ -477,6 +479,7 @@ def test_prefix_cache_counters_follow_a_repeated_prompt(ready):
     assert _gap(after)[1] - _gap(before)[1] == 2
 
 
+@pytest.mark.server
 def test_efficiency_and_latency_metrics_of_the_running_server(ready):
     """After requests: each phase's bandwidth, FLOP/s and their fractions of the cpu
     hardware file's peaks are there, finite and positive, as the counters they come from;
@@ -535,6 +538,7 @@ def paged(tmp_path_factory):
         proc.stop()
 
 
+@pytest.mark.server
 def test_a_small_paged_cache_decodes_many_short_requests_together(paged):
     """48 short requests (14 tokens: two pages each) fit 1024 tokens of cache together,
     three times what contiguous slots of 64 tokens would hold; their answers equal offline."""

@@ -38,7 +38,7 @@ LOCAL_DEVICES = 4
 RUN_TIMEOUT_S = 420  # hard limit per launch: start-up, compiles on 2 shared cores, generate
 DETECTION_LIMIT_S = 60  # a dead peer must be noticed within this (the bound)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 @dataclass

@@ -49,6 +49,7 @@ from jaxpar.models._paged_attention import (
 )
 from jaxpar.spec import Dims, ParallelConfig, make_mesh, partition_spec, sharding_context
 from jaxpar.spec._constrain import _jax_version
+from tests._tiers import sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 # Rows, query heads, kv heads, head_dim (the TPU kernel takes multiples of 128), positions
@@ -195,8 +196,12 @@ def _compare(config, impl, *, n_kv_heads=K, dtype=jnp.float32, atol=1e-5):
     assert _max_diff(out, _reference(case)) < atol
 
 
+# The fast tier's strategies: rows and heads split together; kv heads held whole under tp.
+FAST = ("dp2-tp2", "tp4-kv-replicated")
+
+
 @pytest.mark.jax_compat
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", sweep(STRATEGIES, FAST.__contains__))
 @pytest.mark.parametrize("impl", KERNELS)
 def test_paged_kernel_matches_xla(impl, name):
     config, n_kv_heads = STRATEGIES[name]
@@ -405,6 +410,7 @@ def v5e() -> list:
 @pytest.mark.jax_compat
 @pytest.mark.usefixtures("no_persistent_cache")
 @pytest.mark.parametrize("name", ["single", "dp2-tp2", "tp4-kv-replicated"])
+@pytest.mark.accel
 def test_bf16_paged_decode_compiles_for_tpu_v5e_without_copying_the_pool(v5e, name):
     """ "auto" on a TPU mesh: the Pallas paged kernel, compiled by Mosaic for v5e; no copy
     of the pool (or of one kv head's pages, with kv heads replicated) in the program."""
@@ -442,6 +448,7 @@ def test_bf16_paged_decode_compiles_for_tpu_v5e_without_copying_the_pool(v5e, na
 
 @pytest.mark.jax_compat
 @pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.accel
 def test_tpu_block_tables_beyond_smem_are_split_over_calls(v5e):
     """256 rows of 1024 pages: a 1 MiB table overflows SMEM in one call (measured), so the
     rows go in two calls that each compile for v5e."""
@@ -460,6 +467,7 @@ def test_tpu_block_tables_beyond_smem_are_split_over_calls(v5e):
 
 
 @pytest.mark.jax_compat
+@pytest.mark.accel
 def test_bf16_paged_decode_lowers_for_cuda_with_the_triton_kernel():
     """ "auto" for cuda, lowered in a subprocess with the CUDA plugin (see
     tests/_cuda_lowering.py): one Pallas Triton call per shard's program, partitioning

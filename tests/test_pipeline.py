@@ -19,6 +19,7 @@ from jaxpar.inspect import collective_axes, parse_collectives
 from jaxpar.models import KVCache
 from jaxpar.spec import ParallelConfig
 from tests._engine_util import MAX_BATCH, MAX_SEQ_LEN, NEW_TOKENS, PROMPTS, engine, reference
+from tests._tiers import sweep
 
 PC = ParallelConfig
 # Every combination the issue names: pp 2 and 4 alone and with tp, dp, ep (MoE) and sp
@@ -70,7 +71,20 @@ def _decode_step(name: str, parallel: ParallelConfig):
     return eng.steps.jit_decode().lower(eng.params, cache, tokens).compile()
 
 
-@pytest.mark.parametrize("case", [*CONFIGS[:-1], _compat(CONFIGS[-1])], ids=_id)
+# The fast tier's points: a pipeline beside dp and tp, and one with experts split.
+FAST = {
+    "tiny-dense-dp=2,pp=2,tp=2,microbatches=2,decode_groups=2",
+    "tiny-moe-pp=2,ep=2,tp=2,decode_groups=2",
+}
+
+
+def _fast(case) -> bool:
+    return _id(case) in FAST
+
+
+@pytest.mark.parametrize(
+    "case", sweep([*CONFIGS[:-1], _compat(CONFIGS[-1])], _fast, one_argument=True), ids=_id
+)
 def test_matches_single_device(case):
     name, parallel = case
     ref_logits, ref_tokens = reference(name)
@@ -140,7 +154,9 @@ def _crossing(compiled, mesh) -> list:
     return out
 
 
-@pytest.mark.parametrize("case", [*COMPILED[:-1], _compat(COMPILED[-1])], ids=_id)
+@pytest.mark.parametrize(
+    "case", sweep([*COMPILED[:-1], _compat(COMPILED[-1])], _fast, one_argument=True), ids=_id
+)
 def test_only_activation_permutes_cross_stages(case):
     name, parallel = case
     eng = _engine(name, parallel)
@@ -198,7 +214,9 @@ def _cache_copies(compiled, shard: tuple[int, ...]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("case", [CONFIGS[1], *COMPILED[:2], COMPILED[4]], ids=_id)
+@pytest.mark.parametrize(
+    "case", sweep([CONFIGS[1], *COMPILED[:2], COMPILED[4]], _fast, one_argument=True), ids=_id
+)
 def test_decode_updates_the_cache_in_place(case):
     name, parallel = case
     compiled = _decode_step(name, parallel)

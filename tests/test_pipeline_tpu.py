@@ -87,6 +87,7 @@ def depths(v5e16) -> dict:
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.accel
 def test_pipelined_step_copies_no_whole_stage_kernel_on_tpu(depths, phase):
     """No copy of a stage's whole stacked gate/up kernel (0.22 GiB per device at 4 layers,
     0.44 at 8): before, decode and prefill copied it every step."""
@@ -103,6 +104,7 @@ MOVED = {"decode": 0.0, "prefill": 0.08}
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.accel
 def test_pipelined_step_moves_little_on_tpu(depths, phase):
     """Copies of any weight or cache layer that land in HBM, over parameter + cache bytes
     per device (:data:`MOVED`). Before: 0.52 / 0.62 (decode) and 0.56 / 0.68 (prefill).
@@ -113,6 +115,7 @@ def test_pipelined_step_moves_little_on_tpu(depths, phase):
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.accel
 def test_pipelined_temporaries_do_not_grow_with_depth_on_tpu(depths, phase):
     """Four more layers add 0.40 GiB of parameters per device; the temporaries grew by 0.27
     (decode) and 0.25 GiB (prefill) with them before; now by 0.015 and 0.035 GiB."""
@@ -121,6 +124,7 @@ def test_pipelined_temporaries_do_not_grow_with_depth_on_tpu(depths, phase):
     assert grown_temp <= 0.1 * grown_args, (grown_temp, grown_args)
 
 
+@pytest.mark.accel
 def test_plan_compile_reads_each_plans_bytes_from_the_tpu_program(monkeypatch, capsys):
     """``jaxpar plan --compile`` compiles the plans it shows for their v5e slice and prints
     the bytes per device each step needs beside the planner's per-step prediction."""
@@ -142,6 +146,7 @@ def test_plan_compile_reads_each_plans_bytes_from_the_tpu_program(monkeypatch, c
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.accel
 def test_planner_predicts_the_pipelined_steps_within_10_percent(depths, phase):
     """The planner's step (weights + cache or prompt K/V + inputs + activations) against
     the compiled pipelined step's bytes per device: measured 1.02 / 1.03 (decode, 4 / 8
@@ -170,6 +175,7 @@ def test_plan_compile_names_the_slices_it_compiles_for():
         topology("tpu-v5e", 12)
 
 
+@pytest.mark.accel
 def test_planner_predicts_an_unpipelined_decode_step_within_10_percent(v5e16):
     """Llama-3-8B widths at tp=8, 64 sequences x 4096 cache, 2 layers: ``decode_step``
     against the compiled decode step, measured 1.00 (v5e:2x4; 1.01 at all 32 layers:

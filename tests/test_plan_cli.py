@@ -14,6 +14,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import PRESETS, preset
 from jaxpar.plan import KINDS, load_hardware
 from jaxpar.spec import ParallelConfig, validate
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_DIRS = sorted(p.parent for p in FIXTURES.rglob("config.json"))
@@ -58,14 +59,18 @@ def _check(data: dict, source, devices: int) -> None:
     assert data["command"].startswith("jaxpar run ") and "--max-seq-len 32" in data["command"]
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", sweep(PRESETS, lambda name: name in ("tiny-dense", "tiny-moe")))
 def test_every_preset(capsys, name):
     hardware = "h100" if name == "llama-1b" else "cpu"
     data = _plan_json(capsys, "--model", name, "--devices", "8", "--hardware", hardware, *WORKLOAD)
     _check(data, name, 8)
 
 
-@pytest.mark.parametrize("path", HF_DIRS, ids=lambda p: p.name)
+# The fast tier plans a dense and an MoE checkpoint, and one that fits nowhere.
+FAST_HF = ("llama", "qwen3_moe", "deepseek-v3")
+
+
+@pytest.mark.parametrize("path", sweep(HF_DIRS, lambda p: p.name in FAST_HF), ids=lambda p: p.name)
 def test_every_hf_fixture(capsys, path):
     args = ["--hf", str(path), "--devices", "4", "--hardware", "a100", *WORKLOAD]
     if path.name == "deepseek-v3":  # 671e9 bf16 parameters: 4 A100s cannot hold them

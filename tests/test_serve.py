@@ -25,6 +25,8 @@ from jaxpar.engine import Sampling
 from tests import _lm_eval
 from tests._serve_util import CHECKPOINT, MAX_SEQ_LEN, MODEL, ROOT, Offline, ServerProcess
 
+pytestmark = pytest.mark.server
+
 # The serving page's examples (the README and Getting started show copies of them:
 # tests/test_docs_examples.py checks they are the same).
 README = (ROOT / "scripts" / "docs" / "pages" / "serving.md").read_text()

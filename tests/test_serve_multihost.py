@@ -24,7 +24,7 @@ import pytest
 from jaxpar.engine import PEER_LOST_EXIT_STATUS
 from tests._serve_util import MODEL, REFERENCE_TOKENS, Offline, ServerProcess, process_pair
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 MAX_SEQ_LEN = 32
 STRATEGY = ["--dp", "2", "--sp", "2", "--tp", "2"]

@@ -21,6 +21,8 @@ import pytest
 
 from tests._serve_util import MODEL, REFERENCE_TOKENS, ROOT, Offline, ServerProcess
 
+pytestmark = pytest.mark.server
+
 MAX_SEQ_LEN = 32  # buckets 8, 16 and 32: few prefill programs to warm up
 STRATEGIES = {
     "dp2-tp2": ["--dp", "2", "--tp", "2"],

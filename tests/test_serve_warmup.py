@@ -14,8 +14,11 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from tests._serve_util import CHECKPOINT, MODEL, ServerProcess
+
+pytestmark = pytest.mark.server
 
 NO_CACHE = {"JAX_COMPILATION_CACHE_DIR": None}
 SHUTDOWN_TIMEOUT_S = 0.5

@@ -164,6 +164,7 @@ def test_parallel_config_parse_and_errors():
         ParallelConfig(microbatches=2)
 
 
+@pytest.mark.server
 def test_spec_layer_imports_without_flax():
     """People who bring their own model use the spec layer without jaxpar's models."""
     import subprocess

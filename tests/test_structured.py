@@ -327,6 +327,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.server
 def test_server_json_schema_json_object_regex_and_choice(client):
     messages = [{"role": "user", "content": "rec"}]
     schema_format = {
@@ -370,6 +371,7 @@ def test_server_json_schema_json_object_regex_and_choice(client):
     assert choice.choices[0].message.content in ("red", "green", "blue")
 
 
+@pytest.mark.server
 def test_server_plain_requests_unchanged_beside_constrained(client):
     """Sent together, plain completions equal the same completions sent alone."""
     plain = dict(model=MODEL, prompt="hi", max_tokens=12, extra_body={"ignore_eos": True})
@@ -386,6 +388,7 @@ def test_server_plain_requests_unchanged_beside_constrained(client):
         assert _valid(json.loads(o.choices[0].text))
 
 
+@pytest.mark.server
 def test_readme_structured_example_runs_against_the_server(server, client, tmp_path):
     readme = (ROOT / "scripts" / "docs" / "pages" / "serving.md").read_text()
     block = re.search(r"^```python structured\n(.*?)^```", readme, flags=re.M | re.S)
@@ -423,6 +426,7 @@ BAD = [
 ]
 
 
+@pytest.mark.server
 def test_server_bad_constraints_get_a_400_naming_the_field(server, client):
     for extra, param in BAD:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **extra}

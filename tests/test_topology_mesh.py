@@ -194,6 +194,7 @@ def _tpu(topology: str, num_slices: int = 1) -> list:
 
 
 @pytest.mark.jax_compat
+@pytest.mark.accel
 def test_real_chips_lay_out_every_assignment_as_the_planner_does():
     """Over each compile-only topology's chips, every factorisation of the chip count into
     (dp, pp, sp, ep, tp) gets a mesh (no compile), its tp groups are boxes of neighbouring
@@ -239,6 +240,7 @@ def _replica_groups(hlo: str) -> list[list[int]]:
     ("topology", "strategy"),
     [("v6e:4x4", "dp=2,tp=8"), ("v6e:4x4", "sp=2,tp=8"), ("v5p:4x4x4", "ep=8,tp=8")],
 )
+@pytest.mark.accel
 def test_issue_strategies_build_and_compile_with_tp_reduced_over_neighbours(topology, strategy):
     """The layouts ``jax.make_mesh`` refused: the mesh builds, a tp-reduced matmul compiles
     for TPU, and its all-reduce runs over exactly the mesh's tp groups, each a box of
@@ -256,6 +258,7 @@ def test_issue_strategies_build_and_compile_with_tp_reduced_over_neighbours(topo
 
 @pytest.mark.jax_compat
 @pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.accel
 def test_two_slices_put_dp_over_the_dcn_and_compile():
     """libtpu's compile-only topology takes ``num_slices=2``: the hybrid mesh puts dp
     across the slices, tp inside one, and the program compiles; sp across slices is
@@ -278,6 +281,7 @@ def test_two_slices_put_dp_over_the_dcn_and_compile():
     ("name", "hardware", "devices", "topology"),
     [("tiny-gqa", "tpu-v6e", 16, "v6e:4x4"), ("tiny-moe", "tpu-v5p", 16, "v5p:2x2x4")],
 )
+@pytest.mark.accel
 def test_every_plan_printed_builds_on_the_slice(name, hardware, devices, topology):
     """Every plan ``jaxpar plan`` ranks gets a mesh on the real chips (a disaggregated plan:
     both groups, in slice order as ``jaxpar serve`` takes them), with the layout it prints.
@@ -303,6 +307,7 @@ def test_every_plan_printed_builds_on_the_slice(name, hardware, devices, topolog
 
 @pytest.mark.jax_compat
 @pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.accel
 def test_hardware_hbm_matches_libtpus_oom_message():
     """Compiling a program far too large for one chip: libtpu's "available HBM (XG)" is
     the hardware file's ``hbm_gib`` to its last hundredth, never below it (G = GiB: 600.00G

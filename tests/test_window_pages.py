@@ -43,6 +43,7 @@ from jaxpar.models import (
 from jaxpar.plan import Workload, load_hardware, predict, serve_flags
 from jaxpar.plan._memory import memory
 from jaxpar.spec import Phase, make_mesh
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FIXTURE = FIXTURES / "mistral"
@@ -312,7 +313,9 @@ def gemma2():
 
 
 @pytest.mark.parametrize(
-    "parallel", [ParallelConfig(), ParallelConfig(dp=2, tp=2)], ids=["single", "dp2-tp2"]
+    "parallel",
+    sweep([ParallelConfig(), ParallelConfig(dp=2, tp=2)], lambda p: p.size > 1),
+    ids=["single", "dp2-tp2"],
 )
 def test_gemma2_served_with_released_window_pages_equals_whole_prefill(gemma2, parallel):
     """Gemma 2 (sliding layers 0 and 2, soft caps, stacked layers): two block tables per
