@@ -29,6 +29,7 @@ from jaxpar.inspect import parse_collectives
 from jaxpar.inspect._movement import data_movement
 from jaxpar.models import ExecutionOptions, ModelRun, init_params, preset
 from jaxpar.spec import make_mesh
+from tests._tiers import sweep
 
 MAX_SEQ_LEN, SLOTS = 32, 4
 CONFIG = preset("tiny-gqa")
@@ -112,7 +113,10 @@ def _check_served(batcher: ContinuousBatcher, reference: InferenceEngine) -> Non
 
 @pytest.mark.parametrize(
     "parallel,layer_loop",
-    [(ParallelConfig(), "unrolled"), (ParallelConfig(dp=2, tp=2), "scan")],
+    sweep(
+        [(ParallelConfig(), "unrolled"), (ParallelConfig(dp=2, tp=2), "scan")],
+        lambda p: p[0].size == 1,
+    ),
     ids=["single", "dp2-tp2-scan"],
 )
 def test_served_requests_equal_offline_generate(parallel, layer_loop):
@@ -123,6 +127,7 @@ def test_served_requests_equal_offline_generate(parallel, layer_loop):
         _check_served(batcher, engine)
 
 
+@pytest.mark.sweep  # fast-tier disaggregation: test_prefix_chunked.py (chunks and hits)
 def test_disaggregated_requests_equal_offline_generate():
     """Prefill sp=2 on devices 0-1, decode tp=2 on devices 2-3; K/V moves once per batch."""
     prefill = _engine(ParallelConfig(sp=2), 0, max_batch=2)

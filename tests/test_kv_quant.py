@@ -48,6 +48,7 @@ from jaxpar.models import (
 )
 from jaxpar.spec import make_mesh
 from tests._movement import moved_fraction, paged_moved_fraction
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64]
@@ -180,8 +181,13 @@ def _decode(fixture: str, mode: str | None, parallel: ParallelConfig, teacher=No
     return np.stack(out), tuple(feed)
 
 
-@pytest.mark.parametrize("fixture", ["llama", "qwen3"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("mode", "fixture"),
+    sweep(
+        [(mode, fixture) for fixture in ("llama", "qwen3") for mode in MODES],
+        lambda point: point == ("int8", "llama"),
+    ),
+)
 def test_quantized_cache_tracks_the_float_cache(fixture, mode):
     one = ParallelConfig()
     ref, teacher = _decode(fixture, None, one)
@@ -196,6 +202,7 @@ def test_quantized_cache_tracks_the_float_cache(fixture, mode):
     assert STEPS - disagree.sum() >= MIN_AGREE[mode], int(disagree.sum())
 
 
+@pytest.mark.sweep  # the fast tier's sharded quantized cache: the tp=2 movement check below
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp=2, tp=2)], ids=str)
 def test_sharded_quantized_decode_equals_single_device(parallel):
     _, teacher = _decode("llama", None, ParallelConfig())
@@ -227,6 +234,7 @@ def _serving_engine(
     )
 
 
+@pytest.mark.sweep  # sharded = single device: the contiguous cache's test above (full tier)
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp=2, tp=2)], ids=["dp2-tp2"])
 def test_sharded_paged_serving_equals_single_device(parallel):
     """``generate`` runs the paged serving core: pages over dp, kv heads over tp, scales
@@ -258,7 +266,9 @@ def _abstract(parallel: ParallelConfig, mode: str, batch: int) -> AbstractEngine
 
 
 @pytest.mark.parametrize(
-    ("parallel", "mode"), [(ParallelConfig(), "fp8"), (ParallelConfig(tp=2), "int8")], ids=str
+    ("parallel", "mode"),
+    sweep([(ParallelConfig(), "fp8"), (ParallelConfig(tp=2), "int8")], lambda p: p[1] == "int8"),
+    ids=str,
 )
 def test_quantized_cache_decode_copies_no_weight_or_layer_cache(parallel, mode):
     """The contiguous cache's decode step (a cast of the cache fused into a copy counts,
@@ -272,7 +282,9 @@ def test_quantized_cache_decode_copies_no_weight_or_layer_cache(parallel, mode):
 
 @pytest.mark.parametrize(
     ("parallel", "mode"),
-    [(ParallelConfig(), "int8"), (ParallelConfig(dp=2, tp=2), "fp8")],
+    # The fast tier keeps the contiguous cache's movement check above; the paged pool's
+    # quantized reads run in its prefix-hit test below.
+    sweep([(ParallelConfig(), "int8"), (ParallelConfig(dp=2, tp=2), "fp8")], lambda _: False),
     ids=str,
 )
 def test_quantized_paged_step_copies_no_weight_or_page_pool(parallel, mode):
@@ -292,7 +304,7 @@ def test_quantized_paged_step_copies_no_weight_or_page_pool(parallel, mode):
 
 
 @pytest.mark.jax_compat
-@pytest.mark.parametrize("name", ["single", "tp4-kv-replicated"])
+@pytest.mark.parametrize("name", sweep(["single", "tp4-kv-replicated"], "single".__eq__))
 def test_pallas_gpu_paged_kernel_reads_the_scales(name):
     """The kernel given int8 pages and their ``[K, A, Z]`` scales equals the XLA path over
     the same quantized pool (f32, 1e-5 of the largest output as tests/test_paged_kernels.py
@@ -434,6 +446,7 @@ def test_explain_lists_the_pool_and_its_scales_with_dtypes_and_bytes():
     assert prefill[0]["dtype"] == "float32"  # prefill's K/V leave the step unquantized
 
 
+@pytest.mark.sweep  # a variant: quantized serving's main case is the prefix-hit test above
 def test_disaggregated_kv_crosses_quantized():
     """Prefill on device 0, decode on device 1: the prompt's K/V are quantized where the
     prefill ran and cross as int8 values plus float32 scales (2 x L x T x K x (H + 4)

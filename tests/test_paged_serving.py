@@ -15,6 +15,7 @@ from jaxpar.engine import ContinuousBatcher
 from jaxpar.engine._kv_budget import KVBudget, describe, size_pool
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.models import SCRATCH_PAGE
+from tests._tiers import sweep
 from tests.test_batching import MAX_SEQ_LEN, SLOTS, _check_served, _engine
 
 
@@ -33,7 +34,9 @@ def _balanced(batcher: ContinuousBatcher) -> None:
     assert (batcher.pages.tables_BN == SCRATCH_PAGE).all()
 
 
-@pytest.mark.parametrize("page_size", [4, 5], ids=["page4", "page5"])
+# The fast tier's paged serving is the tiny pool's single-device case below (pages of 4 over
+# prompts they mostly do not divide) and the in-order wait.
+@pytest.mark.parametrize("page_size", sweep([4, 5], lambda _: False), ids=["page4", "page5"])
 def test_page_sizes_that_do_and_do_not_divide_the_prompts(page_size):
     engine, batcher = _serve(ParallelConfig(), KVBudget(page_size=page_size, tokens=512))
     with batcher:
@@ -45,7 +48,7 @@ def test_page_sizes_that_do_and_do_not_divide_the_prompts(page_size):
 
 @pytest.mark.parametrize(
     "parallel,shard_tokens",
-    [(ParallelConfig(), 40), (ParallelConfig(dp=2, tp=2), 28)],
+    sweep([(ParallelConfig(), 40), (ParallelConfig(dp=2, tp=2), 28)], lambda p: p[0].size == 1),
     ids=["single", "dp2-tp2"],
 )
 def test_a_tiny_pool_preempts_and_every_request_still_equals_offline(parallel, shard_tokens):
@@ -126,6 +129,7 @@ def test_pool_sizing_from_tokens_and_its_errors():
         size(KVBudget(memory_fraction=0.5))
 
 
+@pytest.mark.sweep  # a variant: row buckets are also checked in tests/test_warmup.py
 def test_a_step_computes_only_the_rows_that_cover_the_live_requests():
     """32 rows, 8 requests: steps compute the first 8 rows (the live ones lie there), yet
     every request equals its offline run; a free row past them stays untouched."""
