@@ -32,6 +32,7 @@ from jaxpar.errors import IllegalStrategyError
 from jaxpar.models import ModelRun, config_from_hf, init_params, preset
 from jaxpar.spec import ParallelConfig, kv_head_replicas, make_mesh, param_partition_spec, validate
 from tests._engine_util import PROMPTS, engine, reference
+from tests._tiers import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 GQA = preset("tiny-gqa")  # 8 query heads, 2 K/V heads
@@ -99,7 +100,7 @@ def _one_head_per_device(eng: InferenceEngine) -> None:
     assert layer.shard_shape((eng.max_batch, tp, 8, c.head_dim))[1] == 1
 
 
-@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("tp", sweep([4, 8], (4).__eq__))
 def test_tiny_gqa_matches_single_device(tp):
     ref_logits, ref_tokens = reference("tiny-gqa")
     eng = engine("tiny-gqa", ParallelConfig(tp=tp))
@@ -112,6 +113,7 @@ def test_tiny_gqa_matches_single_device(tp):
     assert eng.generate(PROMPTS, 16).tokens == ref_tokens
 
 
+@pytest.mark.sweep  # a variant of the tp=4 case above, over pp=2 stages
 def test_pipelined_with_replicas_matches_single_device():
     """pp=2 x tp=4: stacked stages, contiguous cache, each head twice."""
     ref_logits, ref_tokens = reference("tiny-gqa")
@@ -123,6 +125,7 @@ def test_pipelined_with_replicas_matches_single_device():
     assert eng.generate(PROMPTS, 16).tokens == ref_tokens
 
 
+@pytest.mark.sweep  # the fast tier's int8 expansion: the int8 checkpoint load below
 def test_int8_kernels_expand_with_their_scales():
     """Quantized K/V kernels (int8 values stored out-major, per-channel scales) repeat
     along their kv_heads dim like float ones: tp=4 equals the int8 run on one device."""
@@ -179,7 +182,9 @@ def test_loader_expands_heads_and_reads_slices_of_them():
 
 
 @pytest.mark.parametrize(
-    ("fixture", "quantize"), [("llama", "int8"), ("llama_fp8_channel", None)], ids=str
+    ("fixture", "quantize"),
+    sweep([("llama", "int8"), ("llama_fp8_channel", None)], lambda p: p[1] == "int8"),
+    ids=str,
 )
 def test_checkpoints_load_each_devices_heads_quantized(fixture, quantize):
     """``engine_from_hf`` reads each device's K/V head straight from the safetensors file
@@ -221,6 +226,9 @@ def _served(eng: InferenceEngine, prefill: InferenceEngine | None = None) -> lis
         return [s.result(timeout=300) for s in streams]
 
 
+# A variant: the fast tier's replicated heads are the tp=4 engine above (contiguous cache);
+# tiny-gqa served over pages and disaggregated stays fast in tests/test_prefix_chunked.py.
+@pytest.mark.sweep
 def test_served_over_pages_and_disaggregated_match_single_device():
     """Continuous batching at tp=4 (paged pool, one head per device), and disaggregated
     prefill sp=2 (the checkpoint's 2 heads) -> decode tp=4 (each head twice): the heads

@@ -16,6 +16,7 @@ from jaxpar import ParallelConfig
 from jaxpar.engine import ContinuousBatcher, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.inspect import parse_collectives
+from tests._tiers import sweep
 from tests.test_batching import CONFIG, SAMPLED, _engine, _offline
 from tests.test_paged_serving import _balanced
 
@@ -54,11 +55,14 @@ def _serve_and_check(batcher: ContinuousBatcher, expected, requests, sequential:
 
 @pytest.mark.parametrize(
     "parallel,layer_loop",
-    [
-        (ParallelConfig(), "unrolled"),
-        (ParallelConfig(dp=2, tp=2), "scan"),
-        (ParallelConfig(sp=2), "unrolled"),
-    ],
+    sweep(
+        [
+            (ParallelConfig(), "unrolled"),
+            (ParallelConfig(dp=2, tp=2), "scan"),
+            (ParallelConfig(sp=2), "unrolled"),
+        ],
+        lambda p: p[0].size == 1,
+    ),
     ids=["single", "dp2-tp2-scan", "sp2"],
 )
 def test_prefix_hits_and_chunks_equal_offline(parallel, layer_loop):
