@@ -22,6 +22,7 @@ from jaxpar.engine._vocab import mask_padded, padded_vocab_size
 from jaxpar.models import init_params, preset
 from jaxpar.spec import ParallelConfig, make_mesh
 from tests._prompts import PROMPTS
+from tests._tiers import sweep
 
 VOCAB = 389  # prime: every tp > 1 pads
 GPT2 = dataclasses.replace(preset("tiny-gpt2"), vocab_size=VOCAB)
@@ -51,7 +52,9 @@ def test_padded_size():
     assert padded_vocab_size(50257, 8) == 50264
 
 
-@pytest.mark.parametrize("parallel", [PC(tp=2), PC(tp=4, sp=2), PC(pp=2, tp=2)], ids=str)
+@pytest.mark.parametrize(
+    "parallel", sweep([PC(tp=2), PC(tp=4, sp=2), PC(pp=2, tp=2)], PC(tp=2).__eq__), ids=str
+)
 def test_padded_vocab_matches_one_device(parallel):
     _, ref_logits, ref_greedy, ref_sampled = _run(PC())
     eng, logits, greedy, sampled = _run(parallel)
@@ -85,6 +88,7 @@ def test_padded_logits_are_never_chosen(sampling):
         assert got.max() < 9, got
 
 
+@pytest.mark.sweep  # a variant: the padding itself stays fast in the tp=2 case above
 def test_hf_checkpoint_with_a_vocabulary_tp_does_not_divide(tmp_path):
     """The gpt2 fixture cut to 253 tokens loads under tp=4 (vocab loaded whole, then padded
     and split) and equals the same checkpoint on one device."""
