@@ -21,6 +21,7 @@ import jaxpar
 from jaxpar.cli import main
 from jaxpar.engine import compute_dtype, engine_from_hf
 from jaxpar.spec import default_mesh
+from tests._tiers import sweep
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf" / "llama"
 CONFIG = jaxpar.preset("tiny-gqa")
@@ -86,7 +87,7 @@ def _error(capsys, argv: list[str]) -> str:
     return " ".join((captured.out + captured.err).split())
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", sweep(["bfloat16", "float32"], "bfloat16".__eq__))
 def test_a_bf16_step_on_cpu_converts_every_weight_each_step(dtype):
     """Why bf16 dispatched step by step is slower on CPU than in one fused loop (the
     README's account): XLA:CPU's dot takes f32 operands, so the compiled bf16 decode step
