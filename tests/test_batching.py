@@ -127,7 +127,7 @@ def test_served_requests_equal_offline_generate(parallel, layer_loop):
         _check_served(batcher, engine)
 
 
-@pytest.mark.sweep  # fast-tier disaggregation: test_prefix_chunked.py (chunks and hits)
+@pytest.mark.sweep  # fast-tier disaggregation: test_window_pages.py (gemma2)
 def test_disaggregated_requests_equal_offline_generate():
     """Prefill sp=2 on devices 0-1, decode tp=2 on devices 2-3; K/V moves once per batch."""
     prefill = _engine(ParallelConfig(sp=2), 0, max_batch=2)

@@ -227,7 +227,7 @@ def _served(eng: InferenceEngine, prefill: InferenceEngine | None = None) -> lis
 
 
 # A variant: the fast tier's replicated heads are the tp=4 engine above (contiguous cache);
-# tiny-gqa served over pages and disaggregated stays fast in tests/test_prefix_chunked.py.
+# tiny-gqa served over pages stays fast in tests/test_prefix_chunked.py.
 @pytest.mark.sweep
 def test_served_over_pages_and_disaggregated_match_single_device():
     """Continuous batching at tp=4 (paged pool, one head per device), and disaggregated

@@ -95,6 +95,8 @@ def test_prefix_hits_and_chunks_equal_offline(parallel, layer_loop):
     assert batcher.pages.cached_pages > 0  # prompts' pages stay cached for later requests
 
 
+# A variant: the fast tier's disaggregation is tests/test_window_pages.py's gemma2 case.
+@pytest.mark.sweep
 def test_disaggregated_chunks_and_hits_on_the_prefill_group():
     """Prefill sp=2 on devices 0-1 with its own pages (prefix cache, chunks); decode tp=2
     on devices 2-3 gets each finished prompt whole."""
