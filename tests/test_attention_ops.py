@@ -160,19 +160,20 @@ def _compare_prefill(config, window, n_kv_heads=K):
     assert not np.asarray(out)[~np.broadcast_to(valid, out.shape)].any()
 
 
-@pytest.mark.parametrize("name", sweep([*STRATEGIES, "sp2"], ("dp2-tp2", "sp2").__contains__))
+@pytest.mark.parametrize("name", sweep([*STRATEGIES, "sp2"], "sp2".__eq__))
 def test_splash_prefill_matches_xla(name):
     # sp2: queries split over sp (each shard picks its offset's mask), K/V gathered.
     config = STRATEGIES.get(name) or ParallelConfig(sp=2)
     _compare_prefill(config, window=None if name in ("single", "sp2") else 9)
 
 
+@pytest.mark.sweep
 def test_splash_prefill_kv_heads_replicated_over_tp():
     # K=2 < tp=4: every tp device holds both kv heads; each slices the one its q head reads.
     _compare_prefill(ParallelConfig(tp=4), window=None, n_kv_heads=2)
 
 
-@pytest.mark.parametrize("name", ["single", "tp2", "sp2"])
+@pytest.mark.parametrize("name", sweep(["single", "tp2", "sp2"], "sp2".__eq__))
 def test_cudnn_call_arguments_through_jax_xla_implementation(name, monkeypatch):
     """The cuDNN path's masking arguments (is_causal + lengths + window on whole sequences,
     an explicit mask on sp shards), run through JAX's XLA implementation of the same
@@ -232,16 +233,18 @@ def _compare_decode(config, window, n_kv_heads=K, dtype=jnp.float32, atol=1e-5):
     assert diff < atol, diff
 
 
-@pytest.mark.parametrize("name", sweep(STRATEGIES, ("tp2", "dp2-tp2").__contains__))
+@pytest.mark.parametrize("name", sweep(STRATEGIES, "dp2-tp2".__eq__))
 def test_gpu_decode_kernel_matches_xla(name):
     _compare_decode(STRATEGIES[name], window=None if name == "tp2" else 6)
 
 
+@pytest.mark.sweep
 def test_gpu_decode_kernel_kv_heads_replicated_over_tp():
     # Each tp device runs every kv head but gives the ones it does not need length 0.
     _compare_decode(ParallelConfig(tp=4), window=None, n_kv_heads=2)
 
 
+@pytest.mark.sweep
 def test_gpu_decode_kernel_bf16():
     _compare_decode(ParallelConfig(), window=None, dtype=jnp.bfloat16, atol=2e-2)
 
@@ -272,7 +275,10 @@ def _cudnn_wrapper_as_xla(calls: list):
 
 @pytest.mark.parametrize(
     ("name", "window", "n_kv_heads"),
-    [("single", None, K), ("tp2", 6, K), ("dp2-tp2", None, K), ("tp4", 6, 2)],
+    sweep(
+        [("single", None, K), ("tp2", 6, K), ("dp2-tp2", None, K), ("tp4", 6, 2)],
+        lambda case: case[0] == "tp4",
+    ),
 )
 def test_cudnn_decode_call_arguments_through_jax_xla_implementation(
     name, window, n_kv_heads, monkeypatch
@@ -325,6 +331,7 @@ def _in_pp_stages(config, phase, op, args):
     return traced.lower().compile()(*staged), str(traced.jaxpr)
 
 
+@pytest.mark.sweep
 def test_gpu_decode_kernel_inside_pp_manual_shard_map():
     q, k, v, lengths_B = _decode_case()
 

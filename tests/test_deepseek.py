@@ -43,6 +43,7 @@ from jaxpar.spec import (
 )
 from jaxpar.spec._tables import default_spec_dir
 from tests._engine_util import check_matches_hf
+from tests._tiers import sweep
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
 
@@ -104,15 +105,19 @@ def test_mla_refuses_kernels_and_quantization_it_cannot_run():
 
 @pytest.mark.parametrize(
     "parallel",
-    [
-        # Heads over tp, the latent cache replicated (it has no head axis); dp splits rows.
-        ParallelConfig(dp=2, tp=4),
-        # Prefill tokens over sp (each shard's queries read the gathered latent; sp carries
-        # rows in decode); routed experts over ep (group-limited routing per token on its
-        # device); heads, the shared experts and the dense layer over tp. One engine for
-        # sp·tp and ep·tp: each compile costs ~15-40 s on a loaded 2-core machine.
-        ParallelConfig(sp=2, ep=2, tp=2),
-    ],
+    sweep(
+        [
+            # Heads over tp, the latent cache replicated (it has no head axis); dp splits rows.
+            ParallelConfig(dp=2, tp=4),
+            # Prefill tokens over sp (each shard's queries read the gathered latent; sp carries
+            # rows in decode); routed experts over ep (group-limited routing per token on its
+            # device); heads, the shared experts and the dense layer over tp. One engine for
+            # sp·tp and ep·tp: each compile costs ~15-40 s on a loaded 2-core machine.
+            ParallelConfig(sp=2, ep=2, tp=2),
+        ],
+        # The fast tier: the strategy that reaches sp, ep and tp together.
+        lambda parallel: parallel.ep > 1,
+    ),
     ids=str,
 )
 def test_sharded_matches_transformers(parallel):
@@ -124,6 +129,7 @@ def test_sharded_matches_transformers(parallel):
     assert spec[0] is None and "tp" not in jax.tree.leaves(tuple(spec))
 
 
+@pytest.mark.sweep
 def test_served_over_pages_equals_prefill_argmax():
     """Chunked prefill and prefix hits (attention over cached latents) and paged decode
     under the continuous batcher, tp=2: each request's greedy tokens are the argmaxes of

@@ -13,6 +13,7 @@ from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import IllegalStrategyError
 from jaxpar.models import ExecutionOptions, ModelRun, load_hf_checkpoint
 from jaxpar.spec import ParallelConfig, make_mesh
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -31,19 +32,23 @@ def _check_prefill(eng, ref, prompts) -> None:
 
 @pytest.mark.parametrize(
     ("name", "parallel"),
-    [
-        ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: each on its 2 devices
-        ("mixtral_fused", ParallelConfig(ep=4, tp=2)),
-        ("mixtral_legacy", ParallelConfig(sp=2, ep=2, tp=2)),  # MoE groups per sp shard
-        ("gpt2", ParallelConfig(sp=2, tp=4)),
-        # One query head per device, one kv head each (2 held twice); q/k norms split nowhere.
-        ("qwen3", ParallelConfig(dp=2, tp=4)),
-        # Qwen2 with use_sliding_window: layer 0 full, layer 1 a 4-token window; prompt
-        # tokens over sp (the window reaches into the other shard's keys), heads over tp.
-        ("qwen2_window", ParallelConfig(sp=2, tp=2)),
-        # Qwen3-MoE: test_qwen3_moe_capacity_mode_* (padded, sp2-ep2-tp2) and
-        # test_qwen3_moe_ragged_dispatch_* (ep4-tp2).
-    ],
+    sweep(
+        [
+            ("llama", ParallelConfig(dp=2, tp=4)),  # 2 kv heads < tp=4: each on its 2 devices
+            ("mixtral_fused", ParallelConfig(ep=4, tp=2)),
+            ("mixtral_legacy", ParallelConfig(sp=2, ep=2, tp=2)),  # MoE groups per sp shard
+            ("gpt2", ParallelConfig(sp=2, tp=4)),
+            # One query head per device, one kv head each (2 held twice); q/k norms split nowhere.
+            ("qwen3", ParallelConfig(dp=2, tp=4)),
+            # Qwen2 with use_sliding_window: layer 0 full, layer 1 a 4-token window; prompt
+            # tokens over sp (the window reaches into the other shard's keys), heads over tp.
+            ("qwen2_window", ParallelConfig(sp=2, tp=2)),
+            # Qwen3-MoE: test_qwen3_moe_capacity_mode_* (padded, sp2-ep2-tp2) and
+            # test_qwen3_moe_ragged_dispatch_* (ep4-tp2).
+        ],
+        # The fast tier: a dense model with kv heads replicated, a MoE with experts over ep.
+        lambda case: case[0] in ("llama", "mixtral_fused"),
+    ),
     ids=str,
 )
 def test_sharded_hf_checkpoint_matches_transformers(name, parallel):
@@ -65,6 +70,7 @@ def test_sharded_hf_checkpoint_matches_transformers(name, parallel):
     assert gen.moe_dropped is None  # dropless (MoE or not): nothing to count
 
 
+@pytest.mark.sweep
 def test_qwen3_moe_capacity_mode_matches_transformers():
     """Qwen3-MoE (fused tensors, norm_topk_prob false) under sp2-ep2-tp2 through the
     capacity path: fixed C rows per expert peer, drops counted. C is below the dropless

@@ -82,6 +82,7 @@ def _requests(vocab: int) -> list[dict]:
     return out
 
 
+@pytest.mark.sweep
 def test_served_over_pages_equals_offline():
     """Chunked prefill and prefix hits (prefill with context) and paged decode under the
     continuous batcher, for Gemma 2 with stacked layers (soft caps, and windows as traced
@@ -206,6 +207,7 @@ def test_soft_capping_refuses_named_kernels():
     assert {on_gpu.prefill_attention, on_gpu.decode_attention, on_gpu.paged_attention} == {"xla"}
 
 
+@pytest.mark.sweep
 def test_explain_names_soft_caps_windows_and_norms(capsys):
     """``jaxpar explain`` compiles a Gemma 2 strategy: no collective above the minimum
     (soft caps and norms are elementwise, each on its own shard), and the execution says
@@ -223,6 +225,7 @@ def test_explain_names_soft_caps_windows_and_norms(capsys):
         assert "soft-capped at 6" in text
 
 
+@pytest.mark.sweep
 def test_plan_and_explain_on_hub_shapes(capsys):
     """Real-sized shapes (config.json only): Gemma 2 9B planned on 8 H100s, Gemma 3 1B
     explained without compiling (4 of its 26 layers global, 22 sliding)."""
@@ -239,6 +242,7 @@ def test_plan_and_explain_on_hub_shapes(capsys):
     assert "per-head q/k norms" in text
 
 
+@pytest.mark.sweep
 def test_gemma3_on_interpreted_kernels_equals_xla():
     """Gemma 3 has no soft cap, so its unrolled layers run the fused kernels with static
     per-layer windows and its query_pre_attn_scalar folded into q: the splash prefill and

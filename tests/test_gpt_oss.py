@@ -69,6 +69,7 @@ def test_sharded_gpt_oss_matches_transformers(parallel):
     check_matches_hf(FIXTURE, parallel)
 
 
+@pytest.mark.sweep
 def test_served_over_pages_equals_whole_sequence_prefill():
     """Chunked prefill and prefix hits (prefill with context, sinks in its softmax) and paged
     decode under the continuous batcher, stacked layers (windows as traced values): each
@@ -308,6 +309,7 @@ def test_mxfp4_refuses_broken_pairs(tmp_path):
         load_hf_checkpoint(mx_dir)
 
 
+@pytest.mark.sweep
 def test_explain_names_sinks_and_clamped_experts(capsys):
     """``jaxpar explain`` compiles GPT-OSS under ep·tp: no collective above the minimum but
     the padded MoE exchange's named buffer (the sinks and biases add none), and the
@@ -325,6 +327,7 @@ def test_explain_names_sinks_and_clamped_experts(capsys):
         assert "clamped SwiGLU (limit 1, alpha 1.702) with expert biases" in text
 
 
+@pytest.mark.sweep
 def test_plan_on_hub_shapes(capsys):
     """gpt-oss-20b's shapes (config.json only, its MXFP4 experts counted as bf16) planned
     on 8 H100s."""

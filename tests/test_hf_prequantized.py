@@ -22,6 +22,7 @@ from jaxpar.engine._load import engine_from_hf
 from jaxpar.errors import CheckpointError
 from jaxpar.models import load_hf_checkpoint, params_quantization
 from jaxpar.spec import ParallelConfig, make_mesh
+from tests._tiers import sweep
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ("llama_fp8_channel", "llama_fp8_tensor", "llama_fbgemm_fp8")
@@ -170,7 +171,14 @@ def test_logits_match_transformers_compressed_tensors(name):
 
 @pytest.mark.parametrize(
     ("name", "parallel"),
-    [("llama_fp8_channel", ParallelConfig(dp=2, tp=2)), ("llama_fp8_tensor", ParallelConfig(tp=4))],
+    sweep(
+        [
+            ("llama_fp8_channel", ParallelConfig(dp=2, tp=2)),
+            ("llama_fp8_tensor", ParallelConfig(tp=4)),
+        ],
+        # The fast tier: per-tensor scales broadcast, then split by tp with their kernels.
+        lambda case: case[0] == "llama_fp8_tensor",
+    ),
     ids=str,
 )
 def test_sharded_load_equals_one_device(name, parallel):

@@ -196,20 +196,26 @@ def _compare(config, impl, *, n_kv_heads=K, dtype=jnp.float32, atol=1e-5):
     assert _max_diff(out, _reference(case)) < atol
 
 
-# The fast tier's strategies: rows and heads split together; kv heads held whole under tp.
+# The fast tier's strategies: rows and heads split together; kv heads held whole under tp
+# (each kernel runs one of them in the fast tier, the other in the full one).
 FAST = ("dp2-tp2", "tp4-kv-replicated")
 
 
 @pytest.mark.jax_compat
-@pytest.mark.parametrize("name", sweep(STRATEGIES, FAST.__contains__))
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize(
+    ("impl", "name"),
+    sweep(
+        [(impl, name) for impl in KERNELS for name in STRATEGIES],
+        lambda case: case in {("pallas_tpu", FAST[0]), ("pallas_gpu", FAST[1])},
+    ),
+)
 def test_paged_kernel_matches_xla(impl, name):
     config, n_kv_heads = STRATEGIES[name]
     _compare(config, impl, n_kv_heads=n_kv_heads)
 
 
 @pytest.mark.jax_compat
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", sweep(KERNELS, "pallas_tpu".__eq__))
 def test_paged_kernel_bf16(impl):
     # bf16 activations round differently in a fused kernel than in XLA's einsums (measured:
     # under 6e-3 for values of order 1).
@@ -219,12 +225,15 @@ def test_paged_kernel_bf16(impl):
 @pytest.mark.jax_compat
 @pytest.mark.parametrize(
     ("impl", "blocks"),
-    [
-        ("pallas_gpu", dict(blocks=(8, 1))),  # a split per page: most splits skipped
-        ("pallas_gpu", dict(blocks=(1, 8))),  # one split, one block
-        ("pallas_tpu", dict(pages_per_block=1)),  # the DMA chain over blocks and rows
-        ("pallas_tpu", dict(pages_per_block=2)),
-    ],
+    sweep(
+        [
+            ("pallas_gpu", dict(blocks=(8, 1))),  # a split per page: most splits skipped
+            ("pallas_gpu", dict(blocks=(1, 8))),  # one split, one block
+            ("pallas_tpu", dict(pages_per_block=1)),  # the DMA chain over blocks and rows
+            ("pallas_tpu", dict(pages_per_block=2)),
+        ],
+        lambda case: case[1] in (dict(blocks=(1, 8)), dict(pages_per_block=1)),
+    ),
 )
 def test_paged_kernel_block_sizes(impl, blocks, monkeypatch):
     """The kernels' other tilings of a row's pages than the ones chosen for these shapes

@@ -99,7 +99,7 @@ def test_quantized_logits_and_greedy_tokens_track_the_float_model(quantize):
     assert rel_rms <= max_rel and error.max() <= max_error and agree >= min_agree, measured
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", sweep([False, True], lambda tied: tied), ids=["untied", "tied"])
 def test_quantized_embeddings_track_the_float_model_and_split_with_the_table(tied):
     """``quantize_embeddings``: the token table (and an untied LM head, stored [V, D]) int8
     per vocabulary row, scales [V, 1] split over tp with their rows; off by default. The
@@ -185,7 +185,8 @@ def test_scale_axes_follow_the_kernel():
         scale_layout((192, 64), ("mlp", "embed"), 1, "int4")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 80])  # one row, a decode batch, past ROWS_MAX
+# One row, a decode batch, past ROWS_MAX.
+@pytest.mark.parametrize("rows", sweep([1, 3, 80], lambda rows: rows != 3))
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize(
     ("shape", "contract"),
@@ -214,6 +215,7 @@ def test_the_rows_form_computes_the_dot_form(shape, contract, mode, rows):
         np.testing.assert_allclose(np.asarray(got).reshape(rows, -1), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.sweep
 def test_a_tied_float_table_runs_as_row_reductions_at_one_row():
     """XLA:CPU's ``"rows"`` form also reads a tied float table ``[V, D]`` (out-major) at one
     row: the decode step's LM head is a reduction, not a dot (one dot fewer in the compiled
@@ -287,6 +289,7 @@ def test_engine_quantize_places_scales_split_as_their_kernels():
         )
 
 
+@pytest.mark.sweep
 def test_int4_engine_runs_sharded_or_is_refused_clearly():
     """int4 under tp2 (o_kernel groups split with their heads) generates what int4 on one
     device does; on jax 0.10, whose int4 placement its own programs refuse, the engine
@@ -301,6 +304,7 @@ def test_int4_engine_runs_sharded_or_is_refused_clearly():
     assert tp2.generate([PROMPT], 8).tokens == one.generate([PROMPT], 8).tokens
 
 
+@pytest.mark.sweep
 def test_engine_from_hf_quantizes_the_sharded_load():
     """A checkpoint read straight into dp2-tp2 shards, each kernel quantized where it lies
     as soon as it is read, generates what the one-device load quantized does."""

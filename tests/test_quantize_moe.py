@@ -239,6 +239,7 @@ def test_sharded_quantized_experts_equal_single_device(fixture, mode, parallel):
     assert np.max(np.abs(lp - lp_one)) <= 1e-4
 
 
+@pytest.mark.sweep
 def test_ragged_exchange_of_quantized_experts_equals_single_device(monkeypatch):
     """Qwen3-MoE (64 experts of F = 4, top-8) under ep4·tp2 through the ragged exchange
     (XLA:CPU compiles none: the emulation tests/test_models_moe_ragged.py checks), int8
@@ -262,6 +263,7 @@ def test_ragged_exchange_of_quantized_experts_equals_single_device(monkeypatch):
 INT4_MOE = dataclasses.replace(preset("tiny-moe"), n_layers=2, d_model=256, d_ff=256)
 
 
+@pytest.mark.sweep
 def test_int4_expert_groups_split_over_tp_equal_single_device():
     """int4 down kernels' groups split over tp with their rows (scales ``[E, 2, D]``,
     P(ep, tp, None)), under a capacity factor (the capacity path: drops counted), the
@@ -300,7 +302,9 @@ def _abstract(config, parallel: ParallelConfig, batch: int = 8) -> AbstractEngin
     return AbstractEngine.build(config, parallel, max_batch=batch, max_seq_len=64, mesh=mesh)
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(ep=2, tp=2)], ids=str)
+@pytest.mark.parametrize(
+    "parallel", sweep([ParallelConfig(), ParallelConfig(ep=2, tp=2)], lambda p: p.size > 1), ids=str
+)
 def test_int8_experts_decode_reads_at_most_055_of_the_bf16_bytes(parallel):
     def argument_bytes(config):
         compiled = compile_step(_abstract(config, parallel), "decode", prompt_len=8)
@@ -317,7 +321,9 @@ MOVEMENT_MOE = dataclasses.replace(preset("tiny-moe"), dtype="bfloat16", param_d
 
 @pytest.mark.parametrize(
     ("parallel", "mode"),
-    [(ParallelConfig(), "int8"), (ParallelConfig(ep=2, tp=2), "int4")],
+    sweep(
+        [(ParallelConfig(), "int8"), (ParallelConfig(ep=2, tp=2), "int4")], lambda c: c[1] == "int4"
+    ),
     ids=str,
 )
 def test_quantized_moe_decode_copies_no_weight_or_layer_cache(parallel, mode):
@@ -329,6 +335,7 @@ def test_quantized_moe_decode_copies_no_weight_or_layer_cache(parallel, mode):
     assert fraction <= BUDGET, f"{fraction:.1%} of quantized parameter + cache bytes moved"
 
 
+@pytest.mark.sweep
 def test_bf16_int4_experts_with_several_groups_run():
     """bf16 compute with int4 experts of 4 groups (D 512): XLA:CPU's dot thunk refused the
     masked matmul's bf16 x bf16 -> f32 form at this width (found by the bench); the
