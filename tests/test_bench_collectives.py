@@ -99,6 +99,9 @@ def test_compiled_bytes_meet_the_minimum_or_the_documented_exceptions(preset, st
             assert row.compiled_bytes * runs == row.minimum_bytes * (runs + parallel.pp - 1), row
 
 
+# Compiles the whole matrix (a minute on CPU): the full tier's. The fast tier checks the
+# planner against compiled programs in tests/test_plan.py (its top plans).
+@pytest.mark.sweep
 def test_planner_ranks_the_matrix_as_its_compiled_programs():
     """``jaxpar plan``'s predicted communication per request (prefill + every decode step
     of the bench's cache) ranks the matrix's strategies as their compiled bytes do."""

@@ -23,6 +23,7 @@ def _strategy(*argv: str, n_devices: int = 8) -> ParallelConfig:
     return demo_strategy(args, model_config(args), n_devices)
 
 
+@pytest.mark.sweep  # a variant: a pipelined demo (the fast tier's demo: the default below)
 def test_pp_demo_runs(capsys):
     # Item 1: the plan table of a pp strategy (pp is layer_only in decode) used to crash rich.
     code = main(
@@ -107,6 +108,7 @@ def test_low_precision_passes_a_near_tie_and_fails_a_wrong_result():
     assert not compare_to_float32(reference, reference, wrong, single, exact).ok
 
 
+@pytest.mark.sweep  # a variant: bf16 (its tolerance rule stays, above)
 def test_bf16_demo_reports_tolerance_and_token_agreement(capsys):
     code = main(
         [

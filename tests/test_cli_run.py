@@ -103,6 +103,7 @@ def test_negative_prompt_ids_get_a_clear_error(capsys):
         assert "token id(s) [-5] outside the vocabulary [0, 256)" in out, out
 
 
+@pytest.mark.sweep  # a variant: padding on a MoE over ep and tp
 def test_one_prompt_is_padded_to_the_batch_the_strategy_divides(capsys):
     fused = FIXTURES / "hf" / "mixtral_fused"
     code = main(
@@ -162,6 +163,7 @@ def test_illegal_strategy_cites_the_rule_file_once(capsys):
 # --- items 7 and 13: progress, compile apart from steady state ----------------------------
 
 
+@pytest.mark.sweep  # the fast tier's run separates compile time (below)
 def test_warm_up_compiles_everything_the_timed_run_needs():
     config = jaxpar.preset("tiny-dense")
     parallel = jaxpar.ParallelConfig(tp=2)
@@ -285,6 +287,7 @@ def test_chat_template_rendered_like_transformers():
         )
 
 
+@pytest.mark.sweep  # a variant: the checkpoint's EOS (chat's stop tokens stay)
 def test_generation_stops_at_eos_by_default(tmp_path, capsys):
     # A checkpoint whose EOS is a token this model emits after the first: generation stops there.
     free = (

@@ -45,6 +45,7 @@ import math
 
 import jax
 import pytest
+from _pytest.mark.structures import ParameterSet
 
 from jaxpar.engine import AbstractEngine
 from jaxpar.inspect import communication_model, compile_step, parse_collectives
@@ -144,13 +145,27 @@ def _engine(name: str, strategy: str) -> AbstractEngine:
     return AbstractEngine.build(preset(name), parallel, max_batch=B, max_seq_len=64, mesh=mesh)
 
 
-# The fast tier compiles dp, sp and tp together, and experts split beside dp and tp (the
-# analytic model below checks every case in both tiers).
-FAST = {("tiny-dense", "dp=2,sp=2,tp=2"), ("tiny-moe", "dp=2,ep=2,tp=2")}
+def _with_phases(cases: list) -> list:
+    """Each case once per phase, ``(name, strategy, phase)``, its marks kept."""
+    out = []
+    for case in cases:
+        for phase in ("prefill", "decode"):
+            if isinstance(case, ParameterSet):
+                out.append(pytest.param(*case.values, phase, marks=case.marks))
+            else:
+                out.append((*case, phase))
+    return out
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-@pytest.mark.parametrize(("name", "strategy"), sweep(CASES, FAST.__contains__), ids=lambda x: x)
+# The fast tier compiles dp, sp and tp together in prefill, where sp gathers K/V (the
+# analytic model below checks every case in both tiers; the capacity test below compiles
+# experts split beside dp and tp).
+FAST = {("tiny-dense", "dp=2,sp=2,tp=2", "prefill")}
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy", "phase"), sweep(_with_phases(CASES), FAST.__contains__), ids=lambda x: x
+)
 def test_compiled_collectives_equal_the_first_principles_minimum(name, strategy, phase):
     want = minimum(name, strategy, phase)
     assert want and all(v > 0 for v in want.values())
@@ -181,8 +196,13 @@ def capacity_bytes(strategy: str, phase: str) -> dict[str, int]:
     return dict(out)
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-@pytest.mark.parametrize("strategy", sweep(CAPACITY_CASES, lambda s: s == "dp=2,ep=2,tp=2"))
+@pytest.mark.parametrize(
+    ("strategy", "phase"),
+    sweep(
+        [(s, phase) for s in CAPACITY_CASES for phase in ("prefill", "decode")],
+        lambda case: case == ("dp=2,ep=2,tp=2", "decode"),
+    ),
+)
 def test_capacity_mode_is_within_1_3x_of_the_routed_minimum(strategy, phase):
     want = minimum("tiny-moe", strategy, phase, batch=CAPACITY_BATCH, capacity=True)
     got = capacity_bytes(strategy, phase)
@@ -274,9 +294,7 @@ def _wide_minimum(name: str, strategy: str, phase: str) -> int:
 
 @pytest.mark.parametrize(
     ("name", "strategy"),
-    sweep(
-        SERVE_CASES, lambda case: case in {("tiny-dense", "sp=2,tp=4"), ("tiny-moe", "ep=2,tp=4")}
-    ),
+    sweep(SERVE_CASES, lambda case: case == ("tiny-dense", "sp=2,tp=4")),
     ids=lambda x: x,
 )
 def test_served_decode_step_is_the_minimum_plus_an_o_b_k_sampling_exchange(name, strategy):

@@ -100,6 +100,7 @@ def test_latency_bounds_exclude_plans_and_bind(model, hw, throughput):
     assert same and same[0].workload.prefill_rows < sizes[0]
 
 
+@pytest.mark.sweep  # a variant of the bounds: the fast tier keeps them binding
 def test_unreachable_bounds_name_the_best_figures(model, hw, capsys):
     """No plan meets 1 ms per token: the error names the lowest TTFT and TPOT predicted,
     which are those of the strategies at the asked batch with their smallest prefill batch."""
@@ -171,6 +172,8 @@ def test_disaggregated_serve_command_names_the_prefill_strategy(throughput):
     assert pred.tpot_s == pred.decode.seconds
 
 
+# The fast tier checks the planned budget through the printed serve commands above.
+@pytest.mark.sweep
 @pytest.mark.parametrize("prompt_len", [20, 512])
 def test_max_prefill_tokens_holds_one_padded_prefill_step_unchunked(model, hw, prompt_len):
     """The batcher prefills ``prefill_batch`` prompts padded to the engine's bucket while
@@ -188,6 +191,7 @@ def test_max_prefill_tokens_holds_one_padded_prefill_step_unchunked(model, hw, p
         assert chunk >= prompt_len
 
 
+@pytest.mark.sweep  # the fast tier's infeasible plans: tests/test_plan.py, test_plan_cli.py
 def test_infeasible_batch_names_the_largest_batch_that_fits(model, hw, capsys):
     """4096 chat sequences do not fit on one H100; the message names the largest batch that
     does, and that batch fits while the next legal one does not."""
@@ -225,6 +229,7 @@ def _columns(out: str, title: str) -> dict[str, list[str]]:
     return {n: [r[i].strip() for r in rows if r[i].strip()] for i, n in enumerate(names)}
 
 
+@pytest.mark.sweep  # the fast tier's tables and picture: tests/test_plan_cli.py
 def test_tables_keep_one_unit_per_column_and_no_scientific_notation(capsys):
     assert main(["plan", *ARGS, *CHAT_ARGS, "--objective", "throughput", "--top", "4"]) == 0
     out = capsys.readouterr().out
@@ -239,6 +244,7 @@ def test_tables_keep_one_unit_per_column_and_no_scientific_notation(capsys):
     assert unit and all(re.fullmatch(r"[\d.]+", v) for v in comm[unit[0]])
 
 
+@pytest.mark.sweep  # the fast tier's tables and picture: tests/test_plan_cli.py
 def test_picture_title_shows_the_chosen_batch(tmp_path, capsys):
     picture = tmp_path / "plan.svg"
     assert (

@@ -15,6 +15,7 @@ from jaxpar.engine import Sampling
 from jaxpar.engine._sampling import select
 from jaxpar.spec import ParallelConfig
 from tests._engine_util import PROMPTS, engine
+from tests._tiers import sweep
 
 ALPHA = 1e-4  # false-alarm rate of each chi-square test (the seeds are fixed anyway)
 # Two rows of 10 logits: spread out, no near-ties at the top-k or nucleus boundaries.
@@ -80,12 +81,16 @@ def test_chi2_critical_values():
 
 @pytest.mark.parametrize(
     "sampling",
-    [
-        Sampling(temperature=0.7),
-        Sampling(temperature=1.3, top_k=4),
-        Sampling(temperature=0.8, top_p=0.8),
-        Sampling(temperature=1.5, top_k=6, top_p=0.9),
-    ],
+    # The fast tier's point: temperature, top-k and top-p together.
+    sweep(
+        [
+            Sampling(temperature=0.7),
+            Sampling(temperature=1.3, top_k=4),
+            Sampling(temperature=0.8, top_p=0.8),
+            Sampling(temperature=1.5, top_k=6, top_p=0.9),
+        ],
+        lambda s: s.top_k is not None and s.top_p is not None,
+    ),
     ids=str,
 )
 def test_frequencies_match_the_restricted_softmax(sampling):
@@ -119,6 +124,9 @@ def eng():
     return engine("tiny-dense", ParallelConfig(tp=2), max_batch=8, max_seq_len=32)
 
 
+# Through the engine (tp=2): the fast tier checks ``select`` above, and samples through the
+# engine in tests/test_engine_inputs.py and others.
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "sampling", [Sampling(temperature=0.9, top_k=1), Sampling(temperature=1.5, top_p=1e-6)], ids=str
 )
@@ -178,7 +186,7 @@ VOCAB_PARALLEL_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+@pytest.mark.parametrize("shards", sweep([1, 2, 4, 8], lambda n: n == 4))
 def test_vocab_parallel_draws_equal_the_sort_based_definition(shards):
     """Every row's token, over 1-8 vocab shards, equals the numpy sort-based draw with the
     same noise (top-k beyond the candidates and wide nuclei included; -inf ids never)."""
