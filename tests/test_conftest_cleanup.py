@@ -35,7 +35,7 @@ def test_one_xla_cache_directory_per_run_shared_and_removed(tmp_path):
     )
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "tests").mkdir()  # the conftest's own imports
-    for name in ("__init__.py", "_timing.py"):
+    for name in ("__init__.py", "_schedule.py", "_timing.py"):
         (tmp_path / "tests" / name).write_text((ROOT / "tests" / name).read_text())
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "each"]
