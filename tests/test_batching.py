@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxpar import ConfigError, InferenceEngine, ParallelConfig, QueueFullError, ShapeError
-from jaxpar.engine import ContinuousBatcher, RowSampling, Sampling
+from jaxpar.engine import ContinuousBatcher, Request, RequestStream, RowSampling, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._placement import put_global
@@ -212,8 +212,23 @@ def test_queue_is_bounded_and_bad_requests_fail_before_queueing():
     assert batcher.queued == 2
     batcher.close()
     assert [s.finish_reason for s in queued] == ["shutdown", "shutdown"]  # none left waiting
+    assert batcher.stats.finished == batcher.stats.submitted == 2  # and counted
     with pytest.raises(QueueFullError, match="shutting down"):
         batcher.submit([3], max_tokens=1)
+
+
+def test_a_request_is_counted_before_anyone_can_see_it_finish():
+    """``stats.finished`` is read by clients right after ``result()``: the stream's
+    ``on_finish`` (the batcher's count) runs before it is done, once."""
+    seen = []
+    stream = RequestStream(
+        0, Request(prompt=(1,), max_tokens=2), on_finish=lambda: seen.append(stream.done)
+    )
+    assert stream.emit(5) is None and seen == []
+    assert stream.emit(6) == "length"
+    stream.finish("shutdown")  # a second finish changes nothing and is not counted
+    assert seen == [False]
+    assert stream.finish_reason == "length" and stream.result(timeout=0) == [5, 6]
 
 
 def test_close_ends_running_requests_and_drain_finishes_them():

@@ -160,7 +160,7 @@ class ContinuousBatcher:
                     f"{self.queued} requests are already waiting (max_queue="
                     f"{self.max_queue}); retry shortly"
                 )
-            stream = RequestStream(self._next_id, request)
+            stream = RequestStream(self._next_id, request, on_finish=self._count_finished)
             self._next_id += 1
             self.scheduler.add(stream)
             self.stats.submitted += 1
@@ -345,6 +345,12 @@ class ContinuousBatcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _count_finished(self) -> None:
+        """A request finished (its stream calls this once, before its waiters wake)."""
+        with self._cond:
+            self.stats.finished += 1
+            self._cond.notify_all()
 
     def _idle(self) -> bool:
         """Every submitted request has finished (none queued, prefilling or decoding)."""

@@ -67,12 +67,10 @@ class ServingCore:
     # --- bookkeeping (lock held) ---------------------------------------------------------
 
     def ended(self, streams: Iterable[RequestStream | None]) -> None:
-        """Finishes cancelled requests and counts them (call with the lock held)."""
-        ended = [s for s in streams if s is not None]
-        for stream in ended:
-            stream.finish(stream.cancel_reason)
-        self.stats.finished += len(ended)
-        self.lock.notify_all()
+        """Finishes cancelled requests (call with the lock held; each counts itself)."""
+        for stream in streams:
+            if stream is not None:
+                stream.finish(stream.cancel_reason)
 
     def took(self, plan: PrefillPlan) -> None:
         """A prefill was planned (lock held): its cancelled requests end, its prefix hits
@@ -99,11 +97,11 @@ class ServingCore:
         return streams
 
     def finished(self, row: int) -> None:
-        """A decoding row's request ended: counted, then its row and pages freed."""
+        """A decoding row's request ended (its stream counted itself): its row and pages
+        are freed."""
         with self.lock:
-            self.stats.finished += 1
-            self.lock.notify_all()
             self.scheduler.finish(row)
+            self.lock.notify_all()
 
     # --- prefill -------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from jaxpar.engine._grammar import Grammar, Matcher
 from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, TokenLogprob
@@ -85,7 +85,9 @@ class RequestStream:
     for logprobs has one :class:`TokenLogprob` per token (:attr:`logprobs`).
     """
 
-    def __init__(self, request_id: int, request: Request):
+    def __init__(
+        self, request_id: int, request: Request, on_finish: Callable[[], None] | None = None
+    ):
         self.id = request_id
         self.request = request
         self.submitted_at = time.perf_counter()
@@ -95,9 +97,13 @@ class RequestStream:
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._finish_reason: str | None = None
+        self._finishing = False  # finish() has begun (it runs once)
         self._cancel_reason: str | None = None
         self._error: BaseException | None = None
         self._cond = threading.Condition()
+        #: Called once when the request finishes, before anyone waiting on it wakes (the
+        #: batcher counts it there, so a client that saw its result sees it counted).
+        self._on_finish = on_finish
         self._wakers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         #: Where the request is in its grammar (None: no grammar); the batcher's to use.
         self.matcher: Matcher | None = (
@@ -230,9 +236,14 @@ class RequestStream:
 
     def finish(self, reason: str, error: BaseException | None = None) -> None:
         with self._cond:
-            if self._finish_reason is None:
-                self._finish_reason = reason
-                self._error = error
+            first, self._finishing = not self._finishing, True
+        if not first:
+            return
+        if self._on_finish is not None:  # counted before anyone can see it done
+            self._on_finish()
+        with self._cond:
+            self._finish_reason = reason
+            self._error = error
         self._wake()
 
     def _wake(self) -> None:

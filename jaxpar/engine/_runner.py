@@ -120,11 +120,6 @@ class Runner:
         self._tables: tuple[int, ...] | None = None  # (version, width, rows) last placed
         self._loop_started = self._last_read = 0.0  # for BatcherStats.decode_seconds
 
-    def _count_finished(self, n: int = 1) -> None:
-        with self._lock:
-            self.stats.finished += n
-            self._lock.notify_all()
-
     def _count_dropped(self, dropped: int) -> None:
         if dropped:
             with self._lock:
@@ -215,10 +210,7 @@ class Runner:
 
     def _first(self, stream: RequestStream, token: int, logprob) -> RequestStream | None:
         """Sends a request its first token; None if that finished it."""
-        if stream.emit(token, logprob) is None:
-            return stream
-        self._count_finished()
-        return None
+        return stream if stream.emit(token, logprob) is None else None
 
     def insert(
         self,
