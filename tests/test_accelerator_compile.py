@@ -38,7 +38,7 @@ ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.
 pytestmark = [
     pytest.mark.accel,
     pytest.mark.jax_compat,
-    pytest.mark.usefixtures("no_persistent_cache"),
+    pytest.mark.usefixtures("accelerator_compiles"),
 ]
 BATCH, SEQ = 8, 256
 TRITON_NEEDS_A_GPU = _jax_version() >= (0, 12)

@@ -16,7 +16,7 @@ import jaxpar.inspect
 from jaxpar.errors import ConfigError
 from tests._accelerator_cases import bench
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache")
+pytestmark = pytest.mark.usefixtures("accelerator_compiles")
 
 
 @pytest.fixture(scope="module")

@@ -417,7 +417,7 @@ def v5e() -> list:
 
 
 @pytest.mark.jax_compat
-@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.usefixtures("accelerator_compiles")
 @pytest.mark.parametrize("name", ["single", "dp2-tp2", "tp4-kv-replicated"])
 @pytest.mark.accel
 def test_bf16_paged_decode_compiles_for_tpu_v5e_without_copying_the_pool(v5e, name):
@@ -456,7 +456,7 @@ def test_bf16_paged_decode_compiles_for_tpu_v5e_without_copying_the_pool(v5e, na
 
 
 @pytest.mark.jax_compat
-@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.usefixtures("accelerator_compiles")
 @pytest.mark.accel
 def test_tpu_block_tables_beyond_smem_are_split_over_calls(v5e):
     """256 rows of 1024 pages: a 1 MiB table overflows SMEM in one call (measured), so the

@@ -26,7 +26,7 @@ from jaxpar.spec import ParallelConfig, make_mesh
 from tests._accelerator_cases import bench
 from tests._movement import moved_fraction
 
-pytestmark = [pytest.mark.jax_compat, pytest.mark.usefixtures("no_persistent_cache")]
+pytestmark = [pytest.mark.jax_compat, pytest.mark.usefixtures("accelerator_compiles")]
 BATCH, SEQ, PROMPT = 16, 512, 256
 STRATEGY = "pp=2,tp=8"
 

@@ -35,7 +35,7 @@ pod = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = pod
 _spec.loader.exec_module(pod)
 
-pytestmark = [pytest.mark.accel, pytest.mark.pod, pytest.mark.usefixtures("no_persistent_cache")]
+pytestmark = [pytest.mark.accel, pytest.mark.pod, pytest.mark.usefixtures("accelerator_compiles")]
 
 #: How close the planner's bytes per device must be to the compiled step's, by program.
 #: Unpipelined offline steps: 10% (measured within 7%). The served decode step also holds

@@ -235,7 +235,7 @@ def _replica_groups(hlo: str) -> list[list[int]]:
 
 
 @pytest.mark.jax_compat
-@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.usefixtures("accelerator_compiles")
 @pytest.mark.parametrize(
     ("topology", "strategy"),
     [("v6e:4x4", "dp=2,tp=8"), ("v6e:4x4", "sp=2,tp=8"), ("v5p:4x4x4", "ep=8,tp=8")],
@@ -257,7 +257,7 @@ def test_issue_strategies_build_and_compile_with_tp_reduced_over_neighbours(topo
 
 
 @pytest.mark.jax_compat
-@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.usefixtures("accelerator_compiles")
 @pytest.mark.accel
 def test_two_slices_put_dp_over_the_dcn_and_compile():
     """libtpu's compile-only topology takes ``num_slices=2``: the hybrid mesh puts dp
@@ -306,7 +306,7 @@ def test_every_plan_printed_builds_on_the_slice(name, hardware, devices, topolog
 
 
 @pytest.mark.jax_compat
-@pytest.mark.usefixtures("no_persistent_cache")
+@pytest.mark.usefixtures("accelerator_compiles")
 @pytest.mark.accel
 def test_hardware_hbm_matches_libtpus_oom_message():
     """Compiling a program far too large for one chip: libtpu's "available HBM (XG)" is
