@@ -78,9 +78,10 @@ def accelerator_compiles():
     in production (the figures asserted are those users get), and the persistent compile
     cache is off: compile-only TPU executables are written to it but cannot be read back
     without a TPU client (jax 0.12 warns and compiles again)."""
-    was = jax.config.jax_enable_compilation_cache, jax.config.jax_disable_most_optimizations
+    was = jax.config.values["jax_enable_compilation_cache"]
+    unoptimised = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_enable_compilation_cache", False)
     jax.config.update("jax_disable_most_optimizations", False)
     yield
-    jax.config.update("jax_enable_compilation_cache", was[0])
-    jax.config.update("jax_disable_most_optimizations", was[1])
+    jax.config.update("jax_enable_compilation_cache", was)
+    jax.config.update("jax_disable_most_optimizations", unoptimised)
