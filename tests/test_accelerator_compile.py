@@ -33,13 +33,29 @@ from tests._movement import moved_fraction
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCEL = Path(sys.prefix) / "accel"  # the running venv's (scripts/_accelerators.sh)
-# Version-sensitive (scripts/test.sh runs jax_compat tests on both JAX releases): each
-# release brings its own libtpu and CUDA plugin.
-pytestmark = [
-    pytest.mark.accel,
-    pytest.mark.jax_compat,
-    pytest.mark.usefixtures("accelerator_compiles"),
-]
+pytestmark = [pytest.mark.accel, pytest.mark.usefixtures("accelerator_compiles")]
+# Version-sensitive: each JAX release brings its own libtpu and CUDA plugin, so
+# scripts/test.sh also runs the tests marked jax_compat on the older release: every test
+# here on at least its most composite cases (pipeline, sequence parallel with a window,
+# dp x ep x tp, int4 experts), every case on the newer one.
+COMPAT = pytest.mark.jax_compat
+#: The cases of each parametrized test that also run on the older release.
+COMPAT_CASES = {("tiny-gqa", "sp=2,tp=2"), ("tiny-gqa", "pp=2,tp=2"), "dp=2,tp=2", "dp=2,ep=2,tp=2"}
+
+
+def _compat(cases: list, key=lambda case: case) -> list:
+    """``cases`` as parameters, those in :data:`COMPAT_CASES` (or windowed) marked jax_compat."""
+
+    def marked(case) -> bool:
+        return key(case) in COMPAT_CASES or bool(isinstance(case, tuple) and case[2].get("window"))
+
+    def param(case) -> object:
+        values = case if isinstance(case, tuple) else (case,)
+        return pytest.param(*values, marks=COMPAT) if marked(case) else case
+
+    return [param(c) for c in cases]
+
+
 BATCH, SEQ = 8, 256
 TRITON_NEEDS_A_GPU = _jax_version() >= (0, 12)
 
@@ -76,7 +92,9 @@ def _assert_tpu_program(compiled, engine: AbstractEngine, *, splash: int) -> Non
             assert all(0 <= i < n for i in group), c
 
 
-@pytest.mark.parametrize(("preset_name", "strategy", "overrides"), TPU_CASES, ids=str)
+@pytest.mark.parametrize(
+    ("preset_name", "strategy", "overrides"), _compat(TPU_CASES, key=lambda c: c[:2]), ids=str
+)
 def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
     v5e, preset_name, strategy, overrides
 ):
@@ -93,7 +111,7 @@ def test_bf16_steps_compile_for_tpu_v5e_with_splash_in_every_layer(
         assert moved_fraction(decode, engine, BATCH, SEQ) == 0.0
 
 
-@pytest.mark.parametrize("strategy", ["tp=2", "dp=2,tp=2"])
+@pytest.mark.parametrize("strategy", ["tp=2", pytest.param("dp=2,tp=2", marks=COMPAT)])
 def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
     """The programs ``jaxpar serve`` runs, lowered by ``AbstractEngine`` as the server
     builds them (a page pool of BATCH x SEQ tokens): the paged decode step with its
@@ -109,7 +127,7 @@ def test_serving_steps_compile_for_tpu_v5e(v5e, strategy):
     assert all(c.bytes < vocab_bytes for c in parse_collectives(step))
 
 
-@pytest.mark.parametrize("strategy", MOE_CASES)
+@pytest.mark.parametrize("strategy", _compat(MOE_CASES))
 def test_moe_ragged_dispatch_compiles_for_tpu_v5e(v5e, strategy):
     engine = _tpu_engine(v5e, "tiny-moe", strategy)
     assert engine.options.moe_dispatch == "ragged"  # probed on the TPU device itself
@@ -121,8 +139,11 @@ def test_moe_ragged_dispatch_compiles_for_tpu_v5e(v5e, strategy):
         assert kernel_calls(compiled)["ragged_all_to_all"] == 2 * layers
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
-@pytest.mark.parametrize("strategy", MOE_CASES)
+@pytest.mark.parametrize(
+    ("strategy", "quantize"),
+    [(s, q) for s in MOE_CASES for q in ("int8", "int4") if (s, q) != (MOE_CASES[-1], "int4")]
+    + [pytest.param(MOE_CASES[-1], "int4", marks=COMPAT)],
+)
 def test_quantized_moe_decode_compiles_for_tpu_v5e_reading_the_quantized_bytes(
     v5e, strategy, quantize
 ):
@@ -139,6 +160,7 @@ def test_quantized_moe_decode_compiles_for_tpu_v5e_reading_the_quantized_bytes(
     assert moved_fraction(decode, engine, BATCH, SEQ) <= 0.05
 
 
+@COMPAT
 def test_quantized_dense_steps_compile_for_tpu_v5e_reading_the_out_major_kernels(v5e):
     """int8 attention and FFN kernels, stored out-major ``[*O, *C]`` (the Hub's order), under
     tp=2: the TPU resolves the ``"dot"`` matmul form and takes the transposed operand as it
@@ -173,6 +195,7 @@ def cuda_results() -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@COMPAT  # one subprocess lowers every case: all of them on both releases
 @pytest.mark.parametrize(("preset_name", "strategy", "overrides"), CUDA_CASES, ids=str)
 def test_bf16_steps_lower_and_partition_for_cuda(cuda_results, preset_name, strategy, overrides):
     result = cuda_results[f"{preset_name}|{strategy}|{json.dumps(overrides, sort_keys=True)}"]
@@ -201,7 +224,9 @@ def test_bf16_steps_lower_and_partition_for_cuda(cuda_results, preset_name, stra
         assert step["stopped_at_gpu_call"], step["compile_error"]
 
 
+@COMPAT
 def test_cases_cover_the_issue_strategies():
+    assert MOE_CASES[-1] == "dp=2,ep=2,tp=2"  # the composite case both releases compile
     strategies = {s for _, s, _ in TPU_CASES}
     assert {"", "tp=2", "dp=2,tp=2", "sp=2,tp=2", "pp=2,tp=2"} <= strategies
     assert any(o.get("window") for _, _, o in TPU_CASES)
