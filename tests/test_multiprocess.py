@@ -84,11 +84,12 @@ def _worker_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def _launch(
-    mode: str, tmp_path: Path, env: dict[str, str] | None = None
+    mode: str, tmp_path: Path, env: dict[str, str] | None = None, port: int | None = None
 ) -> Iterator[list[subprocess.Popen]]:
     """Starts the workers (output to files, so full pipes never block them); always kills
-    them. ``env``: variables added to :func:`_worker_env`'s."""
-    port, env = _free_port(), _worker_env() | (env or {})
+    them. ``env``: variables added to :func:`_worker_env`'s; ``port``: the coordinator's
+    (a free one if not given)."""
+    port, env = port or _free_port(), _worker_env() | (env or {})
     procs: list[subprocess.Popen] = []
     files = []
     try:
@@ -121,23 +122,37 @@ def _wait_all(
     procs: list[subprocess.Popen], tmp_path: Path, mode: str, timeout_s: float
 ) -> list[Finished]:
     """Polls until every worker has ended (recording when), or fails after ``timeout_s``."""
+    return _wait_modes({mode: procs}, tmp_path, timeout_s)[mode]
+
+
+def _wait_modes(
+    launched: dict[str, list[subprocess.Popen]], tmp_path: Path, timeout_s: float
+) -> dict[str, list[Finished]]:
+    """:func:`_wait_all` for several launches running at once, polled together (so that
+    each worker's end is seen as it happens)."""
     deadline = time.monotonic() + timeout_s
-    ended: dict[int, float] = {}
-    while len(ended) < len(procs):
-        for pid, proc in enumerate(procs):
-            if pid not in ended and proc.poll() is not None:
-                ended[pid] = time.time()
+    ended: dict[tuple[str, int], float] = {}
+    workers = [
+        (mode, pid, proc) for mode, procs in launched.items() for pid, proc in enumerate(procs)
+    ]
+    while len(ended) < len(workers):
+        for mode, pid, proc in workers:
+            if (mode, pid) not in ended and proc.poll() is not None:
+                ended[mode, pid] = time.time()
         if time.monotonic() > deadline:
-            running = [pid for pid in range(len(procs)) if pid not in ended]
+            running = [(mode, pid) for mode, pid, _ in workers if (mode, pid) not in ended]
             pytest.fail(
                 f"processes {running} still running after {timeout_s} s:\n"
-                + "\n".join(_read(tmp_path, mode, pid) for pid in running)
+                + "\n".join(_read(tmp_path, mode, pid) for mode, pid in running)
             )
         time.sleep(0.1)
-    return [
-        Finished(pid, proc.returncode, *_outputs(tmp_path, mode, pid), ended[pid])
-        for pid, proc in enumerate(procs)
-    ]
+    return {
+        mode: [
+            Finished(pid, proc.returncode, *_outputs(tmp_path, mode, pid), ended[mode, pid])
+            for pid, proc in enumerate(procs)
+        ]
+        for mode, procs in launched.items()
+    }
 
 
 def _outputs(tmp_path: Path, mode: str, pid: int) -> tuple[str, str]:
@@ -201,8 +216,31 @@ def test_every_process_loads_its_programs_from_the_compile_cache(tmp_path):
         assert (int(warm[1]), int(warm[2])) == (int(cold0[2]), 0), starts  # all loaded
 
 
-@pytest.mark.parametrize("mode", ["dead-during", "dead-before"])
-def test_dead_peer_ends_the_survivor(tmp_path, mode):
+DEAD_PEER_MODES = ("dead-during", "dead-before")
+
+
+@pytest.fixture(scope="module")
+def dead_peers(tmp_path_factory) -> dict[str, list[Finished]]:
+    """Both dead-peer runs, launched together: each spends most of its time waiting for
+    the survivor to give up (a collective's or the coordination service's timeout), which
+    the other's work fills. Each has its own coordinator port and processes."""
+    tmp_path = tmp_path_factory.mktemp("dead-peers")
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in DEAD_PEER_MODES]
+        for s in sockets:  # held open together: two different free ports
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+        for s in sockets:
+            s.close()
+        launched = {
+            mode: stack.enter_context(_launch(mode, tmp_path, port=port))
+            for mode, port in zip(DEAD_PEER_MODES, ports, strict=True)
+        }
+        return _wait_modes(launched, tmp_path, RUN_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("mode", DEAD_PEER_MODES)
+def test_dead_peer_ends_the_survivor(dead_peers, mode):
     """Process 1 exits abruptly; process 0 must fail with a clear error within 60 s.
 
     ``dead-during``: the peer dies after a first generate; the survivor's next collective
@@ -211,8 +249,7 @@ def test_dead_peer_ends_the_survivor(tmp_path, mode):
     setting up gloo and either that times out (``PeerLostError``) or the coordination
     service declares the peer dead (JAX aborts the survivor with its own message).
     """
-    with _launch(mode, tmp_path) as procs:
-        survivor, dead = _wait_all(procs, tmp_path, mode, RUN_TIMEOUT_S)
+    survivor, dead = dead_peers[mode]
     assert dead.returncode == worker.DEATH_EXIT_STATUS, dead.tail()
     detection_s = survivor.ended_at - dead.stamp("DYING")
     print(

@@ -115,15 +115,24 @@ def _is_names(x: Any) -> bool:
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 
 
+@functools.cache
+def _cache_leaves(run: Any, batch: int, max_seq_len: int) -> tuple[tuple[tuple, int, tuple], ...]:
+    """(shape, bytes per element, logical names) of every array of the decode KV cache
+    (cached: the planner asks for the same form and sizes under many strategies)."""
+    shapes = jax.tree.leaves(KVCache.abstract(run, batch, max_seq_len))
+    names = jax.tree.leaves(KVCache.logical_axes(run), is_leaf=_is_names)
+    return tuple(
+        (tuple(s.shape), np.dtype(s.dtype).itemsize, n) for s, n in zip(shapes, names, strict=True)
+    )
+
+
 def cache_bytes(model: ModelConfig, config: ParallelConfig, batch: int, max_seq_len: int) -> int:
     """Decode KV cache bytes (K, V and lengths) on one device, in the decode layout."""
     run = run_form(model, config)
-    shapes = jax.tree.leaves(KVCache.abstract(run, batch, max_seq_len))
-    names = jax.tree.leaves(KVCache.logical_axes(run), is_leaf=_is_names)
     return sum(
-        _local(s.shape, logical_spec(n, Module.ATTENTION, Phase.DECODE, config, dims=run), config)
-        * np.dtype(s.dtype).itemsize
-        for s, n in zip(shapes, names, strict=True)
+        _local(shape, logical_spec(n, Module.ATTENTION, Phase.DECODE, config, dims=run), config)
+        * size
+        for shape, size, n in _cache_leaves(run, batch, max_seq_len)
     )
 
 

@@ -133,8 +133,10 @@ class SpecTable:
         return self.rules[rule_id]
 
 
+@functools.cache
 def default_spec_dir() -> Path:
-    """``sharding_specs/`` of a source checkout, else the copy packaged in the wheel."""
+    """``sharding_specs/`` of a source checkout, else the copy packaged in the wheel (found
+    once: every lookup of the tables asks, tens of thousands of times in one plan)."""
     checkout = Path(__file__).resolve().parents[2] / "sharding_specs"
     if checkout.is_dir():
         return checkout
