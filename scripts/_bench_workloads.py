@@ -293,7 +293,7 @@ def _jaxpar_run(work_dir: Path, shape: Shape, quick: bool, vllm_url: str | None)
     with jaxpar_server(checkpoint, work_dir, quick) as srv:
         srv.wait_ready()
         jaxpar = run_workloads(srv.url, works, shape.vocab_size, probe=profile.Probe(srv))
-        start_s, flags = srv.start_s, " ".join(srv.command[srv.command.index("serve") :])
+        start_s, flags = srv.start_s, " ".join(srv.command[srv.command.index("--cpu-devices") :])
     setup = {
         "model": f"{shape.name} (random weights, word-level tokenizer)",
         "checkpoint": str(checkpoint),
