@@ -33,9 +33,19 @@ Sections (``--sections``, default all):
   chunked prefill (the default ``--max-prefill-tokens``) and with the prompt prefilled
   whole: each stream's longest gap between tokens / its median time per output token
   (goal <= 3).
+* ``workloads`` (served; ``_bench_workloads.py``): issue 41's serving workloads against
+  ``jaxpar serve`` at its defaults (only ``--dtype float32 --max-seq-len 2048``) on a
+  checkpoint of SmolLM2-135M's shape (random weights): 64 requests at 16/s (output
+  tokens/s, TTFT, TPOT, ITL), a light load of 0.2 requests/s, 32 requests at 2/s sharing a
+  768-token prefix, and a 1,600-token prompt among 8 streams; with the server's own
+  breakdown of where each workload's time went (``_bench_profile.py``).
+* ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
+  server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with
+  ratios. Runs only when ``--vllm-url`` is given.
 
     python scripts/bench_serving.py [--quick] [--sections static,paged,step,prefix,chunked]
-        [--strategy dp=2,tp=2]
+        [--strategy dp=2,tp=2] [--sections workloads,vs-vllm --vllm-url URL]
+        [--workload-model smollm2|tiny]
 
 ``--strategy`` applies to ``static``; the other sections run on one device. The served
 sections write their checkpoint (this model, random weights, a word-level tokenizer),
@@ -863,6 +873,26 @@ def _served_markdown(name: str):
     return render
 
 
+#: Where the workloads sections keep their checkpoints, server logs and compile cache.
+WORKLOADS_DIR = Path("bench_out/workloads")
+
+
+def workloads_section(name: str, quick: bool, shape: str, vllm_url: str | None) -> dict:
+    """``workloads`` (jaxpar alone) or ``vs-vllm`` (jaxpar, then ``vllm_url``)."""
+    import _bench_workloads as workloads
+
+    model = workloads.SHAPES[shape]
+    if name == "workloads":
+        return workloads.workloads_section(WORKLOADS_DIR, model, quick)
+    return workloads.vs_vllm_section(WORKLOADS_DIR, model, vllm_url, quick)
+
+
+def _workloads_markdown(res: dict) -> str:
+    import _bench_workloads as workloads
+
+    return workloads.markdown(res)
+
+
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
@@ -873,13 +903,23 @@ SECTIONS = {
         "chunked prefill: a long prompt among streaming requests, served",
         _served_markdown("chunked"),
     ),
+    "workloads": ("issue 41's workloads, jaxpar serve at its defaults", _workloads_markdown),
+    "vs-vllm": ("issue 41's workloads: jaxpar and vLLM side by side", _workloads_markdown),
 }
 
 
-def run_section(name: str, quick: bool, strategy: str = "") -> dict:
+def run_section(
+    name: str,
+    quick: bool,
+    strategy: str = "",
+    workload_model: str = "smollm2",
+    vllm_url: str | None = None,
+) -> dict:
     """One section's results (``seconds``: how long it took, compiles included)."""
     start, load = time.perf_counter(), os.getloadavg()[0]
-    if name == "static":
+    if name in ("workloads", "vs-vllm"):
+        res = workloads_section(name, quick, workload_model, vllm_url)
+    elif name == "static":
         res = serving_section(quick, strategy)
     elif name == "paged":
         res = paged_section(quick)
@@ -895,19 +935,39 @@ def run_section(name: str, quick: bool, strategy: str = "") -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer requests")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated")
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated (default: all; vs-vllm only with --vllm-url)",
+    )
     parser.add_argument("--strategy", default="", help="static: e.g. dp=2,tp=2 (default: one)")
+    parser.add_argument(
+        "--vllm-url", default=None, help="vs-vllm: the OpenAI-compatible server to compare"
+    )
+    parser.add_argument(
+        "--workload-model",
+        default="smollm2",
+        choices=("smollm2", "tiny"),
+        help="workloads, vs-vllm: SmolLM2-135M's shape (default) or the small bench model",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_out/serving.json"))
     args = parser.parse_args(argv)
-    sections = args.sections.split(",")
+    if args.sections is None:
+        sections = [s for s in SECTIONS if s != "vs-vllm" or args.vllm_url]
+    else:
+        sections = args.sections.split(",")
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if "vs-vllm" in sections and not args.vllm_url:
+        parser.error("vs-vllm needs --vllm-url (an OpenAI-compatible server serving 'bench')")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     results = {}
     for name in sections:
-        results[name] = run_section(name, args.quick, args.strategy)
+        results[name] = run_section(
+            name, args.quick, args.strategy, args.workload_model, args.vllm_url
+        )
         title, render = SECTIONS[name]
         print(f"\n### {title}\n\n{render(results[name])}", flush=True)
         load = "/".join(f"{x:.1f}" for x in results[name]["load_average"])
