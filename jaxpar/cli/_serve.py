@@ -127,9 +127,10 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="the most prefill tokens (padded) run between two decode steps while requests "
-        "decode: a longer prompt is prefilled in chunks, so running requests keep streaming "
-        "(default: about two decode steps' worth, the start line says how many)",
+        help="the most prefill tokens (padded) run between two decode steps, whether or not "
+        "requests decode: a longer prompt is prefilled in chunks and a long queue over several "
+        "steps, so running requests keep streaming (default: about two decode steps' worth, "
+        "the start line says how many)",
     )
     serve.add_argument(
         "--hardware",
