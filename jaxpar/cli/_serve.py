@@ -54,11 +54,11 @@ from jaxpar.spec import Phase, batch_multiple, validate
 DEFAULT_MAX_NUM_SEQS = 64
 #: The same on CPU, where a decode step is compute-bound: its time grows with its rows, so
 #: past some row count more rows buy no throughput, only longer steps (time per output
-#: token). Measured (one decode step, SmolLM2-135M shapes, f32, 2 cores, rows of 256 and
-#: 1,024 tokens; tokens/s at 1, 2, 4, 8, 16, 32, 64 rows): 12, 15, 26, 44, 63, 70, 82 at
-#: 256 tokens, and 10, 12, 27, 31, 47, 34, 41 at 1,024: 16 rows is the peak with long rows,
-#: and with short ones four times the rows buy 30% more tokens for steps three times as
-#: long. 16 it is.
+#: token). Measured (one decode step, SmolLM2-135M shapes, f32, 2 shared cores at load 5,
+#: medians of 10 rounds; tokens/s at 1, 2, 4, 8, 16, 32, 64 rows): rows of 1,024 tokens
+#: 16, 24, 42, 56, 86, 83, 88; rows of 256 tokens 22, 27, 52, 85, 125, 141, 152. Past 16
+#: rows, four times the rows buy 3% (long rows) to 21% (short rows) more tokens for steps
+#: 3.3-3.9 times as long (187 ms at 16 rows of 1,024 tokens, 726 ms at 64).
 CPU_MAX_NUM_SEQS = 16
 
 
