@@ -62,10 +62,11 @@ def make(
     return Scheduler(SchedulerConfig(prefill_batch, buckets, chunk, budget), cache, bucket=bucket)
 
 
-def prefill(sched: Scheduler, budget: int | None = None) -> PrefillPlan:
-    """Plans a prefill and runs it as the runner would: requests it completes draw their
-    first token (and end there if that was their last)."""
-    plan = sched.schedule_prefill(budget)
+def prefill(sched: Scheduler, budget: int | None = None, spent: int = 0) -> PrefillPlan:
+    """Plans a prefill (``spent`` tokens already prefilled this step) and runs it as the
+    runner would: requests it completes draw their first token (and end there if that was
+    their last)."""
+    plan = sched.schedule_prefill(budget, spent)
     for request in plan.cancelled:
         request.done = True
     live = []
@@ -99,21 +100,29 @@ def decode(sched: Scheduler) -> list[Req]:
     return preempted
 
 
+def admit(sched: Scheduler) -> list[PrefillPlan]:
+    """A colocated batcher's admission (:meth:`ServingCore.admit
+    <jaxpar.engine._core.ServingCore.admit>`): prefills within the step's budget, whether
+    or not requests decode; returns the plans run."""
+    budget, spent, plans = sched.config.max_prefill_tokens, 0, []
+    while spent < budget:
+        plan = prefill(sched, budget, spent)
+        if not plan.chunks:
+            break
+        plans.append(plan)
+        spent += plan.cost
+    return plans
+
+
 def step(sched: Scheduler) -> list[Req]:
-    """A colocated batcher's loop iteration: cancellations, admission within the budget
-    while requests decode, then a decode step."""
+    """A colocated batcher's loop iteration: cancellations, admission within the budget,
+    then a decode step."""
     for _, request in sched.cancelled_running():
         request.done = True
     chunk = sched.cancelled_chunk()
     if chunk is not None:
         chunk.done = True
-    budget = sched.config.max_prefill_tokens if sched.running else None
-    while budget is None or budget > 0:
-        plan = prefill(sched, budget)
-        if not plan.chunks:
-            break
-        if budget is not None:
-            budget -= plan.cost
+    admit(sched)
     return decode(sched)
 
 
@@ -188,7 +197,7 @@ def test_long_prompts_prefill_alone_in_chunks_within_the_budget():
     sched.waiting.remove(after)
     plan = prefill(sched, 16)
     assert len(plan.chunks) == 1 and plan.cost <= 16
-    assert prefill(sched, 4).chunks == ()  # the next chunk waits for the next step
+    assert prefill(sched, 16, spent=16).chunks == ()  # the next chunk waits for the next step
 
 
 def test_requests_share_a_prefill_within_the_budget():
@@ -198,6 +207,82 @@ def test_requests_share_a_prefill_within_the_budget():
     plan = sched.schedule_prefill(16)
     assert len(plan.chunks) == 2 and plan.cost <= 16  # two rows of 8 padded tokens
     assert [c.request.prompt[0] for c in plan.chunks] == [0, 1]  # in order
+
+
+def test_a_queue_with_no_running_rows_is_admitted_over_several_steps_within_the_budget():
+    """Nothing decodes and eight requests wait: each step prefills at most the budget's
+    padded tokens (two 8-token rows of 16), in order, then decodes, so the first requests
+    draw their second tokens before the last ones are prefilled."""
+    sched = make(pages=64, rows=8, max_seq_len=32, prefill_batch=2, chunk=8, budget=16)
+    requests = [Req([i] * 5, 4) for i in range(8)]
+    for request in requests:
+        sched.add(request)
+    admitted, second_token_at, last_admitted_at = [], None, None
+    for n in range(10):
+        plans = admit(sched)
+        assert sum(p.cost for p in plans) <= 16
+        admitted.append([c.request.prompt[0] for p in plans for c in p.chunks])
+        if requests[-1].drawn and last_admitted_at is None:
+            last_admitted_at = n
+        decode(sched)
+        if len(requests[0].drawn) >= 2 and second_token_at is None:
+            second_token_at = n
+    assert [a for a in admitted if a] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # in order
+    assert second_token_at == 0 and last_admitted_at == 3
+    assert all(r.done for r in requests)
+    conserved(sched)
+
+
+def test_requests_arriving_between_steps_join_later_steps_in_order():
+    sched = make(pages=64, rows=8, max_seq_len=32, prefill_batch=2, chunk=8, budget=16)
+    early = [Req([i] * 5, 8) for i in range(3)]
+    for request in early:
+        sched.add(request)
+    first = admit(sched)
+    decode(sched)
+    late = [Req([10 + i] * 5, 8) for i in range(2)]
+    for request in late:  # they arrive while the step ran
+        sched.add(request)
+    assert [c.request for p in first for c in p.chunks] == early[:2]
+    second = [c.request for p in admit(sched) for c in p.chunks]
+    assert second == [early[2], late[0]]  # the older one first, then the arrivals
+    decode(sched)
+    assert [c.request for p in admit(sched) for c in p.chunks] == [late[1]]
+    assert all(len(r.drawn) >= 1 for r in [*early, *late])
+
+
+def test_a_long_prompt_alone_goes_even_past_a_small_budget():
+    """A budget below one chunk's padded cost: the step's first prefill goes anyway, one
+    chunk a step, so a lone long prompt is not starved (whether or not rows decode)."""
+    sched = make(pages=32, rows=4, max_seq_len=64, chunk=8, budget=4)
+    long = Req(list(range(21)), 3)
+    sched.add(long)
+    steps = 0
+    while not long.drawn:
+        plans = admit(sched)
+        assert len(plans) == 1 and plans[0].chunks[0].request is long  # one chunk per step
+        decode(sched)
+        steps += 1
+    assert steps == 3  # 8 + 8 + 5 tokens
+
+
+def test_a_prefix_hit_costs_only_its_suffix_in_the_budget():
+    """Two prompts of 15 tokens cost 2 rows x 16 padded tokens: over a budget of 16, they
+    prefill in two steps. With their first 12 tokens cached, each computes 3 tokens (one
+    8-token bucket), and both go in one step."""
+
+    def plan_two(cached: bool) -> list[PrefillPlan]:
+        sched = make(pages=32, rows=4, max_seq_len=32, prefill_batch=2, chunk=16, budget=16)
+        if cached:
+            sched.add(Req(list(range(13)), 1))  # ends at its first token: 3 pages cached
+            admit(sched)
+        for tail in (50, 60):
+            sched.add(Req([*range(12), tail, tail + 1, tail + 2], 4))
+        return admit(sched)
+
+    (plan,) = plan_two(cached=True)
+    assert [c.hit for c in plan.chunks] == [12, 12] and plan.cost <= 16
+    assert [len(p.chunks) for p in plan_two(cached=False)] == [1]  # the other waits
 
 
 def test_prefix_hit_is_placed_in_the_shard_that_caches_it():
@@ -322,18 +407,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = [r for r in self.requests if not r.done]
         data.draw(st.sampled_from(live)).cancel_requested = True
 
-    @rule(budget=st.sampled_from([None, 4, 8, 16, 32]))
-    def plan_prefill(self, budget):
-        if budget is None and self.sched.running:
-            budget = self.sched.config.max_prefill_tokens
-        plan = prefill(self.sched, budget)
+    @rule(budget=st.sampled_from([None, 4, 8, 16, 32]), spent=st.sampled_from([0, 0, 4, 8]))
+    def plan_prefill(self, budget, spent):
+        plan = prefill(self.sched, budget, spent)
         config = self.sched.config
         assert len(plan.chunks) <= config.prefill_batch
         assert plan.rows in (0, *config.row_buckets) and plan.rows >= len(plan.chunks)
         assert all(0 < len(c.tokens) <= config.chunk_tokens for c in plan.chunks)
         assert all(c.start % Z == 0 for c in plan.chunks)
-        if budget is not None and len(plan.chunks) > 1:
-            assert plan.cost <= budget
+        if (
+            budget is not None and plan.chunks and (spent or len(plan.chunks) > 1)
+        ):  # a first may go over
+            assert spent + plan.cost <= budget
         rows = [c.row for c in plan.chunks]
         assert len(set(rows)) == len(rows)
 

@@ -38,7 +38,8 @@ from jaxpar.spec import Module, Phase, mesh_axes
 #: tokens: ~240 for bf16 on TPU v5e, ~300 on H100.
 ACCELERATOR_STEP_TOKENS = 256
 #: The same on CPU, where a decode step is compute-bound too: about the rows it computes
-#: (at least 8 per batch shard), plus its dispatch.
+#: (from one per batch shard: :func:`~jaxpar.engine._slots.step_row_floor`), plus its
+#: dispatch.
 CPU_STEP_TOKENS = 32
 
 

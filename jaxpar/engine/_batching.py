@@ -56,9 +56,10 @@ class ContinuousBatcher:
         max_queue: requests waiting beyond this are refused (:class:`QueueFullError`).
         kv_budget: the paged KV cache's page size and size; default :class:`KVBudget`.
         prefix_caching: reuse earlier prompts' K/V pages that a new prompt starts with.
-        max_prefill_tokens: prefill tokens (padded) run between two decode steps while
-            requests are decoding; longer prompts are prefilled in chunks of about that
-            many tokens. Default: :func:`~._batcher_programs.default_max_prefill_tokens`.
+        max_prefill_tokens: prefill tokens (padded) run between two decode steps,
+            whether or not requests are decoding (the first prefill always runs); longer
+            prompts are prefilled in chunks of about that many tokens, and a long queue
+            over several steps. Default: :func:`~._batcher_programs.default_max_prefill_tokens`.
     """
 
     def __init__(

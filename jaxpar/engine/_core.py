@@ -107,13 +107,16 @@ class ServingCore:
 
     def admit(self, max_prefill_tokens: int) -> None:
         """Colocated: prefills queued requests (and chunks of a long prompt) and writes them
-        into their rows and pages: while requests decode, about ``max_prefill_tokens``
-        padded tokens (one prefill at least) before the next step; else all that fit."""
-        sched = self.scheduler
-        budget = max_prefill_tokens if sched.running else None
-        while budget is None or budget > 0:
+        into their rows and pages, about ``max_prefill_tokens`` padded tokens before the
+        next decode step (the first prefill at least), whether or not requests decode:
+        a long queue is prefilled over several steps while its first requests decode, and
+        requests that arrive meanwhile are considered at the next step (vLLM's
+        ``max_num_batched_tokens``). Prefilling a whole queue before a step instead gave
+        64 requests arriving at 16/s their second tokens only after all 64 first ones."""
+        sched, spent = self.scheduler, 0
+        while spent < max_prefill_tokens:
             with self.lock:
-                plan = sched.schedule_prefill(budget)
+                plan = sched.schedule_prefill(max_prefill_tokens, spent)
                 self.took(plan)
             if not plan.chunks:
                 break
@@ -125,8 +128,7 @@ class ServingCore:
             with self.lock:
                 sched.prefilled(plan, live)
                 self.prefilling = []
-            if budget is not None:
-                budget -= plan.cost
+            spent += plan.cost
 
     def wants_prefill(self) -> bool:
         """Disaggregated (lock held): something to prefill, and room for it when done."""

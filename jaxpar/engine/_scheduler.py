@@ -8,7 +8,8 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
   requests are admitted in order (first come, first served; a preempted request goes
   back to the front) while a free row and the pages for their context and first new
   token fit, their padded tokens stay within the step's budget (``max_prefill_tokens``
-  while requests decode, at least one dispatch), and each fits one chunk. A request is
+  between two decode steps, whether or not rows decode; the step's first prefill always
+  goes), and each fits one chunk. A request is
   placed in the batch shard holding the longest cached run of its prefix (then the one
   with the most free pages) and prefills only the rest. A prompt longer than a chunk is
   prefilled alone, one chunk of whole pages per plan, each continuing the ones before.
@@ -61,8 +62,10 @@ class SchedulerConfig:
         row_buckets: prefill batch sizes (ascending, the last ``prefill_batch``); a
             prefill of ``n`` requests pads to the smallest that holds them.
         chunk_tokens: new tokens of one chunk of a long prompt (whole pages).
-        max_prefill_tokens: padded prefill tokens between two decode steps while
-            requests decode.
+        max_prefill_tokens: padded prefill tokens between two decode steps (vLLM's
+            ``max_num_batched_tokens``), whether or not requests decode: a queue is
+            admitted over several steps, each within it, so the first requests decode
+            while later ones prefill, and requests arriving meanwhile join later steps.
     """
 
     prefill_batch: int
@@ -270,22 +273,37 @@ class Scheduler:
         top = self.bucket(self.config.chunk_tokens)
         return sorted({top, max(8, top // 4)} if top >= 8 else {top})
 
-    def _cost(self, n: int, longest: int) -> int:
-        """Padded tokens of a prefill of ``n`` rows of up to ``longest`` new tokens."""
-        return self.config.rows(n) * self.bucket(longest)
+    def _length(self, takes: Sequence[int], with_context: bool) -> int:
+        """The new-token bucket of a prefill whose chunks take ``takes`` new tokens
+        (``with_context``: after cached tokens, padded to :meth:`context_lengths`)."""
+        length = self.bucket(max(takes))
+        if with_context:  # pads to the fewer buckets of a prefill with context
+            length = next((t for t in self.context_lengths() if t >= length), length)
+        return length
 
-    def schedule_prefill(self, budget: int | None) -> PrefillPlan:
+    def _cost(self, works: Sequence[_Work]) -> int:
+        """Padded tokens of a prefill of ``works``: its rows times its new-token bucket. A
+        prefix hit costs only its suffix (its cached tokens are not computed again)."""
+        takes = [min(w.remaining, self.config.chunk_tokens) for w in works]
+        length = self._length(takes, any(w.done for w in works))
+        return self.config.rows(len(works)) * length
+
+    def schedule_prefill(self, budget: int | None, spent: int = 0) -> PrefillPlan:
         """The next prefill: the next chunk of a long prompt, or queued requests placed in
         free rows with their pages, in order, while their pages fit, their padded tokens
-        stay within ``budget`` (None: no bound; the first request always goes), and each
-        fits one chunk. A request longer than a chunk is prefilled alone, chunk by chunk
-        (on CPU a 4,096-token prompt prefilled whole took 3-4x as long as in chunks)."""
+        and the ``spent`` ones already prefilled since the last decode step stay within
+        ``budget`` (None: no bound), and each fits one chunk. The step's first prefill
+        (``spent`` 0) always goes, over the budget if it must: a lone long request is not
+        starved. A request longer than a chunk is prefilled alone, chunk by chunk (on CPU
+        a 4,096-token prompt prefilled whole took 3-4x as long as in chunks)."""
         chunk, cancelled = self.config.chunk_tokens, []
+
+        def fits(works: Sequence[_Work], first: bool) -> bool:
+            return first or budget is None or spent + self._cost(works) <= budget
+
         if self.chunking is not None:
             work = self.chunking
-            if budget is not None and self._cost(1, min(work.remaining, chunk)) > budget:
-                return PrefillPlan()
-            return self._plan([work], ())
+            return self._plan([work], ()) if fits([work], not spent) else PrefillPlan()
         works: list[_Work] = []
         cache, owners = self.prefill_cache, self._prefill_owners
         while len(works) < self.config.prefill_batch:
@@ -296,9 +314,7 @@ class Scheduler:
             if work is None:
                 break
             long = work.remaining > chunk
-            longest = max(w.remaining for w in [*works, work])
-            cost = self._cost(len(works) + 1, min(longest, chunk))
-            if (works and long) or (budget is not None and works and cost > budget):
+            if (works and long) or not fits([*works, work], not (works or spent)):
                 cache.free(work.row)  # it waits for the next prefill
                 break
             self.waiting.popleft()
@@ -313,6 +329,7 @@ class Scheduler:
         if not works:
             return PrefillPlan(cancelled=cancelled)
         takes = [min(w.remaining, self.config.chunk_tokens) for w in works]
+        length = self._length(takes, any(w.done for w in works))
         chunks = []
         for work, take in zip(works, takes, strict=True):
             self._works[id(work.request)] = work
@@ -329,9 +346,6 @@ class Scheduler:
                 )
             )
             work.admitted, work.queried = False, 0
-        length = self.bucket(max(takes))
-        if any(w.done for w in works):  # pads to the fewer buckets of a prefill with context
-            length = next((t for t in self.context_lengths() if t >= length), length)
         return PrefillPlan(
             tuple(chunks),
             self.config.rows(len(works)),

@@ -62,6 +62,21 @@ from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE
 
+#: The fewest rows a decode step computes per batch shard (fewer live rows pad to it),
+#: by platform. On an accelerator a decode step is bound by reading the weights once, so
+#: a few more rows cost almost nothing and a floor of 8 keeps the step compiles few. On
+#: CPU the step is compute-bound, its cost about proportional to the rows it computes
+#: (SmolLM2-135M shapes, 2 cores, rows of 256 tokens: 45 ms for one row, 94 ms for 8, 128 ms
+#: for 16): a lone request computes one.
+STEP_ROW_FLOOR = {"cpu": 1}
+#: :data:`STEP_ROW_FLOOR` on the platforms it does not name.
+ACCELERATOR_STEP_ROW_FLOOR = 8
+
+
+def step_row_floor(platform: str) -> int:
+    """The fewest rows per batch shard a decode step on ``platform`` computes."""
+    return STEP_ROW_FLOOR.get(platform, ACCELERATOR_STEP_ROW_FLOOR)
+
 
 @flax.struct.dataclass
 class Slots:
@@ -154,6 +169,9 @@ class SlotSteps:
                 f"{1 if self.groups is None else self.groups.n_groups} KV group(s)"
             )
         self.n_slots = pool.rows
+        platform = steps.platform or steps.mesh.devices.flat[0].platform
+        #: The fewest rows per batch shard a step computes (:func:`step_row_floor`).
+        self.row_floor = step_row_floor(platform)
         # Programs are cached on ``steps`` (shared with other SlotSteps of the engine, e.g.
         # offline generation's): keyed by the pool's shape too.
         self._pool_key = (pool.pages, pool.page_size)
@@ -497,16 +515,17 @@ class SlotSteps:
         tables = tables_BN.reshape(*lead, shards, per, -1)[..., : rows // shards, :]
         return np.ascontiguousarray(tables.reshape(*lead, rows, -1), np.int32)
 
-    def rows_for(self, live: np.ndarray, floor: int = 8) -> int:
+    def rows_for(self, live: np.ndarray, floor: int | None = None) -> int:
         """The rows a step computes: per batch shard, a power of two (at least ``floor``,
-        at most the shard's rows) above its last live row; few step compiles, and a step's
-        cost follows the live rows rather than ``max_batch``."""
+        default :attr:`row_floor`, at most the shard's rows) above its last live row; few
+        step compiles, and a step's cost follows the live rows rather than ``max_batch``."""
+        floor = self.row_floor if floor is None else floor
         per = self.n_slots // self.pool.shards
         local = np.nonzero(live)[0] % per
         need = max(int(local.max()) + 1 if local.size else 1, min(floor, per))
         return min(1 << (need - 1).bit_length(), per) * self.pool.shards
 
-    def row_buckets(self, floor: int = 8) -> list[int]:
+    def row_buckets(self, floor: int | None = None) -> list[int]:
         """Every row count :meth:`rows_for` gives."""
         per = self.n_slots // self.pool.shards
         counts = {self.rows_for(np.arange(self.n_slots) == i, floor) for i in range(per)}
