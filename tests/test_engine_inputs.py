@@ -23,8 +23,9 @@ def fresh():
 
 
 @pytest.fixture(scope="module")
-def roomy():
-    """One device with room to spare: twice ``eng``'s max_seq_len."""
+def single():
+    """One device, with room to spare (twice ``eng``'s max_seq_len, which changes no token:
+    test_max_seq_len_boundary)."""
     return engine("tiny-dense", ParallelConfig(), max_batch=4, max_seq_len=64)
 
 
@@ -111,10 +112,9 @@ def test_deterministic_across_runs_and_engines(eng, fresh, sampling):
         assert other != first  # the seed matters
 
 
-def test_sampling_is_sharding_independent(eng):
+def test_sampling_is_sharding_independent(eng, single):
     """Partitionable threefry: the same seed samples the same tokens on 1 and 8 devices."""
     sampling = Sampling(temperature=1.0, top_k=50)
-    single = engine("tiny-dense", ParallelConfig(), max_batch=4, max_seq_len=32)
     assert (
         single.generate(PROMPTS[:4], 8, sampling=sampling, seed=3).tokens
         == eng.generate(PROMPTS[:4], 8, sampling=sampling, seed=3).tokens
@@ -146,12 +146,12 @@ def test_max_seq_len_past_learned_positions_is_refused():
 
 
 @pytest.mark.parametrize("prompt_len", [28, 29], ids=["prompt+new=max_seq_len", "cache-full"])
-def test_max_seq_len_boundary(eng, roomy, prompt_len):
+def test_max_seq_len_boundary(eng, single, prompt_len):
     """prompt + 4 new = max_seq_len (32), and one more: the last new token is never cached,
     so 29 + 4 fills the cache exactly. Both equal a run with room to spare; 30 + 4 is refused."""
     prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, 256, prompt_len)]
     got = eng.generate([prompt, PROMPTS[1]], 4).tokens
-    assert got == roomy.generate([prompt, PROMPTS[1]], 4).tokens
+    assert got == single.generate([prompt, PROMPTS[1]], 4).tokens
     assert len(got[0]) == 4
     with pytest.raises(jaxpar.CacheOverflowError, match="max_seq_len=32"):
         eng.generate([prompt + [1] * (30 - prompt_len)], 4)
