@@ -16,6 +16,19 @@ def eng():
     return engine("tiny-dense", ParallelConfig(dp=2, tp=4), max_batch=4, max_seq_len=32)
 
 
+@pytest.fixture(scope="module")
+def fresh():
+    """A second engine of ``eng``'s model, strategy and shapes: what another process gets."""
+    return engine("tiny-dense", ParallelConfig(dp=2, tp=4), max_batch=4, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One device, with room to spare (twice ``eng``'s max_seq_len, which changes no token:
+    test_max_seq_len_boundary)."""
+    return engine("tiny-dense", ParallelConfig(), max_batch=4, max_seq_len=64)
+
+
 @pytest.mark.parametrize(
     ("prompts", "kwargs", "error", "match"),
     [
@@ -89,20 +102,19 @@ def test_illegal_strategy_rejected_before_compile():
     [Sampling(), Sampling(temperature=0.8, top_k=20, top_p=0.9)],
     ids=["greedy", "sampled"],
 )
-def test_deterministic_across_runs_and_engines(eng, sampling):
+def test_deterministic_across_runs_and_engines(eng, fresh, sampling):
     first = eng.generate(PROMPTS[:4], 8, sampling=sampling, seed=7).tokens
     again = eng.generate(PROMPTS[:4], 8, sampling=sampling, seed=7).tokens
-    fresh = engine("tiny-dense", ParallelConfig(dp=2, tp=4), max_batch=4, max_seq_len=32)
+    assert fresh is not eng
     assert first == again == fresh.generate(PROMPTS[:4], 8, sampling=sampling, seed=7).tokens
     if not sampling.greedy:
         other = eng.generate(PROMPTS[:4], 8, sampling=sampling, seed=8).tokens
         assert other != first  # the seed matters
 
 
-def test_sampling_is_sharding_independent(eng):
+def test_sampling_is_sharding_independent(eng, single):
     """Partitionable threefry: the same seed samples the same tokens on 1 and 8 devices."""
     sampling = Sampling(temperature=1.0, top_k=50)
-    single = engine("tiny-dense", ParallelConfig(), max_batch=4, max_seq_len=32)
     assert (
         single.generate(PROMPTS[:4], 8, sampling=sampling, seed=3).tokens
         == eng.generate(PROMPTS[:4], 8, sampling=sampling, seed=3).tokens
@@ -134,13 +146,12 @@ def test_max_seq_len_past_learned_positions_is_refused():
 
 
 @pytest.mark.parametrize("prompt_len", [28, 29], ids=["prompt+new=max_seq_len", "cache-full"])
-def test_max_seq_len_boundary(eng, prompt_len):
+def test_max_seq_len_boundary(eng, single, prompt_len):
     """prompt + 4 new = max_seq_len (32), and one more: the last new token is never cached,
     so 29 + 4 fills the cache exactly. Both equal a run with room to spare; 30 + 4 is refused."""
     prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, 256, prompt_len)]
-    roomy = engine("tiny-dense", ParallelConfig(), max_batch=4, max_seq_len=64)
     got = eng.generate([prompt, PROMPTS[1]], 4).tokens
-    assert got == roomy.generate([prompt, PROMPTS[1]], 4).tokens
+    assert got == single.generate([prompt, PROMPTS[1]], 4).tokens
     assert len(got[0]) == 4
     with pytest.raises(jaxpar.CacheOverflowError, match="max_seq_len=32"):
         eng.generate([prompt + [1] * (30 - prompt_len)], 4)

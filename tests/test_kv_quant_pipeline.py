@@ -41,10 +41,16 @@ CASES = [("int8", PC(pp=2)), ("fp8", PC(pp=2)), ("int8", GROUPED), ("fp8", GROUP
 
 
 @functools.cache
+def _params():
+    """One set of weights for every engine here (each run is compared with one device)."""
+    return jaxpar.init_params(CONFIG)
+
+
+@functools.cache
 def _engine(mode: str, parallel: ParallelConfig) -> jaxpar.InferenceEngine:
     return jaxpar.InferenceEngine(
         CONFIG,
-        jaxpar.init_params(CONFIG),
+        _params(),
         parallel,
         max_batch=MAX_BATCH,
         max_seq_len=MAX_SEQ_LEN,

@@ -193,14 +193,14 @@ def test_served_penalties_and_logprobs_equal_offline(engine):
         assert batcher.stats.prefill_chunks >= 2
 
 
-def test_pipelined_generate_refuses_penalties_and_logprobs():
-    engine = _engine(ParallelConfig(pp=2))
+def test_pipelined_generate_refuses_penalties_and_logprobs(engine):
+    pipelined = _engine(ParallelConfig(pp=2))
     with pytest.raises(ConfigError, match="pp=2"):
-        engine.generate([[1, 2]], 2, sampling=PENALIZED)
+        pipelined.generate([[1, 2]], 2, sampling=PENALIZED)
     with pytest.raises(ConfigError, match="pp=2"):
-        engine.generate([[1, 2]], 2, logprobs=1)
+        pipelined.generate([[1, 2]], 2, logprobs=1)
     with pytest.raises(ConfigError, match="must be in"):
-        _engine(ParallelConfig()).generate([[1, 2]], 2, logprobs=21)
+        engine.generate([[1, 2]], 2, logprobs=21)
     with pytest.raises(ConfigError, match="repetition_penalty"):
         Sampling(repetition_penalty=0)
     with pytest.raises(ConfigError, match="presence_penalty"):

@@ -68,6 +68,12 @@ def _all_logits(config, params) -> np.ndarray:
     return np.asarray(logits[0, len(PROMPT) - 1 : -1], np.float32)  # predicting the 64 new
 
 
+@functools.cache
+def _float_logits() -> np.ndarray:
+    """The float model's teacher-forced logits, which every quantize mode is held to."""
+    return _all_logits(CONFIG, _float_params())
+
+
 # Bounds, and why. The float model's logits have std 1.0 and a median top-2 gap of 0.21
 # (min 0.014: random-init logits are flat, so some greedy choices are near ties). A weight
 # quantized with step q = amax/qmax errs by ~q/sqrt(12); Gaussian columns of 64 (D here)
@@ -88,7 +94,7 @@ BOUNDS = {  # quantize: (relative rms logit error, max |logit error|, min greedy
 
 @pytest.mark.parametrize("quantize", list(BOUNDS))
 def test_quantized_logits_and_greedy_tokens_track_the_float_model(quantize):
-    want = _all_logits(CONFIG, _float_params())
+    want = _float_logits()
     qparams = quantize_params(CONFIG, _float_params(), quantize)
     got = _all_logits(ModelRun(CONFIG, ExecutionOptions(quantize=quantize)), qparams)
     error = np.abs(got - want)
