@@ -20,6 +20,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -174,6 +175,7 @@ def _check(case) -> str:
     return "matched"
 
 
+@pytest.mark.sweep  # a sweep of random strategies; the fast tier checks the verdict below
 def test_fuzzed_strategy_matches_or_is_refused():
     outcomes: collections.Counter[str] = collections.Counter()
 

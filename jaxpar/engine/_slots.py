@@ -71,6 +71,10 @@ DECODE = Phase.DECODE
 STEP_ROW_FLOOR = {"cpu": 1}
 #: :data:`STEP_ROW_FLOOR` on the platforms it does not name.
 ACCELERATOR_STEP_ROW_FLOOR = 8
+#: Past one row, a step computes at least this many (per batch shard): on CPU two rows
+#: cost what four do (same shapes: 75 ms and 76 ms), so a 2-row step would only add a
+#: compile per block-table width.
+ROWS_PAST_ONE = 4
 
 
 def step_row_floor(platform: str) -> int:
@@ -517,13 +521,15 @@ class SlotSteps:
 
     def rows_for(self, live: np.ndarray, floor: int | None = None) -> int:
         """The rows a step computes: per batch shard, a power of two (at least ``floor``,
-        default :attr:`row_floor`, at most the shard's rows) above its last live row; few
+        default :attr:`row_floor`, at most the shard's rows; one, or at least
+        :data:`ROWS_PAST_ONE`) above its last live row; few
         step compiles, and a step's cost follows the live rows rather than ``max_batch``."""
         floor = self.row_floor if floor is None else floor
         per = self.n_slots // self.pool.shards
         local = np.nonzero(live)[0] % per
         need = max(int(local.max()) + 1 if local.size else 1, min(floor, per))
-        return min(1 << (need - 1).bit_length(), per) * self.pool.shards
+        rows = 1 if need == 1 else max(1 << (need - 1).bit_length(), ROWS_PAST_ONE)
+        return min(rows, per) * self.pool.shards
 
     def row_buckets(self, floor: int | None = None) -> list[int]:
         """Every row count :meth:`rows_for` gives."""
