@@ -520,10 +520,10 @@ class SlotSteps:
         return np.ascontiguousarray(tables.reshape(*lead, rows, -1), np.int32)
 
     def rows_for(self, live: np.ndarray, floor: int | None = None) -> int:
-        """The rows a step computes: per batch shard, a power of two (at least ``floor``,
-        default :attr:`row_floor`, at most the shard's rows; one, or at least
-        :data:`ROWS_PAST_ONE`) above its last live row; few
-        step compiles, and a step's cost follows the live rows rather than ``max_batch``."""
+        """The rows a step computes: per batch shard, a power of two above its last live
+        row (at least ``floor``, default :attr:`row_floor`; one, or at least
+        :data:`ROWS_PAST_ONE`; at most the shard's rows): few step compiles, and a step's
+        cost follows the live rows rather than ``max_batch``."""
         floor = self.row_floor if floor is None else floor
         per = self.n_slots // self.pool.shards
         local = np.nonzero(live)[0] % per
