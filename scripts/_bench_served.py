@@ -77,10 +77,12 @@ def word_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def write_checkpoint(root: Path, config) -> Path:
-    """``config`` (a llama-architecture ``ModelConfig``) as a checkpoint directory under
-    ``root``: config.json, model.safetensors (random weights) and tokenizer.json. Kept
-    between runs (same config, same files)."""
+def write_checkpoint(root: Path, config, name: str | None = None) -> Path:
+    """``config`` (a llama-architecture ``ModelConfig``; ``embed.tied`` honoured) as a
+    checkpoint directory under ``root`` (``name``, default ``bench-llama-<positions>``):
+    config.json, model.safetensors (random weights), a word-level tokenizer.json and a
+    tokenizer_config.json naming its class (vLLM's ``AutoTokenizer`` needs it). Kept between
+    runs (same config, same files)."""
     from safetensors.numpy import save_file
 
     hf = {
@@ -96,16 +98,29 @@ def write_checkpoint(root: Path, config) -> Path:
         "rms_norm_eps": config.norms.eps,
         "rope_theta": config.rope.theta,
         "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": config.embed.tied,
         "hidden_act": "silu",
         "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
-    path = root / f"bench-llama-{config.max_position_embeddings}"
+    path = root / (name or f"bench-llama-{config.max_position_embeddings}")
     if (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == hf:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    save_file(llama_tensors(config), str(path / "model.safetensors"))
+    tensors = llama_tensors(config)
+    if config.embed.tied:
+        del tensors["lm_head.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
     word_tokenizer(config.vocab_size).save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "t1",
+        "eos_token": "t2",
+        "unk_token": "t0",
+        "model_max_length": config.max_position_embeddings,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     (path / "config.json").write_text(json.dumps(hf, indent=1))  # last: marks it complete
     return path
 

@@ -198,76 +198,39 @@ def run_workloads(url: str, works: Workloads, vocab: int, probe=None) -> dict[st
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A Llama checkpoint's shape, in the attribute names ``served.llama_tensors`` reads."""
+    """A checkpoint the workloads serve: its directory's name and its model."""
 
     name: str
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    d_ff: int
-    vocab_size: int
-    rope_theta: float = 100000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 8192
-    tied: bool = True
+    config: Any  # a llama-architecture jaxpar ModelConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+def _llama(d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, vocab_size) -> Any:
+    """A tied-embedding Llama of these sizes (RoPE theta 1e5, 8,192 positions)."""
+    from jaxpar.models import EmbedConfig, ModelConfig, RopeConfig
+
+    return ModelConfig(
+        arch="llama", d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, head_dim=head_dim, d_ff=d_ff, vocab_size=vocab_size,
+        max_position_embeddings=8192, rope=RopeConfig(theta=100000.0),
+        embed=EmbedConfig(tied=True),
+    )  # fmt: skip
 
 
 #: SmolLM2-135M-Instruct's published shape (LlamaForCausalLM, tied embeddings).
-SMOLLM2 = Shape("smollm2-135m-shape", 576, 30, 9, 3, 64, 1536, 49152)
+SMOLLM2 = Shape("smollm2-135m-shape", _llama(576, 30, 9, 3, 64, 1536, 49152))
 #: A small Llama (tied): the smoke test's, compiled in seconds.
-TINY = Shape("tiny", 64, 2, 4, 2, 16, 128, 512)
+TINY = Shape("tiny", _llama(64, 2, 4, 2, 16, 128, 512))
 SHAPES = {"smollm2": SMOLLM2, "tiny": TINY}
 
 
 def write_checkpoint(root: Path, shape: Shape) -> Path:
-    """``shape`` with random weights as a Hugging Face checkpoint under ``root``: config.json,
-    model.safetensors, a word-level tokenizer.json (id ``i`` is ``t<i>``) and a
-    tokenizer_config.json naming its class (as vLLM's ``AutoTokenizer`` needs). Kept between
-    runs when config.json matches."""
-    import json
-
-    from safetensors.numpy import save_file
-
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": shape.vocab_size,
-        "hidden_size": shape.d_model,
-        "num_hidden_layers": shape.n_layers,
-        "num_attention_heads": shape.n_heads,
-        "num_key_value_heads": shape.n_kv_heads,
-        "head_dim": shape.head_dim,
-        "intermediate_size": shape.d_ff,
-        "rms_norm_eps": shape.rms_norm_eps,
-        "rope_theta": shape.rope_theta,
-        "max_position_embeddings": shape.max_position_embeddings,
-        "tie_word_embeddings": shape.tied,
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    path = root / shape.name
-    if (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == hf:
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = served.llama_tensors(shape)
-    if shape.tied:
-        del tensors["lm_head.weight"]
-    save_file(tensors, str(path / "model.safetensors"))
-    served.word_tokenizer(shape.vocab_size).save(str(path / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "t1",
-        "eos_token": "t2",
-        "unk_token": "t0",
-        "model_max_length": shape.max_position_embeddings,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
-    (path / "config.json").write_text(json.dumps(hf, indent=1))  # last: marks it complete
-    return path
+    """``shape`` with random weights as a Hugging Face checkpoint under ``root`` (see
+    ``served.write_checkpoint``; id ``i`` of its word-level tokenizer is ``t<i>``)."""
+    return served.write_checkpoint(root, shape.config, shape.name)
 
 
 #: What the workloads give ``jaxpar serve`` beyond its defaults (with ``--served-model-name``
