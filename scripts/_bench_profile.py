@@ -16,16 +16,18 @@ The breakdown (:func:`breakdown`), over the workload's wall time:
   second of prefill time;
 * inserts: host time dispatching prefilled rows into the decode cache;
 * outside the decode loop: wall time less the decode loop (the server idle, waiting for
-  arrivals, or the client's own gaps).
+  arrivals, or the client's own gaps);
+* padding (``jaxpar:step_tokens_total`` against ``jaxpar:step_tokens_computed_total``, and
+  ``jaxpar:kv_positions_live_total`` against ``jaxpar:kv_positions_read_total``): the
+  share of a decode step's rows that were padding (its row bucket against the live
+  rows), the share of the block-table positions it read past the rows' ends, and the share
+  of prefill tokens that were padding (row and token buckets against the prompts' tokens).
 
-What the counters do not hold, and so the breakdown cannot give: the padded rows of each
-decode step (the compiled row bucket against the live rows), the block-table width
-against the rows' lengths, and device time apart from the host's inside a step.
+What the counters do not hold: device time apart from the host's inside a step.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 #: ``BatcherStats`` fields the breakdown reads.
@@ -34,25 +36,19 @@ STATS = ("decode_steps", "decode_seconds", "prefill_seconds", "prefill_batches",
 #: ``/metrics`` samples the breakdown reads.
 METRICS = ("jaxpar:generation_tokens_total", "jaxpar:prompt_tokens_total",
            "jaxpar:prompt_tokens_cached_total", "jaxpar:request_success_total")  # fmt: skip
-_SAMPLE = re.compile(r"^([^{\s]+)(?:\{(.*)\})?\s+(\S+)$")
-_PHASE = re.compile(r'phase="([^"]+)"')
 
 
 def parse_phases(text: str) -> dict[str, float]:
     """Prometheus text: ``name`` (or ``name{phase}`` for samples with a phase label) -> the
     sum over the other labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        name, labels, value = m.groups()
-        phase = _PHASE.search(labels or "")
-        key = f"{name}{{{phase.group(1)}}}" if phase else name
-        try:
-            out[key] = out.get(key, 0.0) + float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            phase = sample.labels.get("phase")
+            key = f"{sample.name}{{{phase}}}" if phase else sample.name
+            out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 
@@ -105,7 +101,24 @@ def breakdown(d: dict[str, float], wall_s: float) -> dict[str, Any]:
         "insert_s": insert_s,
         "outside_loop_s": wall_s - loop_s,
         "preemptions": int(d.get("preemptions", 0.0)),
+        "decode_padded_rows": _padding(d, "decode"),
+        "decode_kv_past_rows": _kv_past_rows(d),
+        "prefill_padded_tokens": _padding(d, "prefill"),
     }
+
+
+def _padding(d: dict[str, float], phase: str) -> float:
+    """Share of the tokens ``phase``'s compiled steps computed that were padding."""
+    computed = d.get(f"jaxpar:step_tokens_computed_total{{{phase}}}", 0.0)
+    real = d.get(f"jaxpar:step_tokens_total{{{phase}}}", 0.0)
+    return 1.0 - real / computed if computed else float("nan")
+
+
+def _kv_past_rows(d: dict[str, float]) -> float:
+    """Share of the KV positions decode steps read past the rows' ends (block-table width)."""
+    read = d.get("jaxpar:kv_positions_read_total{decode}", 0.0)
+    live = d.get("jaxpar:kv_positions_live_total{decode}", 0.0)
+    return 1.0 - live / read if read else float("nan")
 
 
 def markdown(profiles: dict[str, dict[str, Any]]) -> list[str]:
@@ -113,8 +126,9 @@ def markdown(profiles: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| workload | wall s | decode loop s | decode steps | steps s | ms/step | useful "
         "rows/step | ms/token | prefill batches (chunks) | prefill s | prompt tokens computed "
-        "| prefill tok/s | inserts s | outside the loop s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefill tok/s | inserts s | outside the loop s | decode rows padded | decode KV "
+        "read past rows | prefill tokens padded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in profiles.items():
         lines.append(
@@ -123,6 +137,12 @@ def markdown(profiles: dict[str, dict[str, Any]]) -> list[str]:
             f"{p['decode_ms_per_step']:.1f} | {p['useful_rows_per_step']:.1f} | "
             f"{p['decode_ms_per_token']:.1f} | {p['prefill_batches']} ({p['prefill_chunks']}) | "
             f"{p['prefill_s']:.1f} | {p['prompt_tokens_computed']} | "
-            f"{p['prefill_tokens_per_s']:.0f} | {p['insert_s']:.2f} | {p['outside_loop_s']:.1f} |"
+            f"{p['prefill_tokens_per_s']:.0f} | {p['insert_s']:.2f} | {p['outside_loop_s']:.1f} | "
+            f"{_pct(p.get('decode_padded_rows'))} | {_pct(p.get('decode_kv_past_rows'))} | "
+            f"{_pct(p.get('prefill_padded_tokens'))} |"
         )
     return lines
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.0f}%"

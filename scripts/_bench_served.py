@@ -214,14 +214,12 @@ class Server:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text: each sample's name (labels dropped) -> the sum over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        with contextlib.suppress(ValueError):
-            out[name] = out.get(name, 0.0) + float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
     return out
 
 

@@ -55,6 +55,12 @@ def test_breakdown_from_counters():
             'jaxpar:request_success_total{finished_reason="length",model_name="bench"} 6.0',
             'jaxpar:steps_total{model_name="bench",phase="decode"} 20.0',
             'jaxpar:steps_total{model_name="bench",phase="prefill"} 3.0',
+            'jaxpar:step_tokens_total{model_name="bench",phase="decode"} 80.0',
+            'jaxpar:step_tokens_computed_total{model_name="bench",phase="decode"} 100.0',
+            'jaxpar:step_tokens_total{model_name="bench",phase="prefill"} 48.0',
+            'jaxpar:step_tokens_computed_total{model_name="bench",phase="prefill"} 64.0',
+            'jaxpar:kv_positions_read_total{model_name="bench",phase="decode"} 400.0',
+            'jaxpar:kv_positions_live_total{model_name="bench",phase="decode"} 300.0',
         ]
     )
     parsed = profile.parse_phases(text)
@@ -66,6 +72,9 @@ def test_breakdown_from_counters():
     assert b["useful_rows_per_step"] == pytest.approx((90 - 10) / 20)
     assert b["decode_s"] == pytest.approx(3.0) and b["decode_ms_per_step"] == pytest.approx(150)
     assert b["outside_loop_s"] == pytest.approx(3.0)
+    assert b["decode_padded_rows"] == pytest.approx(0.2)
+    assert b["decode_kv_past_rows"] == pytest.approx(0.25)
+    assert b["prefill_padded_tokens"] == pytest.approx(0.25)
 
 
 @pytest.mark.server

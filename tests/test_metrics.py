@@ -253,9 +253,10 @@ def test_efficiency_gauges_are_the_step_log_over_the_peaks():
         assert not any(k.startswith("jaxpar:hbm_bytes_per_second") for k in values)
         # Two prompts of 3 and 5 new tokens, the second after 8 cached: 0.25 s ending at 1.
         now[0] = 1.0
-        log.prefill_done([3, 5], [0, 8], 0.25, final=True)
-        # Rows of 4 and 9 tokens, block tables 16 positions wide: tokens 1 s apart.
-        log.decode_dispatched([4, 9], 16)
+        log.prefill_done([3, 5], [0, 8], 0.25, final=True, shape=(4, 8))
+        # Rows of 4 and 9 tokens, block tables 16 positions wide, in a 4-row step: tokens
+        # 1 s apart.
+        log.decode_dispatched([4, 9], 16, 4)
         log.decode_delivered(0.5, 1.5)
         values = _parse(http.get("/metrics").text, "a")
     peak_bw, peak_flops = 2 * hardware.hbm_gbps * 1e9, 2 * hardware.peak_flops("float32")
@@ -278,6 +279,16 @@ def test_efficiency_gauges_are_the_step_log_over_the_peaks():
         ("steps_total", "prefill"): 1,
         ("collective_bytes_per_step", "decode"): 300,
         ("collective_bytes_min_per_step", "prefill"): 200,
+        # Padding: a 4 x 8 prefill for 8 new tokens; a 4-row step for 2 rows.
+        ("step_tokens_total", "prefill"): 8,
+        ("step_tokens_computed_total", "prefill"): 32,
+        ("step_tokens_total", "decode"): 2,
+        ("step_tokens_computed_total", "decode"): 4,
+        # KV positions: the prefill read its 8 cached; the step 2 x 16 for 4 + 9 held.
+        ("kv_positions_read_total", "prefill"): 8,
+        ("kv_positions_live_total", "prefill"): 8,
+        ("kv_positions_read_total", "decode"): 32,
+        ("kv_positions_live_total", "decode"): 13,
     }
     for (metric, phase), value in expected.items():
         assert _phase(values, metric, phase) == pytest.approx(value, rel=1e-12), metric
@@ -291,23 +302,24 @@ def test_step_log_windows_chunks_and_prefill_time():
     now = [10.0]
     log = StepLog(colocated=True, window=2, clock=lambda: now[0])
     for i in range(3):
-        log.decode_dispatched([8], 8)
+        log.decode_dispatched([8], 8, 1)
         log.decode_delivered(i, i + 0.5 + i)
     assert (log.decode.total.steps, log.decode.total.seconds) == (3, 0.5 + 1.5 + 2.5)
     assert (log.decode.recent().steps, log.decode.recent().seconds) == (2, 1.5 + 2.5)
-    log.prefill_done([16], [0], 0.1, final=False)
+    log.prefill_done([16], [0], 0.1, final=False, shape=(1, 16))
     assert log.prefill.total.steps == 0  # waits for the prompt's last chunk
-    log.prefill_done([4], [16], 0.2, final=True)
+    log.prefill_done([4], [16], 0.2, final=True, shape=(1, 8))
     chunks = log.prefill.total
     assert (chunks.steps, chunks.rows, chunks.tokens, chunks.kv_read) == (2, 1, 20, 16)
+    assert (chunks.computed, chunks.kv_live) == (16 + 8, 16)
     assert chunks.seconds == pytest.approx(0.3)
     assert chunks.pairs == 16 * 17 // 2 + 4 * 16 + 4 * 5 // 2
-    log.decode_dispatched([8], 8)
+    log.decode_dispatched([8], 8, 1)
     log.decode_delivered(10.0, 11.0)  # both prefills ended at 10.0: not after it
     assert log.decode.recent().seconds == pytest.approx(2.5 + 1.0)
     apart = StepLog(colocated=False, clock=lambda: now[0])
-    apart.prefill_done([4], [0], 0.5, final=True)
-    apart.decode_dispatched([8], 8)
+    apart.prefill_done([4], [0], 0.5, final=True, shape=(1, 4))
+    apart.decode_dispatched([8], 8, 1)
     apart.decode_delivered(9.0, 11.0)
     assert apart.decode.total.seconds == 2.0
 

@@ -49,6 +49,12 @@ class StepFacts:
         pairs: (query, key) position pairs attended, per layer and head: each real
             token attends to its cached context and, causally, to itself and the tokens
             before it.
+        computed: tokens the compiled programs computed, padding included (decode: the
+            step's row bucket, one token per row; prefill: its row bucket x its token
+            bucket). ``computed - tokens`` is padding.
+        kv_live: of ``kv_read``, the positions the rows hold (decode: the running rows'
+            lengths; prefill: their cached context). ``kv_read - kv_live`` is block-table
+            width past the rows' ends.
     """
 
     steps: int = 0
@@ -57,26 +63,19 @@ class StepFacts:
     tokens: int = 0
     kv_read: int = 0
     pairs: int = 0
+    computed: int = 0
+    kv_live: int = 0
 
     def __add__(self, other: StepFacts) -> StepFacts:
-        return StepFacts(
-            self.steps + other.steps,
-            self.seconds + other.seconds,
-            self.rows + other.rows,
-            self.tokens + other.tokens,
-            self.kv_read + other.kv_read,
-            self.pairs + other.pairs,
-        )
+        return StepFacts(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
 
     def __sub__(self, other: StepFacts) -> StepFacts:
-        return StepFacts(
-            self.steps - other.steps,
-            max(self.seconds - other.seconds, 0.0),  # rounding never below zero
-            self.rows - other.rows,
-            self.tokens - other.tokens,
-            self.kv_read - other.kv_read,
-            self.pairs - other.pairs,
-        )
+        diff = StepFacts(*(a - b for a, b in zip(_fields(self), _fields(other), strict=True)))
+        return dataclasses.replace(diff, seconds=max(diff.seconds, 0.0))  # never below zero
+
+
+def _fields(facts: StepFacts) -> tuple:
+    return dataclasses.astuple(facts)
 
 
 class PhaseLog:
@@ -133,9 +132,10 @@ class StepLog:
         self._prefills: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         self._chunks = StepFacts()  # chunks dispatched without waiting, not yet recorded
 
-    def decode_dispatched(self, live_lengths: list[int], width_tokens: int) -> None:
+    def decode_dispatched(self, live_lengths: list[int], width_tokens: int, rows: int) -> None:
         """A decode step was dispatched over rows holding ``live_lengths`` tokens each,
-        with block tables ``width_tokens`` positions wide."""
+        with block tables ``width_tokens`` positions wide, computing ``rows`` rows (its
+        row bucket: the live ones and padding)."""
         n = len(live_lengths)
         facts = StepFacts(
             steps=1,
@@ -143,6 +143,8 @@ class StepLog:
             tokens=n,
             kv_read=n * width_tokens,
             pairs=sum(live_lengths) + n,  # each new token attends to its row and itself
+            computed=rows,
+            kv_live=sum(live_lengths),
         )
         with self._lock:
             self._in_flight.append(facts)
@@ -160,11 +162,18 @@ class StepLog:
         self.decode.record(dataclasses.replace(facts, seconds=seconds))
 
     def prefill_done(
-        self, takes: list[int], starts: list[int], seconds: float, *, final: bool
+        self,
+        takes: list[int],
+        starts: list[int],
+        seconds: float,
+        *,
+        final: bool,
+        shape: tuple[int, int],
     ) -> None:
         """A prefill of ``takes`` new tokens per prompt after ``starts`` cached ones took
         ``seconds``; ``final``: it finished its prompts (their first tokens are on the
-        host), else it was a chunk dispatched without waiting."""
+        host), else it was a chunk dispatched without waiting; ``shape``: its (rows,
+        tokens) buckets."""
         facts = StepFacts(
             steps=1,
             seconds=seconds,
@@ -172,6 +181,8 @@ class StepLog:
             tokens=sum(takes),
             kv_read=sum(starts),
             pairs=sum(t * s + t * (t + 1) // 2 for t, s in zip(takes, starts, strict=True)),
+            computed=shape[0] * shape[1],
+            kv_live=sum(starts),
         )
         with self._lock:
             if self.colocated:

@@ -187,7 +187,8 @@ class Runner:
         took = time.perf_counter() - start
         self.stats.prefill_seconds += took
         takes = [len(c.tokens) for c in chunks]
-        self.step_log.prefill_done(takes, [c.start for c in chunks], took, final=plan.final)
+        starts = [c.start for c in chunks]
+        self.step_log.prefill_done(takes, starts, took, final=plan.final, shape=(rows, length))
         return Prefilled(
             live,
             handle,
@@ -288,7 +289,7 @@ class Runner:
             tables = self.slot_steps.table_rows(cache.step_tables(width), rows)
         handle = self.executor.step(np.array(plan.released), tables, allowed)
         lengths = [n for n, b in zip(plan.lengths, plan.live, strict=True) if b]
-        self.step_log.decode_dispatched(lengths, width * cache.page_size)
+        self.step_log.decode_dispatched(lengths, width * cache.page_size, rows)
         return handle
 
     def loop_started(self) -> None:

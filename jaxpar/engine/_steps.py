@@ -388,8 +388,11 @@ class Steps:
         return self.lower(self.jit_decode(), params, cache, tokens_B)
 
     def decode(self, params, cache, tokens_B):
+        """One decode step over ``cache``; one compile per shape of the cache and tokens."""
         args = (params, cache, tokens_B)
-        return self._strip("decode", self._aot("decode", (), self.jit_decode(), args)(*args))
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((cache, tokens_B)))
+        compiled = self._aot("decode", shapes, self.jit_decode(), args)
+        return self._strip("decode", compiled(*args))
 
     def decode_select(self, params, cache, tokens, key, step, sampling: Sampling):
         """A decode step that picks the next tokens from the previous step's ``tokens``."""

@@ -221,6 +221,30 @@ _PHASE_COUNTERS: list[tuple[str, str, Callable[[PhaseReading], float]]] = [
     ("step_seconds", "Wall time of the phase's steps, in seconds.", lambda r: r.total.seconds),
     ("hbm_bytes_read", "Bytes the phase's steps read from HBM.", lambda r: r.total_bytes),
     ("model_flops", "Model FLOPs of the phase's steps.", lambda r: r.total_flops),
+    (
+        "step_tokens",
+        "Real tokens the phase's steps computed (decode: one per running row; prefill: "
+        "the prompts' new tokens).",
+        lambda r: r.total.tokens,
+    ),
+    (
+        "step_tokens_computed",
+        "Tokens the compiled steps computed, padding included (decode: the step's row "
+        "bucket; prefill: its rows x tokens buckets); less step_tokens: padding.",
+        lambda r: r.total.computed,
+    ),
+    (
+        "kv_positions_read",
+        "Cached KV positions the steps read per layer (decode: each running row's "
+        "block-table width; prefill: the cached context).",
+        lambda r: r.total.kv_read,
+    ),
+    (
+        "kv_positions_live",
+        "Of kv_positions_read, those the rows hold; the rest is block-table width past "
+        "the rows' ends.",
+        lambda r: r.total.kv_live,
+    ),
 ]
 
 
