@@ -10,11 +10,10 @@ tokens of its pages, its parent is the page before (None for a prompt's first), 
 held by both shards is stored once and removed only when the last shard evicts it.
 """
 
-# No ``from __future__ import annotations``: msgspec reads the structs' annotations, and
-# these are defined in a function.
+from __future__ import annotations
+
 import dataclasses
 import itertools
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -27,53 +26,12 @@ from jaxpar.engine._prefix import cache_salt, page_keys
 from jaxpar.errors import ConfigError
 from jaxpar.server import KVEventPublisher, parse_kv_events_config
 from jaxpar.server._kv_events import external_hash
+from tests._vllm_events import vllm_structs
 
 Z = 4
 POOL = PagePool(page_size=Z, pages_per_shard=5, shards=2, rows=4, max_seq_len=16)
 SALT = cache_salt("test_kv_events")
 TIMEOUT_MS = 5000
-
-
-def vllm_structs(array_like: bool):
-    """vLLM's KV event structs (vllm/distributed/kv_events.py: the batch an array, each
-    event tagged with its class name, as an array up to vLLM 0.23 or a map since), with
-    the fields it has today: trailing ones jaxpar does not send have defaults."""
-
-    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-        ts: float
-        events: list[Any]
-        data_parallel_rank: int | None = None
-
-    class KVCacheEvent(
-        msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True
-    ):
-        pass
-
-    class BlockStored(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        parent_block_hash: bytes | int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list[Any] | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-
-    class BlockRemoved(KVCacheEvent):
-        block_hashes: list[bytes | int]
-        medium: str | None
-        group_idx: int | None = None
-
-    class AllBlocksCleared(KVCacheEvent):
-        pass
-
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-    return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
 
 
 @dataclasses.dataclass
