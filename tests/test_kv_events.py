@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
+from jaxpar.cli import main
 from jaxpar.engine._cache import CacheManager
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._prefix import cache_salt, page_keys
@@ -222,3 +223,50 @@ def test_events_off_costs_nothing():
     for start in itertools.islice(itertools.count(0, 8), 6):
         _serve(cache, 0, list(range(start, start + 8)))
     assert cache.pages.evictions > 0
+
+
+def test_serve_refuses_a_bad_config_before_loading(capsys):
+    """``jaxpar serve --kv-events-config`` with an unknown key: exit 2 naming it, before the
+    checkpoint is read (the path does not exist)."""
+    args = ["serve", "--hf", "/nonexistent", "--kv-events-config", '{"endpont": "tcp://*:1"}']
+    assert main(args) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "unknown key 'endpont'" in out and "endpoint" in out
+
+
+def test_replay_resends_buffered_batches_from_a_sequence_number():
+    """A DEALER asks the replay ROUTER for every batch from sequence 1: it gets each
+    buffered one again, in order, then the end marker (-1, empty)."""
+    config = parse_kv_events_config(
+        '{"enable_kv_cache_events": true, "endpoint": "inproc://kv-live", '
+        '"replay_endpoint": "inproc://kv-replay", "buffer_steps": 8}'
+    )
+    publisher = KVEventPublisher(config)
+    cache = CacheManager(PageTable(POOL), SALT, caching=True)
+    cache.events = publisher
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect("inproc://kv-replay")
+    try:
+        assert publisher.flush(TIMEOUT_MS / 1000)  # the opening AllBlocksCleared, alone
+        for row, start in [(0, 0), (2, 10), (0, 20)]:
+            _serve(cache, row, list(range(start, start + 8)))
+            assert publisher.flush(TIMEOUT_MS / 1000)
+        sent = publisher.sent_batches  # a request's events may span two batches
+        assert sent >= 4  # AllBlocksCleared at start, then the three requests'
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        replies = []
+        while True:
+            assert dealer.poll(TIMEOUT_MS)
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            replies.append((int.from_bytes(seq, "big", signed=True), payload))
+            if replies[-1][0] == -1:
+                break
+        assert [s for s, _ in replies] == [*range(1, sent), -1] and replies[-1][1] == b""
+        decode = msgspec.msgpack.Decoder(vllm_structs(True)[0]).decode
+        events = [e for _, p in replies[:-1] for e in decode(p).events]
+        stored = [e.token_ids for e in events if hasattr(e, "token_ids")]
+        assert stored == [list(range(0, 8)), list(range(10, 18)), list(range(20, 28))]
+    finally:
+        publisher.close()
+        dealer.close(linger=0)
