@@ -134,10 +134,11 @@ class CacheManager:
         """Gives back every page of ``row`` (indexed ones stay cached); returns how many."""
         return self.pages.release(row)
 
-    def commit(self, row: int, keys: Sequence[bytes], tokens: Sequence[int] = ()) -> None:
+    def commit(self, row: int, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
         """Indexes ``row``'s first full pages under ``keys`` (it has written them; they
-        hold ``tokens``' first pages): the prefix cache serves them to later prompts (no-op
-        without prefix caching). With :attr:`events`, the pages indexed now are told."""
+        hold the first pages of ``tokens``, its context): the prefix cache serves them to
+        later prompts (no-op without prefix caching). With :attr:`events`, the pages
+        indexed now are told, with their tokens."""
         if not self.caching:
             return
         new = self.pages.register(row, keys)
