@@ -15,11 +15,14 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import time
 
 import httpx
 import jax
+import msgspec
 import pytest
+import zmq
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,7 +43,8 @@ from jaxpar.plan import KINDS, device_hardware, load_hardware
 from jaxpar.server import ServedModel, Service, create_app
 from jaxpar.server._efficiency import Efficiency, PhaseProfile
 from jaxpar.spec import ParallelConfig, make_mesh
-from tests._serve_util import CHECKPOINT, MODEL, Offline, ServerProcess
+from tests._serve_util import CHECKPOINT, MODEL, Offline, ServerProcess, free_port
+from tests._vllm_events import vllm_structs
 
 RUNNING = "jaxpar:num_requests_running"
 WAITING = "jaxpar:num_requests_waiting"
@@ -58,21 +62,70 @@ TTFT = "jaxpar:time_to_first_token_seconds"
 ITL = "jaxpar:inter_token_latency_seconds"
 TPOT = "jaxpar:time_per_output_token_seconds"
 E2E = "jaxpar:e2e_request_latency_seconds"
-HISTOGRAMS = (GAP, TTFT, ITL, TPOT, E2E)
+QUEUE = "jaxpar:request_queue_time_seconds"
+HISTOGRAMS = (GAP, TTFT, ITL, TPOT, E2E, QUEUE)
+
+#: vLLM's names (vllm/v1/metrics/loggers.py) that routers and autoscalers read, each the
+#: same value as jaxpar's of the same name after the prefix; and its cache info gauge.
+VLLM = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total{finished_reason=stop}",
+    "vllm:request_success_total{finished_reason=length}",
+    *(
+        f"vllm:{h.removeprefix('jaxpar:')}_{part}"
+        for h in (TTFT, ITL, TPOT, E2E, QUEUE)
+        for part in ("count", "sum")
+    ),
+)
+CACHE_INFO = "vllm:cache_config_info"
 
 SLOTS = 2
 
 
-def _parse(text: str, model: str) -> dict[str, float]:
-    """Sample name (with its labels other than ``model_name``) -> value."""
+def _parse(text: str, model: str, prefix: str = "jaxpar:") -> dict[str, float]:
+    """Sample name (with its labels other than ``model_name``, and vLLM's ``engine``,
+    which must be "0") -> value, of the series named ``prefix``... (vLLM's cache info
+    gauge, which has no ``model_name``, apart: :func:`_cache_info`)."""
     out = {}
     for family in text_string_to_metric_families(text):
+        if not family.name.startswith(prefix) or family.name == CACHE_INFO:
+            continue
         for sample in family.samples:
             labels = dict(sample.labels)
             assert labels.pop("model_name") == model, sample
+            if prefix == "vllm:":
+                assert labels.pop("engine") == "0", sample
             extra = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
             out[sample.name + (f"{{{extra}}}" if extra else "")] = sample.value
     return out
+
+
+def _cache_info(text: str) -> dict[str, str] | None:
+    """``vllm:cache_config_info``'s labels (its value is 1), or None if absent."""
+    for family in text_string_to_metric_families(text):
+        if family.name == CACHE_INFO:
+            (sample,) = family.samples
+            assert sample.value == 1
+            return dict(sample.labels)
+    return None
+
+
+def _vllm(text: str, model: str) -> dict[str, float]:
+    """The ``vllm:`` series, checked to be every name :data:`VLLM` lists (and their
+    histograms' buckets) and each equal to its ``jaxpar:`` twin in the same scrape."""
+    mine, theirs = _parse(text, model), _parse(text, model, "vllm:")
+    for name in VLLM:
+        assert name in theirs, name
+    for name, value in theirs.items():
+        assert mine["jaxpar:" + name.removeprefix("vllm:")] == value, name
+    return theirs
 
 
 def _gap(values: dict[str, float], name: str = GAP) -> tuple[dict[str, float], float, float]:
@@ -162,7 +215,8 @@ def test_metrics_read_the_batcher_at_each_scrape():
         assert "60.0" in buckets
         # vLLM's bucket bounds: its smallest and largest of each.
         for name, low, high in [(TTFT, "0.001", "2560.0"), (ITL, "0.01", "80.0"),
-                                (TPOT, "0.01", "80.0"), (E2E, "0.3", "7680.0")]:  # fmt: skip
+                                (TPOT, "0.01", "80.0"), (E2E, "0.3", "7680.0"),
+                                (QUEUE, "0.3", "7680.0")]:  # fmt: skip
             buckets, count, _ = _gap(values, name)
             assert count == 0 and low in buckets and high in buckets, name
             assert min((b for b in buckets if b != "+Inf"), key=float) == low, name
@@ -170,10 +224,17 @@ def test_metrics_read_the_batcher_at_each_scrape():
         one.stats.preemptions = 4
         one.stats.prefix_queries, one.stats.prefix_hits = 96, 64
         one.stats.prompt_tokens_cached = 48
-        values = _parse(http.get("/metrics").text, "a")
+        theirs = _vllm(text, "a")
+        assert theirs["vllm:num_requests_waiting"] == 5 and _cache_info(text) is None
+        text = http.get("/metrics").text
+        values = _parse(text, "a")
         assert (values[RUNNING], values[WAITING], values[USAGE]) == (0, 0, 0)
         assert values[PREEMPTIONS] == 4
         assert (values[QUERIES], values[HITS], values[CACHED]) == (96, 64, 48)
+        theirs = _vllm(text, "a")
+        assert theirs["vllm:num_preemptions_total"] == 4
+        assert theirs["vllm:prefix_cache_queries_total"] == 96
+        assert theirs["vllm:prefix_cache_hits_total"] == 64
         assert _parse(_check_response(http_other.get("/metrics")), "b")[RUNNING] == 1
 
 
@@ -383,10 +444,19 @@ def test_collective_gauges_of_tp2_are_what_inspect_reports():
 # --- a real server -----------------------------------------------------------------------
 
 
+#: The served test server publishes KV events here (``--kv-events-config``).
+KV_TOPIC = b"kv"
+
+
 @pytest.fixture(scope="module")
 def ready(tmp_path_factory):
     args = ["--hf", "tests/fixtures/llama_chat", "--max-seq-len", "64", "--slots", str(SLOTS)]
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_TOPIC.decode()}
+    events["endpoint"] = f"tcp://*:{port}"
+    args += ["--kv-events-config", json.dumps(events)]
     proc = ServerProcess(args, cpu_devices=1, log_dir=tmp_path_factory.mktemp("serve"))
+    proc.kv_events = f"tcp://127.0.0.1:{port}"
     try:
         yield proc.wait_ready()
     finally:
@@ -394,17 +464,24 @@ def ready(tmp_path_factory):
 
 
 def _scrape(server: ServerProcess) -> dict[str, float]:
-    return _parse(_check_response(httpx.get(f"{server.url}/metrics", timeout=10)), MODEL)
+    text = _check_response(httpx.get(f"{server.url}/metrics", timeout=10))
+    return _parse(text, MODEL) | _parse(text, MODEL, "vllm:")
 
 
 def _idle(server: ServerProcess, timeout: float = 30) -> dict[str, float]:
     """The metrics once no request runs or waits (a slot is freed just after its last
-    token is sent)."""
+    token is sent), ``jaxpar:`` and ``vllm:`` names alike, checked equal (a scrape
+    that straddles the last request's final count is taken again)."""
     deadline = time.monotonic() + timeout
     while True:
-        values = _scrape(server)
+        text = _check_response(httpx.get(f"{server.url}/metrics", timeout=10))
+        values = _parse(text, MODEL)
         if not values[RUNNING] and not values[WAITING]:
-            return values
+            try:
+                return values | _vllm(text, MODEL) | {CACHE_INFO: _cache_info(text)}
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
         assert time.monotonic() < deadline, f"server still busy: {values}"
         time.sleep(0.05)
 
@@ -428,7 +505,8 @@ async def _stream_while_scraping(url: str, prompts: list[list[int]], max_tokens:
 
         async def scrape(streams: asyncio.Future) -> None:
             while not streams.done():
-                scrapes.append(_parse(_check_response(await http.get("/metrics")), MODEL))
+                text = _check_response(await http.get("/metrics"))
+                scrapes.append(_parse(text, MODEL) | _parse(text, MODEL, "vllm:"))
                 await asyncio.sleep(0.005)
 
         streams = asyncio.gather(*(stream(p) for p in prompts))
@@ -469,6 +547,35 @@ def test_metrics_follow_the_running_server(ready):
     assert gaps_after[1] - gaps_before[1] == len(prompts)
     assert 0 < gaps_after[2] - gaps_before[2] < 60 * len(prompts)
     assert after[HITS] <= after[QUERIES] and after[CACHED] <= after[PROMPT_TOKENS]
+    # vLLM's names (equal to jaxpar's, checked by _idle) against the requests sent.
+    running, waiting = "vllm:num_requests_running", "vllm:num_requests_waiting"
+    assert max(s[running] for s in scrapes) == SLOTS and any(s[waiting] for s in scrapes)
+    assert (after[running], after[waiting], after["vllm:kv_cache_usage_perc"]) == (0, 0, 0)
+    assert any(s["vllm:kv_cache_usage_perc"] > 0 for s in scrapes)
+    moved = {name: after[name] - before[name] for name in VLLM}
+    n = len(prompts)
+    assert moved["vllm:prompt_tokens_total"] == sum(map(len, prompts))
+    assert moved["vllm:generation_tokens_total"] == sum(counts)
+    assert moved["vllm:request_success_total{finished_reason=length}"] == n
+    assert moved["vllm:request_success_total{finished_reason=stop}"] == 0
+    assert after["vllm:num_preemptions_total"] == 0
+    for histogram, observed in [("time_to_first_token", n), ("e2e_request_latency", n),
+                                ("request_queue_time", n),
+                                ("inter_token_latency", sum(counts) - n)]:  # fmt: skip
+        assert moved[f"vllm:{histogram}_seconds_count"] == observed, histogram
+    # A request's queue time is part of its time to first token, and of its latency.
+    queued = moved["vllm:request_queue_time_seconds_sum"]
+    assert moved["vllm:time_to_first_token_seconds_sum"] > queued > 0
+    assert queued < moved["vllm:e2e_request_latency_seconds_sum"]
+    pages, page_size = map(
+        int, re.search(r"KV cache: (\d+) pages x (\d+) tokens", ready.log()).groups()
+    )
+    assert after[CACHE_INFO] == {
+        "block_size": str(page_size),
+        "num_gpu_blocks": str(pages),
+        "enable_prefix_caching": "True",
+        "engine": "0",
+    }
 
 
 @pytest.mark.server
@@ -488,6 +595,10 @@ def test_prefix_cache_counters_follow_a_repeated_prompt(ready):
     assert after[CACHED] - before[CACHED] == sum(cached)
     hits, queries = after[HITS] - before[HITS], after[QUERIES] - before[QUERIES]
     assert sum(cached) <= hits <= queries <= 2 * len(prompt)
+    # vLLM counts as it does: each request's whole prompt queried, the cached part hit.
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+    assert (hits, queries) == (sum(cached), 2 * len(prompt))
     assert _gap(after)[1] - _gap(before)[1] == 2
 
 
@@ -532,6 +643,61 @@ def test_efficiency_and_latency_metrics_of_the_running_server(ready):
     for name, observed in [(TTFT, len(prompts)), (E2E, len(prompts)), (ITL, sum(tokens) - 2)]:
         assert _gap(after, name)[1] - _gap(before, name)[1] == observed, name
     assert _gap(after, E2E)[2] - _gap(before, E2E)[2] > _gap(after, TTFT)[2] - _gap(before, TTFT)[2]
+
+
+def _kv_batches(socket, wait_ms: int) -> list:
+    """Every KV event batch that arrives until none has for ``wait_ms``, decoded with
+    vLLM's structs (array encoding, the default); topics and sequence numbers checked."""
+    batch_type = vllm_structs(array_like=True)[0]
+    batches, last = [], None
+    while socket.poll(wait_ms):
+        topic, seq, payload = socket.recv_multipart()
+        seq = int.from_bytes(seq, "big")
+        assert topic == KV_TOPIC and (last is None or seq == last + 1)
+        last = seq
+        batches.append(msgspec.msgpack.decode(payload, type=batch_type))
+    return batches
+
+
+@pytest.mark.server
+def test_kv_events_of_served_prompts(ready):
+    """A subscriber to the server's KV events sees each new prompt's full pages stored
+    with its tokens, and a prompt that shares a first page with it chained to it."""
+    stored_type = vllm_structs(array_like=True)[1]
+    page = int(_idle(ready)[CACHE_INFO]["block_size"])
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    socket.connect(ready.kv_events)
+    socket.setsockopt(zmq.SUBSCRIBE, KV_TOPIC)
+
+    def complete(prompt: list[int]) -> list:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        response = httpx.post(f"{ready.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return _kv_batches(socket, 500)
+
+    def stored(batches: list) -> list:
+        return [e for b in batches for e in b.events if isinstance(e, stored_type)]
+
+    try:
+        # The subscription takes effect a moment after connecting: fresh prompts until
+        # one's events arrive (each has two full pages and a partial third).
+        for attempt in range(20):
+            first = [1] + [100 + 3 * attempt + i % 3 for i in range(2 * page + 3)]
+            events = stored(complete(first))
+            if events:
+                break
+        (event,) = events
+        assert event.token_ids == first[: 2 * page] and event.block_size == page
+        assert len(event.block_hashes) == 2 and event.parent_block_hash is None
+        assert (event.lora_id, event.medium) == (None, "GPU")
+        second = first[:page] + [200 + i for i in range(page + 5)]
+        (chained,) = stored(complete(second))
+        assert chained.parent_block_hash == event.block_hashes[0]
+        assert chained.token_ids == second[page : 2 * page]
+        assert chained.block_hashes[0] not in event.block_hashes
+        assert stored(complete(first)) == []  # all cached: nothing new
+    finally:
+        socket.close(linger=0)
 
 
 # --- many sequences in a small paged cache -------------------------------------------------

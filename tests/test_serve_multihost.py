@@ -6,7 +6,8 @@ requests, greedy and seeded, streamed and not, must each equal the same request 
 1-process x 8-device server with the same strategy, and offline ``generate`` on one
 device; so must issue 34's burst (16 at once, 6-token prompts, 12 tokens, twice in a
 row), greedy and seeded. Then the failures: SIGTERM to process 0 drains and stops both processes (exit 0);
-on a second pair, SIGKILL to process 1 mid-stream gets every client a 503 naming process
+on a second pair, SIGKILL to process 1 mid-stream gets every client (and the liveness and
+readiness probes) a 503 naming process
 1, and process 0 exits non-zero, within 60 s.
 """
 
@@ -271,6 +272,10 @@ def test_killing_process_1_gets_503_naming_it_and_process_0_exits(servers):
         f"{leader.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
     )
     assert response.status_code == 503 and "process 1 of 2" in response.text, response.text
+    for probe in ("/live", "/health"):  # liveness and readiness both fail, naming it
+        answer = httpx.get(f"{leader.url}{probe}", timeout=10)
+        assert answer.status_code == 503 and "process 1 of 2" in answer.text, (probe, answer)
+    assert time.monotonic() - killed_at < 10  # within 10 s of the loss (LWS restarts the group)
     returncode = leader.proc.wait(DETECTION_LIMIT_S)
     exited_s = time.monotonic() - killed_at
     print(f"after SIGKILL to process 1: answered in {answered_s:.1f} s, exited in {exited_s:.1f} s")

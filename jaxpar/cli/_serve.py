@@ -34,6 +34,7 @@ from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.engine import (
     CPU_KV_TOKENS,
+    DEFAULT_STALL_S,
     KV_MEMORY_FRACTION,
     KV_PAGE_SIZE,
     PEER_LOST_EXIT_STATUS,
@@ -174,6 +175,22 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "serve once the smallest prefill and decode step are compiled, compile the rest in "
         "the background (a request that needs one not compiled yet waits for it). Several "
         "processes (--coordinator) always warm up in full (default full)",
+    )
+    serve.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's KV events over ZMQ in vLLM's format, for routers "
+        "that place requests by prefix (vLLM's keys, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\'; default off)',
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_S,
+        metavar="S",
+        help="GET /live (and /health) answer 503 once the decode loop has had work this many "
+        f"seconds without finishing a step (default {DEFAULT_STALL_S:g})",
     )
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -398,6 +415,25 @@ def _profile(batcher: ContinuousBatcher, efficiency, log) -> None:
         )
 
 
+def _kv_events(config, batcher: ContinuousBatcher, console):
+    """The KV events publisher ``--kv-events-config`` asks for (its parsed ``config``, or
+    None), attached to the batcher's prefix cache (None: off)."""
+    from jaxpar.server import KVEventPublisher
+
+    if config is None or not config.publishes:
+        return None
+    if not batcher.prefix_caching:
+        raise ConfigError(
+            "--kv-events-config: KV events describe the prefix cache's pages; drop "
+            "--no-prefix-caching"
+        )
+    publisher = KVEventPublisher(config)
+    batcher.publish_kv_events(publisher)
+    where = config.endpoint + (f", topic {config.topic!r}" if config.topic else "")
+    console.print(f"KV events: {where} ({config.encoding} encoding)", soft_wrap=True)
+    return publisher
+
+
 def _devices(batcher: ContinuousBatcher) -> str:
     """``device 0 of 8`` / ``devices 0-3 of 8``: what decode (and prefill) run on."""
     import jax
@@ -455,10 +491,21 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     import jax
     import uvicorn
 
-    from jaxpar.server import Efficiency, Service, create_app, resolve_hardware
+    from jaxpar.server import (
+        Efficiency,
+        Service,
+        create_app,
+        parse_kv_events_config,
+        resolve_hardware,
+    )
 
     if args.hf is None:
         raise ConfigError("jaxpar serve needs a checkpoint directory: --hf DIR")
+    if args.stall_timeout <= 0:
+        raise ConfigError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout}")
+    kv_events = None  # a bad --kv-events-config is refused before anything loads
+    if args.kv_events_config is not None:
+        kv_events = parse_kv_events_config(args.kv_events_config)
     _exit_on_signal()  # loading and building: nothing to drain yet
     efficiency = Efficiency(resolve_hardware(args.hardware))
     if jax.process_index() != 0:
@@ -491,11 +538,13 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
         else "/metrics reports no fraction of peak: unknown device kind (give --hardware)",
         soft_wrap=True,
     )
+    events = _kv_events(kv_events, batcher, console)
     service = Service(batcher, model, efficiency=efficiency)
     app = create_app(
         service,
         warmup=_warmup(batcher, efficiency=efficiency, lazy=mode == "lazy"),
         drain_timeout=args.shutdown_timeout,
+        stall_timeout=args.stall_timeout,
     )
     config = uvicorn.Config(
         app,
@@ -514,6 +563,8 @@ def run_serve(args: argparse.Namespace, console: Console) -> int:
     server = _server_class(drain)(config)
     threading.Thread(target=_stop_on_lost_process, args=(batcher, server), daemon=True).start()
     server.run()
+    if events is not None:
+        events.close()
     status = 0
     if isinstance(batcher.failure, PeerLostError):
         console.print(f"[bold red]error[/]: {batcher.failure}", highlight=False, soft_wrap=True)

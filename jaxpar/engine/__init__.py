@@ -8,6 +8,7 @@ from jaxpar.engine import _pipeline as pipeline
 from jaxpar.engine._abstract import AbstractEngine, run_form
 from jaxpar.engine._admission import Admission, merge_sampling
 from jaxpar.engine._batching import BatcherStats, ContinuousBatcher
+from jaxpar.engine._cache import KVEventSink
 from jaxpar.engine._compile_cache import (
     CompileCount,
     default_compile_cache,
@@ -39,6 +40,7 @@ from jaxpar.engine._logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._penalties import History, Seen
 from jaxpar.engine._placement import put_global, to_host
+from jaxpar.engine._pulse import DEFAULT_STALL_S, Pulse
 from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._serving_programs import SERVING_PROGRAMS, ServingPrograms, program_phase
@@ -59,6 +61,7 @@ from jaxpar.engine._vocab import mask_padded
 __all__ = [
     "Admission",
     "CPU_KV_TOKENS",
+    "DEFAULT_STALL_S",
     "PEER_LOST_EXIT_STATUS",
     "FINISH_REASONS",
     "KV_MEMORY_FRACTION",
@@ -87,6 +90,7 @@ __all__ = [
     "InferenceEngine",
     "prompt_bucket",
     "KVBudget",
+    "KVEventSink",
     "Layouts",
     "Logprobs",
     "PagePool",
@@ -97,6 +101,7 @@ __all__ = [
     "kv_cache_tokens_for",
     "sequence_pages",
     "ProcessInfo",
+    "Pulse",
     "Request",
     "RequestStream",
     "RowSampling",

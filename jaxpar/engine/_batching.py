@@ -24,6 +24,7 @@ from jaxpar.engine._batcher_programs import (
     BatcherPrograms,
     batcher_parts,
 )
+from jaxpar.engine._cache import KVEventSink
 from jaxpar.engine._core import ServingCore
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
@@ -31,6 +32,7 @@ from jaxpar.engine._executor import Executor
 from jaxpar.engine._grammar import Constraint, Grammar
 from jaxpar.engine._kv_budget import KVBudget, cache_dtype_name, describe
 from jaxpar.engine._process_group import ProcessGroup
+from jaxpar.engine._pulse import Pulse
 from jaxpar.engine._requests import RequestStream, new_request
 from jaxpar.engine._runner import BatcherStats, Runner
 from jaxpar.engine._sampling import Sampling
@@ -118,6 +120,8 @@ class ContinuousBatcher:
         #: The warm-up compiling (lazy: in the background while serving), once started.
         self.warming: Warmup | None = None
         self._failure: BaseException | None = None  # what stopped the loops
+        #: The decode loop's heartbeat (a liveness probe reads :meth:`Pulse.stalled_s`).
+        self.pulse = Pulse()
 
     # --- clients -------------------------------------------------------------------------
 
@@ -204,6 +208,11 @@ class ContinuousBatcher:
     @property
     def slots(self) -> int:
         return self.engine.max_batch
+
+    def publish_kv_events(self, sink: KVEventSink | None) -> None:
+        """Tells ``sink`` of every page the prefix cache indexes or evicts from now on
+        (None: stop); the pool that caches is prefill's (the decode rows' colocated)."""
+        self.prefill_cache.events = sink
 
     @property
     def running(self) -> bool:
@@ -379,13 +388,16 @@ class ContinuousBatcher:
                     self._cond.wait(0.01)
 
     def _wait_for_work(self, busy: bool) -> bool:
-        """Blocks while there is nothing to do; False once the loop should end."""
+        """Blocks while there is nothing to do; False once the loop should end. Each
+        call is a beat of :attr:`pulse` (a wait is not a stall)."""
+        self.pulse.beat()
         if not busy:
             self.executor.flush()  # the other processes dispatch what this one did
         with self._cond:
             if not busy:
                 waiting = lambda: self.scheduler.waiting or self.core.ready  # noqa: E731
-                self._cond.wait_for(lambda: self._stopping or waiting())
+                with self.pulse.waiting():
+                    self._cond.wait_for(lambda: self._stopping or waiting())
                 self.runner.loop_started()
             return not self._stopping
 

@@ -22,11 +22,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._prefix import page_keys
+
+
+class KVEventSink(Protocol):
+    """What hears of the prefix cache's pages (the server's KV events publisher). Called
+    on the batcher's loop threads with its lock held: it must only queue the news."""
+
+    def stored(self, pages: list[tuple[int, int, bytes, Sequence[int]]], keys: Sequence[bytes]):
+        """Pages indexed now, as (group, column, prefix key, its tokens); ``keys``: the
+        row's keys from its first page (column ``i - 1``'s is column ``i``'s parent)."""
+
+    def removed(self, key: bytes, group: int):
+        """The page of ``key`` in ``group`` was evicted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +73,7 @@ class CacheManager:
         self.pages = pages
         self.salt = salt
         self.caching = caching
+        self._events: KVEventSink | None = None
 
     # --- what the scheduler asks ---------------------------------------------------------
 
@@ -120,11 +134,28 @@ class CacheManager:
         """Gives back every page of ``row`` (indexed ones stay cached); returns how many."""
         return self.pages.release(row)
 
-    def commit(self, row: int, keys: Sequence[bytes]) -> None:
-        """Indexes ``row``'s first full pages under ``keys`` (it has written them): the
-        prefix cache serves them to later prompts (no-op without prefix caching)."""
-        if self.caching:
-            self.pages.register(row, keys)
+    def commit(self, row: int, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
+        """Indexes ``row``'s first full pages under ``keys`` (it has written them; they
+        hold the first pages of ``tokens``, its context): the prefix cache serves them to
+        later prompts (no-op without prefix caching). With :attr:`events`, the pages
+        indexed now are told, with their tokens."""
+        if not self.caching:
+            return
+        new = self.pages.register(row, keys)
+        if new and self.events is not None:
+            z = self.page_size
+            pages = [(g, i, keys[i], tokens[i * z : (i + 1) * z]) for g, i in new]
+            self.events.stored(pages, keys)
+
+    @property
+    def events(self) -> KVEventSink | None:
+        """Where page events go (the KV events publisher), or None (default: nowhere)."""
+        return self._events
+
+    @events.setter
+    def events(self, sink: KVEventSink | None) -> None:
+        self._events = sink
+        self.pages.on_evict = None if sink is None else sink.removed
 
     # --- what the runner reads -----------------------------------------------------------
 

@@ -77,7 +77,10 @@ class ServingCore:
         are counted, and its requests are prefilling."""
         self.ended(plan.cancelled)
         self.prefilling = [c.request for c in plan.chunks]
+        now = time.perf_counter()
         for chunk in plan.chunks:
+            if chunk.admitted and chunk.request.scheduled_at is None:
+                chunk.request.scheduled_at = now  # its queue time ends (vLLM's)
             if not (chunk.admitted and chunk.queried):
                 continue
             self.stats.prefix_queries += chunk.queried

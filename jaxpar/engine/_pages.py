@@ -31,7 +31,7 @@ import collections
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -194,6 +194,9 @@ class PageTable:
         ]
         self.evictions = 0
         self.version = 0  # bumped on every change of the tables
+        #: Called with (prefix key, group) when an indexed page is evicted (the KV events'
+        #: BlockRemoved); None: nobody listens.
+        self.on_evict: Callable[[bytes, int], None] | None = None
 
     @property
     def tables_BN(self) -> np.ndarray:
@@ -255,8 +258,11 @@ class PageTable:
             self._is_free[shard, page] = False
             return page
         page, _ = self._lru[shard].popitem(last=False)
-        del self._index[shard][self._key_of[shard].pop(page)]
+        key = self._key_of[shard].pop(page)
+        del self._index[shard][key]
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(*self._unkey(key))
         return page
 
     def grow(self, row: int, tokens: int) -> bool:
@@ -283,6 +289,10 @@ class PageTable:
     def _key(self, key: bytes, group: int) -> bytes:
         """A group's prefix key: its pages hold other layers' K/V than another group's."""
         return key if self.pool.groups == 1 else key + bytes([group])
+
+    def _unkey(self, key: bytes) -> tuple[bytes, int]:
+        """A group's prefix key as (the prefix key, the group)."""
+        return (key, 0) if self.pool.groups == 1 else (key[:-1], key[-1])
 
     def lookup(self, shard: int, keys: Sequence[bytes]) -> list:
         """The cached pages of ``shard`` for the longest prefix of ``keys`` every group can
@@ -352,20 +362,24 @@ class PageTable:
         if n:
             self.version += 1
 
-    def register(self, row: int, keys: Sequence[bytes]) -> None:
+    def register(self, row: int, keys: Sequence[bytes]) -> list[tuple[int, int]]:
         """Indexes ``row``'s first pages under ``keys`` (full pages it has written): later
         requests starting with those tokens reuse them. A key already cached keeps its
-        page; columns a window released are skipped."""
+        page; columns a window released are skipped. Returns the (group, column) of each
+        page indexed now."""
         shard = self.shard(row)
         index, key_of = self._index[shard], self._key_of[shard]
+        new = []
         for g in range(self.pool.groups):
             first = min(int(self.first_GB[g, row]), len(keys))
             pages = self.tables_GBN[g, row, first : len(keys)].tolist()
-            for page, key in zip(pages, keys[first:], strict=True):
+            for i, (page, key) in enumerate(zip(pages, keys[first:], strict=True), first):
                 key = self._key(key, g)
                 if key not in index and page not in key_of:
                     index[key] = page
                     key_of[page] = key
+                    new.append((g, i))
+        return new
 
     def release(self, row: int) -> int:
         """Gives back every page of ``row``; returns how many. A page no row holds any

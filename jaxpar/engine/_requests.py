@@ -92,6 +92,8 @@ class RequestStream:
         self.request = request
         self.submitted_at = time.perf_counter()
         self.token_times: list[float] = []  # perf_counter() when each token reached the host
+        #: perf_counter() when a prefill first took it from the queue (None: still queued).
+        self.scheduled_at: float | None = None
         #: Prompt tokens whose K/V came from the prefix cache (set before the first token).
         self.cached_tokens = 0
         self._tokens: list[int] = []

@@ -392,7 +392,7 @@ class Scheduler:
         for chunk, alive in zip(plan.chunks, live, strict=True):
             work = self._works[id(chunk.request)]
             work.done = chunk.end
-            cache.commit(work.row, work.keys[: work.done // cache.page_size])
+            cache.commit(work.row, work.keys[: work.done // cache.page_size], work.context)
             if plan.final and not self.disaggregated and not alive:
                 cache.free(work.row)
             else:  # its next query (chunk or decode) sits at ``done``: the window's pages

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics.
 
+``GET /health`` is readiness, ``GET /live`` liveness (:mod:`jaxpar.server._health`).
+
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ended by
 ``data: [DONE]``. A client that goes away (mid-stream or while waiting for a whole
 completion) has its request cancelled, which frees its decode slot at the next step.
@@ -24,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpar.server import _errors
 from jaxpar.server._errors import APIError
+from jaxpar.server._health import DEFAULT_STALL_S, live, not_ready
 from jaxpar.server._logprobs import ChoiceLogprobs, merge
 from jaxpar.server._metrics import metrics_registry
 from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
@@ -240,7 +243,11 @@ async def _answer(
 
 
 def create_app(
-    service: Service, *, warmup: Callable[[], object] | None = None, drain_timeout: float = 30.0
+    service: Service,
+    *,
+    warmup: Callable[[], object] | None = None,
+    drain_timeout: float = 30.0,
+    stall_timeout: float = DEFAULT_STALL_S,
 ) -> FastAPI:
     """The app serving ``service``.
 
@@ -251,6 +258,8 @@ def create_app(
             stops what has not started compiling).
         drain_timeout: on shutdown, seconds queued and running requests get to finish
             before they are cancelled.
+        stall_timeout: seconds the decode loop may have work without finishing a step
+            before ``GET /live`` (and ``/health``) answer 503 (:mod:`._health`).
     """
 
     @contextlib.asynccontextmanager
@@ -267,7 +276,7 @@ def create_app(
 
     app = FastAPI(title="jaxpar", lifespan=lifespan)
     _errors.install(app)
-    _routes(app, service)
+    _routes(app, service, stall_timeout)
     return app
 
 
@@ -318,14 +327,20 @@ def _health(batcher) -> dict[str, Any]:
     return status
 
 
-def _routes(app: FastAPI, service: Service) -> None:
+def _routes(app: FastAPI, service: Service, stall_timeout: float = DEFAULT_STALL_S) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            service.check_available()
-        except APIError as e:
-            return JSONResponse({"status": e.message}, status_code=503)
+        """Readiness: 200 only when a request can be served now."""
+        problem = not_ready(service, stall_timeout)
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
         return JSONResponse(_health(service.batcher))
+
+    @app.get("/live")
+    async def liveness() -> JSONResponse:
+        """Liveness: 503 only when a restart is what helps (:mod:`._health`)."""
+        status, body = live(service, stall_timeout)
+        return JSONResponse(body, status_code=status)
 
     registry = metrics_registry(service)
 

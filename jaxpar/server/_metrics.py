@@ -10,7 +10,8 @@ the hardware's peaks, and its compiled collective bytes against the minimum, lab
 ``phase`` (:mod:`jaxpar.server._efficiency` says what is counted).
 Each app has a :class:`~prometheus_client.CollectorRegistry` of its own (not the global
 one: several apps in one process never collide). Every series carries ``model_name``, the
-served name.
+served name. The serving metrics are exported a second time under vLLM's own names
+(``vllm:``, :mod:`jaxpar.server._vllm_metrics`), which routers and autoscalers read.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prometheus_client.registry import Collector
 from jaxpar.engine import WINDOW_STEPS
 from jaxpar.server._efficiency import PhaseReading, finite, readings
 from jaxpar.server._service import SUCCESS_REASONS, Histogram, Service
+from jaxpar.server._vllm_metrics import VllmCollector
 
 PREFIX = "jaxpar:"
 
@@ -131,6 +133,12 @@ def _latency(stats, name: str) -> Iterator[Metric]:
         "e2e_request_latency_seconds",
         "From a request's submission to its last token reaching the host.",
         stats.e2e_request_latency,
+        name,
+    )
+    yield _histogram(
+        "request_queue_time_seconds",
+        "From a request's submission until a prefill first took it from the queue.",
+        stats.request_queue_time,
         name,
     )
 
@@ -256,7 +264,9 @@ def _histogram(metric: str, doc: str, values: Histogram, model: str) -> Histogra
 
 
 def metrics_registry(service: Service) -> CollectorRegistry:
-    """A registry of its own holding ``service``'s collector."""
+    """A registry of its own holding ``service``'s collectors: jaxpar's names, and the
+    same values under vLLM's (:mod:`._vllm_metrics`)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(service))
+    registry.register(VllmCollector(service))
     return registry

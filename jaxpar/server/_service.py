@@ -213,6 +213,11 @@ class ServiceStats:
     e2e_request_latency: Histogram = dataclasses.field(
         default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS_S)
     )
+    #: Per request that delivered a token: from its submission until a prefill first
+    #: took it from the queue (vLLM's queue time).
+    request_queue_time: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS_S)
+    )
 
 
 class Service:
@@ -543,6 +548,8 @@ class Service:
         stats, submitted = self.stats, job.stream.submitted_at
         stats.time_to_first_token.observe(times[0] - submitted)
         stats.e2e_request_latency.observe(times[-1] - submitted)
+        if job.stream.scheduled_at is not None:
+            stats.request_queue_time.observe(job.stream.scheduled_at - submitted)
         for earlier, later in itertools.pairwise(times):
             stats.inter_token_latency.observe(later - earlier)
         gap = max_gap(times)
