@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import jax
 import pytest
@@ -23,6 +24,7 @@ from jaxpar.engine import ContinuousBatcher, Pulse
 from jaxpar.errors import PeerLostError
 from jaxpar.models import init_params, preset
 from jaxpar.server import ServedModel, Service, create_app
+from jaxpar.server._health import stalled_s
 from jaxpar.spec import make_mesh
 
 STALL_S = 0.5
@@ -51,6 +53,22 @@ def test_pulse_counts_a_stall_only_while_the_loop_has_work():
     assert pulse.stalled_s() == 0  # woken: it beat
     clock.now += 2.5
     assert pulse.stalled_s() == 2.5
+
+
+def test_a_compile_is_not_a_stall():
+    """A step waiting for a program compiled on first use is not stuck: no stall while any
+    program compiles, and one counts from the compile's end."""
+    clock = _Clock()
+    steps = types.SimpleNamespace(compiling=False, compiled_at=0.0)
+    engine = types.SimpleNamespace(steps=steps)
+    batcher = types.SimpleNamespace(pulse=Pulse(clock), engine=engine, prefill_engine=engine)
+    batcher.pulse.beat()
+    steps.compiling = True
+    clock.now += 120  # a long compile
+    assert stalled_s(batcher) == 0
+    steps.compiling, steps.compiled_at = False, clock.now
+    clock.now += 2
+    assert stalled_s(batcher) == 2  # since the compile ended, not since the beat
 
 
 def _poll(http: TestClient, path: str, status: int) -> dict:

@@ -77,6 +77,8 @@ class Steps:
         self.schedule = schedule_for(mesh, config, dims)
         self.compile_seconds: dict[str, float] = {}
         self._compiled: dict[tuple, Any] = {}
+        #: When the last compile ended (``time.monotonic``; 0: none yet).
+        self.compiled_at = 0.0
         #: Programs being compiled now (by a warm-up thread or a step's first call): a
         #: second caller waits for that compile instead of compiling the program again.
         self._building: dict[tuple, threading.Event] = {}
@@ -237,8 +239,14 @@ class Steps:
         finally:
             with self._lock:
                 del self._building[cache_key]
+                self.compiled_at = time.monotonic()
             building.set()
         return compiled
+
+    @property
+    def compiling(self) -> bool:
+        """A program is being compiled now (a step waiting for it is not stuck)."""
+        return bool(self._building)
 
     def compiled_count(self) -> int:
         """Programs compiled (or loaded from the persistent cache) so far."""

@@ -11,9 +11,11 @@ and not come round for more than ``stall_s`` seconds (a step or collective that 
 returns). A server warming up or draining is alive.
 
 The stall is read from the batcher's heartbeat (:class:`~jaxpar.engine.Pulse`): the loop
-beats at every iteration and is idle, not stuck, while it waits for requests. While a lazy
-warm-up still compiles in the background, a step may wait for a compile on first use, so
-stalls are not counted until it has finished. A lost process is known within the
+beats at every iteration and is idle, not stuck, while it waits for requests. A compile is
+not a stall either (a step may wait for a program on first use, minutes for a large model
+on an accelerator): while a lazy warm-up still compiles in the background, or any program
+is being compiled, no stall is counted, and one counts from the later of the loop's last
+beat and the last compile's end. A lost process is known within the
 heartbeat monitor's 5 s, and both probes fail from then on.
 """
 
@@ -37,7 +39,16 @@ def stalled_s(batcher) -> float:
     warming = getattr(batcher, "warming", None)
     if warming is not None and not warming.finished:
         return 0.0
-    return pulse.stalled_s()
+    steps = [e.steps for e in {id(e): e for e in _engines(batcher)}.values()]
+    if any(s.compiling for s in steps):
+        return 0.0
+    since_compile = pulse.clock() - max((s.compiled_at for s in steps), default=0.0)
+    return min(pulse.stalled_s(), max(since_compile, 0.0))
+
+
+def _engines(batcher) -> list:
+    """The batcher's decode and prefill engines (either may be absent in a test double)."""
+    return [e for e in (getattr(batcher, a, None) for a in ("engine", "prefill_engine")) if e]
 
 
 def dead(service, stall_s: float) -> str | None:
