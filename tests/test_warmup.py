@@ -40,8 +40,9 @@ def _served(max_seq_len: int) -> ContinuousBatcher:
     "max_seq_len,count",
     # 256: the fixture's context; 16384: what the default CPU KV cache gives a model with a
     # longer context (Llama-3.2-1B in the README). Before: 171 for 16384; 68 with 64 rows
-    # and decode steps of at least 8 rows (on CPU now 16 rows, in steps of 1, 4, 8 or 16).
-    [(256, 32), (16384, 68)],
+    # and decode steps of at least 8 rows (on CPU now 16 rows, in steps of 1, 4, 8 or 16);
+    # 72 since CPU prefills take 256 tokens at a time (two prefill buckets more).
+    [(256, 36), (16384, 72)],
 )
 def test_default_serve_program_count(max_seq_len, count):
     batcher = _served(max_seq_len)
@@ -51,8 +52,8 @@ def test_default_serve_program_count(max_seq_len, count):
     kinds = [b.kind for b in plan.buckets]
     # Prefill lengths stop at a chunk's bucket: a longer prompt is prefilled in chunks.
     chunk = batcher.prefill_engine.bucket(batcher.chunk_tokens)
-    assert max(b.tokens for b in plan.buckets if b.kind == "prefill") == chunk == 64
-    assert kinds.count("prefill") == len(batcher.row_buckets()) * 4  # 8, 16, 32, 64
+    assert max(b.tokens for b in plan.buckets if b.kind == "prefill") == chunk == 256
+    assert kinds.count("prefill") == len(batcher.row_buckets()) * 6  # 8, 16, ..., 256
     assert kinds.count("decode") == len(batcher.slot_steps.row_buckets()) * len(
         batcher.table_widths()
     )

@@ -37,18 +37,25 @@ from jaxpar.spec import Module, Phase, mesh_axes
 #: costs about as much as prefilling the machine balance (peak flops / bandwidth) in
 #: tokens: ~240 for bf16 on TPU v5e, ~300 on H100.
 ACCELERATOR_STEP_TOKENS = 256
-#: The same on CPU, where a decode step is compute-bound too: about the rows it computes
-#: (from one per batch shard: :func:`~jaxpar.engine._slots.step_row_floor`), plus its
-#: dispatch.
-CPU_STEP_TOKENS = 32
+#: Prefill tokens between two decode steps by default on CPU. There prefill and decode are
+#: both compute-bound, so no budget hides a prefill behind a step: the budget trades how
+#: long a running stream waits when a prompt arrives against how many prefills (each a
+#: round trip between steps, each padded to its bucket) a prompt takes. Measured with
+#: ``scripts/bench_serving.py``'s workloads (SmolLM2-135M shapes, f32, one CPU device, 2
+#: cores shared with other jobs, load ~1.8; budgets 64 / 256 / 512): saturated output
+#: tokens/s 100.5 / 104.8 / 110.0; light load TTFT p50 528 / 437 / 426 ms and ITL p99
+#: 189 / 101 / 99 ms (a prompt of up to 256 tokens prefilled whole stalls a stream once,
+#: in chunks of 64 up to four times). A long prompt's chunks are the budget's size too,
+#: so its stalls grow with it: 256 keeps them near half of 512's.
+CPU_MAX_PREFILL_TOKENS = 256
 
 
 def default_max_prefill_tokens(platform: str, page_size: int) -> int:
-    """Prefill tokens between two decode steps by default: about two decode steps' worth,
-    so a running request waits at most about three steps' time for its next token (the
-    rule the long-prompt benchmark checks), in whole pages."""
-    step = CPU_STEP_TOKENS if platform == "cpu" else ACCELERATOR_STEP_TOKENS
-    return max(2 * step // page_size, 1) * page_size
+    """Prefill tokens between two decode steps by default, in whole pages: on an
+    accelerator about two decode steps' worth, so a running request waits at most about
+    three steps' time for its next token; on CPU :data:`CPU_MAX_PREFILL_TOKENS`."""
+    tokens = CPU_MAX_PREFILL_TOKENS if platform == "cpu" else 2 * ACCELERATOR_STEP_TOKENS
+    return max(tokens // page_size, 1) * page_size
 
 
 def prefill_rows(engine: InferenceEngine) -> int:
