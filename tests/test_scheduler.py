@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jaxpar.engine._cache import CacheManager
 from jaxpar.engine._pages import SCRATCH_PAGE, PagePool, PageTable
 from jaxpar.engine._scheduler import PrefillPlan, Scheduler, SchedulerConfig
+from jaxpar.errors import ConfigError
 
 Z = 4  # tokens per page
 
@@ -55,11 +56,13 @@ def make(
     chunk: int = 8,
     budget: int = 16,
     caching: bool = True,
+    long_chunk: int | None = None,
 ) -> Scheduler:
     pool = PagePool(Z, pages, shards, rows, max_seq_len)
     cache = CacheManager(PageTable(pool), b"test", caching=caching)
     buckets = tuple(sorted({1, prefill_batch}))
-    return Scheduler(SchedulerConfig(prefill_batch, buckets, chunk, budget), cache, bucket=bucket)
+    config = SchedulerConfig(prefill_batch, buckets, chunk, budget, long_chunk)
+    return Scheduler(config, cache, bucket=bucket)
 
 
 def prefill(sched: Scheduler, budget: int | None = None, spent: int = 0) -> PrefillPlan:
@@ -198,6 +201,27 @@ def test_long_prompts_prefill_alone_in_chunks_within_the_budget():
     plan = prefill(sched, 16)
     assert len(plan.chunks) == 1 and plan.cost <= 16
     assert prefill(sched, 16, spent=16).chunks == ()  # the next chunk waits for the next step
+
+
+def test_a_prompt_within_a_chunk_goes_whole_a_longer_one_in_long_pieces():
+    """With pieces smaller than a chunk (CPU's default): a prompt that fits a chunk is
+    prefilled at once; a longer one alone, in pieces, its last piece too."""
+    sched = make(pages=32, rows=4, max_seq_len=64, chunk=16, budget=16, long_chunk=4)
+    whole = Req(list(range(1, 15)), 4)  # 14 tokens: within a chunk
+    sched.add(whole)
+    plan = prefill(sched, 16)
+    assert [len(c.tokens) for c in plan.chunks] == [14] and plan.final and not plan.chunked
+    long = Req(list(range(100, 118)), 4)  # 18 tokens (no prefix hit): longer than a chunk
+    sched.add(long)
+    plans = []
+    while long.context == long.prompt:
+        plans.append(prefill(sched, 16))
+    assert [len(p.chunks[0].tokens) for p in plans] == [4, 4, 4, 4, 2]
+    assert [p.chunks[0].start for p in plans] == [0, 4, 8, 12, 16]
+    assert all(p.chunked for p in plans) and [p.final for p in plans] == [False] * 4 + [True]
+    assert sched.context_lengths() == [8, 16]  # the piece's bucket (8) among them
+    with pytest.raises(ConfigError, match="long_chunk_tokens must be in 1..chunk_tokens=16"):
+        SchedulerConfig(2, (1, 2), 16, 16, long_chunk_tokens=32)
 
 
 def test_requests_share_a_prefill_within_the_budget():

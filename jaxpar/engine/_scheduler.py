@@ -12,7 +12,8 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
   goes), and each fits one chunk. A request is
   placed in the batch shard holding the longest cached run of its prefix (then the one
   with the most free pages) and prefills only the rest. A prompt longer than a chunk is
-  prefilled alone, one chunk of whole pages per plan, each continuing the ones before.
+  prefilled alone, one piece of ``long_chunk_tokens`` (whole pages) per plan, each
+  continuing the ones before.
 * :meth:`~Scheduler.prefilled`: after the runner ran a plan: the pages written join the
   prefix cache, and the requests it completed start decoding in their rows.
 * :meth:`~Scheduler.reserve`, :meth:`~Scheduler.preempt_for_room` and
@@ -61,7 +62,12 @@ class SchedulerConfig:
         prefill_batch: most requests prefilled together.
         row_buckets: prefill batch sizes (ascending, the last ``prefill_batch``); a
             prefill of ``n`` requests pads to the smallest that holds them.
-        chunk_tokens: new tokens of one chunk of a long prompt (whole pages).
+        chunk_tokens: the most new tokens a prompt prefills at once (whole pages): a
+            longer one is long.
+        long_chunk_tokens: new tokens of each piece of a long prompt (whole pages, at
+            most ``chunk_tokens``; None: ``chunk_tokens``). Smaller than a chunk, it keeps
+            the streams running while a long prompt prefills from stalling for a whole
+            chunk at a time (vLLM's ``long_prefill_token_threshold``).
         max_prefill_tokens: padded prefill tokens between two decode steps (vLLM's
             ``max_num_batched_tokens``), whether or not requests decode: a queue is
             admitted over several steps, each within it, so the first requests decode
@@ -72,6 +78,7 @@ class SchedulerConfig:
     row_buckets: tuple[int, ...]
     chunk_tokens: int
     max_prefill_tokens: int
+    long_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.row_buckets or self.row_buckets[-1] != self.prefill_batch:
@@ -83,6 +90,16 @@ class SchedulerConfig:
         for name in ("chunk_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.long_piece <= self.chunk_tokens:
+            raise ConfigError(
+                f"long_chunk_tokens must be in 1..chunk_tokens={self.chunk_tokens}, "
+                f"got {self.long_chunk_tokens}"
+            )
+
+    @property
+    def long_piece(self) -> int:
+        """New tokens of each piece of a long prompt."""
+        return self.chunk_tokens if self.long_chunk_tokens is None else self.long_chunk_tokens
 
     def rows(self, n: int) -> int:
         """The row bucket of a prefill of ``n`` requests."""
@@ -268,10 +285,12 @@ class Scheduler:
     # --- prefill -------------------------------------------------------------------------
 
     def context_lengths(self) -> list[int]:
-        """New-token buckets of a prefill with context: a chunk's bucket, and a quarter of
-        it (a short suffix after a prefix hit pads to that: few compiles)."""
+        """New-token buckets of a prefill with context: a chunk's bucket, a quarter of it
+        (a short suffix after a prefix hit pads to that: few compiles), and a long
+        prompt's piece's."""
         top = self.bucket(self.config.chunk_tokens)
-        return sorted({top, max(8, top // 4)} if top >= 8 else {top})
+        piece = self.bucket(self.config.long_piece)
+        return sorted({top, max(8, top // 4), piece} if top >= 8 else {top})
 
     def _length(self, takes: Sequence[int], with_context: bool) -> int:
         """The new-token bucket of a prefill whose chunks take ``takes`` new tokens
@@ -284,9 +303,16 @@ class Scheduler:
     def _cost(self, works: Sequence[_Work]) -> int:
         """Padded tokens of a prefill of ``works``: its rows times its new-token bucket. A
         prefix hit costs only its suffix (its cached tokens are not computed again)."""
-        takes = [min(w.remaining, self.config.chunk_tokens) for w in works]
+        takes = [self._take(w) for w in works]
         length = self._length(takes, any(w.done for w in works))
         return self.config.rows(len(works)) * length
+
+    def _take(self, work: _Work) -> int:
+        """New tokens ``work`` prefills next: all it has left when that fits a chunk and it
+        is not long, else its next piece of a long prompt."""
+        if work is self.chunking or work.remaining > self.config.chunk_tokens:
+            return min(work.remaining, self.config.long_piece)
+        return work.remaining
 
     def schedule_prefill(self, budget: int | None, spent: int = 0) -> PrefillPlan:
         """The next prefill: the next chunk of a long prompt, or queued requests placed in
@@ -294,7 +320,7 @@ class Scheduler:
         and the ``spent`` ones already prefilled since the last decode step stay within
         ``budget`` (None: no bound), and each fits one chunk. The step's first prefill
         (``spent`` 0) always goes, over the budget if it must: a lone long request is not
-        starved. A request longer than a chunk is prefilled alone, chunk by chunk (on CPU
+        starved. A request longer than a chunk is prefilled alone, piece by piece (on CPU
         a 4,096-token prompt prefilled whole took 3-4x as long as in chunks)."""
         chunk, cancelled = self.config.chunk_tokens, []
 
@@ -328,7 +354,7 @@ class Scheduler:
     def _plan(self, works: list[_Work], cancelled: tuple) -> PrefillPlan:
         if not works:
             return PrefillPlan(cancelled=cancelled)
-        takes = [min(w.remaining, self.config.chunk_tokens) for w in works]
+        takes = [self._take(w) for w in works]
         length = self._length(takes, any(w.done for w in works))
         chunks = []
         for work, take in zip(works, takes, strict=True):
