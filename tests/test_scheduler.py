@@ -216,6 +216,7 @@ def test_a_prompt_within_a_chunk_goes_whole_a_longer_one_in_long_pieces():
     plans = []
     while long.context == long.prompt:
         plans.append(prefill(sched, 16))
+        assert prefill(sched, 16, spent=4).chunks == ()  # one piece per step, budget or not
     assert [len(p.chunks[0].tokens) for p in plans] == [4, 4, 4, 4, 2]
     assert [p.chunks[0].start for p in plans] == [0, 4, 8, 12, 16]
     assert all(p.chunked for p in plans) and [p.final for p in plans] == [False] * 4 + [True]
