@@ -16,6 +16,7 @@ see :mod:`._core` for who owns what.
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -97,6 +98,10 @@ class ContinuousBatcher:
         #: Each step's shape facts and time, for efficiency metrics.
         self.step_log = StepLog(colocated=not self.disaggregated)
         self._cond = threading.Condition()
+        #: Decode steps compiled by a warm-up and not run yet: (rows, block-table columns),
+        #: run once each while the loop is idle (:meth:`_prime_idle`); and those it ran.
+        self._unprimed: collections.deque[tuple[int, int]] = collections.deque()
+        self.primed: list[tuple[int, int]] = []
         self._next_id, self._closing, self._stopping, self._closed = 0, False, False, False
         self._close_lock = threading.Lock()
         self.group = ProcessGroup()
@@ -250,7 +255,7 @@ class ContinuousBatcher:
         rest compile in the background (:attr:`warming`) while requests are served, or on
         first use. Returns the (rows, length) prefill buckets compiled (or compiling)."""
         plan = self.warmup_plan(prompt_lens)
-        jobs = [(b.describe(), self.programs.compiler(b)) for b in plan.buckets]
+        jobs = [(b.describe(), self._then_prime(b)) for b in plan.buckets]
         # Lazy: the background compiles yield to requests (queued or running).
         hold = (lambda: self.stats.finished < self.stats.submitted) if lazy else None
         self.warming = Warmup(jobs, threads, progress, hold).start()
@@ -258,6 +263,34 @@ class ContinuousBatcher:
             self.warming.stop()
         self.warming.wait_first(plan.first if lazy else len(plan))
         return [(b.rows, b.tokens) for b in plan.buckets if b.kind == "prefill"]
+
+    def _then_prime(self, bucket) -> Callable[[], None]:
+        """``bucket``'s compile; a decode step's then waits for the decode loop to run it
+        once while idle (:meth:`_prime_idle`)."""
+        compile_ = self.programs.compiler(bucket)
+        if bucket.kind != "decode":
+            return compile_
+
+        def run() -> None:
+            compile_()
+            with self._cond:
+                self._unprimed.append((bucket.rows, bucket.tokens // self.pool.page_size))
+                self._cond.notify_all()
+
+        return run
+
+    def _prime_idle(self) -> bool:
+        """With nothing queued, running or in flight: runs one compiled decode step that
+        never ran (:meth:`Executor.prime_step <jaxpar.engine._executor.Executor.prime_step>`),
+        so its first, slower run stalls no request. True if it ran one."""
+        with self._cond:
+            busy = self.scheduler.waiting or self.scheduler.running or self.core.ready
+            if busy or not self._unprimed or self._stopping:
+                return False
+            rows, width = self._unprimed.popleft()
+        self.executor.prime_step(rows, width)
+        self.primed.append((rows, width))
+        return True
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -395,7 +428,7 @@ class ContinuousBatcher:
             self.executor.flush()  # the other processes dispatch what this one did
         with self._cond:
             if not busy:
-                waiting = lambda: self.scheduler.waiting or self.core.ready  # noqa: E731
+                waiting = lambda: self.scheduler.waiting or self.core.ready or self._unprimed  # noqa: E731
                 with self.pulse.waiting():
                     self._cond.wait_for(lambda: self._stopping or waiting())
                 self.runner.loop_started()
@@ -408,6 +441,8 @@ class ContinuousBatcher:
         pending = None  # the step in flight: its handle and who held each row then
         chunking = lambda: not self.disaggregated and sched.chunking is not None  # noqa: E731
         while self._wait_for_work(sched.running > 0 or pending is not None or chunking()):
+            if pending is None and not chunking() and self._prime_idle():
+                continue
             core.cancel_running()
             if self.disaggregated:
                 core.insert_ready()
