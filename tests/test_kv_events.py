@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
+import shlex
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -270,3 +273,13 @@ def test_replay_resends_buffered_batches_from_a_sequence_number():
     finally:
         publisher.close()
         dealer.close(linger=0)
+
+
+def test_the_documented_command_line_parses():
+    """The fleet page's ``--kv-events-config`` example is a config the server takes."""
+    page = Path(__file__).parents[1] / "scripts" / "docs" / "pages" / "fleet.md"
+    (block,) = re.findall(r"^```bash kv-events\n(.*?)^```", page.read_text(), re.M | re.S)
+    args = shlex.split(block.replace("\\\n", " "))
+    config = parse_kv_events_config(args[args.index("--kv-events-config") + 1])
+    assert config.enable_kv_cache_events and config.publisher == "zmq"
+    assert (config.endpoint, config.topic) == ("tcp://*:5557", "kv-events")
