@@ -8,6 +8,8 @@ free once the requests end.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from jaxpar import ConfigError, ParallelConfig
@@ -142,9 +144,16 @@ def test_a_step_computes_only_the_rows_that_cover_the_live_requests():
         shapes.append(tables.shape)
         return step(params, slots, release_B, tables, *masks)
 
-    batcher.slot_steps.step = spy
     with batcher:
         batcher.warmup(range(1, 17))
+        # The idle loop runs each compiled step once first (every row released): spy after.
+        plan = batcher.warmup_plan(range(1, 17)).buckets
+        decode = sum(b.kind == "decode" for b in plan)
+        deadline = time.monotonic() + 120
+        while len(batcher.primed) < decode and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(batcher.primed) == decode
+        batcher.slot_steps.step = spy
         _check_served(batcher, engine)
     assert shapes and max(rows for rows, _ in shapes) == 8  # fewer as the last rows end
     _balanced(batcher)
