@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -293,6 +294,18 @@ def test_plan_deploy_serves_the_plan_s_strategy(capsys):
         assert (f"--{axis} {degree}" in served) == (degree > 1)
     assert f"--max-num-seqs {chosen['batch']}" in served
     assert f"--prefill-batch {chosen['prefill_batch']}" in served
+
+
+def test_the_docs_page_shows_what_its_command_prints(capsys):
+    page = (ROOT / "scripts" / "docs" / "pages" / "deploy.md").read_text()
+    (command,) = re.findall(r"^```bash deploy\n(.*?)^```", page, flags=re.M | re.S)
+    (shown,) = re.findall(r"^```yaml deploy\n(.*?)^```", page, flags=re.M | re.S)
+    argv = shlex.split(command)
+    assert argv[:2] == ["jaxpar", "deploy"]
+    assert main(argv[1:]) == 0
+    assert capsys.readouterr().out == shown
+    for doc in yaml.safe_load_all(shown):
+        _validate(doc)
 
 
 # --- the launch the manifests describe, run here --------------------------------------------

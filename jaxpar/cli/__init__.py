@@ -285,11 +285,15 @@ def _dispatch(args: argparse.Namespace, console) -> int:
         from jaxpar.cli._serve import run_serve
 
         return run_serve(args, console)
-    if args.command == "plan" and not args.deploy:
-        from jaxpar.cli._plan import run_plan
+    if args.command == "plan":
+        from jaxpar.cli._plan import make_plan, run_plan
 
+        if args.deploy:
+            from jaxpar.cli._deploy import plan_deployment
+
+            return plan_deployment(make_plan(args)[1], args)
         return run_plan(args, console)
-    if args.command == "deploy" or getattr(args, "deploy", False):  # jaxpar plan --deploy
+    if args.command == "deploy":
         from jaxpar.cli._deploy import run_deploy
 
         return run_deploy(args, console)

@@ -132,13 +132,8 @@ def add_deploy_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_deploy(args: argparse.Namespace, console) -> int:
-    """``jaxpar deploy``, or ``jaxpar plan ... --deploy``: prints the manifests."""
+    """``jaxpar deploy``: prints the manifests."""
     from jaxpar.cli._common import degrees_given, parallel_config
-
-    if args.command == "plan":
-        from jaxpar.cli._plan import make_plan
-
-        return plan_deployment(make_plan(args)[1], args)
 
     if not degrees_given(args):
         raise ConfigError(
