@@ -128,7 +128,9 @@ def _pod_templates(lws: dict) -> dict[str, dict]:
     return {k: template[k] for k in ("leaderTemplate", "workerTemplate") if k in template}
 
 
-@pytest.mark.parametrize("flags, hosts, per_host, resource", SLICES, ids=lambda x: None)
+@pytest.mark.parametrize(
+    "flags, hosts, per_host, resource", SLICES, ids=["v5e-4x4", "v6e-2x4", "v5p-2x2x2", "h100-2x8"]
+)
 def test_manifests_validate_and_describe_the_slice(capsys, flags, hosts, per_host, resource):
     docs = _deploy(capsys, "--hf", CHECKPOINT, *flags)
     for doc in docs:
@@ -196,11 +198,13 @@ def test_manifests_validate_and_describe_the_slice(capsys, flags, hosts, per_hos
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "vllm:num_requests_waiting"
 
 
+KV_EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
+
+
 def test_the_validators_refuse_what_a_cluster_refuses(capsys):
     # Not vacuous: a field the schema does not have, or a value it forbids, fails.
-    docs = _by_kind(
-        _deploy(capsys, "--hf-id", "org/Some.Model-7B", "--hardware", "tpu-v5p", "--tp", "8")
-    )
+    flags = ["--hf-id", "org/Some.Model-7B", "--hardware", "tpu-v5p", "--tp", "8"]
+    docs = _by_kind(_deploy(capsys, *flags, "--kv-events-config", KV_EVENTS))
     assert docs["LeaderWorkerSet"]["metadata"]["name"] == "some-model-7b"
     bad = copy.deepcopy(docs["LeaderWorkerSet"])
     bad["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "RecreateGroupOnFailure"
@@ -215,10 +219,17 @@ def test_the_validators_refuse_what_a_cluster_refuses(capsys):
     with pytest.raises(kubernetes_validate.ValidationError):
         _validate(bad)
     # A hub model is downloaded by an init container into the directory the pods serve.
-    pod = docs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    pod = docs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
     (init,) = pod["spec"]["initContainers"]
     args = pod["spec"]["containers"][0]["args"]
     assert init["command"][-2:] == ["org/Some.Model-7B", args[args.index("--hf") + 1]]
+    # KV events: the servers get the config, the leaders expose its port; a bad one is
+    # refused as jaxpar serve refuses it.
+    assert args[args.index("--kv-events-config") + 1] == KV_EVENTS
+    ports = pod["spec"]["containers"][0]["ports"]
+    assert {"name": "kv-events", "containerPort": 5557} in ports
+    text = _refusal(capsys, *flags, "--kv-events-config", '{"publisher": "zmq", "port": 1}')
+    assert "unknown key 'port'" in text
 
 
 def test_bad_topology_and_strategy_are_refused_naming_the_legal_ones(capsys):
