@@ -1,4 +1,4 @@
-"""Command line: ``jaxpar demo | run | explain | serve | plan``. Thin: parsing and printing only."""
+"""Command line: ``jaxpar demo | run | explain | serve | plan | deploy``. Thin: parsing and printing only."""
 
 from __future__ import annotations
 
@@ -185,7 +185,24 @@ def _parser() -> argparse.ArgumentParser:
     from jaxpar.cli._plan import add_plan_args
 
     add_plan_args(plan)
+    _add_deploy(sub)
     return parser
+
+
+def _add_deploy(sub) -> None:
+    from jaxpar.cli._deploy import add_deploy_args
+
+    deploy = sub.add_parser(
+        "deploy",
+        help="Kubernetes manifests (LeaderWorkerSet, Service, InferencePool, autoscaler) that "
+        "serve a checkpoint on a TPU slice or GPU hosts",
+        description="Prints YAML for `kubectl apply -f -`: one LeaderWorkerSet replica per "
+        "slice (the leader is process 0 and serves HTTP, the workers the other processes), "
+        "the leaders' Service, an InferencePool and a HorizontalPodAutoscaler on "
+        "vllm:num_requests_waiting.",
+    )
+    add_degree_args(deploy, "1; their product must be the slice's devices")
+    add_deploy_args(deploy)
 
 
 def _add_serve(sub) -> None:
@@ -269,9 +286,17 @@ def _dispatch(args: argparse.Namespace, console) -> int:
 
         return run_serve(args, console)
     if args.command == "plan":
-        from jaxpar.cli._plan import run_plan
+        from jaxpar.cli._plan import make_plan, run_plan
 
+        if args.deploy:
+            from jaxpar.cli._deploy import plan_deployment
+
+            return plan_deployment(make_plan(args)[1], args)
         return run_plan(args, console)
+    if args.command == "deploy":
+        from jaxpar.cli._deploy import run_deploy
+
+        return run_deploy(args, console)
     return 1
 
 

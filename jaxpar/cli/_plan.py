@@ -104,6 +104,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="TPU v5e/v6e: compile the plans shown for their slice (compile-only, libtpu) and "
         "print the bytes per device each step needs next to the prediction",
     )
+    parser.add_argument(
+        "--deploy",
+        action="store_true",
+        help="print Kubernetes manifests (jaxpar deploy's) serving the best plan on its slice",
+    )
+    from jaxpar.cli._deploy import add_deploy_options
+
+    add_deploy_options(parser)
 
 
 def make_plan(args: argparse.Namespace) -> tuple[Any, Planning]:
