@@ -26,7 +26,10 @@ from jaxpar.spec import ParallelConfig, make_mesh
 from tests._accelerator_cases import bench
 from tests._movement import moved_fraction
 
-pytestmark = [pytest.mark.jax_compat, pytest.mark.usefixtures("accelerator_compiles")]
+# The older release (scripts/test.sh's jax_compat tier) compiles the 4-layer steps alone and
+# reads them (libtpu's layouts change between releases); the 8-layer compiles, which the
+# growth and the deeper checks need, are the newer release's.
+pytestmark = pytest.mark.usefixtures("accelerator_compiles")
 BATCH, SEQ, PROMPT = 16, 512, 256
 STRATEGY = "pp=2,tp=8"
 
@@ -82,17 +85,34 @@ def _compiled(devices, layers: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def depths(v5e16) -> dict:
-    return {layers: _compiled(v5e16, layers) for layers in (4, 8)}
+def compiled_at(v5e16):
+    """The steps compiled at a depth, each depth compiled once for the module."""
+    done: dict[int, dict] = {}
+
+    def at(layers: int) -> dict:
+        if layers not in done:
+            done[layers] = _compiled(v5e16, layers)
+        return done[layers]
+
+    return at
 
 
+@pytest.fixture(scope="module")
+def depths(compiled_at) -> dict:
+    return {layers: compiled_at(layers) for layers in (4, 8)}
+
+
+LAYERS = [pytest.param(4, marks=pytest.mark.jax_compat), 8]
+
+
+@pytest.mark.parametrize("layers", LAYERS)
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 @pytest.mark.accel
-def test_pipelined_step_copies_no_whole_stage_kernel_on_tpu(depths, phase):
+def test_pipelined_step_copies_no_whole_stage_kernel_on_tpu(compiled_at, layers, phase):
     """No copy of a stage's whole stacked gate/up kernel (0.22 GiB per device at 4 layers,
     0.44 at 8): before, decode and prefill copied it every step."""
-    for layers, result in depths.items():
-        assert result[phase][1] == 0, (layers, result[phase][1], result["stage_kernel"])
+    result = compiled_at(layers)
+    assert result[phase][1] == 0, (layers, result[phase][1], result["stage_kernel"])
 
 
 #: Moved fraction allowed per step: decode, which runs every token, copies nothing;
@@ -103,15 +123,16 @@ def test_pipelined_step_copies_no_whole_stage_kernel_on_tpu(depths, phase):
 MOVED = {"decode": 0.0, "prefill": 0.08}
 
 
+@pytest.mark.parametrize("layers", LAYERS)
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 @pytest.mark.accel
-def test_pipelined_step_moves_little_on_tpu(depths, phase):
+def test_pipelined_step_moves_little_on_tpu(compiled_at, layers, phase):
     """Copies of any weight or cache layer that land in HBM, over parameter + cache bytes
     per device (:data:`MOVED`). Before: 0.52 / 0.62 (decode) and 0.56 / 0.68 (prefill).
     Decode's per-layer slices of the output kernel into VMEM (``S(1)``) are the matmul's
     own reads, not a copy: not counted."""
-    for layers, result in depths.items():
-        assert result[phase, "moved"] <= MOVED[phase], (layers, result[phase, "moved"])
+    moved = compiled_at(layers)[phase, "moved"]
+    assert moved <= MOVED[phase], (layers, moved)
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
@@ -124,6 +145,7 @@ def test_pipelined_temporaries_do_not_grow_with_depth_on_tpu(depths, phase):
     assert grown_temp <= 0.1 * grown_args, (grown_temp, grown_args)
 
 
+@pytest.mark.jax_compat
 @pytest.mark.accel
 def test_plan_compile_reads_each_plans_bytes_from_the_tpu_program(monkeypatch, capsys):
     """``jaxpar plan --compile`` compiles the plans it shows for their v5e slice and prints
@@ -164,6 +186,7 @@ def test_planner_predicts_the_pipelined_steps_within_10_percent(depths, phase):
         assert 0.9 <= result[phase, "bytes"] / step <= 1.1, (layers, step)
 
 
+@pytest.mark.jax_compat
 def test_plan_compile_names_the_slices_it_compiles_for():
     from jaxpar.cli._plan_compile import topology
     from jaxpar.errors import ConfigError
