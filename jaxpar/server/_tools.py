@@ -430,6 +430,7 @@ class ChatOutput:
         self._single = plan is not None and (not plan.parallel or plan.choice == "named")
         self.content = ""
         self.reasoning = ""
+        self._space = ""  # whitespace-only content held back
         self.calls: list[dict[str, Any]] = []
 
     @property
@@ -458,36 +459,49 @@ class ChatOutput:
                 out.append(event)
         if final and self._tools is not None:
             out += self._tools.finish()
-        return self._keep(out)
+        kept = self._keep(out)
+        if final and self._space and not self.calls:  # trailing whitespace of plain text
+            kept += self._keep([Event("content", self._space)], hold=False)
+        return kept
 
-    def _keep(self, events: list[Event]) -> list[Event]:
-        """Records the events; drops calls past the first when only one is allowed, and
-        turns calls into content when the request takes none."""
+    def _keep(self, events: list[Event], *, hold: bool = True) -> list[Event]:
+        """Records the events that stay (:meth:`_admit`)."""
         kept = []
         for event in events:
-            if event.kind in ("call", "args"):
-                if not self._calls_on:
-                    continue
-                if self._single and event.index > 0:
-                    continue
-            if event.kind == "reasoning" and self.settings.reasoning is None:
-                continue  # harmony's analysis, with no reasoning parser asked for
-            if event.kind == "content":
-                self.content += event.text
-            elif event.kind == "reasoning":
-                self.reasoning += event.text
-            elif event.kind == "call":
-                self.calls.append(
-                    {
-                        "id": call_id(self.settings.parser),
-                        "type": "function",
-                        "function": {"name": event.name, "arguments": ""},
-                    }
-                )
-            elif event.kind == "args" and event.index < len(self.calls):
-                self.calls[event.index]["function"]["arguments"] += event.text
-            kept.append(event)
+            event = self._admit(event, hold)
+            if event is not None:
+                self._record(event)
+                kept.append(event)
         return kept
+
+    def _admit(self, event: Event, hold: bool) -> Event | None:
+        """``event`` as handed out, or None: calls past the first when only one is
+        allowed, calls when the request takes none, harmony's analysis when no reasoning
+        parser was asked for. Content's trailing whitespace is held until text follows
+        it (so none is handed out between or after calls, however the text was split)."""
+        if event.kind == "content" and hold:
+            text = self._space + event.text
+            kept = text.rstrip()
+            self._space = text[len(kept) :]
+            return Event("content", kept) if kept else None
+        if event.kind in ("call", "args"):
+            return event if self._calls_on and not (self._single and event.index > 0) else None
+        if event.kind == "reasoning" and self.settings.reasoning is None:
+            return None
+        return event
+
+    def _record(self, event: Event) -> None:
+        if event.kind == "content":
+            self.content += event.text
+        elif event.kind == "reasoning":
+            self.reasoning += event.text
+        elif event.kind == "call":
+            function = {"name": event.name, "arguments": ""}
+            self.calls.append(
+                {"id": call_id(self.settings.parser), "type": "function", "function": function}
+            )
+        elif event.kind == "args" and event.index < len(self.calls):
+            self.calls[event.index]["function"]["arguments"] += event.text
 
     def deltas(self, events: list[Event]) -> list[dict[str, Any]]:
         """The chat ``delta`` objects of ``events`` (consecutive text of one kind
