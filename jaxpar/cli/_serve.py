@@ -347,8 +347,7 @@ def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:
 def served_model(args: argparse.Namespace):
     """The :class:`~jaxpar.server.ServedModel` of ``--hf``: name, tokenizer, chat
     template, EOS and default sampling."""
-    from jaxpar.server import ServedModel  # FastAPI: imported only when serving
-    from jaxpar.server._tools import tool_settings
+    from jaxpar.server import ServedModel, tool_settings  # FastAPI: imported only when serving
 
     tokenizer = load_tokenizer(args.hf)
     defaults = generation_defaults(args.hf)

@@ -7,6 +7,8 @@
 and ``GET /live`` liveness (:mod:`jaxpar.server._health`); ``--kv-events-config``
 publishes the prefix cache's pages as vLLM's KV events (:class:`KVEventPublisher`).
 :class:`TextStream` is the incremental detokeniser with stop strings that streaming uses.
+Tool calling and reasoning parsers (``--tool-call-parser``, ``--reasoning-parser``):
+:mod:`jaxpar.server._tools` (:func:`tool_settings` checks the flags against a checkpoint).
 """
 
 from jaxpar.server._app import create_app
@@ -20,6 +22,7 @@ from jaxpar.server._kv_events import (
     parse_kv_events_config,
 )
 from jaxpar.server._service import Job, ServedModel, Service, ServiceStats
+from jaxpar.server._tools import ToolSettings, tool_settings
 
 __all__ = [
     "APIError",
@@ -33,6 +36,8 @@ __all__ = [
     "Service",
     "ServiceStats",
     "TextStream",
+    "ToolSettings",
     "create_app",
     "resolve_hardware",
+    "tool_settings",
 ]
