@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from jaxpar.engine import Admission, BatcherStats, Request, RequestStream, Sampling
 from jaxpar.engine._text import chat_template, generation_defaults
 from jaxpar.server import ServedModel, Service, create_app
+from jaxpar.server._responses import ResponseStore
 from jaxpar.server._tools import ToolSettings
 from tests._serve_util import ROOT
 
@@ -213,3 +214,90 @@ def test_a_multi_turn_history_reaches_the_template(served):
     written = json.dumps({"name": "get_weather", "arguments": dict(CALLS)["get_weather"]})
     assert f"<tool_call>\n{written}\n</tool_call>" in prompt  # arguments as an object
     assert "<tool_response>sunny, 21 C</tool_response>" in prompt
+
+
+# --- /v1/responses -------------------------------------------------------------------------
+
+FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def _items(response) -> list[tuple]:
+    """(type, what it says) per output item."""
+    out = []
+    for item in response.output:
+        if item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content)))
+        elif item.type == "function_call":
+            out.append(("function_call", item.name, json.loads(item.arguments)))
+        else:
+            out.append(("message", "".join(c.text for c in item.content)))
+    return out
+
+
+def test_responses_carry_reasoning_and_calls_and_continue_a_conversation(served):
+    batcher, client, _ = served
+    first = client.responses.create(
+        model="m", input="Weather in Paris and the time?", tools=FLAT_TOOLS,
+        instructions="Be brief.",
+    )  # fmt: skip
+    assert first.status == "completed" and first.object == "response"
+    assert _items(first) == [
+        ("reasoning", "Two tools."),
+        *(("function_call", name, args) for name, args in CALLS),
+    ]
+    assert first.usage.input_tokens == len(batcher.requests[-1]["prompt"])
+    outputs = [
+        {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}
+        for item in first.output
+        if item.type == "function_call"
+    ]
+    batcher.script = "It is sunny."
+    try:
+        second = client.responses.create(
+            model="m", input=outputs, tools=FLAT_TOOLS, previous_response_id=first.id
+        )
+    finally:
+        batcher.script = ANSWER
+    assert second.output_text == "It is sunny." and second.previous_response_id == first.id
+    prompt = TOKENIZER.decode(batcher.requests[-1]["prompt"], skip_special_tokens=False)
+    assert prompt.count("<tool_response>sunny</tool_response>") == 2
+    assert "Weather in Paris and the time?" in prompt and '"name": "get_time"' in prompt
+    assert "Be brief." not in prompt  # instructions are not carried to the next turn
+    assert client.responses.retrieve(second.id).id == second.id
+
+
+def test_responses_stream_the_same_items(served):
+    _, client, _ = served
+    whole = client.responses.create(model="m", input="Weather?", tools=FLAT_TOOLS)
+    events = list(
+        client.responses.create(model="m", input="Weather?", tools=FLAT_TOOLS, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.id) for i in done] == [(i.type, i.id) for i in events[-1].response.output]
+    assert _items(events[-1].response) == _items(whole)
+    arguments = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            arguments[e.item_id] = arguments.get(e.item_id, "") + e.delta
+    calls = [i for i in done if i.type == "function_call"]
+    assert [arguments[c.id] for c in calls] == [c.arguments for c in calls]
+
+
+def test_a_response_id_not_kept_is_a_400_and_the_store_is_bounded(served):
+    batcher, client, http = served
+    before = len(batcher.requests)
+    body = {"model": "m", "input": "hi", "previous_response_id": "resp_nope"}
+    refused = http.post("/v1/responses", json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "previous_response_id"
+    unstored = client.responses.create(model="m", input="hi", store=False)
+    again = http.post("/v1/responses", json=body | {"previous_response_id": unstored.id})
+    assert again.status_code == 400 and len(batcher.requests) == before + 1
+    store = ResponseStore(size=2)
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": str(i)}])
+    assert store.get("r0") is None and store.history("r2") == [{"role": "user", "content": "2"}]

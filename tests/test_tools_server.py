@@ -6,7 +6,8 @@ format inferred from the template). Whatever call comes back is the grammar's do
 each is checked to name an offered function and to carry arguments that parse and
 validate against its schema (``jsonschema``): a named function, greedy and sampled,
 streamed and not; ``required`` with two tools; a multi-turn exchange (a call, its result,
-an answer); and the serving page's example.
+an answer); the serving page's example; and ``/v1/responses`` with function tools and
+``previous_response_id``.
 """
 
 from __future__ import annotations
@@ -160,3 +161,29 @@ def test_the_serving_page_example_runs(server, tmp_path):
     assert (reason, name) == ("tool_calls", "get_weather")
     assert set(ast.literal_eval(args)) == {"city", "days"}  # the dict the example printed
     assert second in ("stop", "length", "tool_calls")
+
+
+def test_responses_with_function_tools_and_previous_response_id(client):
+    flat = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    first = client.responses.create(
+        model=MODEL,
+        input="Weather in Lima?",
+        tools=flat,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=120,
+    )
+    assert first.status == "completed"
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and _valid(call.name, call.arguments)
+    answer = client.responses.create(
+        model=MODEL,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        previous_response_id=first.id,
+        max_output_tokens=6,
+    )
+    assert answer.previous_response_id == first.id and answer.usage.output_tokens <= 6
+    if answer.status == "incomplete":  # the untrained model did not end it by itself
+        assert answer.incomplete_details.reason == "max_output_tokens"
+    assert all(item.type == "message" for item in answer.output)
+    # The conversation so far (the call and its output) is in the prompt.
+    assert answer.usage.input_tokens > first.usage.input_tokens + 60

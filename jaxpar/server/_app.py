@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics.
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, responses, models, health,
+metrics.
 
 ``GET /health`` is readiness, ``GET /live`` liveness (:mod:`jaxpar.server._health`).
 
@@ -31,6 +32,7 @@ from jaxpar.server._health import DEFAULT_STALL_S, live, not_ready
 from jaxpar.server._logprobs import ChoiceLogprobs, merge
 from jaxpar.server._metrics import metrics_registry
 from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
+from jaxpar.server._responses import routes as responses_routes
 from jaxpar.server._service import Job, Service
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures its handlers
@@ -380,6 +382,8 @@ def _routes(app: FastAPI, service: Service, stall_timeout: float = DEFAULT_STALL
         service.check_model(body)
         jobs = await _submit_completions(service, body)
         return await _answer(service, jobs, body, COMPLETIONS, request)
+
+    responses_routes(app, service)  # POST /v1/responses (:mod:`._responses`)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
