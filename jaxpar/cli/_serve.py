@@ -347,7 +347,11 @@ def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:
 def served_model(args: argparse.Namespace):
     """The :class:`~jaxpar.server.ServedModel` of ``--hf``: name, tokenizer, chat
     template, EOS and default sampling."""
-    from jaxpar.server import ServedModel, tool_settings  # FastAPI: imported only when serving
+    from jaxpar.server import (  # FastAPI: imported only when serving
+        ServedModel,
+        tool_settings,
+        uses_harmony,
+    )
 
     tokenizer = load_tokenizer(args.hf)
     defaults = generation_defaults(args.hf)
@@ -361,6 +365,7 @@ def served_model(args: argparse.Namespace):
         reasoning=getattr(args, "reasoning_parser", None),
         template=template.template if template is not None else None,
         tokenizer=tokenizer,
+        harmony=uses_harmony(args.hf, tokenizer),
     )
     return ServedModel(
         name=args.served_model_name or Path(args.hf).resolve().name,

@@ -184,11 +184,13 @@ async def _choice_chunks(
         if logprobs is not None:
             lp = logprobs.add(ids, job.logprobs(seen, seen + len(ids)))
         seen += len(ids)
-        ids = ids if body.return_token_ids else []
         if job.output is not None:
-            for chunk in output_chunks(fmt, job, index, name, job.output.feed(text), ids, lp):
+            events = job.output.feed(text, ids)
+            ids = ids if body.return_token_ids else []
+            for chunk in output_chunks(fmt, job, index, name, events, ids, lp):
                 await out.put(chunk)
             continue
+        ids = ids if body.return_token_ids else []
         await out.put(fmt.chunk(job, index, name, text, ids, None, lp))
     if job.output is not None:
         for chunk in output_chunks(fmt, job, index, name, job.output.finish(), [], None):

@@ -21,7 +21,7 @@ def output_finish_reason(job) -> str | None:
 def finish_output(job, text: str) -> dict[str, Any]:
     """The message of a choice whose whole ``text`` is there."""
     output = job.output
-    output.feed(text)
+    output.feed(text, job.tokens)
     output.finish()
     job.finish_reason = output_finish_reason(job)
     return output.message()

@@ -179,6 +179,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -202,6 +203,8 @@ class ChatMessage(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -254,6 +257,8 @@ class ChatRequest(_Generate):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: GPT-OSS's reasoning effort (its harmony system message); other models ignore it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     refused: ClassVar[dict[str, tuple]] = {"echo": (None, False)}  # completions'
 

@@ -55,9 +55,16 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     """The fields of a Responses request this server reads (others are ignored, as
-    OpenAI's metadata-like fields: ``metadata``, ``reasoning``, ``truncation``...)."""
+    OpenAI's metadata-like fields: ``metadata``, ``truncation``...); ``reasoning.effort``
+    is GPT-OSS's reasoning effort."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -76,6 +83,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: TextOptions | None = None
     user: str | None = None
+    reasoning: ReasoningOptions | None = None
 
 
 class ResponseStore:
@@ -219,6 +227,7 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         "tools": _chat_tools(body.tools),
         "tool_choice": _chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
     }
     form = body.text.format if body.text is not None else None
     if form is not None and form.type == "json_object":
@@ -375,7 +384,7 @@ async def _whole(service: Service, turn: _Turn, job: Job, store: ResponseStore) 
         if not job.stream.done:
             job.stream.cancel()
     if job.output is not None:
-        job.output.feed(text)
+        job.output.feed(text, job.tokens)
         job.output.finish()
     return _finish(turn, job, output_items(job.output, text, _status(job)), store)
 
@@ -533,8 +542,8 @@ async def _events(
     yield _sse(items._event("response.created", response=start))
     yield _sse(items._event("response.in_progress", response=start))
     try:
-        async for text, _ in service.pieces(job, partial=True):
-            for event in items.feed(output.feed(text), output.calls):
+        async for text, ids in service.pieces(job, partial=True):
+            for event in items.feed(output.feed(text, ids), output.calls):
                 yield _sse(event)
         for event in items.feed(output.finish(), output.calls):
             yield _sse(event)

@@ -41,6 +41,7 @@ from jaxpar.engine import (
 from jaxpar.errors import ConfigError, GrammarError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
+from jaxpar.server._harmony import render_chat as render_harmony
 from jaxpar.server._protocol import MAX_CHOICES, ChatRequest, CompletionRequest, _Generate
 from jaxpar.server._tools import (
     ChatOutput,
@@ -328,7 +329,7 @@ class Service:
                     param,
                 )
             return [("tools", Constraint.grammar(calls))]
-        if len(asked) == 1 and settings.reasoning is not None:
+        if len(asked) == 1 and settings.reasoning_grammar is not None:
             param, constraint = asked[0]
             if self.model.tokenizer is not None:
                 lark = reasoned_lark(constraint, settings, self.spelling, param)
@@ -392,7 +393,10 @@ class Service:
         return self._encode(prompt, "prompt", special=True)
 
     def chat_prompt(self, body: ChatRequest, plan: ToolPlan | None = None) -> list[int]:
-        """The request's messages (and ``plan``'s tools) rendered and encoded."""
+        """The request's messages (and ``plan``'s tools) rendered and encoded: by the
+        chat template, or for GPT-OSS by ``openai-harmony``."""
+        if self.model.tools.harmony:
+            return self._harmony_prompt(body, plan)
         if self.model.render_chat is None:
             raise bad_request(
                 f"model {self.model.name!r} has no chat template; use /v1/completions",
@@ -407,6 +411,15 @@ class Service:
         except ConfigError as e:
             raise bad_request(f"messages: {e}", "messages") from e
         return self._encode(text, "messages", special=False)  # the template has them
+
+    def _harmony_prompt(self, body: ChatRequest, plan: ToolPlan | None) -> list[int]:
+        if not body.messages:
+            raise bad_request("messages: empty; give at least one message", "messages")
+        tools = None if plan is None else [t.as_template_tool() for t in plan.tools]
+        try:
+            return render_harmony(body.rendered_messages(), tools, body.reasoning_effort)
+        except ConfigError as e:
+            raise bad_request(f"{e}", str(e).split(":")[0]) from e
 
     def _encode(self, text: str, param: str, *, special: bool) -> list[int]:
         if self.model.tokenizer is None:

@@ -32,10 +32,13 @@ import json
 import re
 import secrets
 import string
+from collections.abc import Sequence
 from typing import Any
 
 from jaxpar.engine import Constraint
 from jaxpar.server._errors import bad_request
+from jaxpar.server._harmony import HarmonyTokenParser
+from jaxpar.server._harmony import encoding as harmony_encoding
 from jaxpar.server._reasoning import REASONING, ReasoningFormat
 from jaxpar.server._stream_text import Event
 from jaxpar.server._tool_parsers import (
@@ -77,11 +80,14 @@ class ToolSettings:
     ``parser``: the tool-call format (``--tool-call-parser``, or the one the chat
     template implies; None: vLLM's JSON forms, and no ``auto``). ``auto``:
     ``--enable-auto-tool-choice``. ``reasoning``: ``--reasoning-parser`` (None: none).
+    ``harmony``: GPT-OSS, whose prompts ``openai-harmony`` renders and whose answers it
+    parses from their tokens (:mod:`jaxpar.server._harmony`).
     """
 
     parser: str | None = None
     auto: bool = False
     reasoning: str | None = None
+    harmony: bool = False
 
     @property
     def format(self) -> ToolFormat:
@@ -91,6 +97,12 @@ class ToolSettings:
     def reasoning_format(self) -> ReasoningFormat | None:
         return REASONING[self.reasoning] if self.reasoning else None
 
+    @property
+    def reasoning_grammar(self) -> ReasoningFormat | None:
+        """The reasoning a grammar lets come first: the parser's, or GPT-OSS's analysis
+        (which harmony's model writes whether or not it is handed out)."""
+        return REASONING["openai"] if self.harmony else self.reasoning_format
+
 
 def tool_settings(
     *,
@@ -99,16 +111,20 @@ def tool_settings(
     reasoning: str | None,
     template: str | None,
     tokenizer,
+    harmony: bool = False,
 ) -> ToolSettings:
     """The server's :class:`ToolSettings` from its flags, checked against the checkpoint.
 
     Without ``parser``, the format the chat template writes calls in (if it is one of
     ours). A format or reasoning parser whose markers are special tokens of its model
     family (``mistral``, ``deepseek_v3``, ``openai``) needs them in the tokenizer.
+    ``harmony`` (a GPT-OSS checkpoint, :func:`~._harmony.uses_harmony`): the format is
+    ``openai``, and harmony's encoding is loaded now.
 
     Raises:
-        ConfigError: an unknown name, ``auto`` without a format, or a parser whose
-            markers this tokenizer lacks.
+        ConfigError: an unknown name, ``auto`` without a format, a parser whose markers
+            this tokenizer lacks, or (``harmony``) a parser of another format, or no
+            harmony encoding.
     """
     from jaxpar.errors import ConfigError
 
@@ -120,7 +136,9 @@ def tool_settings(
         raise ConfigError(
             f"--reasoning-parser {reasoning!r}: unknown; one of {', '.join(REASONING)}"
         )
-    chosen = parser or format_of_template(template)
+    if harmony:
+        _check_harmony(parser, reasoning)
+    chosen = parser or ("openai" if harmony else format_of_template(template))
     if auto and chosen is None:
         raise ConfigError(
             "--enable-auto-tool-choice: the chat template writes no tool-call format this "
@@ -136,7 +154,20 @@ def tool_settings(
                 f"{flag}: this checkpoint's tokenizer has no token {missing[0]!r}, which "
                 "that format writes; the parser does not match the model"
             )
-    return ToolSettings(parser=chosen, auto=auto, reasoning=reasoning)
+    return ToolSettings(parser=chosen, auto=auto, reasoning=reasoning, harmony=harmony)
+
+
+def _check_harmony(parser: str | None, reasoning: str | None) -> None:
+    """A GPT-OSS server's parsers are harmony's, and its encoding loads."""
+    from jaxpar.errors import ConfigError
+
+    for flag, name in (("--tool-call-parser", parser), ("--reasoning-parser", reasoning)):
+        if name not in (None, "openai"):
+            raise ConfigError(
+                f"{flag} {name!r}: this is a GPT-OSS checkpoint, which writes the harmony "
+                "format; leave the flag out or give 'openai'"
+            )
+    harmony_encoding()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +383,7 @@ def _one_piece(trigger: str, lit: Spelling) -> bool:
 
 
 def _reasoning_prefix(settings: ToolSettings, lit: Spelling) -> tuple[str, list[str]]:
-    reasoning = settings.reasoning_format
+    reasoning = settings.reasoning_grammar
     if reasoning is None:
         return "", []
     expr, rules = reasoning.prefix(lit)
@@ -373,7 +404,7 @@ def reasoned_lark(
     Raises:
         APIError: 400 for ``guided_grammar`` (a grammar of the user's cannot be nested).
     """
-    reasoning = settings.reasoning_format
+    reasoning = settings.reasoning_grammar
     if reasoning is None:
         return None
     head, rules = reasoning.prefix(lit)
@@ -421,7 +452,11 @@ class ChatOutput:
         else:
             tools = fmt.new_parser() if fmt is not None else None
         harmony = "openai" in (getattr(fmt, "name", None), getattr(reasoning, "name", None))
-        if harmony:  # one parser reads every channel
+        # GPT-OSS through openai-harmony: its parser reads every channel, from the tokens
+        self._tokens = HarmonyTokenParser() if settings.harmony else None
+        if self._tokens is not None:
+            self._reasoning = self._tools = None
+        elif harmony:  # one parser reads every channel (harmony as text)
             self._reasoning, self._tools = None, (tools or REASONING["openai"].new_parser())
         else:
             self._reasoning = reasoning.new_parser() if reasoning is not None else None
@@ -436,15 +471,30 @@ class ChatOutput:
     @property
     def active(self) -> bool:
         """Whether anything is parsed (else the text is the content as it is)."""
-        return self._reasoning is not None or self._tools is not None
+        return self._reasoning is not None or self._tools is not None or bool(self._tokens)
 
-    def feed(self, text: str) -> list[Event]:
-        return self._run(text, final=False)
+    def feed(self, text: str, ids: Sequence[int] = ()) -> list[Event]:
+        """The events of the answer's next piece: its ``text`` (special tokens spelled
+        out), and its token ids (which harmony's parser reads instead)."""
+        return self._run(text, final=False, ids=ids)
 
     def finish(self) -> list[Event]:
         return self._run("", final=True)
 
-    def _run(self, text: str, *, final: bool) -> list[Event]:
+    def _run(self, text: str, *, final: bool, ids: Sequence[int] = ()) -> list[Event]:
+        if self._tokens is not None:
+            out = self._tokens.feed_tokens(list(ids))
+            if final:
+                out += self._tokens.finish()
+        else:
+            out = self._text_events(text, final=final)
+        kept = self._keep(out)
+        if final and self._space and not self.calls:  # trailing whitespace of plain text
+            kept += self._keep([Event("content", self._space)], hold=False)
+        return kept
+
+    def _text_events(self, text: str, *, final: bool) -> list[Event]:
+        """The events of the text parsers (reasoning first, its content to the tools')."""
         if self._reasoning is not None:
             events = self._reasoning.feed(text) if text else []
             if final:
@@ -459,10 +509,7 @@ class ChatOutput:
                 out.append(event)
         if final and self._tools is not None:
             out += self._tools.finish()
-        kept = self._keep(out)
-        if final and self._space and not self.calls:  # trailing whitespace of plain text
-            kept += self._keep([Event("content", self._space)], hold=False)
-        return kept
+        return out
 
     def _keep(self, events: list[Event], *, hold: bool = True) -> list[Event]:
         """Records the events that stay (:meth:`_admit`)."""
