@@ -13,9 +13,9 @@ Checked: the parser reads reasoning, a call and the answer from token ids fed in
 splits (the same events come out); text that is not harmony stays content; the prompt
 harmony renders holds the history (reasoning effort, instructions, the tools' namespace,
 a call and its result) as harmony parses it back; through the app with the ``openai``
-client, a call and the reasoning come back whole and streamed, a named choice hands the
-batcher a grammar that takes the scripted call, and ``/v1/responses`` renders through
-harmony too.
+client, a call and the reasoning come back whole and streamed, a named and an ``auto``
+choice hand the batcher a grammar that takes the scripted call (and not one with an
+argument outside the schema), and ``/v1/responses`` renders through harmony too.
 """
 
 from __future__ import annotations
@@ -319,17 +319,23 @@ def test_a_call_and_the_reasoning_come_back_whole_and_streamed(served, tokenizer
     )  # fmt: skip
 
 
-def test_a_named_choice_is_a_grammar_that_takes_the_call(served, tokenizer):
+def test_named_and_auto_choices_are_grammars_that_take_valid_calls(served, tokenizer):
+    """The batcher gets a grammar (harmony's tokens, special ones as tokens) that takes
+    the scripted call and refuses it with an argument outside the schema; ``auto``
+    takes a final answer too, ``named`` does not."""
     batcher, client = served
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    client.chat.completions.create(model="gpt-oss", messages=ASK, tools=TOOLS, tool_choice=named)
-    lark = batcher.requests[-1]["grammar"].constraint.spec
     ll = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=N_VOCAB, eos_token=[200002])
-    for script, ok in ((CALL, True), (CALL.replace('"Paris"', '"Rome"'), False)):
-        matcher = llguidance.LLMatcher(
-            ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    rome = CALL.replace('"Paris"', '"Rome"')
+    for choice, answer_ok in ((named, False), ("auto", True)):
+        client.chat.completions.create(
+            model="gpt-oss", messages=ASK, tools=TOOLS, tool_choice=choice
         )
-        assert all(matcher.consume_token(t) for t in _ids(script)) == ok
+        lark = batcher.requests[-1]["grammar"].constraint.spec
+        for script, ok in ((CALL, True), (rome, False), (ANSWER, answer_ok)):
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+            assert all(matcher.consume_token(t) for t in _ids(script)) == ok, (choice, script)
 
 
 def test_responses_render_through_harmony(served):

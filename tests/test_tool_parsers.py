@@ -241,7 +241,7 @@ def test_required_and_named_grammars_take_only_valid_calls_to_offered_functions(
         assert not _accepts(named, _written(fmt, [("get_time", TIME)]))
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "mistral", "deepseek_v3", "openai"])
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "deepseek_v3"])
 def test_auto_lets_text_through_and_constrains_the_call_after_its_marker(fmt):
     auto = _lark(fmt, "auto")
     assert _accepts(auto, "No call needed: 4.")
@@ -250,8 +250,26 @@ def test_auto_lets_text_through_and_constrains_the_call_after_its_marker(fmt):
     assert not _accepts(auto, "Looking. " + _written(fmt, [("get_date", TIME)]))
 
 
-def test_formats_without_a_text_marker_run_unconstrained_under_auto():
-    assert _lark("llama3_json", "auto") is None
+def test_auto_where_calls_are_the_whole_answer_constrains_them_once_begun():
+    """Llama 3's JSON: text that does not open a call, or calls; harmony (after its
+    analysis): a final message, or a call."""
+    auto = _lark("llama3_json", "auto")
+    call = _written("llama3_json", [("get_weather", GOOD)])
+    assert _accepts(auto, "No call needed: 4.") and _accepts(auto, "<b>fine</b>")
+    assert _accepts(auto, call) and _accepts(auto, "<|python_tag|>" + call)
+    assert _accepts(auto, _written("llama3_json", [("get_weather", GOOD), ("get_time", TIME)]))
+    assert not _accepts(auto, _written("llama3_json", [("get_weather", BAD)]))
+    assert not _accepts(auto, _written("llama3_json", [("get_date", TIME)]))
+    assert not _accepts(auto, '{"looks": "like a call"}')
+    assert not _accepts(_lark("llama3_json", "auto", parallel=False), call + "; " + call)
+    harmony = _lark("openai", "auto")
+    analysis = "<|channel|>analysis<|message|>Maybe a call.<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>No call needed: 4."
+    assert _accepts(harmony, final) and _accepts(harmony, analysis + final)
+    assert _accepts(harmony, analysis + _written("openai", [("get_weather", GOOD)]))
+    assert not _accepts(harmony, analysis + _written("openai", [("get_weather", BAD)]))
+    assert not _accepts(harmony, _written("openai", [("get_date", TIME)]))
+    assert not _accepts(harmony, "No channel at all.")
     assert _lark("hermes", "none") is None
 
 

@@ -15,9 +15,9 @@ What the grammar engine (llguidance, :mod:`jaxpar.engine._grammar`) enforces:
 * a named function: the same, with that function only;
 * ``auto``: free text, until the format's call marker (``<tool_call>``, ``[TOOL_CALLS]``,
   ``<｜tool▁calls▁begin｜>``); from there on the call must be to an offered function with
-  valid arguments. Formats without such a marker (``llama3_json``, whose call is the whole
-  answer, and ``openai``, whose marker spans special tokens) run unconstrained under
-  ``auto``: the parser reads what the model wrote;
+  valid arguments. Where calls are the whole answer: for ``llama3_json`` text that does
+  not open a call (no ``{`` or ``<|python_tag|>`` first), or calls; for ``openai``
+  (harmony), after the analysis, a ``final`` message or a call;
 * ``none``: nothing (the tools are still shown to the model, as OpenAI does).
 
 With a reasoning parser the grammar lets the reasoning come first, unconstrained, and
@@ -44,6 +44,7 @@ from jaxpar.server._stream_text import Event
 from jaxpar.server._tool_parsers import (
     FORMATS,
     PARSER_NAMES,
+    Llama3JsonParser,
     NamedArgumentsParser,
     ToolFormat,
     format_of_template,
@@ -100,8 +101,9 @@ class ToolSettings:
     @property
     def reasoning_grammar(self) -> ReasoningFormat | None:
         """The reasoning a grammar lets come first: the parser's, or GPT-OSS's analysis
-        (which harmony's model writes whether or not it is handed out)."""
-        return REASONING["openai"] if self.harmony else self.reasoning_format
+        (which a harmony model writes whether or not it is handed out)."""
+        harmony = self.harmony or (self.parser == "openai" and self.reasoning is None)
+        return REASONING["openai"] if harmony else self.reasoning_format
 
 
 def tool_settings(
@@ -356,6 +358,8 @@ def tool_lark(plan: ToolPlan, settings: ToolSettings, lit: Spelling) -> str | No
             return _grammar(head, answer, rules)
         rules += _call_rules(fmt, plan.allowed, lit)
         return _grammar(head, _calls(fmt, plan.parallel and plan.choice != "named", lit), rules)
+    if fmt.name in _WHOLE_ANSWER_AUTO:  # auto, a format whose calls are a whole answer
+        return _grammar(head, *_WHOLE_ANSWER_AUTO[fmt.name](plan, fmt, lit, rules))
     trigger = fmt.trigger  # auto
     if trigger is None or not _one_piece(trigger, lit):
         return None
@@ -375,6 +379,31 @@ def tool_lark(plan: ToolPlan, settings: ToolSettings, lit: Spelling) -> str | No
     rules.append(f"block: {block}")
     answer = "block* TAIL" if plan.parallel else "(TAIL | block)"
     return _grammar(head, answer, rules)
+
+
+def _llama3_auto(plan: ToolPlan, fmt: ToolFormat, lit: Spelling, rules: list[str]):
+    """``auto`` for Llama 3's JSON: the answer is text that does not open a call (a
+    ``{`` or ``<|python_tag|>`` first), or calls (the tag optional), each to an offered
+    function with valid arguments."""
+    tag = Llama3JsonParser.TAG
+    if lit.special(tag):  # text cannot spell the tag
+        text = r"/[ \t\n]*([^{ \t\n](.|\n)*)?/"
+    else:  # nor may it start spelling it
+        text = r"/[ \t\n]*(([^{< \t\n]|<[^|])(.|\n)*)?/"
+    rules += [f"TEXT: {text}", *_call_rules(fmt, plan.allowed, lit)]
+    return f"(TEXT | {lit(tag)}? {_calls(fmt, plan.parallel, lit)})", rules
+
+
+def _harmony_auto(plan: ToolPlan, fmt: ToolFormat, lit: Spelling, rules: list[str]):
+    """``auto`` for harmony (after the analysis messages): a ``final`` message of free
+    text, or a call (``<|call|>`` ends the turn: one call)."""
+    final = f"{lit('<|channel|>')} {lit('final')} {lit('<|message|>')} FINAL_TEXT"
+    rules += ["FINAL_TEXT: /(.|\n)*/", *_call_rules(fmt, plan.allowed, lit)]
+    return f"({final} | call)", rules
+
+
+#: ``auto`` for the formats whose calls are the whole answer rather than marked in text.
+_WHOLE_ANSWER_AUTO = {"llama3_json": _llama3_auto, "openai": _harmony_auto}
 
 
 def _one_piece(trigger: str, lit: Spelling) -> bool:
