@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from jaxpar.engine import Admission, BatcherStats, Request, RequestStream, Sampling
 from jaxpar.errors import ConfigError
-from jaxpar.server import ServedModel, Service, create_app, tool_settings
+from jaxpar.server import ServedModel, Service, create_app, tool_settings, uses_harmony
 from jaxpar.server._harmony import HarmonyTokenParser, encoding, render_chat
 from tests._serve_util import ROOT
 
@@ -227,6 +227,22 @@ def test_harmony_renders_the_history_as_it_parses_it_back(ranks):
         render_chat([*ASK, {"role": "tool", "tool_call_id": "nope", "content": "x"}], TOOLS)
 
 
+def test_a_gpt_oss_checkpoint_with_harmony_s_tokenizer_is_served_through_harmony(
+    ranks, tokenizer, tmp_path
+):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    assert uses_harmony(tmp_path, tokenizer)
+    tiny = ROOT / "tests" / "fixtures" / "hf" / "gpt_oss"  # no tokenizer: its template's way
+    assert not uses_harmony(tiny, None)
+    assert not uses_harmony(ROOT / "tests" / "fixtures" / "llama_tools", tokenizer)
+    checks = dict(auto=True, template=None, tokenizer=tokenizer, harmony=True)
+    settings = tool_settings(parser=None, reasoning=None, **checks)
+    assert (settings.parser, settings.harmony) == ("openai", True)
+    for flags in ({"parser": "hermes", "reasoning": None}, {"parser": None, "reasoning": "qwen3"}):
+        with pytest.raises(ConfigError, match="GPT-OSS checkpoint"):
+            tool_settings(**flags, **checks)
+
+
 # --- through the app -------------------------------------------------------------------------
 
 
@@ -352,3 +368,13 @@ def test_responses_render_through_harmony(served):
     assert batcher.requests[-1]["prompt"] == render_chat(system + ASK, None, "low")
     kinds = [(item.type, "".join(c.text for c in item.content)) for item in response.output]
     assert kinds == [("reasoning", "It is sunny: say so."), ("message", "Sunny in Paris, 21 C.")]
+
+
+def test_a_history_harmony_cannot_render_is_a_400_naming_the_message(served):
+    batcher, client = served
+    before = len(batcher.requests)
+    orphan = [*ASK, {"role": "tool", "tool_call_id": "nope", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="gpt-oss", messages=orphan, tools=TOOLS)
+    assert refused.value.body["param"] == "messages.1.tool_call_id"
+    assert len(batcher.requests) == before

@@ -220,7 +220,8 @@ def add_tool_args(serve: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the format the model writes tool calls in, one of: "
         f"{', '.join(TOOL_CALL_PARSERS)} (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama "
-        "3.x; openai: GPT-OSS harmony); default: the one the chat template writes, else "
+        "3.x; openai: GPT-OSS harmony); default: the one the chat template writes (openai "
+        "for GPT-OSS, which openai-harmony renders and parses), else "
         '"required" and named functions answer in JSON',
     )
     serve.add_argument(
