@@ -354,20 +354,27 @@ def test_named_and_auto_choices_are_grammars_that_take_valid_calls(served, token
             assert all(matcher.consume_token(t) for t in _ids(script)) == ok, (choice, script)
 
 
-def test_responses_render_through_harmony(served):
+def test_responses_render_through_harmony_whole_and_streamed(served):
     batcher, client = served
     batcher.script = ANSWER
+    asked = dict(
+        model="gpt-oss", input=ASK[0]["content"], instructions="Be brief.",
+        reasoning={"effort": "low"},
+    )  # fmt: skip
     try:
-        response = client.responses.create(
-            model="gpt-oss", input=ASK[0]["content"], instructions="Be brief.",
-            reasoning={"effort": "low"},
-        )  # fmt: skip
+        response = client.responses.create(**asked)
+        events = list(client.responses.create(**asked, stream=True))
     finally:
         batcher.script = CALL
     system = [{"role": "system", "content": "Be brief."}]
     assert batcher.requests[-1]["prompt"] == render_chat(system + ASK, None, "low")
     kinds = [(item.type, "".join(c.text for c in item.content)) for item in response.output]
     assert kinds == [("reasoning", "It is sunny: say so."), ("message", "Sunny in Paris, 21 C.")]
+    deltas = {"response.reasoning_text.delta": "", "response.output_text.delta": ""}
+    for event in events:
+        if event.type in deltas:
+            deltas[event.type] += event.delta
+    assert list(deltas.values()) == [text for _, text in kinds]
 
 
 def test_a_history_harmony_cannot_render_is_a_400_naming_the_message(served):
