@@ -102,8 +102,7 @@ class ToolSettings:
     def reasoning_grammar(self) -> ReasoningFormat | None:
         """The reasoning a grammar lets come first: the parser's, or GPT-OSS's analysis
         (which a harmony model writes whether or not it is handed out)."""
-        harmony = self.harmony or (self.parser == "openai" and self.reasoning is None)
-        return REASONING["openai"] if harmony else self.reasoning_format
+        return REASONING["openai"] if self.harmony else self.reasoning_format
 
 
 def tool_settings(
@@ -412,7 +411,10 @@ def _one_piece(trigger: str, lit: Spelling) -> bool:
 
 
 def _reasoning_prefix(settings: ToolSettings, lit: Spelling) -> tuple[str, list[str]]:
-    reasoning = settings.reasoning_grammar
+    """The reasoning before a call: harmony's calls follow its analysis, whichever the
+    reasoning parser (its parser reads every channel)."""
+    harmony = settings.format.name == "openai"
+    reasoning = REASONING["openai"] if harmony else settings.reasoning_grammar
     if reasoning is None:
         return "", []
     expr, rules = reasoning.prefix(lit)
