@@ -195,6 +195,43 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
+    add_tool_args(serve)
+
+
+#: ``--tool-call-parser`` names (the formats of :mod:`jaxpar.server._tool_parsers`).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3", "openai")
+#: ``--reasoning-parser`` names (:mod:`jaxpar.server._reasoning`).
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "openai")
+
+
+def add_tool_args(serve: argparse.ArgumentParser) -> None:
+    """Tool calling and reasoning, with vLLM's flags."""
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose whether to call a tool (tool_choice "auto", the default '
+        "when a request offers tools); needs a tool-call format: --tool-call-parser, or the "
+        'one the chat template writes. "required" and named functions work without it',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        metavar="NAME",
+        help="the format the model writes tool calls in, one of: "
+        f"{', '.join(TOOL_CALL_PARSERS)} (hermes: Qwen2.5/Qwen3/Hermes; llama3_json: Llama "
+        "3.x; openai: GPT-OSS harmony); default: the one the chat template writes (openai "
+        "for GPT-OSS, which openai-harmony renders and parses), else "
+        '"required" and named functions answer in JSON',
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        metavar="NAME",
+        help=f"split the model's reasoning into reasoning_content, one of: "
+        f"{', '.join(REASONING_PARSERS)} (default: none, reasoning stays in the content)",
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -311,20 +348,33 @@ def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:
 def served_model(args: argparse.Namespace):
     """The :class:`~jaxpar.server.ServedModel` of ``--hf``: name, tokenizer, chat
     template, EOS and default sampling."""
-    from jaxpar.server import ServedModel  # FastAPI: imported only when serving
+    from jaxpar.server import (  # FastAPI: imported only when serving
+        ServedModel,
+        tool_settings,
+        uses_harmony,
+    )
 
     tokenizer = load_tokenizer(args.hf)
     defaults = generation_defaults(args.hf)
     try:
-        render = chat_template(args.hf, tokenizer, defaults).render
+        template = chat_template(args.hf, tokenizer, defaults)
     except ConfigError:  # no template: /v1/chat/completions answers 400
-        render = None
+        template = None
+    tools = tool_settings(
+        parser=getattr(args, "tool_call_parser", None),
+        auto=getattr(args, "enable_auto_tool_choice", False),
+        reasoning=getattr(args, "reasoning_parser", None),
+        template=template.template if template is not None else None,
+        tokenizer=tokenizer,
+        harmony=uses_harmony(args.hf, tokenizer),
+    )
     return ServedModel(
         name=args.served_model_name or Path(args.hf).resolve().name,
         tokenizer=tokenizer,
-        render_chat=render,
+        render_chat=template.render if template is not None else None,
         stop_token_ids=defaults.eos_token_ids,
         sampling=defaults.sampling,
+        tools=tools,
     )
 
 

@@ -8,7 +8,7 @@
   ``top_k``, ``top_p``).
 * ``tokenizer_config.json`` (or ``chat_template.jinja``): the chat template, rendered with
   jinja2 in a sandbox like ``apply_chat_template`` (``messages``, ``add_generation_prompt``,
-  the special tokens such as ``bos_token``, ``raise_exception``, ``strftime_now``); the
+  ``tools``, the special tokens such as ``bos_token``, ``raise_exception``, ``strftime_now``); the
   rendered text already holds its special tokens, so it is encoded without the
   post-processor's.
 """
@@ -167,8 +167,17 @@ class ChatTemplate:
     special_tokens: dict[str, str]
     source: str
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``).
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": ...}]``; an
+        assistant's may hold ``tool_calls``, and ``tool`` messages answer them), and the
+        ``tools`` offered (OpenAI's ``{"type": "function", "function": {...}}`` each), as
+        ``transformers``' ``apply_chat_template`` hands them to the template.
 
         Raises:
             ConfigError: the template is invalid or calls ``raise_exception``.
@@ -199,6 +208,7 @@ class ChatTemplate:
             return env.from_string(self.template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as e:

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics.
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat, responses, models, health,
+metrics.
 
 ``GET /health`` is readiness, ``GET /live`` liveness (:mod:`jaxpar.server._health`).
 
@@ -25,11 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpar.server import _errors
+from jaxpar.server._chat_output import finish_output, output_chunks, output_finish_reason
 from jaxpar.server._errors import APIError
 from jaxpar.server._health import DEFAULT_STALL_S, live, not_ready
 from jaxpar.server._logprobs import ChoiceLogprobs, merge
 from jaxpar.server._metrics import metrics_registry
 from jaxpar.server._protocol import ChatRequest, CompletionRequest, _Generate
+from jaxpar.server._responses import routes as responses_routes
 from jaxpar.server._service import Job, Service
 
 log = logging.getLogger("uvicorn.error")  # uvicorn configures its handlers
@@ -86,7 +89,10 @@ class _Format:
             if logprobs is not None:
                 new = logprobs.add(job.tokens, job.logprobs(0, len(job.tokens)))
                 choice["logprobs"] = merge([prompt_lp, new]) if prompt_lp else new
-            if self.chat:
+            if self.chat and job.output is not None:  # reasoning and tool calls read out
+                choice["message"] = finish_output(job, text)
+                choice["finish_reason"] = job.finish_reason
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -105,9 +111,13 @@ class _Format:
         ids: list[int],
         finish,
         logprobs: dict | None = None,
+        delta: dict | None = None,
     ) -> dict:
+        """One stream chunk of choice ``index``: ``text`` (or a chat ``delta`` as it is)."""
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        if self.chat:
+        if self.chat and delta is not None:
+            choice["delta"] = delta
+        elif self.chat:
             choice["delta"] = {} if text is None else {"content": text}
         else:
             choice["text"] = text or ""
@@ -174,8 +184,18 @@ async def _choice_chunks(
         if logprobs is not None:
             lp = logprobs.add(ids, job.logprobs(seen, seen + len(ids)))
         seen += len(ids)
-        chunk = fmt.chunk(job, index, name, text, ids if body.return_token_ids else [], None, lp)
-        await out.put(chunk)
+        if job.output is not None:
+            events = job.output.feed(text, ids)
+            ids = ids if body.return_token_ids else []
+            for chunk in output_chunks(fmt, job, index, name, events, ids, lp):
+                await out.put(chunk)
+            continue
+        ids = ids if body.return_token_ids else []
+        await out.put(fmt.chunk(job, index, name, text, ids, None, lp))
+    if job.output is not None:
+        for chunk in output_chunks(fmt, job, index, name, job.output.finish(), [], None):
+            await out.put(chunk)
+        job.finish_reason = output_finish_reason(job)
     await out.put(fmt.chunk(job, index, name, None if fmt.chat else "", [], job.finish_reason))
 
 
@@ -365,10 +385,14 @@ def _routes(app: FastAPI, service: Service, stall_timeout: float = DEFAULT_STALL
         jobs = await _submit_completions(service, body)
         return await _answer(service, jobs, body, COMPLETIONS, request)
 
+    responses_routes(app, service)  # POST /v1/responses (:mod:`._responses`)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Any:
         service.check_model(body)
-        jobs = service.submit(body, [service.chat_prompt(body)], param="messages")
+        plan = service.chat_plan(body)  # tools: checked before anything queues
+        prompt = service.chat_prompt(body, plan)
+        jobs = service.submit(body, [prompt], param="messages", plan=plan)
         return await _answer(service, jobs, body, CHAT, request)
 
 

@@ -5,8 +5,8 @@ requests in the batcher (choice ``i`` of a seeded request samples with ``seed + 
 ``logprobs`` (completions: the number of alternatives; chat: ``logprobs`` and
 ``top_logprobs``), ``echo`` (completions; with ``max_tokens`` 0: the prompt's
 log-likelihoods alone), ``presence_penalty`` and ``frequency_penalty`` are OpenAI's.
-Fields OpenAI defines that this server cannot honour (``logit_bias``, ``suffix``,
-``tools`` ...) are refused with a 400 naming the field rather than ignored. Extensions, as
+Fields OpenAI defines that this server cannot honour (``logit_bias``, ``suffix``, ...)
+are refused with a 400 naming the field rather than ignored. Extensions, as
 vLLM spells them: ``top_k``, ``repetition_penalty``, ``ignore_eos`` and
 ``return_token_ids`` (the prompt's and the completion's token ids in each choice).
 
@@ -15,10 +15,16 @@ Structured output (:mod:`jaxpar.engine._grammar`), on both endpoints: OpenAI's
 "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``), or one of vLLM's
 ``guided_json`` (a schema), ``guided_regex``, ``guided_choice`` (a list of strings) and
 ``guided_grammar`` (Lark or GBNF). At most one per request.
+
+Tool calling, on chat only (:mod:`jaxpar.server._tools`): ``tools`` (functions with JSON
+schema parameters), ``tool_choice`` (``"none"``, ``"auto"``, ``"required"`` or
+``{"type": "function", "function": {"name": ...}}``) and ``parallel_tool_calls``; the
+history may hold assistant messages with ``tool_calls`` and ``tool`` messages.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,8 +39,6 @@ _UNSUPPORTED = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
 }
 
 
@@ -132,7 +136,11 @@ class CompletionRequest(_Generate):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
-    refused: ClassVar[dict[str, tuple]] = {"top_logprobs": (None,)}  # chat's: say logprobs=N
+    refused: ClassVar[dict[str, tuple]] = {  # chat's: say logprobs=N; tools are chat's
+        "top_logprobs": (None,),
+        "tools": (None, []),
+        "tool_choice": (None, "none"),
+    }
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -146,16 +154,94 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """A call as the history holds it: ``arguments`` is JSON text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as chat templates take it (as ``transformers`` passes it): a
+        call's ``arguments`` as an object where they parse."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _loads(call)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+def _loads(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    function: FunctionName
 
 
 class ChatRequest(_Generate):
@@ -168,6 +254,11 @@ class ChatRequest(_Generate):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    #: GPT-OSS's reasoning effort (its harmony system message); other models ignore it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     refused: ClassVar[dict[str, tuple]] = {"echo": (None, False)}  # completions'
 
@@ -176,4 +267,4 @@ class ChatRequest(_Generate):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def rendered_messages(self) -> list[dict[str, Any]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.rendered() for m in self.messages]

@@ -41,7 +41,17 @@ from jaxpar.engine import (
 from jaxpar.errors import ConfigError, GrammarError, PeerLostError, QueueFullError, ShapeError
 from jaxpar.server._detokenize import TextStream
 from jaxpar.server._errors import APIError, bad_request
+from jaxpar.server._harmony import render_chat as render_harmony
 from jaxpar.server._protocol import MAX_CHOICES, ChatRequest, CompletionRequest, _Generate
+from jaxpar.server._tools import (
+    ChatOutput,
+    Spelling,
+    ToolPlan,
+    ToolSettings,
+    check_tools,
+    reasoned_lark,
+    tool_lark,
+)
 
 #: Seconds a client is told to wait (``Retry-After``) when the queue is full.
 RETRY_AFTER_S = 1
@@ -93,18 +103,35 @@ class ServedModel:
         render_chat: messages -> prompt text (the checkpoint's chat template), or None.
         stop_token_ids: ids that end a request (the checkpoint's EOS).
         sampling: the checkpoint's default sampling, for fields a request leaves out.
+        tools: the tool-call and reasoning parsers (:class:`~._tools.ToolSettings`);
+            ``render_chat`` then takes ``tools=`` too.
     """
 
     name: str
     tokenizer: Any = None
-    render_chat: Callable[[list[dict[str, Any]]], str] | None = None
+    render_chat: Callable[..., str] | None = None
     stop_token_ids: tuple[int, ...] = ()
     sampling: Sampling = Sampling()
+    tools: ToolSettings = ToolSettings()
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decode_marked(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` with special tokens spelled out (a parser reads markers
+        such as harmony's ``<|channel|>`` that are special tokens)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens, text -> id (empty without a tokenizer)."""
+        added = getattr(self.tokenizer, "get_added_tokens_decoder", None)
+        if added is None:
+            return {}
+        return {t.content: i for i, t in added().items() if t.special}
 
     def token_name(self, token: int) -> str:
         """A token's text alone (special tokens spelled out); ``token_id:N`` without a
@@ -139,6 +166,8 @@ class Job:
     finish_reason: str | None = None
     top: int | None = None
     echo: Echo | None = None
+    #: A chat choice's reasoning and tool-call parser (None: its text is its content).
+    output: ChatOutput | None = None
 
     def logprobs(self, start: int, end: int) -> list[TokenLogprob]:
         """The logprobs of its tokens ``start:end`` (empty unless it asked)."""
@@ -250,14 +279,18 @@ class Service:
         except GrammarError as e:
             return e
 
-    def grammar(self, body: _Generate) -> Grammar | None:
-        """The request's structured output compiled (None: plain text).
+    def grammar(self, body: _Generate, plan: ToolPlan | None = None) -> Grammar | None:
+        """The request's structured output compiled (None: plain text): its
+        ``response_format`` or ``guided_*`` field, or the grammar of its tools
+        (``plan``), after the reasoning when the server has a reasoning parser.
 
         Raises:
             APIError: 400 naming the field: two constraints at once, a missing schema, an
                 invalid schema, regex or grammar, or a model without a tokenizer.
         """
         asked = _constraints(body)
+        if isinstance(body, ChatRequest):
+            asked = self._chat_constraints(body, asked, plan)
         if not asked:
             return None
         if len(asked) > 1:
@@ -278,6 +311,51 @@ class Service:
             return grammars.compile(constraint)
         except GrammarError as e:
             raise bad_request(f"{param}: {e}", param) from e
+
+    def _chat_constraints(
+        self, body: ChatRequest, asked: list[tuple[str, Constraint]], plan: ToolPlan | None
+    ) -> list[tuple[str, Constraint]]:
+        """A chat request's constraints once its tools and the reasoning are counted."""
+        settings = self.model.tools
+        calls = None
+        if plan is not None and self.model.tokenizer is not None:
+            calls = tool_lark(plan, settings, self.spelling)
+        if calls is not None:
+            if asked:
+                param = asked[0][0]
+                raise bad_request(
+                    f"{param}: cannot be combined with tool calls (tool_choice "
+                    f"{plan.choice!r}); leave one out, or set tool_choice to 'none'",
+                    param,
+                )
+            return [("tools", Constraint.grammar(calls))]
+        if len(asked) == 1 and settings.reasoning_grammar is not None:
+            param, constraint = asked[0]
+            if self.model.tokenizer is not None:
+                lark = reasoned_lark(constraint, settings, self.spelling, param)
+                return [(param, Constraint.grammar(lark))]
+        return asked
+
+    @functools.cached_property
+    def spelling(self) -> Spelling:
+        """Fixed text for this tokenizer's grammars (its special tokens as tokens)."""
+        return Spelling(self.model.special_tokens())
+
+    def chat_plan(self, body: ChatRequest) -> ToolPlan | None:
+        """The request's tools checked (None: it offers none); 400s name the field."""
+        if body.tools and self.model.tokenizer is None:
+            raise bad_request(
+                f"tools: model {self.model.name!r} has no tokenizer; tool calls need one",
+                "tools",
+            )
+
+        def compile_schema(constraint: Constraint) -> None:
+            grammars = self.grammars
+            if isinstance(grammars, GrammarError):
+                raise GrammarError(str(grammars))
+            grammars.compile(constraint)
+
+        return check_tools(body, self.model.tools, compile_schema)
 
     # --- prompts -------------------------------------------------------------------------
 
@@ -314,7 +392,11 @@ class Service:
             raise bad_request("prompt: empty; give text or at least one token id", "prompt")
         return self._encode(prompt, "prompt", special=True)
 
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
+    def chat_prompt(self, body: ChatRequest, plan: ToolPlan | None = None) -> list[int]:
+        """The request's messages (and ``plan``'s tools) rendered and encoded: by the
+        chat template, or for GPT-OSS by ``openai-harmony``."""
+        if self.model.tools.harmony:
+            return self._harmony_prompt(body, plan)
         if self.model.render_chat is None:
             raise bad_request(
                 f"model {self.model.name!r} has no chat template; use /v1/completions",
@@ -323,11 +405,21 @@ class Service:
             )
         if not body.messages:
             raise bad_request("messages: empty; give at least one message", "messages")
+        extra = {} if plan is None else {"tools": [t.as_template_tool() for t in plan.tools]}
         try:
-            text = self.model.render_chat(body.rendered_messages())
+            text = self.model.render_chat(body.rendered_messages(), **extra)
         except ConfigError as e:
             raise bad_request(f"messages: {e}", "messages") from e
         return self._encode(text, "messages", special=False)  # the template has them
+
+    def _harmony_prompt(self, body: ChatRequest, plan: ToolPlan | None) -> list[int]:
+        if not body.messages:
+            raise bad_request("messages: empty; give at least one message", "messages")
+        tools = None if plan is None else [t.as_template_tool() for t in plan.tools]
+        try:
+            return render_harmony(body.rendered_messages(), tools, body.reasoning_effort)
+        except ConfigError as e:
+            raise bad_request(f"{e}", str(e).split(":")[0]) from e
 
     def _encode(self, text: str, param: str, *, special: bool) -> list[int]:
         if self.model.tokenizer is None:
@@ -363,11 +455,14 @@ class Service:
         *,
         param: str,
         echoes: list[str] | None = None,
+        plan: ToolPlan | None = None,
     ) -> list[Job]:
         """Queues ``body.n`` choices of each of ``prompts``, checked first; choice ``i`` of a
         prompt samples with ``seed + i``. All are queued or none (a refusal cancels the ones
         already queued). ``echoes``: each prompt's text, when its choices echo it (a
-        choice of ``max_tokens`` 0 is not queued: it is its echo alone).
+        choice of ``max_tokens`` 0 is not queued: it is its echo alone). ``plan``: a chat
+        request's tools (:meth:`chat_plan`); its choices' answers are parsed for calls
+        and reasoning (:class:`~._tools.ChatOutput`).
 
         Raises:
             APIError: 400 (a bad field), 429 (queue full), 503 (warming up, shutting
@@ -375,7 +470,8 @@ class Service:
         """
         self.check_available()
         limits = [self._max_tokens(body, prompt, param) for prompt in prompts]
-        grammar = self.grammar(body)
+        grammar = self.grammar(body, plan)
+        parsed = isinstance(body, ChatRequest) and ChatOutput(self.model.tools, plan).active
         seed = secrets.randbelow(2**31) if body.seed is None else body.seed
         texts = echoes or [None] * len(prompts)
         jobs: list[Job] = []
@@ -383,8 +479,12 @@ class Service:
             for prompt, max_tokens, text in zip(prompts, limits, texts, strict=True):
                 for i in range(body.n):
                     seed_i = (seed + i) % 2**32
-                    job = self._submit_one(body, prompt, max_tokens, seed_i, param, grammar)
+                    job = self._submit_one(
+                        body, prompt, max_tokens, seed_i, param, grammar, marked=parsed
+                    )
                     job.echo = None if text is None else Echo(text)
+                    if parsed:
+                        job.output = ChatOutput(self.model.tools, plan)
                     jobs.append(job)
         except APIError:
             for job in jobs:
@@ -417,10 +517,13 @@ class Service:
         seed: int,
         param: str,
         grammar: Grammar | None = None,
+        *,
+        marked: bool = False,
     ) -> Job:
         stop_ids = () if body.ignore_eos else self.model.stop_token_ids
         top = body.top_logprobs_asked
-        text = TextStream(self.model.decode, body.stop_strings(), skip=stop_ids)
+        decode = self.model.decode_marked if marked else self.model.decode
+        text = TextStream(decode, body.stop_strings(), skip=stop_ids)
         if max_tokens == 0:  # the echo alone: nothing to generate
             stream = RequestStream(-1, Request(prompt=tuple(prompt), max_tokens=0))
             stream.finish("length")
