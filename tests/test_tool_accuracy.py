@@ -25,7 +25,8 @@ from tests._serve_util import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import tool_accuracy  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.server]
+# Opt-in (pyproject.toml): a 270 MB download and about 2 minutes, over the suite's budget.
+pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.server]
 DATA = json.loads(tool_accuracy.PROMPTS.read_text())
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in DATA["tools"]}
 
