@@ -75,8 +75,9 @@ CASES: tuple[PodCase, ...] = (
 
 def model_config(case: PodCase, layers_per_stage: int | None = None) -> Any:
     """The case's model in bf16 from its ``config.json``; ``layers_per_stage`` cuts its
-    depth to that many layers per pipeline stage (MoE models keep their dense-first
-    layers' kind: the cut keeps the first layers)."""
+    depth to that many layers per pipeline stage (an MoE model that starts with dense
+    layers keeps one of them, then its MoE layers: every kind of layer it has, at the
+    least depth; DeepSeek-V3's three dense layers compile as one)."""
     from jaxpar.models import config_from_hf
 
     hf = json.loads((CONFIGS / case.model / "config.json").read_text())
@@ -85,9 +86,11 @@ def model_config(case: PodCase, layers_per_stage: int | None = None) -> Any:
     if layers_per_stage is not None:
         pp = _pp(case)
         layers = layers_per_stage * pp
-        if config.moe.first_dense_layers:
-            layers = max(layers, config.moe.first_dense_layers + pp)
-        config = dataclasses.replace(config, n_layers=layers)
+        moe = config.moe
+        if moe.first_dense_layers:
+            moe = dataclasses.replace(moe, first_dense_layers=1)
+            layers = max(layers, 1 + pp)
+        config = dataclasses.replace(config, n_layers=layers, moe=moe)
     return config
 
 

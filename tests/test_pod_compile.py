@@ -4,8 +4,8 @@ The cases of ``scripts/pod_compile.py`` but three (:data:`SCRIPT_ONLY`): Llama-3
 (dp2.tp8); Llama-3-70B on v5e-16 (the planner's pick for 64 x (1024 + 256)
 tokens) and v5e-64 (the planner's pick); Qwen3-30B-A3B on v5e-8 (ep8); DeepSeek-V3 on
 v5p-64 (ep8.tp8). Shapes come from the published ``config.json`` alone; real widths, heads,
-vocabularies and experts, cut to one layer per pipeline stage (DeepSeek-V3 keeps its three
-dense layers and one MoE layer) so the whole module compiles within CI's budget: every
+vocabularies and experts, cut to one layer per pipeline stage (DeepSeek-V3 to one dense
+layer and one MoE layer) so the whole module compiles within CI's budget: every
 figure asserted is per layer or per device and holds at any depth (the README's table is
 the full-depth run of the script).
 
