@@ -185,7 +185,8 @@ def attach_host_tier(gb: float, cache, slot_steps, executor) -> HostTier:
     ``cache`` (the pool ``slot_steps`` runs, the caching one), its memory held by
     ``executor`` (on every process: it runs the copies as commands)."""
     pages = HostPages(slot_steps)
-    tier = HostTier(host_pages(gb, pages.process_bytes()), slot_steps.pool.page_size)
+    capacity = host_pages(gb, pages.process_bytes())
+    tier = HostTier(capacity, slot_steps.pool.page_size, pages.page_bytes)
     cache.attach_host(tier)
     executor.host_pages = pages
     return tier

@@ -42,8 +42,8 @@ class HostEventSink(Protocol):
     """What hears of the host tier's pages (the KV events publisher: vLLM's events with
     ``medium="CPU"``). Called with the batcher's lock held: queue only."""
 
-    def offloaded(self, key: bytes) -> None:
-        """The page of ``key`` is held in host memory from now on."""
+    def offloaded(self, key: bytes, block_size: int) -> None:
+        """The page of ``key`` (``block_size`` tokens) is held in host memory from now on."""
 
     def dropped(self, key: bytes) -> None:
         """The host copy of ``key`` was evicted."""
@@ -65,15 +65,16 @@ class HostTier:
     Args:
         capacity: pages the host tier holds (:func:`host_pages`).
         page_size: tokens per page (for the hits it counts in tokens).
+        page_bytes: bytes of one page (for the bytes it counts moved).
     """
 
-    def __init__(self, capacity: int, page_size: int):
+    def __init__(self, capacity: int, page_size: int, page_bytes: int = 0):
         if capacity < 1:
             raise ConfigError(
                 f"a host tier of {capacity} pages holds nothing: give kv_offload_gb room "
                 "for at least one page, or leave it off"
             )
-        self.capacity, self.page_size = capacity, page_size
+        self.capacity, self.page_size, self.page_bytes = capacity, page_size, page_bytes
         self._slot_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._free = list(range(capacity - 1, -1, -1))
         self._pinned: set[int] = set()
@@ -99,6 +100,21 @@ class HostTier:
     def hit_tokens(self) -> int:
         """Tokens served from the host tier (pages copied back, in tokens)."""
         return self.restored * self.page_size
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes copied from the devices to the host (whole pages)."""
+        return self.offloaded * self.page_bytes
+
+    @property
+    def restored_bytes(self) -> int:
+        """Bytes copied from the host back to the devices."""
+        return self.restored * self.page_bytes
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the host slots holding a page."""
+        return len(self) / self.capacity
 
     # --- what the cache manager asks -------------------------------------------------------
 
@@ -135,7 +151,7 @@ class HostTier:
         self._queue(OFFLOAD, page, slot)
         self.offloaded += 1
         if self.events is not None:
-            self.events.offloaded(key)
+            self.events.offloaded(key, self.page_size)
 
     def restore(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
         """A hit takes ``keys``' host pages: each is copied back into global device page
