@@ -176,3 +176,56 @@ def test_a_quantized_pool_copies_values_and_scales_exactly():
     roomy, on_device = _serve(engine, None, tokens=160)
     assert roomy.stats.prefix_hits == batcher.stats.prefix_hits == 6 * 16
     assert from_host == on_device
+
+
+# --- what the server exports ------------------------------------------------------------
+
+
+def test_metrics_export_host_hits_and_bytes_under_jaxpar_and_vllm_names():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jaxpar.server._offload_metrics import HostTierCollector
+
+    tier = HostTier(capacity=4, page_size=Z, page_bytes=1000)
+    for page, key in enumerate([b"a", b"b", b"c", b"d", b"e"]):
+        tier.spill(page, key)
+    tier.restore([b"e"], [9])
+    service = SimpleNamespace(
+        batcher=SimpleNamespace(host_tier=tier), model=SimpleNamespace(name="m")
+    )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HostTierCollector(service))
+    text = generate_latest(registry).decode()
+    for line in [
+        'jaxpar:kv_offload_host_hits_total{model_name="m"} 4.0',
+        'jaxpar:kv_offload_bytes_total{direction="to_host",model_name="m"} 5000.0',
+        'jaxpar:kv_offload_bytes_total{direction="from_host",model_name="m"} 1000.0',
+        'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 5000.0',
+        'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 1000.0',
+        'jaxpar:kv_offload_host_usage_perc{model_name="m"} 1.0',
+        'jaxpar:kv_offload_host_evictions_total{model_name="m"} 1.0',
+    ]:
+        assert line in text, line
+    service.batcher.host_tier = None  # no tier: nothing exported
+    assert "kv_offload" not in generate_latest(registry).decode()
+
+
+def test_kv_events_name_host_pages_medium_cpu():
+    from types import SimpleNamespace
+
+    from jaxpar.server._kv_events import HOST_MEDIUM, KVEventPublisher, event_types, external_hash
+
+    publisher = SimpleNamespace(types=event_types())
+    news = [("offloaded", b"k1", Z), ("offloaded", b"k2", Z), ("dropped", b"k1")]
+    events: list = []
+    for item in news:
+        events = KVEventPublisher._host_event(publisher, events, item)
+    stored, removed = events
+    assert type(stored).__name__ == "BlockStored" and type(removed).__name__ == "BlockRemoved"
+    assert stored.block_hashes == [external_hash(b"k1"), external_hash(b"k2")]
+    assert (stored.medium, stored.token_ids, stored.parent_block_hash, stored.block_size) == (
+        HOST_MEDIUM, [], None, Z,
+    )  # fmt: skip
+    assert removed.block_hashes == [external_hash(b"k1")] and removed.medium == "CPU"
