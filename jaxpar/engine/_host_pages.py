@@ -16,7 +16,9 @@ own memory (a backend with no host memory kind: on CPU that is host memory anywa
 Both copies are dispatched, not waited for: the copy out is a gather program then a
 ``device_put`` to host memory, the copy back a ``device_put`` to the devices then a
 scatter program into the (donated) pool; device programs run in dispatch order, so the
-prefill that reads restored pages sees them. One compile per power-of-two count of pages.
+prefill that reads restored pages sees them. Each program moves up to
+:data:`PAGES_PER_CALL` pages (more take several calls; fewer are padded), so there are two
+programs in all, compiled when the tier is attached, and no request waits for a compile.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from jaxpar.engine._placement import put_global
 
 #: Host memory kinds, best first (:func:`host_memory_kind`).
 HOST_KINDS = ("pinned_host", "unpinned_host")
+#: Pages one copy program moves (a request's prefix of 256 tokens in pages of 16).
+PAGES_PER_CALL = 16
 
 
 def host_memory_kind(device: jax.Device) -> str | None:
@@ -40,10 +44,6 @@ def host_memory_kind(device: jax.Device) -> str | None:
     default memory)."""
     kinds = {m.kind for m in device.addressable_memories()}
     return next((k for k in HOST_KINDS if k in kinds), None)
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 class HostPages:
@@ -73,6 +73,7 @@ class HostPages:
         #: Bytes per kv head of one packed page, per leaf (in :func:`jax.tree.leaves` order).
         self._widths = [self._leaf_width(x) for x in self._leaves]
         self._host: dict[int, jax.Array] = {}
+        self._padding: jax.Array | None = None
 
     @staticmethod
     def _leaf_width(x) -> int:
@@ -126,58 +127,74 @@ class HostPages:
             leaves.append(leaf.at[..., ids_M, :, :].set(x, mode="drop"))
         return jax.tree.unflatten(self._treedef, leaves)
 
-    def _pack_program(self, slots, ids):
+    def _pack_program(self):
         lay, rep = self.slot_steps.layout, self.steps.layouts.replicated
-        n = ids.shape[0]
+        pool = self.slot_steps.abstract()
+        ids = jax.ShapeDtypeStruct((PAGES_PER_CALL,), np.int32, sharding=rep)
         return self.steps.compile(
             "host_pack",
-            (n, self.slot_steps._pool_key),
+            (PAGES_PER_CALL, self.slot_steps._pool_key),
             self._pack,
             (lay.k, lay.v, rep),
-            (self.page_layout,) * n,
-            (slots.k, slots.v, ids),
+            (self.page_layout,) * PAGES_PER_CALL,
+            (pool.k, pool.v, ids),
         )
 
-    def _unpack_program(self, slots, pages, ids):
+    def _unpack_program(self):
         lay, rep = self.slot_steps.layout, self.steps.layouts.replicated
-        m = ids.shape[0]
+        pool = self.slot_steps.abstract()
+        ids = jax.ShapeDtypeStruct((PAGES_PER_CALL,), np.int32, sharding=rep)
+        page = jax.ShapeDtypeStruct(
+            (self.kv_heads, sum(self._widths)), np.uint8, sharding=self.page_layout
+        )
         return self.steps.compile(
             "host_unpack",
-            (m, self.slot_steps._pool_key),
+            (PAGES_PER_CALL, self.slot_steps._pool_key),
             self._unpack,
-            (lay.k, lay.v, (self.page_layout,) * m, rep),
+            (lay.k, lay.v, (self.page_layout,) * PAGES_PER_CALL, rep),
             (lay.k, lay.v),
-            (slots.k, slots.v, pages, ids),
+            (pool.k, pool.v, (page,) * PAGES_PER_CALL, ids),
             donate_argnums=(0, 1),
         )
+
+    def compile(self) -> None:
+        """Compiles both copies ahead of their first use."""
+        self._pack_program()
+        self._unpack_program()
 
     # --- the copies ----------------------------------------------------------------------
 
     def offload(self, slots, pages: tuple[int, ...], host_slots: tuple[int, ...]) -> int:
         """Copies global pages ``pages`` of the pool in ``slots`` to ``host_slots`` (a slot
         named twice keeps the later page); returns the bytes moved (whole pages)."""
-        n = len(pages)
-        ids = np.zeros(_bucket(n), np.int32)  # padding reads the scratch page, unused
-        ids[:n] = pages
-        ids = put_global(ids, self.steps.layouts.replicated)
-        packed = self._pack_program(slots, ids)(slots.k, slots.v, ids)
-        moved = jax.device_put(packed[:n], self.host_layout)
-        for slot, page in zip(host_slots, moved, strict=True):
-            self._host[slot] = page
-        return n * self.page_bytes
+        program, rep = self._pack_program(), self.steps.layouts.replicated
+        for start in range(0, len(pages), PAGES_PER_CALL):
+            part = pages[start : start + PAGES_PER_CALL]
+            ids = np.zeros(PAGES_PER_CALL, np.int32)  # padding reads the scratch page, unused
+            ids[: len(part)] = part
+            packed = program(slots.k, slots.v, put_global(ids, rep))
+            moved = jax.device_put(packed[: len(part)], self.host_layout)
+            for slot, page in zip(host_slots[start : start + len(part)], moved, strict=True):
+                self._host[slot] = page
+        return len(pages) * self.page_bytes
 
     def restore(self, slots, host_slots: tuple[int, ...], pages: tuple[int, ...]):
         """``slots`` with ``host_slots``' pages written into global pages ``pages``
         (donates its pool); returns it and the bytes moved."""
-        m, pool = len(pages), self.slot_steps.pool
-        held = [self._host[s] for s in host_slots]
-        held += [held[0]] * (_bucket(m) - m)
-        ids = np.full(_bucket(m), pool.pages, np.int32)  # padding pages are dropped
-        ids[:m] = pages
-        ids = put_global(ids, self.steps.layouts.replicated)
-        on_device = jax.device_put(tuple(held), self.page_layout)
-        k, v = self._unpack_program(slots, on_device, ids)(slots.k, slots.v, on_device, ids)
-        return slots.replace(k=k, v=v), m * self.page_bytes
+        program, rep = self._unpack_program(), self.steps.layouts.replicated
+        if self._padding is None:  # a device page for the padding (its writes are dropped)
+            shape = (self.kv_heads, sum(self._widths))
+            self._padding = put_global(np.zeros(shape, np.uint8), self.page_layout)
+        for start in range(0, len(pages), PAGES_PER_CALL):
+            part = pages[start : start + PAGES_PER_CALL]
+            held = tuple(self._host[s] for s in host_slots[start : start + len(part)])
+            on_device = jax.device_put(held, self.page_layout)
+            on_device += (self._padding,) * (PAGES_PER_CALL - len(part))
+            ids = np.full(PAGES_PER_CALL, self.slot_steps.pool.pages, np.int32)  # >= A: dropped
+            ids[: len(part)] = part
+            k, v = program(slots.k, slots.v, on_device, put_global(ids, rep))
+            slots = slots.replace(k=k, v=v)
+        return slots, len(pages) * self.page_bytes
 
 
 def attach_host_tier(gb: float, cache, slot_steps, executor) -> HostTier:
@@ -188,5 +205,6 @@ def attach_host_tier(gb: float, cache, slot_steps, executor) -> HostTier:
     capacity = host_pages(gb, pages.process_bytes())
     tier = HostTier(capacity, slot_steps.pool.page_size, pages.page_bytes)
     cache.attach_host(tier)
+    pages.compile()
     executor.host_pages = pages
     return tier
