@@ -200,8 +200,8 @@ def test_metrics_export_host_hits_and_bytes_under_jaxpar_and_vllm_names():
     text = generate_latest(registry).decode()
     for line in [
         'jaxpar:kv_offload_host_hits_total{model_name="m"} 4.0',
-        'jaxpar:kv_offload_bytes_total{direction="to_host",model_name="m"} 5000.0',
-        'jaxpar:kv_offload_bytes_total{direction="from_host",model_name="m"} 1000.0',
+        'jaxpar:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} 5000.0',
+        'jaxpar:kv_offload_total_bytes_total{model_name="m",transfer_type="CPU_to_GPU"} 1000.0',
         'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="GPU_to_CPU"} 5000.0',
         'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type="CPU_to_GPU"} 1000.0',
         'jaxpar:kv_offload_host_usage_perc{model_name="m"} 1.0',

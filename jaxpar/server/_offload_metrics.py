@@ -6,10 +6,11 @@ Read from the batcher's :class:`~jaxpar.engine._host_tier.HostTier` at each scra
 
 * ``jaxpar:kv_offload_host_hits``: prompt tokens served from host pages (copied back to
   the devices instead of computed again);
-* ``jaxpar:kv_offload_bytes{direction}``: bytes copied ``to_host`` (pages the device pool
-  evicted) and ``from_host`` (pages copied back for a hit), whole pages, every kv head;
-  the same counts as vLLM's ``vllm:kv_offload_total_bytes{transfer_type}``
-  (``GPU_to_CPU`` and ``CPU_to_GPU``, vLLM's names whatever the accelerator);
+* ``jaxpar:kv_offload_total_bytes{transfer_type}``: bytes copied to the host
+  (``GPU_to_CPU``: pages the device pool evicted) and back (``CPU_to_GPU``: pages copied
+  back for a hit), whole pages, every kv head; vLLM's labels whatever the accelerator, and
+  exported again as vLLM's ``vllm:kv_offload_total_bytes`` (with its ``engine`` label),
+  the twin of jaxpar's as every ``vllm:`` series is;
 * ``jaxpar:kv_offload_host_usage_perc``: the fraction of the host tier's pages in use,
   and ``jaxpar:kv_offload_host_evictions``: pages it evicted to make room.
 """
@@ -62,20 +63,19 @@ class HostTierCollector(Collector):
             "Fraction of the host tier's pages in use. 1 means 100 percent usage.",
             tier.usage,
         )
-        moved = [("to_host", "GPU_to_CPU", tier.offloaded_bytes),
-                 ("from_host", "CPU_to_GPU", tier.restored_bytes)]  # fmt: skip
+        moved = [("GPU_to_CPU", tier.offloaded_bytes), ("CPU_to_GPU", tier.restored_bytes)]
         ours = CounterMetricFamily(
-            "jaxpar:kv_offload_bytes",
+            "jaxpar:kv_offload_total_bytes",
             "Bytes of KV pages copied between the devices and the host tier.",
-            labels=["model_name", "direction"],
+            labels=["model_name", "transfer_type"],
         )
         vllm = CounterMetricFamily(
             "vllm:kv_offload_total_bytes",
             "Number of bytes offloaded by KV connector",
             labels=["model_name", "engine", "transfer_type"],
         )
-        for direction, transfer, value in moved:
-            ours.add_metric([name, direction], value)
+        for transfer, value in moved:
+            ours.add_metric([name, transfer], value)
             vllm.add_metric([name, ENGINE, transfer], value)
         yield ours
         yield vllm
