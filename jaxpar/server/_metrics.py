@@ -95,7 +95,8 @@ class ServiceCollector(Collector):
         )
         success = CounterMetricFamily(
             PREFIX + "request_success",
-            "Requests finished by a stop token or string ('stop') or max_tokens ('length').",
+            "Requests finished by a stop token or string ('stop'), max_tokens ('length'), "
+            "or whose client left first ('abort').",
             labels=["model_name", "finished_reason"],
         )
         for reason in SUCCESS_REASONS:
