@@ -58,8 +58,7 @@ def offload_section(quick: bool = False) -> dict:
     import jax
     from _bench_workloads import SMOLLM2
 
-    from jaxpar.engine import ContinuousBatcher, InferenceEngine
-    from jaxpar.engine._kv_budget import KVBudget
+    from jaxpar.engine import ContinuousBatcher, InferenceEngine, KVBudget
     from jaxpar.models import init_params
     from jaxpar.spec import ParallelConfig, make_mesh
 
