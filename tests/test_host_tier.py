@@ -91,7 +91,7 @@ def test_a_host_tier_with_no_room_or_no_prefix_cache_is_refused():
     with pytest.raises(ConfigError, match="> 0 GiB"):
         host_pages(0, 4096)
     pool = PagePool(page_size=Z, pages_per_shard=5, shards=1, rows=1, max_seq_len=16)
-    with pytest.raises(ConfigError, match="prefix caching"):
+    with pytest.raises(ConfigError, match="prefix caching on"):
         CacheManager(PageTable(pool), caching=False).attach_host(HostTier(4, Z))
     windowed = PagePool(Z, 5, 1, 1, 16, windows=(8,))
     with pytest.raises(ConfigError, match="windows"):
@@ -229,3 +229,18 @@ def test_kv_events_name_host_pages_medium_cpu():
         HOST_MEDIUM, [], None, Z,
     )  # fmt: skip
     assert removed.block_hashes == [external_hash(b"k1")] and removed.medium == "CPU"
+
+
+def test_serve_flag_reaches_the_batcher_and_needs_the_prefix_cache(capsys):
+    from rich.console import Console
+
+    from jaxpar.cli import main
+    from jaxpar.cli._serve import build_batcher
+    from tests.test_cli import CHAT, _serve_args
+
+    batcher = build_batcher(_serve_args("--kv-offload-gb", "0.5"), Console(quiet=True))
+    tier, pages = batcher.host_tier, batcher.executor.host_pages
+    assert batcher.prefill_cache.host is tier
+    assert tier.capacity == host_pages(0.5, pages.process_bytes()) > 0
+    assert main(["serve", "--hf", CHAT, "--kv-offload-gb", "1", "--no-prefix-caching"]) == 2
+    assert "drop --no-prefix-caching" in " ".join(capsys.readouterr().out.split())

@@ -86,7 +86,10 @@ class CacheManager:
         """Evicted pages go to ``host`` from now on, and hits continue there."""
         pool = self.pool
         if not self.caching:
-            raise ConfigError("a host tier for the prefix cache needs prefix caching on")
+            raise ConfigError(
+                "kv_offload_gb (--kv-offload-gb) is a host tier for the prefix cache, which "
+                "is off: turn prefix caching on (drop --no-prefix-caching)"
+            )
         if pool.groups != 1 or pool.window is not None:
             raise ConfigError(
                 "the host tier (kv_offload_gb) serves models whose layers all attend to "
