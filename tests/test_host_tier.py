@@ -110,9 +110,9 @@ def _workload() -> list[list[int]]:
 
 
 @functools.cache
-def _served_engine(tp: int, kv: str | None = None):
-    options = ExecutionOptions(kv_cache_dtype=kv)
-    return _engine(ParallelConfig(tp=tp), max_seq_len=48, options=options)
+def _served_engine(tp: int, kv: str | None = None, layer_loop: str = "unrolled"):
+    options = ExecutionOptions(layer_loop=layer_loop, kv_cache_dtype=kv)
+    return _engine(ParallelConfig(tp=tp), layer_loop=layer_loop, max_seq_len=48, options=options)
 
 
 def _serve(engine, offload_gb, tokens=POOL_TOKENS, recorder=None):
@@ -168,10 +168,13 @@ def test_requests_served_from_host_pages_equal_their_plain_runs(tp):
 
 
 def test_a_quantized_pool_copies_values_and_scales_exactly():
-    """int8 pages: a request whose prefix comes back from the host equals the same
-    request served from pages that never left the device (a pool that holds them all)."""
-    engine = _served_engine(1, "int8")
+    """int8 pages of stacked layers (one ``[L, K, A, Z, H]`` pool and its scales): a
+    request whose prefix comes back from the host equals the same request served from
+    pages that never left the device (a pool that holds them all)."""
+    engine = _served_engine(1, "int8", "scan")
     batcher, from_host = _serve(engine, 0.01)
+    pool = batcher.executor._slots[DECODE].k
+    assert not isinstance(pool, tuple) and pool.values.dtype == np.int8  # stacked, quantized
     assert batcher.host_tier.restored == 3 * 4
     roomy, on_device = _serve(engine, None, tokens=160)
     assert roomy.stats.prefix_hits == batcher.stats.prefix_hits == 3 * 16
