@@ -4,7 +4,8 @@
 _host_tier.HostTier`) keeps, one host array per slot, and runs its two copies as the
 executor's commands (:mod:`._executor`), so a multi-process job runs them on every
 process: each process copies, holds and restores only its own devices' shards of a
-page (its kv heads), nothing crosses between hosts.
+page. A host page is split over kv heads as the pool is and whole on every batch shard
+(the pool's pages split over them), so the book's pages serve any shard.
 
 A page is packed into one ``uint8 [K, bytes]`` array: every layer's keys and values of
 the page (and their scales, for a quantized pool) for each kv head, bit for bit, so a
