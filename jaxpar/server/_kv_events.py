@@ -26,6 +26,11 @@ last is evicted. The hook in the engine only queues what changed
 (:class:`~jaxpar.engine.KVEventSink`, called with the batcher's lock held); this module's
 thread builds the events, encodes and sends them. Nothing is imported or run while the
 events are off.
+
+With a host tier (``--kv-offload-gb``, :mod:`jaxpar.engine._host_tier`), a page copied to
+host memory is a ``BlockStored`` with ``medium="CPU"`` (no tokens, no parent) and its
+eviction from the host a ``BlockRemoved`` with ``medium="CPU"``, as vLLM's CPU offloading
+publishes them.
 """
 
 from __future__ import annotations
