@@ -76,7 +76,7 @@ class HostTier:
             )
         self.capacity, self.page_size, self.page_bytes = capacity, page_size, page_bytes
         self._slot_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        self._free = list(range(capacity - 1, -1, -1))
+        self._unused = 0  # slots from here on were never used (no list of a million slots)
         self._pinned: set[int] = set()
         self._moves: list[Move] = []
         #: Where host page events go (None: nowhere).
@@ -170,8 +170,9 @@ class HostTier:
     # --- internals -----------------------------------------------------------------------
 
     def _take(self) -> int | None:
-        if self._free:
-            return self._free.pop()
+        if self._unused < self.capacity:
+            self._unused += 1
+            return self._unused - 1
         victim = next((k for k, s in self._slot_of.items() if s not in self._pinned), None)
         if victim is None:
             return None
