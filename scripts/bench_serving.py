@@ -39,6 +39,9 @@ Sections (``--sections``, default all):
   tokens/s, TTFT, TPOT, ITL), a light load of 0.2 requests/s, 32 requests at 2/s sharing a
   768-token prefix, and a 1,600-token prompt among 8 streams; with the server's own
   breakdown of where each workload's time went (``_bench_profile.py``).
+* ``offload`` (``_bench_offload.py``): the prefix cache's host tier (``kv_offload_gb``)
+  on SmolLM2-135M's shape, one CPU device: prefixes four times the device pool, each
+  asked twice; TTFT on host hits / on misses (goal <= 0.3), hit rate with and without it.
 * ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
   server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with
   ratios. Runs only when ``--vllm-url`` is given.
@@ -893,6 +896,12 @@ def _workloads_markdown(res: dict) -> str:
     return workloads.markdown(res)
 
 
+def _offload_markdown(res: dict) -> str:
+    import _bench_offload
+
+    return _bench_offload.markdown(res)
+
+
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
@@ -905,6 +914,10 @@ SECTIONS = {
     ),
     "workloads": ("issue 41's workloads, jaxpar serve at its defaults", _workloads_markdown),
     "vs-vllm": ("issue 41's workloads: jaxpar and vLLM side by side", _workloads_markdown),
+    "offload": (
+        "the prefix cache's host tier: shared prefixes beyond the device pool",
+        _offload_markdown,
+    ),
 }
 
 
@@ -925,6 +938,10 @@ def run_section(
         res = paged_section(quick)
     elif name == "step":
         res = step_section(quick)
+    elif name == "offload":
+        import _bench_offload
+
+        res = _bench_offload.offload_section(quick)
     else:
         res = served_section(name, quick)
     res["seconds"] = time.perf_counter() - start

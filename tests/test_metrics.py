@@ -54,6 +54,7 @@ PROMPT_TOKENS = "jaxpar:prompt_tokens_total"
 GENERATION_TOKENS = "jaxpar:generation_tokens_total"
 SUCCESS_LENGTH = "jaxpar:request_success_total{finished_reason=length}"
 SUCCESS_STOP = "jaxpar:request_success_total{finished_reason=stop}"
+SUCCESS_ABORT = "jaxpar:request_success_total{finished_reason=abort}"
 QUERIES = "jaxpar:prefix_cache_queries_total"
 HITS = "jaxpar:prefix_cache_hits_total"
 CACHED = "jaxpar:prompt_tokens_cached_total"
@@ -78,6 +79,7 @@ VLLM = (
     "vllm:generation_tokens_total",
     "vllm:request_success_total{finished_reason=stop}",
     "vllm:request_success_total{finished_reason=length}",
+    "vllm:request_success_total{finished_reason=abort}",
     *(
         f"vllm:{h.removeprefix('jaxpar:')}_{part}"
         for h in (TTFT, ITL, TPOT, E2E, QUEUE)
@@ -208,6 +210,7 @@ def test_metrics_read_the_batcher_at_each_scrape():
             GENERATION_TOKENS: 0,
             SUCCESS_STOP: 0,
             SUCCESS_LENGTH: 0,
+            SUCCESS_ABORT: 0,
         }
         buckets, count, total = _gap(values)
         assert (set(buckets.values()), count, total) == ({0}, 0, 0)
@@ -236,6 +239,41 @@ def test_metrics_read_the_batcher_at_each_scrape():
         assert theirs["vllm:prefix_cache_queries_total"] == 96
         assert theirs["vllm:prefix_cache_hits_total"] == 64
         assert _parse(_check_response(http_other.get("/metrics")), "b")[RUNNING] == 1
+
+
+def test_a_request_whose_client_left_counts_as_aborted():
+    """vLLM's ``request_success`` counts ``finished_reason="abort"``: a client that stops
+    reading mid-stream, and one whose request the disconnect watcher cancelled (its
+    stream ends "cancelled"); a request that finished is not one."""
+    from jaxpar.engine._requests import Request, RequestStream
+    from jaxpar.server._detokenize import TextStream
+    from jaxpar.server._errors import APIError
+    from jaxpar.server._service import Job
+
+    service = Service(_Batcher(), ServedModel(name="a"))
+    left, cancelled, done = (RequestStream(i, Request(prompt=(1,), max_tokens=4)) for i in range(3))
+    for stream in (left, cancelled, done):
+        stream.emit(5)
+    cancelled.finish("cancelled")
+    done.finish("length")
+
+    def job(stream):
+        return Job(id="x", prompt=[1], stream=stream, text=TextStream(str))
+
+    async def follow():
+        pieces = service.pieces(job(left))
+        await pieces.__anext__()
+        await pieces.aclose()  # the client stopped reading, its request still running
+        with pytest.raises(APIError):
+            _ = [piece async for piece in service.pieces(job(cancelled))]
+        _ = [piece async for piece in service.pieces(job(done))]
+
+    asyncio.run(follow())
+    assert left.cancel_requested
+    with TestClient(create_app(service)) as http:
+        text = http.get("/metrics").text
+    assert _parse(text, "a")[SUCCESS_ABORT] == 2 and _parse(text, "a")[SUCCESS_LENGTH] == 1
+    assert _vllm(text, "a")["vllm:request_success_total{finished_reason=abort}"] == 2
 
 
 def _wait_ready(http: TestClient) -> None:

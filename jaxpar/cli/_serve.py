@@ -139,6 +139,15 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
         "with --prefill, in the prefill devices' own pages)",
     )
     serve.add_argument(
+        "--kv-offload-gb",
+        type=float,
+        default=None,
+        metavar="N",
+        help="a host-memory tier for the prefix cache of N GiB per process: pages the "
+        "device pool evicts are kept in (pinned) host memory and copied back for a later "
+        "prompt with that prefix (default: evicted pages are dropped)",
+    )
+    serve.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=None,
@@ -342,6 +351,7 @@ def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:
         "kv_budget": budget,
         "prefix_caching": args.prefix_caching,
         "max_prefill_tokens": args.max_prefill_tokens,
+        "kv_offload_gb": args.kv_offload_gb,
     }
 
 

@@ -31,6 +31,7 @@ from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import Executor
 from jaxpar.engine._grammar import Constraint, Grammar
+from jaxpar.engine._host_pages import attach_host_tier
 from jaxpar.engine._kv_budget import KVBudget, cache_dtype_name, describe
 from jaxpar.engine._process_group import ProcessGroup
 from jaxpar.engine._pulse import Pulse
@@ -63,6 +64,9 @@ class ContinuousBatcher:
             whether or not requests are decoding (the first prefill always runs); longer
             prompts are prefilled in chunks of about that many tokens, and a long queue
             over several steps. Default: :func:`~._batcher_programs.default_max_prefill_tokens`.
+        kv_offload_gb: a host tier for the prefix cache of that many GiB of host memory
+            (per process): pages the device pool evicts are kept there, and copied back
+            for a later prefix hit (:mod:`._host_tier`). None: evicted pages are dropped.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class ContinuousBatcher:
         kv_budget: KVBudget | None = None,
         prefix_caching: bool = True,
         max_prefill_tokens: int | None = None,
+        kv_offload_gb: float | None = None,
     ):
         self.engine, self.prefill_engine = engine, prefill_engine or engine
         self.disaggregated = prefill_engine is not None
@@ -127,6 +132,13 @@ class ContinuousBatcher:
         self._failure: BaseException | None = None  # what stopped the loops
         #: The decode loop's heartbeat (a liveness probe reads :meth:`Pulse.stalled_s`).
         self.pulse = Pulse()
+        #: The prefix cache's host tier (None: evicted pages are dropped).
+        self.host_tier = None
+        if kv_offload_gb is not None:
+            steps = self.prefill_slot_steps
+            self.host_tier = attach_host_tier(
+                kv_offload_gb, self.prefill_cache, steps, self.executor
+            )
 
     # --- clients -------------------------------------------------------------------------
 

@@ -26,8 +26,10 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxpar.engine._host_tier import HostTier
 from jaxpar.engine._pages import PagePool, PageTable
 from jaxpar.engine._prefix import page_keys
+from jaxpar.errors import ConfigError
 
 
 class KVEventSink(Protocol):
@@ -50,14 +52,17 @@ class Hit:
         shard: the batch shard whose pages these are.
         pages: one entry per column (a page id, or with KV groups a tuple of one per
             group; None before a window: not shared, never read).
-        tokens: the context's tokens these pages hold (whole pages).
+        tokens: the context's tokens these pages and the host's hold (whole pages).
         room: pages a row of this shard can still take once it shares them.
+        host: the prefix keys of the pages after ``pages`` that the host tier holds
+            (:mod:`._host_tier`): copied back into the row's next pages on admission.
     """
 
     shard: int
     pages: tuple
     tokens: int
     room: int
+    host: tuple[bytes, ...] = ()
 
 
 class CacheManager:
@@ -74,6 +79,26 @@ class CacheManager:
         self.salt = salt
         self.caching = caching
         self._events: KVEventSink | None = None
+        #: The host tier evicted pages go to (None: they are dropped).
+        self.host: HostTier | None = None
+
+    def attach_host(self, host: HostTier) -> None:
+        """Evicted pages go to ``host`` from now on, and hits continue there."""
+        pool = self.pool
+        if not self.caching:
+            raise ConfigError(
+                "kv_offload_gb (--kv-offload-gb) is a host tier for the prefix cache, which "
+                "is off: turn prefix caching on (drop --no-prefix-caching)"
+            )
+        if pool.groups != 1 or pool.window is not None:
+            raise ConfigError(
+                "the host tier (kv_offload_gb) serves models whose layers all attend to "
+                f"every position; this one has {pool.groups} KV group(s), windows "
+                f"{pool.windows}: leave kv_offload_gb off"
+            )
+        self.host = host
+        self.pages.on_spill = host.spill
+        host.events = _host_sink(self._events)
 
     # --- what the scheduler asks ---------------------------------------------------------
 
@@ -104,9 +129,13 @@ class CacheManager:
         """The cached pages of ``shard`` holding the longest prefix of a context of
         ``tokens`` tokens whose full pages have ``keys``: at least its last token is left
         to compute (its logits draw the next token)."""
-        hit = self.pages.lookup(shard, keys[: (tokens - 1) // self.page_size])
+        keys = keys[: (tokens - 1) // self.page_size]
+        hit = self.pages.lookup(shard, keys)
         room = self.pages.free_pages(shard) - self.pages.reusable(shard, hit)
-        return Hit(shard, tuple(hit), len(hit) * self.page_size, room)
+        host = ()
+        if self.host is not None:
+            host = tuple(keys[len(hit) : len(hit) + len(self.host.lookup(keys[len(hit) :]))])
+        return Hit(shard, tuple(hit), (len(hit) + len(host)) * self.page_size, room, host)
 
     def fits(self, hit: Hit, tokens: int) -> bool:
         """A row of the hit's shard can hold ``tokens`` tokens with the hit shared."""
@@ -115,10 +144,21 @@ class CacheManager:
 
     def admit(self, row: int, hit: Hit, tokens: int) -> None:
         """Gives an empty ``row`` the hit's pages, then pages up to ``tokens`` tokens
-        (checked by :meth:`fits`)."""
+        (checked by :meth:`fits`); the hit's host pages are copied back into the pages
+        after its shared ones."""
         self.pages.share(row, list(hit.pages))
-        if not self.pages.grow(row, tokens):
-            raise RuntimeError(f"row {row} was admitted for {tokens} tokens that do not fit")
+        if hit.host:  # taking pages may evict to the host: not into the hit's slots
+            self.host.pin(hit.host)
+        try:
+            if not self.pages.grow(row, tokens):
+                raise RuntimeError(f"row {row} was admitted for {tokens} tokens that do not fit")
+        finally:
+            if hit.host:
+                self.host.unpin()
+        if hit.host:
+            n = len(hit.pages)
+            ids = self.pages.global_ids(row, n + len(hit.host))[n:]
+            self.host.restore(hit.host, ids.tolist())
 
     def allocate(self, row: int, tokens: int) -> bool:
         """Pages for ``row`` to hold ``tokens`` tokens; False (nothing taken) if its shard
@@ -156,6 +196,8 @@ class CacheManager:
     def events(self, sink: KVEventSink | None) -> None:
         self._events = sink
         self.pages.on_evict = None if sink is None else sink.removed
+        if self.host is not None:
+            self.host.events = _host_sink(sink)
 
     # --- what the runner reads -----------------------------------------------------------
 
@@ -204,3 +246,8 @@ class CacheManager:
     def check(self) -> None:
         """Raises if the page book is inconsistent (:meth:`PageTable.check`)."""
         self.pages.check()
+
+
+def _host_sink(sink: KVEventSink | None):
+    """``sink`` where it hears of host pages too (the KV events publisher), else None."""
+    return sink if sink is not None and hasattr(sink, "offloaded") else None

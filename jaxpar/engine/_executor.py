@@ -142,6 +142,8 @@ class Executor:
         self._handles = 0
         self._tables: jax.Array | None = None
         self._rows_bucket = 0
+        #: The prefix cache's host tier's memory (:mod:`._host_pages`; None: no host tier).
+        self.host_pages = None
 
     def _pool(self, side: str) -> str:
         return DECODE if self._shared else side
@@ -265,6 +267,17 @@ class Executor:
         )
         self._batches[handle] = moved
         return kv_bytes + moved.lengths_P.nbytes + moved.first_P.nbytes
+
+    @command
+    def offload(self, pages: tuple[int, ...], slots: tuple[int, ...], *, side: str) -> None:
+        """Copies ``side``'s global pages ``pages`` to host slots ``slots`` (the host tier)."""
+        self.host_pages.offload(self._slots[self._pool(side)], pages, slots)
+
+    @command
+    def restore(self, slots: tuple[int, ...], pages: tuple[int, ...], *, side: str) -> None:
+        """Copies host slots ``slots`` back into ``side``'s global pages ``pages``."""
+        pool = self._pool(side)
+        self._slots[pool], _ = self.host_pages.restore(self._slots[pool], slots, pages)
 
     @command
     def drop(self, handle: int) -> None:

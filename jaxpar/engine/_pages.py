@@ -197,6 +197,9 @@ class PageTable:
         #: Called with (prefix key, group) when an indexed page is evicted (the KV events'
         #: BlockRemoved); None: nobody listens.
         self.on_evict: Callable[[bytes, int], None] | None = None
+        #: Called with (global page id, its key) when an indexed page is evicted, before
+        #: anything can write it (the host tier copies it out, :mod:`._host_tier`).
+        self.on_spill: Callable[[int, bytes], None] | None = None
 
     @property
     def tables_BN(self) -> np.ndarray:
@@ -261,6 +264,8 @@ class PageTable:
         key = self._key_of[shard].pop(page)
         del self._index[shard][key]
         self.evictions += 1
+        if self.on_spill is not None:
+            self.on_spill(shard * self.pool.pages_per_shard + page, key)
         if self.on_evict is not None:
             self.on_evict(*self._unkey(key))
         return page

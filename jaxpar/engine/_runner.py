@@ -33,8 +33,9 @@ import numpy as np
 from jaxpar.engine._cache import CacheManager
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
-from jaxpar.engine._executor import Executor
+from jaxpar.engine._executor import DECODE, Executor
 from jaxpar.engine._grammar import all_allowed, fill_masks
+from jaxpar.engine._host_tier import OFFLOAD
 from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._penalties import History
 from jaxpar.engine._requests import Request, RequestStream
@@ -133,6 +134,7 @@ class Runner:
         cached tokens attends to them, read from its pages; a preempted request draws its
         next token at its own sampling step."""
         start = time.perf_counter()
+        self.move_pages(cache, side)  # before the context is read and pages written
         rows, length, chunks = plan.rows, plan.length, plan.chunks
         streams = [c.request for c in chunks]
         steps_P = np.zeros(rows, np.int32)
@@ -272,10 +274,25 @@ class Runner:
         self.executor.read_back(batch.handle, pages_PN, lengths_P, length)
         return rows, length
 
+    def move_pages(self, cache: CacheManager, side: str) -> None:
+        """Dispatches the host tier's copies queued since the last call, in order: pages
+        evicted to the host (before anything writes them) and hits copied back (before
+        the prefill reads them)."""
+        if cache.host is None:
+            return
+        with self._lock:
+            moves = cache.host.take_moves()
+        for move in moves:
+            if move.kind == OFFLOAD:
+                self.executor.offload(move.pages, move.slots, side=side)
+            else:
+                self.executor.restore(move.slots, move.pages, side=side)
+
     # --- decode --------------------------------------------------------------------------
 
     def step(self, plan: DecodePlan, owners: Sequence, cache: CacheManager) -> int:
         """Dispatches a decode step over ``plan``'s rows; returns its handle."""
+        self.move_pages(cache, DECODE)  # before the step writes pages evicted for it
         allowed = None
         if constrained(owners):
             allowed = masks(owners, len(owners), self.engine.program.run.vocab_size)

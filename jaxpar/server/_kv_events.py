@@ -26,6 +26,11 @@ last is evicted. The hook in the engine only queues what changed
 (:class:`~jaxpar.engine.KVEventSink`, called with the batcher's lock held); this module's
 thread builds the events, encodes and sends them. Nothing is imported or run while the
 events are off.
+
+With a host tier (``--kv-offload-gb``, :mod:`jaxpar.engine._host_tier`), a page copied to
+host memory is a ``BlockStored`` with ``medium="CPU"`` (no tokens, no parent) and its
+eviction from the host a ``BlockRemoved`` with ``medium="CPU"``, as vLLM's CPU offloading
+publishes them.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ log = logging.getLogger("jaxpar.kv_events")
 
 #: The device tier's name in vLLM's events (``medium``).
 MEDIUM = "GPU"
+#: The host tier's (``--kv-offload-gb``), as vLLM's CPU offloading names it.
+HOST_MEDIUM = "CPU"
 #: Seconds the publisher thread waits for news before it looks at replay requests.
 POLL_S = 0.1
 #: Seconds :meth:`KVEventPublisher.close` waits for the thread to send what is queued.
@@ -289,6 +296,12 @@ class KVEventPublisher:
     def removed(self, key: bytes, group: int) -> None:
         self._news.put(("removed", key))
 
+    def offloaded(self, key: bytes, block_size: int) -> None:
+        self._news.put(("offloaded", key, block_size))
+
+    def dropped(self, key: bytes) -> None:
+        self._news.put(("dropped", key))
+
     # --- life cycle --------------------------------------------------------------------
 
     def clear(self) -> None:
@@ -355,9 +368,35 @@ class KVEventPublisher:
                     events[-1].block_hashes.append(gone)
                 else:
                     events.append(self.types.BlockRemoved(block_hashes=[gone], medium=MEDIUM))
+            elif item[0] in ("offloaded", "dropped"):
+                events = self._host_event(events, item)
             elif item[0] == "clear":
                 self._advertised.count.clear()
                 events.append(self.types.AllBlocksCleared())
+        return events
+
+    def _host_event(self, events: list, item: tuple) -> list:
+        """A host-tier page stored or evicted (``--kv-offload-gb``), as vLLM's CPU
+        offloading publishes them: ``medium="CPU"``, a stored block with no tokens and no
+        parent (its GPU event carried them); consecutive ones of a kind in one event."""
+        kind = self.types.BlockStored if item[0] == "offloaded" else self.types.BlockRemoved
+        last = events[-1] if events else None
+        if isinstance(last, kind) and last.medium == HOST_MEDIUM:
+            last.block_hashes.append(external_hash(item[1]))
+        elif item[0] == "offloaded":
+            events.append(
+                kind(
+                    block_hashes=[external_hash(item[1])],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=item[2],
+                    lora_id=None,
+                    medium=HOST_MEDIUM,
+                    lora_name=None,
+                )  # fmt: skip
+            )
+        else:
+            events.append(kind(block_hashes=[external_hash(item[1])], medium=HOST_MEDIUM))
         return events
 
     def _send(self, news: list[tuple]) -> None:

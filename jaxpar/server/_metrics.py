@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from jaxpar.engine import WINDOW_STEPS
 from jaxpar.server._efficiency import PhaseReading, finite, readings
+from jaxpar.server._offload_metrics import HostTierCollector
 from jaxpar.server._service import SUCCESS_REASONS, Histogram, Service
 from jaxpar.server._vllm_metrics import VllmCollector
 
@@ -94,7 +95,8 @@ class ServiceCollector(Collector):
         )
         success = CounterMetricFamily(
             PREFIX + "request_success",
-            "Requests finished by a stop token or string ('stop') or max_tokens ('length').",
+            "Requests finished by a stop token or string ('stop'), max_tokens ('length'), "
+            "or whose client left first ('abort').",
             labels=["model_name", "finished_reason"],
         )
         for reason in SUCCESS_REASONS:
@@ -269,4 +271,5 @@ def metrics_registry(service: Service) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(service))
     registry.register(VllmCollector(service))
+    registry.register(HostTierCollector(service))
     return registry

@@ -55,8 +55,9 @@ from jaxpar.server._tools import (
 
 #: Seconds a client is told to wait (``Retry-After``) when the queue is full.
 RETRY_AFTER_S = 1
-#: The finish reasons of a request that succeeded: a stop token or string, ``max_tokens``.
-SUCCESS_REASONS = ("stop", "length")
+#: The finish reasons ``request_success`` counts, as vLLM's does: a stop token or string,
+#: ``max_tokens``, and ``abort`` (its client went away or cancelled it before its end).
+SUCCESS_REASONS = ("stop", "length", "abort")
 #: Bucket bounds (seconds) of :attr:`ServiceStats.max_token_gap`: 1 ms to 60 s.
 TOKEN_GAP_BUCKETS_S = (
     0.001,
@@ -613,7 +614,7 @@ class Service:
             APIError: 503 when the server shut down first (unless ``partial``), 500 when
                 a step failed.
         """
-        sent = 0
+        sent, counted = 0, False
         try:
             async for token in job.stream:
                 if not job.tokens:
@@ -637,7 +638,10 @@ class Service:
                 job.finish_reason = "shutdown" if shutdown else _outcome(job.stream)
             if not shutdown:  # a stream the shutdown cut did not succeed
                 self.stats.succeeded[job.finish_reason] += 1
+                counted = True
         finally:
+            if not counted and _aborted(job.stream):
+                self.stats.succeeded["abort"] += 1
             if not job.stream.done:
                 job.stream.cancel()
             self._observe_latency(job)
@@ -684,6 +688,12 @@ def _constraints(body: _Generate) -> list[tuple[str, Constraint]]:
     if body.guided_grammar is not None:
         asked.append(("guided_grammar", Constraint.grammar(body.guided_grammar)))
     return asked
+
+
+def _aborted(stream: RequestStream) -> bool:
+    """The client left before ``stream`` ended (it stopped reading, or the disconnect
+    watcher cancelled it): vLLM's ``abort``; not a shutdown, an error or a refusal."""
+    return not stream.done or stream.finish_reason == "cancelled"
 
 
 def _outcome(stream: RequestStream) -> str:
