@@ -211,8 +211,10 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (continuous batching) for a checkpoint",
-        description="POST /v1/completions, POST /v1/chat/completions (stream: true for "
-        "server-sent events), GET /v1/models, GET /health.",
+        description="POST /v1/completions, POST /v1/chat/completions and POST "
+        "/v1/responses (stream: true for server-sent events), GET /v1/responses/{id}, GET "
+        "/v1/models, GET /health (readiness), GET /live (liveness), GET /metrics "
+        "(Prometheus).",
     )
     serve.add_argument("--hf", type=Path, required=True, help="Hugging Face checkpoint directory")
     serve.add_argument("--dtype", choices=DTYPES, default=None, help="(default: the model's own)")
