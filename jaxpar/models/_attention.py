@@ -31,6 +31,7 @@ from jaxpar.models._layers import (
 )
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
+from jaxpar.models._ring_attention import RING_KV_AXES, from_zigzag, ring_prefill_attention
 from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
 from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
@@ -201,6 +202,8 @@ class Attention(nnx.Module):
         lengths_B: jax.Array,
         context: Context | None = None,
         layer: int | jax.Array | None = None,
+        *,
+        ring: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention over a right-padded prompt, or over new tokens continuing cached ones.
 
@@ -212,6 +215,9 @@ class Attention(nnx.Module):
                 (``start_B``): the new tokens sit at positions ``start_B + 0..T-1``.
             layer: The model-wide layer index (int, or traced under scan and pipeline
                 stages): picks the layer's window and RoPE base where layers differ.
+            ring: The tokens are in the zigzag order of ring attention under sp
+                (:mod:`jaxpar.models._ring_attention`; the decoder decides, without
+                context): attend by ring, and return k/v in the natural order.
 
         Returns:
             (y [B, T, D], k [B, T, K, H], v [B, T, K, H]); k/v are what the cache keeps
@@ -222,6 +228,8 @@ class Attention(nnx.Module):
             slides = self._slides(layer)
             window = self._window(slides)
             q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT, slides)
+            if ring:
+                return self._ring_prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, window)
             k_cache = constrain(k_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             v_cache = constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
@@ -255,6 +263,25 @@ class Attention(nnx.Module):
                 sinks_N=self._sinks(),
             )
             return self._output(out_BTNH), k_cache, v_cache
+
+    def _ring_prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, window):
+        """The ring path of :meth:`prefill`: K/V stay split over the sequence (no gather)
+        and rotate; the cache's copies go back to the natural order."""
+        k_BTKH = constrain(k_BTKH, RING_KV_AXES, Module.ATTENTION)
+        v_BTKH = constrain(v_BTKH, RING_KV_AXES, Module.ATTENTION)
+        out_BTNH = ring_prefill_attention(
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            lengths_B=lengths_B,
+            window=window,
+            scale=self.scale,
+            softcap=self.softcap,
+            sinks_N=self._sinks(),
+        )
+        k_cache = from_zigzag(constrain(k_BTKH, PREFILL_KV_AXES, Module.ATTENTION), PREFILL_KV_AXES)
+        v_cache = from_zigzag(constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION), PREFILL_KV_AXES)
+        return self._output(out_BTNH), k_cache, v_cache
 
     def decode_project(
         self, x_B1D: jax.Array, pos_B: jax.Array, layer: int | jax.Array | None = None
