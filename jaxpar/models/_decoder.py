@@ -214,7 +214,8 @@ class Decoder(nnx.Module):
         ring = context is None and self._rings(t)
         if ring:  # tokens in zigzag order over sp; positions computed, not moved
             sp = active_degree("seq", Module.ATTENTION)
-            tokens_BT = to_zigzag(tokens_BT, ("batch", "seq"))
+            with jax.named_scope(Module.ATTENTION.value):
+                tokens_BT = to_zigzag(tokens_BT, ("batch", "seq"))
             pos_BT = jnp.broadcast_to(jnp.asarray(zigzag_positions(t, sp)), (b, t))
         if context is not None:
             ctx_k, ctx_v, start_B = context

@@ -141,6 +141,50 @@ def _block(q_BKGTH, q_pos_T, k_BSKH, v_BSKH, k_pos_S, lengths_B, window, scale, 
     return m_BKGT, l_BKGT, o_BKGTH
 
 
+#: Queries and keys per tile inside a ring step: a step's ``[T / sp, T / 2 sp]`` scores are
+#: taken tile by tile (keys scanned with online softmax, query tiles mapped), so no score
+#: block larger than ``[heads, Q_TILE, K_TILE]`` f32 is held, at any prompt length.
+Q_TILE = 1024
+K_TILE = 512
+
+
+def _tiled_block(q_BKGTH, q_pos_T, k_BSKH, v_BSKH, k_pos_S, **kw):
+    """:func:`_block` taken in tiles of :data:`Q_TILE` queries and :data:`K_TILE` keys
+    (where they divide; whole otherwise): the same statistics, bounded temporaries."""
+    b, kh, g, t, h = q_BKGTH.shape
+    s = k_BSKH.shape[1]
+    if t > Q_TILE and t % Q_TILE == 0:
+        n = t // Q_TILE
+        q_nBKGTH = q_BKGTH.reshape(b, kh, g, n, Q_TILE, h).transpose(3, 0, 1, 2, 4, 5)
+        pos_nT = q_pos_T.reshape(n, Q_TILE)
+
+        def one(xs):
+            return _tiled_block(xs[0], xs[1], k_BSKH, v_BSKH, k_pos_S, **kw)
+
+        m_n, l_n, o_n = jax.lax.map(one, (q_nBKGTH, pos_nT))
+        m_BKGT = m_n.transpose(1, 2, 3, 0, 4).reshape(b, kh, g, t)
+        l_BKGT = l_n.transpose(1, 2, 3, 0, 4).reshape(b, kh, g, t)
+        o_BKGTH = o_n.transpose(1, 2, 3, 0, 4, 5).reshape(b, kh, g, t, h)
+        return m_BKGT, l_BKGT, o_BKGTH
+    if s > K_TILE and s % K_TILE == 0:
+        n = s // K_TILE
+        k_nBSKH = k_BSKH.reshape(b, n, K_TILE, *k_BSKH.shape[2:]).swapaxes(0, 1)
+        v_nBSKH = v_BSKH.reshape(b, n, K_TILE, *v_BSKH.shape[2:]).swapaxes(0, 1)
+        pos_nS = k_pos_S.reshape(n, K_TILE)
+        init = (
+            jnp.full((b, kh, g, t), MASKED, jnp.float32),
+            jnp.zeros((b, kh, g, t), jnp.float32),
+            jnp.zeros((b, kh, g, t, h), jnp.float32),
+        )
+
+        def step(acc, xs):
+            return _merge(acc, _block(q_BKGTH, q_pos_T, *xs, **kw)), None
+
+        acc, _ = jax.lax.scan(step, init, (k_nBSKH, v_nBSKH, pos_nS))
+        return acc
+    return _block(q_BKGTH, q_pos_T, k_BSKH, v_BSKH, k_pos_S, **kw)
+
+
 def _merge(acc, blk):
     """Two partial softmaxes over disjoint keys, as one (the online-softmax update)."""
     m0, l0, o0 = acc
@@ -166,7 +210,7 @@ def _ring_body(
     q_BKGTH = q_BTNH.reshape(b, c, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
     q_pos_T = _slot_positions(me, sp, c)
     block = functools.partial(
-        _block, lengths_B=lengths_B, window=window, scale=scale, softcap=softcap
+        _tiled_block, lengths_B=lengths_B, window=window, scale=scale, softcap=softcap
     )
     # Diagonal step: the device's own block, causally masked.
     acc = block(q_BKGTH, q_pos_T, k_BTKH, v_BTKH, q_pos_T)
