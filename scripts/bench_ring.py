@@ -159,8 +159,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    # libtpu compiles for a topology without starting a TPU backend: JAX runs on CPU.
+    os.environ["JAX_PLATFORMS"] = "cpu"
     if args.section == "cpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
         rows = cpu_rows(args.tokens or [2048, 8192], args.layers or 2, args.strategy or "sp=8")

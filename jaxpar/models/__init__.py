@@ -17,8 +17,10 @@ from jaxpar.models._config import (
     ARCHS,
     PRESETS,
     AttentionConfig,
+    DynamicRopeScaling,
     EmbedConfig,
     FfnConfig,
+    LinearRopeScaling,
     Llama3RopeScaling,
     MlaConfig,
     ModelConfig,
@@ -89,7 +91,12 @@ from jaxpar.models._quant import (
 )
 from jaxpar.models._ring_attention import K_TILE as RING_K_TILE
 from jaxpar.models._ring_attention import Q_TILE as RING_Q_TILE
-from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxpar.models._rope import (
+    apply_rope,
+    dynamic_inv_freq,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from jaxpar.models._run import ModelRun
 
 __all__ = [
@@ -131,6 +138,8 @@ __all__ = [
     "write_prompts",
     "LMHead",
     "LayerNorm",
+    "DynamicRopeScaling",
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "YarnRopeScaling",
     "AttentionConfig",
@@ -182,5 +191,6 @@ __all__ = [
     "prefill",
     "rope_attention_factor",
     "rope_inv_freq",
+    "dynamic_inv_freq",
     "with_layer_loop",
 ]

@@ -22,6 +22,8 @@ from jaxpar.models._config_groups import (
 )
 from jaxpar.models._rope_scaling import (
     ROPE_SCALINGS,
+    DynamicRopeScaling,
+    LinearRopeScaling,
     RopeScaling,
     YarnRopeScaling,
     rope_scaling_from_mapping,
@@ -618,6 +620,14 @@ def _common_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _rope_scaling_hf(s: RopeScaling) -> dict[str, Any]:
+    if isinstance(s, LinearRopeScaling):
+        return dict(rope_type="linear", factor=s.factor)
+    if isinstance(s, DynamicRopeScaling):
+        return dict(
+            rope_type="dynamic",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
     if isinstance(s, YarnRopeScaling):
         out = dict(
             rope_type="yarn",
