@@ -46,7 +46,7 @@ def _bytes(compiled) -> dict:
     }
 
 
-def cpu_rows(tokens: list[int], layers: int, strategy: str) -> list[dict]:
+def cpu_rows(tokens: list[int], layers: int, strategy: str, modes: list[str]) -> list[dict]:
     import jax
     import numpy as np
 
@@ -70,7 +70,7 @@ def cpu_rows(tokens: list[int], layers: int, strategy: str) -> list[dict]:
     mesh = make_mesh(parallel, devices=jax.devices()[: parallel.size])
     rows = []
     for t in tokens:
-        for mode in ("gather", "ring"):
+        for mode in modes:
             eng = InferenceEngine(
                 config, params, parallel, mesh=mesh, max_batch=parallel.sp, max_seq_len=t,
                 options=ExecutionOptions(sp_attention=mode),
@@ -91,7 +91,7 @@ def cpu_rows(tokens: list[int], layers: int, strategy: str) -> list[dict]:
     return rows
 
 
-def tpu_rows(tokens: list[int], strategy: str, layers: int | None) -> list[dict]:
+def tpu_rows(tokens: list[int], strategy: str, layers: int | None, modes: list[str]) -> list[dict]:
     from jaxpar.engine import AbstractEngine
     from jaxpar.inspect import tpu_devices
     from jaxpar.models import ExecutionOptions, config_from_hf
@@ -116,7 +116,7 @@ def tpu_rows(tokens: list[int], strategy: str, layers: int | None) -> list[dict]
     mesh = make_mesh(parallel, devices=devices[: parallel.size])
     rows = []
     for t in tokens:
-        for mode in ("gather", "ring"):
+        for mode in modes:
             eng = AbstractEngine.build(
                 config, parallel, max_batch=parallel.sp, max_seq_len=t, mesh=mesh,
                 options=ExecutionOptions(sp_attention=mode),
@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--strategy", default=None)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--modes", nargs="+", default=["gather", "ring"], choices=("gather", "ring"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     # libtpu compiles for a topology without starting a TPU backend: JAX runs on CPU.
@@ -164,9 +165,13 @@ def main() -> None:
     if args.section == "cpu":
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-        rows = cpu_rows(args.tokens or [2048, 8192], args.layers or 2, args.strategy or "sp=8")
+        rows = cpu_rows(
+            args.tokens or [2048, 8192], args.layers or 2, args.strategy or "sp=8", args.modes
+        )
     else:
-        rows = tpu_rows(args.tokens or [131072], args.strategy or "sp=4,tp=2", args.layers)
+        rows = tpu_rows(
+            args.tokens or [131072], args.strategy or "sp=4,tp=2", args.layers, args.modes
+        )
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

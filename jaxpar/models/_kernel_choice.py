@@ -53,10 +53,11 @@ def paged_attention_impl(backend: str, dtype) -> str:
 
 
 #: Prompt length (padded tokens per sequence) from which ``sp_attention="auto"`` runs
-#: ring attention rather than the K/V all-gather; measured on 8 simulated CPU devices (see
-#: the docs' long-context page): below it the gather is as fast or faster and the memory
-#: both hold is small.
-RING_MIN_TOKENS = 4096
+#: ring attention rather than the K/V all-gather. Measured on 8 simulated CPU devices at
+#: sp=8 (``scripts/bench_ring.py``, the docs' long-context page): the gather is 2x faster
+#: at 256 tokens, the two about even at 512, the ring 2.8x faster at 1,024 and 6x at
+#: 8,192 with a twelfth of the gather's temporaries.
+RING_MIN_TOKENS = 1024
 
 
 def sp_prefill_attention(choice: str, sp: int, tokens: int, min_tokens: int) -> str:
