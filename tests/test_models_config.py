@@ -321,8 +321,9 @@ def test_rope_scaling_from_mapping_and_hashable() -> None:
     hash(c)
     with pytest.raises(ConfigError, match="lacks key"):
         RopeConfig(scaling={"rope_type": "llama3"})
-    with pytest.raises(ConfigError, match="'dynamic' is not supported; legal: 'llama3', 'yarn'"):
-        dataclasses.replace(preset("tiny-dense"), rope={"scaling": {"rope_type": "dynamic"}})
+    legal = "legal: 'llama3', 'yarn', 'linear', 'dynamic'"
+    with pytest.raises(ConfigError, match=f"'longrope' is not supported; {legal}"):
+        dataclasses.replace(preset("tiny-dense"), rope={"scaling": {"rope_type": "longrope"}})
 
 
 def _llama3_reference(head_dim: int, theta: float, s: Llama3RopeScaling) -> np.ndarray:

@@ -11,7 +11,13 @@ and ``T_l`` the batch rows and tokens one device holds:
   projection and one after the FFN down projection; one more after the vocab-parallel
   embedding lookup. The vocab-parallel LM head needs none.
 * SP (prefill): K and V all-gathered over ``sp`` (``[B_l, T, K_l, H]`` each) so causal
-  attention sees every earlier token. jaxpar's SP is its own mesh axis (tokens over ``sp``,
+  attention sees every earlier token. Where the run chooses ring attention for the prompt
+  length (:func:`jaxpar.models.sp_prefill_attention`), the local K/V block instead moves
+  ``sp - 1`` times around the ring (collective-permutes of ``[B_l, T_l, K_l, H]``, K and
+  V each), each layer's K/V go back to the cache's order (two permutes of half the block,
+  K and V each) and the token ids into the zigzag order once (two of half ``[B_l, T_l]``
+  int32): per layer ``2 sp`` blocks of ``T_l`` tokens, the all-gather's bytes, but never
+  more than two blocks held at once. jaxpar's SP is its own mesh axis (tokens over ``sp``,
   heads over ``tp``), not Megatron-style SP sharing the TP devices, so there is no
   all-gather/reduce-scatter pair around the blocks: the TP all-reduces simply run on the
   ``T/sp`` local tokens. Prefill then sums each sequence's last hidden state over ``sp``
@@ -320,6 +326,9 @@ def _attention(step: _Step) -> None:
         "row-parallel output projection: partial sums over the head shards",
     )
     kv_l = _local(model.n_kv_heads, att["kv_heads"], step.config, "n_kv_heads")
+    if _rings(step, att):
+        _ring_items(step, att, b_l, t_l, kv_l)
+        return
     step.add(
         "all-gather",
         att["seq"],
@@ -337,6 +346,58 @@ def _attention(step: _Step) -> None:
             "devices would swap each all-reduce for a reduce-scatter + all-gather pair "
             "moving the same bytes."
         )
+
+
+def _rings(step: _Step, att: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether the step's prefill attention runs by ring: the run's ``sp_attention``
+    option (a bare config: the defaults) for its sp degree and prompt length; never with
+    cached context, under a pipeline (its stages gather) or for MLA."""
+    from jaxpar.models import RING_MIN_TOKENS, sp_prefill_attention
+
+    if step.phase is not Phase.PREFILL or step.context or step.config.pp > 1 or not att["seq"]:
+        return False
+    if model_field(step.model, "mla.kv_lora_rank") is not None:
+        return False
+    options = getattr(step.model, "options", None)
+    choice = getattr(options, "sp_attention", "auto")
+    min_tokens = getattr(options, "ring_min_tokens", RING_MIN_TOKENS)
+    sp = _split(att["seq"], step.config)
+    return sp_prefill_attention(choice, sp, step.tokens, min_tokens) == "ring"
+
+
+def _ring_items(step: _Step, att: Mapping[str, tuple[str, ...]], b_l, t_l, kv_l) -> None:
+    """Ring attention's permutes (see the module docstring)."""
+    sp, h = _split(att["seq"], step.config), step.model.head_dim
+    step.add(
+        "collective-permute",
+        att["seq"],
+        "attention",
+        "K/V ring",
+        (b_l, t_l, kv_l, h),
+        2 * (sp - 1) * step.count,
+        "ring attention: each device's K and V block visits every other sp shard "
+        "(sp - 1 steps), attended there with online softmax",
+    )
+    step.add(
+        "collective-permute",
+        att["seq"],
+        "attention",
+        "K/V to cache order",
+        (b_l, t_l // 2, kv_l, h),
+        4 * step.count,
+        "the prompt runs in the ring's load-balanced (zigzag) token order; each layer's "
+        "K and V go back to the cache's order (two half blocks each)",
+    )
+    step.add(
+        "collective-permute",
+        att["seq"],
+        "attention",
+        "tokens to zigzag order",
+        (b_l, t_l // 2),
+        2 * step.groups,
+        "token ids into the ring's zigzag order, once per step (two half blocks)",
+        itemsize=4,
+    )
 
 
 def _ffn(step: _Step, count: int) -> None:

@@ -17,8 +17,10 @@ from jaxpar.models._config import (
     ARCHS,
     PRESETS,
     AttentionConfig,
+    DynamicRopeScaling,
     EmbedConfig,
     FfnConfig,
+    LinearRopeScaling,
     Llama3RopeScaling,
     MlaConfig,
     ModelConfig,
@@ -44,6 +46,7 @@ from jaxpar.models._decoder import (
 )
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, stored_quantization
+from jaxpar.models._kernel_choice import RING_MIN_TOKENS, sp_prefill_attention
 from jaxpar.models._kv_groups import KVGroups, kv_groups, kv_positions, kv_windows
 from jaxpar.models._kv_heads import repeat_kv_heads
 from jaxpar.models._kv_quant import (
@@ -86,10 +89,18 @@ from jaxpar.models._quant import (
     param_bytes,
     params_quantization,
 )
-from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxpar.models._ring_attention import K_TILE as RING_K_TILE
+from jaxpar.models._ring_attention import Q_TILE as RING_Q_TILE
+from jaxpar.models._rope import (
+    apply_rope,
+    dynamic_inv_freq,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from jaxpar.models._run import ModelRun
 
 __all__ = [
+    "sp_prefill_attention",
     "DOWN_AXES",
     "EXPERT_ROWS_SCOPE",
     "GATE_UP_AXES",
@@ -97,6 +108,9 @@ __all__ = [
     "KV_SCORE_AXES",
     "PREFILL_KV_AXES",
     "Q_AXES",
+    "RING_K_TILE",
+    "RING_MIN_TOKENS",
+    "RING_Q_TILE",
     "STACKED_KV_AXES",
     "config_from_hf",
     "stored_quantization",
@@ -124,6 +138,8 @@ __all__ = [
     "write_prompts",
     "LMHead",
     "LayerNorm",
+    "DynamicRopeScaling",
+    "LinearRopeScaling",
     "Llama3RopeScaling",
     "YarnRopeScaling",
     "AttentionConfig",
@@ -175,5 +191,6 @@ __all__ = [
     "prefill",
     "rope_attention_factor",
     "rope_inv_freq",
+    "dynamic_inv_freq",
     "with_layer_loop",
 ]

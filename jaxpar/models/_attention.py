@@ -17,7 +17,7 @@ from jaxpar.models._attention_ops import (
     prefill_attention,
 )
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES, constrain_kv
-from jaxpar.models._config import ModelConfig
+from jaxpar.models._config import DynamicRopeScaling, ModelConfig
 from jaxpar.models._kv_quant import QuantKV
 from jaxpar.models._layers import (
     BTD,
@@ -31,7 +31,13 @@ from jaxpar.models._layers import (
 )
 from jaxpar.models._paged import PagedLayer
 from jaxpar.models._paged_attention import paged_decode_attention
-from jaxpar.models._rope import apply_rope, rope_attention_factor, rope_inv_freq
+from jaxpar.models._ring_attention import RING_KV_AXES, from_zigzag, ring_prefill_attention
+from jaxpar.models._rope import (
+    apply_rope,
+    dynamic_inv_freq,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from jaxpar.models._run import ModelRun
 from jaxpar.spec import Module, constrain
 
@@ -146,10 +152,16 @@ class Attention(nnx.Module):
             return self.window if slides else None
         return jnp.where(slides, jnp.int32(self.window), jnp.int32(NO_WINDOW))
 
-    def _inv_freq(self, slides: bool | jax.Array) -> np.ndarray | jax.Array:
+    def _inv_freq(
+        self, slides: bool | jax.Array, seq_len_B: jax.Array | None = None
+    ) -> np.ndarray | jax.Array:
         """RoPE inverse frequencies of the layer: the local base on sliding layers when the
-        config has one (Gemma 3), else the global base with its scaling."""
-        global_ = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        config has one (Gemma 3), else the global base with its scaling; under dynamic NTK
+        per row ``[B, H/2]``, for rows ``seq_len_B`` positions long."""
+        if isinstance(self.rope_scaling, DynamicRopeScaling):
+            global_ = dynamic_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, seq_len_B)
+        else:
+            global_ = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
         if self.rope_linear_factor is not None:
             global_ = (global_ / np.float32(self.rope_linear_factor)).astype(np.float32)
         if self.rope_local_theta is None:
@@ -160,16 +172,21 @@ class Attention(nnx.Module):
         return jnp.where(slides, jnp.asarray(local), jnp.asarray(global_))
 
     def _qkv(
-        self, x_BTD: jax.Array, pos_BT: jax.Array, slides: bool | jax.Array = False
+        self,
+        x_BTD: jax.Array,
+        pos_BT: jax.Array,
+        slides: bool | jax.Array = False,
+        seq_len_B: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:
-        """Projected (q/k-normalised), rotated q [B,T,N,H], k and v [B,T,K,H]."""
+        """Projected (q/k-normalised), rotated q [B,T,N,H], k and v [B,T,K,H];
+        ``seq_len_B``: each row's sequence length after this step (dynamic NTK RoPE)."""
         q_BTNH = self._project(x_BTD, self.q_kernel, self.q_kernel_scale, self.q_bias)
         kv_BTCKH = self._project(x_BTD, self.kv_kernel, self.kv_kernel_scale, self.kv_bias)
         k_BTKH, v_BTKH = kv_BTCKH[:, :, 0], kv_BTCKH[:, :, 1]
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         if self.rope_theta is not None:
-            inv_freq = self._inv_freq(slides)
+            inv_freq = self._inv_freq(slides, seq_len_B)
             scale = rope_attention_factor(self.rope_scaling)
             q_BTNH = apply_rope(q_BTNH, pos_BT, inv_freq, scale)
             k_BTKH = apply_rope(k_BTKH, pos_BT, inv_freq, scale)
@@ -201,6 +218,8 @@ class Attention(nnx.Module):
         lengths_B: jax.Array,
         context: Context | None = None,
         layer: int | jax.Array | None = None,
+        *,
+        ring: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Attention over a right-padded prompt, or over new tokens continuing cached ones.
 
@@ -212,6 +231,9 @@ class Attention(nnx.Module):
                 (``start_B``): the new tokens sit at positions ``start_B + 0..T-1``.
             layer: The model-wide layer index (int, or traced under scan and pipeline
                 stages): picks the layer's window and RoPE base where layers differ.
+            ring: The tokens are in the zigzag order of ring attention under sp
+                (:mod:`jaxpar.models._ring_attention`; the decoder decides, without
+                context): attend by ring, and return k/v in the natural order.
 
         Returns:
             (y [B, T, D], k [B, T, K, H], v [B, T, K, H]); k/v are what the cache keeps
@@ -221,7 +243,10 @@ class Attention(nnx.Module):
             x_BTD = constrain(x_BTD, BTD, Module.ATTENTION)
             slides = self._slides(layer)
             window = self._window(slides)
-            q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT, slides)
+            seq_len_B = lengths_B if context is None else context.start_B + lengths_B
+            q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, pos_BT, slides, seq_len_B)
+            if ring:
+                return self._ring_prefill(q_BTNH, k_BTKH, v_BTKH, lengths_B, window)
             k_cache = constrain(k_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             v_cache = constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION)
             k_BSKH = constrain(k_BTKH, KV_SCORE_AXES, Module.ATTENTION)
@@ -256,6 +281,25 @@ class Attention(nnx.Module):
             )
             return self._output(out_BTNH), k_cache, v_cache
 
+    def _ring_prefill(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, window):
+        """The ring path of :meth:`prefill`: K/V stay split over the sequence (no gather)
+        and rotate; the cache's copies go back to the natural order."""
+        k_BTKH = constrain(k_BTKH, RING_KV_AXES, Module.ATTENTION)
+        v_BTKH = constrain(v_BTKH, RING_KV_AXES, Module.ATTENTION)
+        out_BTNH = ring_prefill_attention(
+            q_BTNH,
+            k_BTKH,
+            v_BTKH,
+            lengths_B=lengths_B,
+            window=window,
+            scale=self.scale,
+            softcap=self.softcap,
+            sinks_N=self._sinks(),
+        )
+        k_cache = from_zigzag(constrain(k_BTKH, PREFILL_KV_AXES, Module.ATTENTION), PREFILL_KV_AXES)
+        v_cache = from_zigzag(constrain(v_BTKH, PREFILL_KV_AXES, Module.ATTENTION), PREFILL_KV_AXES)
+        return self._output(out_BTNH), k_cache, v_cache
+
     def decode_project(
         self, x_B1D: jax.Array, pos_B: jax.Array, layer: int | jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -264,7 +308,7 @@ class Attention(nnx.Module):
         with jax.named_scope(Module.ATTENTION.value):
             x_B1D = constrain(x_B1D, BTD, Module.ATTENTION)
             slides = self._slides(layer)
-            q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, pos_B[:, None], slides)
+            q_B1NH, k_B1KH, v_B1KH = self._qkv(x_B1D, pos_B[:, None], slides, pos_B + 1)
             return q_B1NH, k_B1KH[:, 0], v_B1KH[:, 0]
 
     def decode_attend(

@@ -25,6 +25,8 @@ from jaxpar.models._config_groups import (
 )
 from jaxpar.models._rope_scaling import (
     ROPE_SCALINGS,
+    DynamicRopeScaling,
+    LinearRopeScaling,
     Llama3RopeScaling,
     RopeScaling,
     YarnRopeScaling,
@@ -36,6 +38,8 @@ __all__ = [
     "MOE_ARCHS",
     "PRESETS",
     "ROPE_SCALINGS",
+    "DynamicRopeScaling",
+    "LinearRopeScaling",
     "AttentionConfig",
     "EmbedConfig",
     "FfnConfig",
@@ -164,6 +168,11 @@ class ModelConfig:
         if self.positional == "rope":
             if self.head_dim % 2:
                 raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
+            if self.is_mla and isinstance(rope.scaling, DynamicRopeScaling):
+                raise ConfigError(
+                    "rope.scaling: dynamic NTK is not built for multi-head latent attention "
+                    "(its RoPE key is cached apart); legal there: None, 'llama3', 'yarn', 'linear'"
+                )
             return
         named = [n for n in ("scaling", "local_theta", "linear_factor") if getattr(rope, n)]
         if named:

@@ -15,8 +15,9 @@ from jaxpar.errors import ConfigError
 from jaxpar.models._attention import Attention, Context
 from jaxpar.models._cache import KVCache
 from jaxpar.models._config import ModelConfig
+from jaxpar.models._kernel_choice import sp_prefill_attention
 from jaxpar.models._kv_heads import repeat_kv_heads, state_axes
-from jaxpar.models._layers import FFN, Embedding, LMHead, make_norm
+from jaxpar.models._layers import BTD, FFN, Embedding, LMHead, make_norm
 from jaxpar.models._mla import LatentAttention
 from jaxpar.models._moe import MoE
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
@@ -29,7 +30,9 @@ from jaxpar.models._quant import (
     quantize_array,
     to_stored,
 )
+from jaxpar.models._ring_attention import from_zigzag, to_zigzag, zigzag_positions, zigzag_slots
 from jaxpar.models._run import ModelRun
+from jaxpar.spec import Module, Phase, active_degree, active_phase
 
 
 class DecoderLayer(nnx.Module):
@@ -73,12 +76,16 @@ class DecoderLayer(nnx.Module):
         lengths_B: jax.Array,
         context: Context | None = None,
         layer: int | jax.Array | None = None,
+        *,
+        ring: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Returns (x [B,T,D], k [B,T,K,H], v [B,T,K,H]); ``context``: this layer's cached
         keys and values the new tokens continue (see :meth:`Attention.prefill`); ``layer``:
-        the model-wide layer index (selects the window and RoPE base where layers differ)."""
+        the model-wide layer index (selects the window and RoPE base where layers differ);
+        ``ring``: the tokens are in ring attention's zigzag order (k/v come back natural)."""
+        extra = {"ring": True} if ring else {}
         y_BTD, k_BTKH, v_BTKH = self.attn.prefill(
-            self.attn_norm(x_BTD), pos_BT, lengths_B, context, layer
+            self.attn_norm(x_BTD), pos_BT, lengths_B, context, layer, **extra
         )
         x_BTD = x_BTD + self._attn_out(y_BTD)
         return self._ffn_block(x_BTD), k_BTKH, v_BTKH
@@ -204,6 +211,12 @@ class Decoder(nnx.Module):
         b, t = tokens_BT.shape
         lengths_B = lengths_B.astype(jnp.int32)
         pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        ring = context is None and self._rings(t)
+        if ring:  # tokens in zigzag order over sp; positions computed, not moved
+            sp = active_degree("seq", Module.ATTENTION)
+            with jax.named_scope(Module.ATTENTION.value):
+                tokens_BT = to_zigzag(tokens_BT, ("batch", "seq"))
+            pos_BT = jnp.broadcast_to(jnp.asarray(zigzag_positions(t, sp)), (b, t))
         if context is not None:
             ctx_k, ctx_v, start_B = context
             start_B = start_B.astype(jnp.int32)
@@ -211,23 +224,38 @@ class Decoder(nnx.Module):
         x_BTD = self.embed(tokens_BT, pos_BT)
         if self.scanned:
             layer_ctx = None if context is None else (ctx_k, ctx_v, start_B)
-            x_BTD, k, v = self._prefill_scan(x_BTD, pos_BT, lengths_B, layer_ctx)
+            x_BTD, k, v = self._prefill_scan(x_BTD, pos_BT, lengths_B, layer_ctx, ring)
         else:
             ks, vs = [], []
             for i, layer in enumerate(self.layers):
                 ctx = None if context is None else Context(ctx_k[i], ctx_v[i], start_B)
-                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B, ctx, i)
+                x_BTD, k_BTKH, v_BTKH = layer.prefill(x_BTD, pos_BT, lengths_B, ctx, i, ring=ring)
                 ks.append(k_BTKH)
                 vs.append(v_BTKH)
             k, v = tuple(ks), tuple(vs)
+        if ring and all_logits:
+            x_BTD = from_zigzag(x_BTD, BTD)
         if not all_logits:
             # take_along_axis stays local to the batch shards; an advanced index
             # x[arange(B), lengths - 1] makes XLA gather indices and rows across them.
-            last_B11 = (lengths_B - 1)[:, None, None]
+            last_B = lengths_B - 1
+            if ring:  # the last token's zigzag slot
+                last_B = jnp.asarray(zigzag_slots(t, sp))[last_B]
+            last_B11 = last_B[:, None, None]
             x_BTD = jnp.take_along_axis(x_BTD, last_B11, axis=1)[:, 0]  # -> x_BD
         return self.logits(x_BTD), k, v
 
-    def _prefill_scan(self, x_BTD, pos_BT, lengths_B, context=None):
+    def _rings(self, tokens: int) -> bool:
+        """Whether a prefill of ``tokens`` padded positions (no context) runs ring
+        attention: the run's ``sp_attention`` for the active sp degree
+        (:func:`~jaxpar.models._kernel_choice.sp_prefill_attention`); never for MLA."""
+        if self.config.is_mla or active_phase() is not Phase.PREFILL:
+            return False
+        sp = active_degree("seq", Module.ATTENTION)
+        run = self.config
+        return sp_prefill_attention(run.sp_attention, sp, tokens, run.ring_min_tokens) == "ring"
+
+    def _prefill_scan(self, x_BTD, pos_BT, lengths_B, context=None, ring=False):
         graphdef, layers_state = nnx.split(self.layers)
         # Cached keys and values ride along the scan, one layer per step.
         ctx_xs = None if context is None else (context[0], context[1])
@@ -237,7 +265,7 @@ class Decoder(nnx.Module):
             ctx = None if kv is None else Context(kv[0], kv[1], context[2])
             with count_dropped() as drops:  # a layer's MoE drops leave the scan as outputs
                 x_BTD, k_BTKH, v_BTKH = nnx.merge(graphdef, layer_state).prefill(
-                    x_BTD, pos_BT, lengths_B, ctx, i
+                    x_BTD, pos_BT, lengths_B, ctx, i, ring=ring
                 )
             return x_BTD, (k_BTKH, v_BTKH, self._layer_drops(drops))
 

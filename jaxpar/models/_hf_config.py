@@ -22,6 +22,8 @@ from jaxpar.models._config_groups import (
 )
 from jaxpar.models._rope_scaling import (
     ROPE_SCALINGS,
+    DynamicRopeScaling,
+    LinearRopeScaling,
     RopeScaling,
     YarnRopeScaling,
     rope_scaling_from_mapping,
@@ -300,8 +302,11 @@ def _qwen3_moe_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """RoPE base and scaling, from top-level keys or transformers 5.x ``rope_parameters``."""
+def _rope(
+    hf: Mapping[str, Any], source: str, legal: tuple[str, ...] = tuple(ROPE_SCALINGS)
+) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling, from top-level keys or transformers 5.x ``rope_parameters``;
+    ``legal``: the scalings the family takes (default: every one jaxpar has)."""
     params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or {}
@@ -310,9 +315,9 @@ def _rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return float(theta), None
-    if kind not in ROPE_SCALINGS:
-        legal = ", ".join(map(repr, ("default", *ROPE_SCALINGS)))
-        raise CheckpointError(f"{source}: rope type {kind!r} unsupported; legal: {legal}")
+    if kind not in legal:
+        names = ", ".join(map(repr, ("default", *legal)))
+        raise CheckpointError(f"{source}: rope type {kind!r} unsupported; legal: {names}")
     if kind == "yarn" and hf.get("original_max_position_embeddings"):
         # transformers prefers a top-level original_max_position_embeddings (Phi-3 style).
         scaling = {
@@ -492,7 +497,7 @@ def _gpt_oss_fields(hf: Mapping[str, Any], source: str) -> dict[str, Any]:
     experts with a biased router (top-k of the logits, softmax over the k), expert biases and
     the clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``: transformers' defaults 7.0 and
     1.702 where config.json has none)."""
-    theta, scaling = _rope(hf, source)
+    theta, scaling = _rope(hf, source, legal=("llama3", "yarn"))
     layers, window = _gemma_layers(hf, "gpt_oss", source)
     bias = bool(hf.get("attention_bias", True))
     # GptOssConfig's defaults: head_dim 64, eps 1e-5, 131072 positions.
@@ -618,6 +623,14 @@ def _common_hf(c: ModelConfig) -> dict[str, Any]:
 
 
 def _rope_scaling_hf(s: RopeScaling) -> dict[str, Any]:
+    if isinstance(s, LinearRopeScaling):
+        return dict(rope_type="linear", factor=s.factor)
+    if isinstance(s, DynamicRopeScaling):
+        return dict(
+            rope_type="dynamic",
+            factor=s.factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
     if isinstance(s, YarnRopeScaling):
         out = dict(
             rope_type="yarn",

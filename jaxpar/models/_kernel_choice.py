@@ -50,3 +50,30 @@ def paged_attention_impl(backend: str, dtype) -> str:
     if backend == "tpu" and dtype == jnp.dtype(jnp.bfloat16):
         return "pallas_tpu"
     return "xla"
+
+
+#: Prompt length (padded tokens per sequence) from which ``sp_attention="auto"`` runs
+#: ring attention rather than the K/V all-gather. Measured on 8 simulated CPU devices at
+#: sp=8 (``scripts/bench_ring.py``, the docs' long-context page): the gather is 2x faster
+#: at 256 tokens, the two about even at 512, the ring 2.8x faster at 1,024 and 6x at
+#: 8,192 with a twelfth of the gather's temporaries.
+RING_MIN_TOKENS = 1024
+
+
+def sp_prefill_attention(choice: str, sp: int, tokens: int, min_tokens: int) -> str:
+    """How prefill attention meets the keys of other token shards under ``sp``:
+    ``"ring"`` (K/V blocks rotate, :mod:`jaxpar.models._ring_attention`) or ``"gather"``
+    (K/V all-gathered). ``"auto"`` rings from ``min_tokens`` padded tokens; either way the
+    ring needs ``sp > 1`` and the tokens in ``2 sp`` equal half-chunks, else it gathers.
+
+    Args:
+        choice: The run's ``sp_attention`` option: ``"auto"``, ``"gather"`` or ``"ring"``.
+        sp: The degree that splits the prompt's tokens.
+        tokens: Padded tokens per sequence of the prefill step.
+        min_tokens: The run's ``ring_min_tokens``.
+    """
+    if choice == "gather" or sp < 2 or tokens % (2 * sp):
+        return "gather"
+    if choice == "ring" or tokens >= min_tokens:
+        return "ring"
+    return "gather"

@@ -16,7 +16,11 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 from jaxpar.models._config import ModelConfig, float_dtype
-from jaxpar.models._kernel_choice import attention_impls, paged_attention_impl
+from jaxpar.models._kernel_choice import (
+    RING_MIN_TOKENS,
+    attention_impls,
+    paged_attention_impl,
+)
 from jaxpar.models._kv_quant import check_kv_cache_dtype
 from jaxpar.models._quant import check_quantize
 
@@ -31,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "paged_attention": ("auto", "xla", "cudnn", "pallas_gpu", "pallas_tpu"),
     "moe_dispatch": ("auto", "padded", "ragged"),
     "matmul": ("auto", "dot", "rows"),
+    "sp_attention": ("auto", "gather", "ring"),
 }
 _ATTENTION = ("prefill_attention", "decode_attention", "paged_attention")
 
@@ -80,6 +85,15 @@ class ExecutionOptions:
             (e4m3), one float32 scale per token per kv head, quantized where K/V are written
             and dequantized where attention reads them (:mod:`jaxpar.models._kv_quant`).
             Kernels without scale inputs are refused.
+        sp_attention: how prefill attention under ``sp`` (tokens split over devices) sees
+            the keys of other token shards: "gather" (K and V all-gathered: every device
+            holds the prompt's K/V and ``[T / sp, T]`` scores per head), "ring" (K/V
+            blocks rotate around the sp devices, attended with online softmax in a
+            load-balanced token order: :mod:`jaxpar.models._ring_attention`), or "auto":
+            the ring from ``ring_min_tokens`` padded tokens, the gather below. Chosen per
+            prefill program (the prompt length is known when it is traced), so it stays
+            "auto" after :meth:`resolve`. Prefill over cached context and MLA gather.
+        ring_min_tokens: the padded prompt length from which "auto" runs the ring.
         dtype: compute and parameter dtype of this run; None: the checkpoint's
             (``ModelConfig.dtype`` and ``param_dtype``). A checkpoint stored in bfloat16
             runs in float32 on a CPU this way (``engine_from_hf`` and the CLI choose that
@@ -96,6 +110,8 @@ class ExecutionOptions:
     quantize: str | None = None
     quantize_embeddings: bool = False
     kv_cache_dtype: str | None = None
+    sp_attention: str = "auto"
+    ring_min_tokens: int = RING_MIN_TOKENS
     dtype: Any = None
 
     def __post_init__(self) -> None:
@@ -132,6 +148,11 @@ class ExecutionOptions:
                 f"ExecutionOptions.paged_attention={self.paged_attention!r} reads no KV cache "
                 f"scales (kv_cache_dtype={self.kv_cache_dtype!r}); legal: 'auto', 'xla' or "
                 "'pallas_gpu'"
+            )
+        if not isinstance(self.ring_min_tokens, int) or self.ring_min_tokens < 1:
+            raise ConfigError(
+                f"ExecutionOptions.ring_min_tokens={self.ring_min_tokens!r}: a prompt length "
+                "in tokens, at least 1"
             )
         cf = self.moe_capacity_factor
         if cf is not None and not cf > 0:

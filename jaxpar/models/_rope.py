@@ -8,7 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.models._config import Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from jaxpar.models._config import (
+    DynamicRopeScaling,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -20,18 +26,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     Args:
         head_dim: Size of each attention head (even).
         theta: RoPE base.
-        scaling: Llama 3.x or YaRN frequency scaling, or None for plain RoPE.
+        scaling: Llama 3.x, YaRN or linear frequency scaling, or None for plain RoPE.
+            Dynamic NTK gives plain RoPE's frequencies here, those of a sequence within
+            the original context; :func:`dynamic_inv_freq` gives a longer one's.
 
     Returns:
         Array [head_dim // 2] of float32.
     """
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
-    if scaling is None:
+    if scaling is None or isinstance(scaling, DynamicRopeScaling):
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     if isinstance(scaling, YarnRopeScaling):
         return _yarn_scale(inv_freq, head_dim, theta, scaling)
     return _llama3_scale(inv_freq, scaling)
+
+
+def dynamic_inv_freq(
+    head_dim: int, theta: float, s: DynamicRopeScaling, seq_len_B: jax.Array
+) -> jax.Array:
+    """Dynamic NTK inverse frequencies ``[B, head_dim // 2]`` (f32) of rows whose sequences
+    are ``seq_len_B`` positions long (see :class:`DynamicRopeScaling`): plain RoPE's up to
+    the original context, the base grown as transformers' ``_compute_dynamic_ntk_parameters``
+    grows it past it."""
+    original = s.original_max_position_embeddings
+    seq_B = jnp.maximum(seq_len_B.astype(jnp.float32), np.float32(original))
+    growth_B = np.float32(s.factor) * seq_B / np.float32(original) - np.float32(s.factor - 1)
+    base_B = np.float32(theta) * growth_B ** np.float32(head_dim / (head_dim - 2))
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return 1.0 / jnp.power(base_B[:, None], jnp.asarray(exponent)[None, :])
 
 
 def rope_attention_factor(scaling: RopeScaling | None) -> float:
@@ -93,7 +118,8 @@ def apply_rope(
     Args:
         x_BTXH: Queries [B, T, N, H] or keys [B, T, K, H].
         positions_BT: Integer positions of each token.
-        inv_freq: Output of :func:`rope_inv_freq`, [H // 2].
+        inv_freq: Output of :func:`rope_inv_freq`, [H // 2], or per row [B, H // 2]
+            (:func:`dynamic_inv_freq`).
         scale: Multiplier of cos and sin (:func:`rope_attention_factor`), in float32
             before the cast to the compute dtype.
 
@@ -101,7 +127,9 @@ def apply_rope(
         The rotated array, same shape and dtype as ``x_BTXH``.
     """
     # Angles in float32 whatever the compute dtype: positions up to ~1e5 need the mantissa.
-    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    inv_freq = jnp.asarray(inv_freq)
+    inv_x1h = inv_freq[:, None, :] if inv_freq.ndim == 2 else inv_freq
+    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_x1h
     angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
     cos_BTH, sin_BTH = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
     if scale != 1.0:

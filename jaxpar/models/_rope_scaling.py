@@ -1,4 +1,4 @@
-"""RoPE frequency scalings a checkpoint may name: Llama 3's and YaRN."""
+"""RoPE frequency scalings a checkpoint may name: Llama 3's, YaRN, linear and dynamic NTK."""
 
 from __future__ import annotations
 
@@ -133,11 +133,78 @@ class YarnRopeScaling:
         )
 
 
+def _factor(m: Mapping[str, Any], kind: str) -> float:
+    if m.get("factor") is None:
+        raise ConfigError(f"rope_scaling of type {kind!r} lacks key 'factor'")
+    return float(m["factor"])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearRopeScaling:
+    """Linear position interpolation (Hugging Face ``rope_type: "linear"``): every
+    inverse frequency divided by ``factor``, i.e. positions ``p`` rotate as ``p / factor``
+    (long-context Llama 2 fine-tunes such as LongChat and Vicuna-16k)."""
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ConfigError(f"rope.scaling (linear): factor must be positive, got {self.factor}")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> LinearRopeScaling:
+        """Builds the scaling from a Hugging Face ``rope_scaling`` dict."""
+        return cls(factor=_factor(m, "linear"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamicRopeScaling:
+    """Dynamic NTK scaling (Hugging Face ``rope_type: "dynamic"``): plain RoPE up to the
+    original context; a sequence of ``L`` positions past it rotates on the base
+    ``theta * (factor * L / original - (factor - 1)) ** (H / (H - 2))``.
+
+    ``L`` is what transformers' ``dynamic_rope_update`` takes for a sequence run alone:
+    the longest it has been so far (its last position + 1 in the step, as it only grows),
+    so each key keeps the rotation of the step that wrote it into the cache. jaxpar
+    takes ``L`` per row (its own length), not over the batch: a row's result does not
+    depend on its batch-mates. Chunked prefill rotates each chunk's keys on the base of
+    that chunk's end, as transformers does when fed the prompt in pieces.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ConfigError(f"rope.scaling (dynamic): factor must be positive, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError(
+                "rope.scaling (dynamic): original_max_position_embeddings must be > 0"
+            )
+
+    @classmethod
+    def from_mapping(
+        cls, m: Mapping[str, Any], max_position_embeddings: int | None = None
+    ) -> DynamicRopeScaling:
+        """Builds the scaling from a Hugging Face ``rope_scaling`` dict; the original
+        context is its ``original_max_position_embeddings``, else the config's
+        ``max_position_embeddings`` (what transformers' dynamic NTK divides by)."""
+        original = m.get("original_max_position_embeddings") or max_position_embeddings
+        if original is None:
+            raise ConfigError(
+                "rope_scaling of type 'dynamic' needs the model's max_position_embeddings "
+                "(or 'original_max_position_embeddings')"
+            )
+        return cls(factor=_factor(m, "dynamic"), original_max_position_embeddings=int(original))
+
+
 #: The RoPE frequency scalings a :class:`RopeConfig` can carry.
-RopeScaling = Llama3RopeScaling | YarnRopeScaling
-ROPE_SCALINGS: dict[str, type[Llama3RopeScaling] | type[YarnRopeScaling]] = {
+RopeScaling = Llama3RopeScaling | YarnRopeScaling | LinearRopeScaling | DynamicRopeScaling
+ROPE_SCALINGS: dict[str, type] = {
     "llama3": Llama3RopeScaling,
     "yarn": YarnRopeScaling,
+    "linear": LinearRopeScaling,
+    "dynamic": DynamicRopeScaling,
 }
 
 
@@ -157,4 +224,8 @@ def rope_scaling_from_mapping(
         )
     if kind == "yarn":
         return YarnRopeScaling.from_mapping(m, max_position_embeddings)
+    if kind == "dynamic":
+        return DynamicRopeScaling.from_mapping(m, max_position_embeddings)
+    if kind == "linear":
+        return LinearRopeScaling.from_mapping(m)
     return Llama3RopeScaling.from_mapping(m)

@@ -21,7 +21,16 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.engine import KV_PAGE_SIZE, cache_fraction, run_form
-from jaxpar.models import KVCache, ModelConfig, ModelRun, abstract_model, element_bytes
+from jaxpar.models import (
+    RING_K_TILE,
+    RING_Q_TILE,
+    KVCache,
+    ModelConfig,
+    ModelRun,
+    abstract_model,
+    element_bytes,
+    sp_prefill_attention,
+)
 from jaxpar.spec import Module, ParallelConfig, Phase, mesh_axes, param_partition_spec
 from jaxpar.spec import partition_spec as logical_spec
 
@@ -164,7 +173,9 @@ def activation_bytes(
     Two copies of the residual stream ``[B_l, T_l, D]`` plus the largest intermediate of a
     layer: the gated FFN hidden ``[B_l, T_l, F_l]`` (x2), the attention scores
     ``[B_l, N_l, T_l, S]`` in f32 (not with ``fused_attention``: a fused kernel, splash or
-    cuDNN, holds a block of them at a time), or the MoE exchange blocks: ``P x C`` rows
+    cuDNN, holds a block of them at a time; not under ring attention, :func:`ring_bytes`,
+    which holds a tile of them, its f32 accumulators and two K/V blocks), or the MoE
+    exchange blocks: ``P x C`` rows
     sent and as many received, and their expert hidden ``[P x C, F_l]`` (x2), for a
     device's ``n`` tokens and its ``P`` expert peers. A pipelined prefill counts these for
     one microbatch, plus the stage buffers its schedule holds.
@@ -180,6 +191,8 @@ def activation_bytes(
     n_l = -(-model.n_heads // _split(att["heads"], config))
     stream = 2 * b_l * t_l * model.d_model * itemsize
     scores = 0 if fused_attention else b_l * n_l * t_l * context * 4
+    if ring_prefill(model, config, phase, tokens, context):
+        scores = ring_bytes(model, config, b_l, t_l)
     if model.n_experts:
         moe = mesh_axes(Module.MOE, phase, config, dims=model)
         n = -(-batch // _split(moe["batch"], config)) * -(-tokens // _split(moe["seq"], config))
@@ -191,6 +204,35 @@ def activation_bytes(
         f_l = -(-model.d_ff // _split(mesh_axes(Module.FFN, phase, config)["mlp"], config))
         hidden = 2 * b_l * t_l * f_l * itemsize
     return stages + stream + max(scores, hidden)
+
+
+def ring_prefill(
+    model: ModelConfig, config: ParallelConfig, phase: Phase, tokens: int, context: int
+) -> bool:
+    """Whether a step runs ring attention (:func:`jaxpar.models.sp_prefill_attention` for
+    the run's options: a prefill of ``tokens`` with no cached context before them, under
+    sp and no pipeline, not MLA)."""
+    if phase is not Phase.PREFILL or config.pp > 1 or context != tokens or model.is_mla:
+        return False
+    options = ModelRun.of(model).options
+    sp = _split(mesh_axes(Module.ATTENTION, phase, config, dims=model)["seq"], config)
+    choice = sp_prefill_attention(options.sp_attention, sp, tokens, options.ring_min_tokens)
+    return choice == "ring"
+
+
+def ring_bytes(model: ModelConfig, config: ParallelConfig, b_l: int, t_l: int) -> int:
+    """What ring attention holds beside the residual stream, per device and layer: one
+    f32 score tile ``[B_l, N_l, Q_TILE, K_TILE]`` (:mod:`jaxpar.models._ring_attention`),
+    the f32 output, running max and sum of the local queries ``[B_l, N_l, T_l, H + 2]``,
+    and two K/V blocks ``[B_l, T_l, K_l, H]`` (the one attended, the one arriving)."""
+    att = mesh_axes(Module.ATTENTION, Phase.PREFILL, config, dims=model)
+    n_l = -(-model.n_heads // _split(att["heads"], config))
+    kv_l = -(-model.n_kv_heads // _split(att["kv_heads"], config))
+    h, itemsize = model.head_dim, np.dtype(model.dtype).itemsize
+    tile = b_l * n_l * min(t_l, RING_Q_TILE) * min(t_l // 2, RING_K_TILE) * 4
+    accumulators = b_l * n_l * t_l * (h + 2) * 4
+    blocks = 2 * 2 * b_l * t_l * kv_l * h * itemsize
+    return tile + accumulators + blocks
 
 
 def _stage_buffers(model: ModelConfig, config: ParallelConfig, tokens: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -142,6 +143,16 @@ def active_mesh_axes(logical_name: str, module: Module | str) -> tuple[str, ...]
     spec = partition_spec((logical_name,), module, active.phase, active.config, dims=active.dims)
     entry = spec[0] if len(spec) else None
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def active_degree(logical_name: str, module: Module | str) -> int:
+    """How many ways ``logical_name`` is split in ``module`` in the active context: the
+    product of the degrees of :func:`active_mesh_axes`; 1 outside a context."""
+    active = _ACTIVE.get()
+    if active is None:
+        return 1
+    axes = active_mesh_axes(logical_name, module)
+    return math.prod(active.config.degree(a) for a in axes)
 
 
 def logical_shard_map(
