@@ -621,6 +621,7 @@ def context_prefill_ragged_tpu(
     scale: float,
     softcap: float | None,
     interpret: bool,
+    target=None,
 ) -> jax.Array:
     """Local shard of prefill over cached context through JAX's TPU ragged paged attention
     (``pallas.ops.tpu.ragged_paged_attention``), which streams K/V blocks through VMEM with
@@ -641,8 +642,9 @@ def context_prefill_ragged_tpu(
     b, t, n, h = q_BTNH.shape
     k_ctx_BCKH, v_ctx_BCKH = local_kv_heads(k_ctx_BCKH, v_ctx_BCKH, n, group, head_ids_N)
     k_BTKH, v_BTKH = local_kv_heads(k_BTKH, v_BTKH, n, group, head_ids_N)
+    # Every new key (under sp this shard's queries are a slice of them, the keys whole).
     k_local, z = k_BTKH.shape[2], RAGGED_PAGE_SIZE
-    pages = -(-(k_ctx_BCKH.shape[1] + t) // z)
+    pages = -(-(k_ctx_BCKH.shape[1] + k_BTKH.shape[1]) // z)
 
     def combined(k_BxKH, v_BxKH):  # kv head k's K and V at combined heads 2k and 2k + 1
         return jnp.stack([k_BxKH, v_BxKH], axis=3).reshape(*k_BxKH.shape[:2], 2 * k_local, h)
@@ -665,13 +667,21 @@ def context_prefill_ragged_tpu(
         # to the kernel; the kernel itself is proven by compiling it for TPU.
         out_XNH = _ragged_reference(*args, t=t, **options)
     else:
-        out_XNH = ragged.ragged_paged_attention(
-            *args,
-            jnp.array([b], jnp.int32),
-            **options,
-            num_kv_pages_per_block=min(pages, max(1, RAGGED_BLOCK_KEYS // z)),
-            num_queries_per_block=min(RAGGED_BLOCK_QUERIES, b * t),
+        # Mosaic reads the target chip from the current mesh. Under a shard_map that is the
+        # sharding context's; a one-device context calls this body outside any, so the
+        # caller hands its mesh (``target``): the process's default device may be a CPU
+        # (a compile-only TPU topology).
+        scope = (
+            contextlib.nullcontext() if target is None else jax.sharding.use_abstract_mesh(target)
         )
+        with scope:
+            out_XNH = ragged.ragged_paged_attention(
+                *args,
+                jnp.array([b], jnp.int32),
+                **options,
+                num_kv_pages_per_block=min(pages, max(1, RAGGED_BLOCK_KEYS // z)),
+                num_queries_per_block=min(RAGGED_BLOCK_QUERIES, b * t),
+            )
     q_pos_BT = jnp.broadcast_to(seq_ids_T[None, :], (b, t))
     return zero_padded_rows(out_XNH.reshape(b, t, n, h), q_pos_BT, lengths_B).astype(q_BTNH.dtype)
 

@@ -45,7 +45,7 @@ from jaxpar.models._attention_ops import (
     static_window,
 )
 from jaxpar.models._kernel_choice import HALF, attention_impls
-from jaxpar.spec import Module, active_platform, logical_shard_map
+from jaxpar.spec import Module, active_mesh, active_platform, logical_shard_map
 
 __all__ = ["context_attention_impl", "prefill_over_context"]
 
@@ -138,6 +138,7 @@ def prefill_over_context(
             scale=h**-0.5 if scale is None else scale,
             softcap=softcap,
             interpret=_interpret(interpret),
+            target=_one_device_target(),
         )
     dtype = q_BTNH.dtype
     kv = [x.astype(dtype) for x in (k_BTKH, v_BTKH, k_ctx_BCKH, v_ctx_BCKH)]
@@ -150,3 +151,13 @@ def prefill_over_context(
     head_ids_N = jnp.arange(n, dtype=jnp.int32)
     seq_ids_T = jnp.arange(t, dtype=jnp.int32)
     return sharded(q_BTNH, *kv, start_B, lengths_B, head_ids_N, seq_ids_T)
+
+
+def _one_device_target():
+    """The abstract mesh of a one-device sharding context over a concrete device (where
+    :func:`~jaxpar.spec.logical_shard_map` calls the kernel outside any shard_map, so
+    Mosaic could not otherwise tell which chip it compiles for), else None."""
+    mesh = active_mesh()
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.size == 1:
+        return mesh.abstract_mesh
+    return None

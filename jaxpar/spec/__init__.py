@@ -5,6 +5,7 @@ Importable on its own (it needs JAX, not Flax) by people who bring their own mod
 
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._constrain import (
+    active_mesh,
     active_mesh_axes,
     active_phase,
     active_platform,
@@ -66,6 +67,7 @@ __all__ = [
     "SpecTable",
     "Status",
     "Violation",
+    "active_mesh",
     "active_mesh_axes",
     "active_phase",
     "active_platform",

@@ -3,7 +3,8 @@ the ragged paged-attention kernel against the XLA path (temporaries from the com
 program's ``memory_analysis``). One attention layer of Llama-3-8B (32 query heads, 8 kv
 heads, head_dim 128, bf16); no TPU needed (libtpu's compile-only topology).
 
-Usage: python scripts/context_kernel_memory.py [--context 32768] [--chunk 512]
+Usage: python -m tests._context_memory [--context 32768] [--chunk 512] (from the repository
+root; a module of tests/ because it reads the attention path's private module).
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from jaxpar.inspect import tpu_devices  # noqa: E402
-from jaxpar.models._context_attention import prefill_over_context  # noqa: E402
+from jaxpar.inspect import tpu_devices
+from jaxpar.models._context_attention import prefill_over_context
 
 
 def _libtpu() -> str | None:
