@@ -1,5 +1,6 @@
 """Per-shard bodies of the fused attention paths (cuDNN prefill and decode, Pallas TPU splash,
-Pallas GPU decode, Pallas GPU and TPU paged decode).
+Pallas GPU decode, Pallas GPU and TPU paged decode, prefill over cached context through TPU
+ragged paged attention or cuDNN).
 
 Each body runs inside :func:`jaxpar.spec.logical_shard_map` (or on whole arrays outside a
 sharding context) and sees only local shards. What a shard cannot read off its own shapes
