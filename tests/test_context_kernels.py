@@ -290,3 +290,49 @@ def test_xla_reference_is_unchanged_by_the_wrapper():
     ref = context_prefill_attention(*args, start_B=start, lengths_B=lengths, window=None)
     got = _attend("xla")(*args)
     assert np.array_equal(np.asarray(got), np.asarray(ref))
+
+
+@pytest.mark.jax_compat
+@pytest.mark.usefixtures("accelerator_compiles")
+@pytest.mark.parametrize(
+    ("strategy", "n_kv_heads"), [(ParallelConfig(tp=8), 4), (ParallelConfig(sp=2, tp=4), 8)]
+)
+@pytest.mark.accel
+def test_chunk_over_context_compiles_sharded_for_v5e(v5e, strategy, n_kv_heads):
+    """Sharded on a v5e:2x4 mesh: 4 kv heads held whole by 8 tp shards (each slices out its
+    one), and queries split over sp with heads over tp: one Mosaic call per program."""
+    from jaxpar.models._attention_ops import KV_SCORE_AXES, Q_AXES
+    from jaxpar.spec import partition_spec
+
+    n, h, t, c = 32, 128, 512, 8192
+    mesh = make_mesh(strategy, v5e[: strategy.size])
+    dims = Dims(
+        vocab_size=128,
+        d_model=n * h,
+        n_layers=1,
+        n_heads=n,
+        n_kv_heads=n_kv_heads,
+        head_dim=h,
+        d_ff=128,
+    )
+
+    def arg(shape, axes, dtype=jnp.bfloat16):
+        spec = partition_spec(axes, "attention", "prefill", strategy, dims=dims)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    kv_new, kv_ctx = (
+        arg((1, t, n_kv_heads, h), KV_SCORE_AXES),
+        arg((1, c, n_kv_heads, h), KV_SCORE_AXES),
+    )
+    rows = arg((1,), ("batch",), jnp.int32)
+    args = (arg((1, t, n, h), Q_AXES), kv_new, kv_new, kv_ctx, kv_ctx, rows, rows)
+
+    def attend(q, k_new, v_new, k_ctx, v_ctx, start, lengths):
+        with sharding_context(mesh, "prefill", strategy, dims):
+            return prefill_over_context(
+                q, k_new, v_new, k_ctx, v_ctx, start_B=start, lengths_B=lengths, window=None
+            )
+
+    compiled = jax.jit(attend).trace(*args).lower().compile()
+    calls = [line for line in compiled.as_text().splitlines() if "tpu_custom_call" in line]
+    assert len(calls) == 1 and "ragged_paged_attention" in calls[0], calls
