@@ -12,12 +12,12 @@ from jaxpar.models._attention_ops import (
     KV_SCORE_AXES,
     NO_WINDOW,
     Q_AXES,
-    context_prefill_attention,
     decode_attention,
     prefill_attention,
 )
 from jaxpar.models._cache import LAYER_KV_AXES, PREFILL_KV_AXES, constrain_kv
 from jaxpar.models._config import DynamicRopeScaling, ModelConfig
+from jaxpar.models._context_attention import prefill_over_context
 from jaxpar.models._kv_quant import QuantKV
 from jaxpar.models._layers import (
     BTD,
@@ -253,7 +253,7 @@ class Attention(nnx.Module):
             v_BSKH = constrain(v_BTKH, KV_SCORE_AXES, Module.ATTENTION)
             if context is not None:
                 # Under sp each shard's queries need every earlier key: cached keys too.
-                out_BTNH = context_prefill_attention(
+                out_BTNH = prefill_over_context(
                     q_BTNH,
                     k_BSKH,
                     v_BSKH,
@@ -262,6 +262,7 @@ class Attention(nnx.Module):
                     start_B=context.start_B,
                     lengths_B=lengths_B,
                     window=window,
+                    impl=self.prefill_impl,
                     scale=self.scale,
                     softcap=self.softcap,
                     sinks_N=self._sinks(),

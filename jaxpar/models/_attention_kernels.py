@@ -1,5 +1,6 @@
 """Per-shard bodies of the fused attention paths (cuDNN prefill and decode, Pallas TPU splash,
-Pallas GPU decode, Pallas GPU and TPU paged decode).
+Pallas GPU decode, Pallas GPU and TPU paged decode, prefill over cached context through TPU
+ragged paged attention or cuDNN).
 
 Each body runs inside :func:`jaxpar.spec.logical_shard_map` (or on whole arrays outside a
 sharding context) and sees only local shards. What a shard cannot read off its own shapes
@@ -559,3 +560,205 @@ def paged_decode_pallas_tpu(
         outs = [attend(slice(i, i + per_call)) for i in range(0, b, per_call)]
     out_BNH = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
     return out_BNH.astype(q_BNH.dtype)
+
+
+# --- Prefill over cached context (TPU ragged paged attention, GPU cuDNN) --------------------
+
+
+def continued_kv(
+    ctx_BCKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, length: int | None = None
+) -> jax.Array:
+    """Each row's keys (or values) as one sequence, ``[B, S, K, H]`` (``S = length``,
+    default ``C + T``): its cached ``start_B[b]`` positions, then its new tokens from
+    position ``start_B[b]`` on, then zeros.
+
+    The context's positions past a row's start (stale slots of a partly filled page,
+    padding) are overwritten by the new tokens or lie past every key the row's queries may
+    see. An activation-sized copy of the context, the size of the K/V the kernels read.
+    """
+    c, t = ctx_BCKH.shape[1], new_BTKH.shape[1]
+    s = c + t if length is None else length
+    pad = jnp.zeros((ctx_BCKH.shape[0], s - c, *ctx_BCKH.shape[2:]), new_BTKH.dtype)
+    buf_BSKH = jnp.concatenate([ctx_BCKH.astype(new_BTKH.dtype), pad], axis=1)
+
+    def place(buf_SKH, new_TKH, start):
+        return jax.lax.dynamic_update_slice_in_dim(buf_SKH, new_TKH, start, axis=0)
+
+    return jax.vmap(place)(buf_BSKH, new_BTKH, start_B)
+
+
+#: Positions per page of the buffer the TPU ragged kernel reads (the kernel's page size,
+#: free here: the buffer is built per call, see :func:`context_prefill_ragged_tpu`), and
+#: keys per compute block (two double-buffered blocks of K and V live in VMEM).
+RAGGED_PAGE_SIZE = 256
+RAGGED_BLOCK_KEYS = 512
+#: Queries per compute block (the kernel's default for v5e and later).
+RAGGED_BLOCK_QUERIES = 32
+
+
+def ragged_tpu_fits(rows: int, keys: int, head_dim: int, dtype) -> bool:
+    """Whether the TPU ragged kernel takes a prefill over context of ``rows`` rows of
+    ``keys`` keys each (context and new tokens): head_dim a multiple of 128 (the lanes, as
+    for the paged decode kernel), bf16 or f32, and the rows' page tables within SMEM
+    (:data:`PAGED_TPU_TABLE_ENTRIES`)."""
+    if head_dim % 128 or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return False
+    return rows * -(-keys // RAGGED_PAGE_SIZE) <= PAGED_TPU_TABLE_ENTRIES
+
+
+def context_prefill_ragged_tpu(
+    q_BTNH,
+    k_BTKH,
+    v_BTKH,
+    k_ctx_BCKH,
+    v_ctx_BCKH,
+    start_B,
+    lengths_B,
+    head_ids_N,
+    seq_ids_T,
+    *,
+    group: int,
+    window: int | None,
+    scale: float,
+    softcap: float | None,
+    interpret: bool,
+    target=None,
+) -> jax.Array:
+    """Local shard of prefill over cached context through JAX's TPU ragged paged attention
+    (``pallas.ops.tpu.ragged_paged_attention``), which streams K/V blocks through VMEM with
+    flash-style f32 accumulators: no ``[T, C + T]`` score block exists.
+
+    The kernel reads one pool ``[pages, page_size, 2K, H]`` with each kv head's K and V
+    interleaved, and takes each row's queries to be the last ``q_len`` of its ``kv_len``
+    keys. The rows' sequences (:func:`continued_kv`) are laid out as that pool, row b on
+    pages ``b * P .. b * P + P - 1``; row b's queries (this shard's ``T`` of them, from
+    global query ``seq_ids_T[0]`` on under sp) end at key ``start + seq_ids_T[0] + T``.
+    Padding queries see the padding keys before them (finite; zeroed after), which no real
+    query sees. Scale, soft cap and window are the kernel's own. The block sizes are
+    passed, never looked up: the kernel's table keys on ``jax.devices()``, which a
+    compile-only topology does not change.
+    """
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ragged
+
+    b, t, n, h = q_BTNH.shape
+    k_ctx_BCKH, v_ctx_BCKH = local_kv_heads(k_ctx_BCKH, v_ctx_BCKH, n, group, head_ids_N)
+    k_BTKH, v_BTKH = local_kv_heads(k_BTKH, v_BTKH, n, group, head_ids_N)
+    # Every new key (under sp this shard's queries are a slice of them, the keys whole).
+    k_local, z = k_BTKH.shape[2], RAGGED_PAGE_SIZE
+    pages = -(-(k_ctx_BCKH.shape[1] + k_BTKH.shape[1]) // z)
+
+    def combined(k_BxKH, v_BxKH):  # kv head k's K and V at combined heads 2k and 2k + 1
+        return jnp.stack([k_BxKH, v_BxKH], axis=3).reshape(*k_BxKH.shape[:2], 2 * k_local, h)
+
+    # Interleaved before the context is copied into place: one buffer, written once.
+    kv_BSXH = continued_kv(
+        combined(k_ctx_BCKH, v_ctx_BCKH), combined(k_BTKH, v_BTKH), start_B, pages * z
+    )
+    kv_pages = kv_BSXH.reshape(b * pages, z, 2 * k_local, h)
+    page_ids_BP = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    start_B = start_B.astype(jnp.int32)
+    kv_lens_B = start_B + seq_ids_T[0] + t
+    cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32) * t
+    args = (q_BTNH.reshape(b * t, n, h), kv_pages, kv_lens_B, page_ids_BP, cu_q_lens)
+    options = dict(sm_scale=scale, sliding_window=window, soft_cap=softcap, mask_value=MASKED)
+    if interpret:
+        # JAX's TPU interpreter cannot run this kernel (0.10 and 0.12: it reshapes a VMEM
+        # ref, which the interpreter does not model), so interpret mode runs the kernel's
+        # contract in XLA (_ragged_reference): what CPU tests check is the layout handed
+        # to the kernel; the kernel itself is proven by compiling it for TPU.
+        out_XNH = _ragged_reference(*args, t=t, **options)
+    else:
+        # Mosaic reads the target chip from the current mesh. Under a shard_map that is the
+        # sharding context's; a one-device context calls this body outside any, so the
+        # caller hands its mesh (``target``): the process's default device may be a CPU
+        # (a compile-only TPU topology).
+        scope = (
+            contextlib.nullcontext() if target is None else jax.sharding.use_abstract_mesh(target)
+        )
+        with scope:
+            out_XNH = ragged.ragged_paged_attention(
+                *args,
+                jnp.array([b], jnp.int32),
+                **options,
+                num_kv_pages_per_block=min(pages, max(1, RAGGED_BLOCK_KEYS // z)),
+                num_queries_per_block=min(RAGGED_BLOCK_QUERIES, b * t),
+            )
+    q_pos_BT = jnp.broadcast_to(seq_ids_T[None, :], (b, t))
+    return zero_padded_rows(out_XNH.reshape(b, t, n, h), q_pos_BT, lengths_B).astype(q_BTNH.dtype)
+
+
+def _ragged_reference(
+    q_XNH,
+    kv_pages,
+    kv_lens_B,
+    page_ids_BP,
+    cu_q_lens,
+    *,
+    t,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    mask_value,
+):
+    """What ``ragged_paged_attention`` computes (JAX's ``ref_ragged_paged_attention``,
+    vectorised for rows of ``t`` queries each, which that Python loop over rows cannot be
+    under ``jit``): row b's keys are its pages' even combined heads, its values the odd
+    ones; its queries are the last ``t`` of its ``kv_lens_B[b]`` keys."""
+    del cu_q_lens  # rows of t queries each: [0, t, 2t, ...]
+    b, x = page_ids_BP.shape[0], kv_pages.shape[2]
+    n, h = q_XNH.shape[1:]
+    kv_BSXH = kv_pages[page_ids_BP].reshape(b, -1, x, h).astype(jnp.float32)
+    k_BSKH, v_BSKH = kv_BSXH[:, :, 0::2], kv_BSXH[:, :, 1::2]
+    q_BTKGH = q_XNH.reshape(b, t, x // 2, n * 2 // x, h).astype(jnp.float32)
+    s_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH) * sm_scale
+    if soft_cap is not None:
+        s_BKGTS = soft_cap * jnp.tanh(s_BKGTS / soft_cap)
+    q_pos_BT = kv_lens_B[:, None] - t + jnp.arange(t)[None, :]
+    k_pos_S = jnp.arange(k_BSKH.shape[1])
+    masked_BTS = k_pos_S[None, None, :] > q_pos_BT[:, :, None]
+    if sliding_window is not None:
+        masked_BTS |= q_pos_BT[:, :, None] - sliding_window >= k_pos_S[None, None, :]
+    s_BKGTS = s_BKGTS + jnp.where(masked_BTS, mask_value, 0.0)[:, None, None]
+    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v_BSKH)
+    return out_BTKGH.reshape(b * t, n, h).astype(q_XNH.dtype)
+
+
+def context_prefill_cudnn(
+    q_BTNH,
+    k_BTKH,
+    v_BTKH,
+    k_ctx_BCKH,
+    v_ctx_BCKH,
+    start_B,
+    lengths_B,
+    head_ids_N,
+    seq_ids_T,
+    *,
+    group: int,
+    window: int | None,
+) -> jax.Array:
+    """Local shard of prefill over cached context through cuDNN's fused attention.
+
+    The rows' sequences (:func:`continued_kv`) are the keys; the queries sit at
+    ``start + seq_ids_T``, and :func:`prefill_cudnn`'s masked path (the one it takes for
+    queries at an offset) masks causally by those positions. cuDNN adds the mask as a bias
+    ``[B, 1, T, C + T]`` in q's dtype, the size of one head's scores; the scores of every
+    head stay in the fused kernel.
+    """
+    b, t = q_BTNH.shape[:2]
+    k_BSKH = continued_kv(k_ctx_BCKH, k_BTKH, start_B)
+    v_BSKH = continued_kv(v_ctx_BCKH, v_BTKH, start_B)
+    start_B = start_B.astype(jnp.int32)
+    q_pos_BT = start_B[:, None] + jnp.broadcast_to(seq_ids_T[None, :], (b, t))
+    return prefill_cudnn(
+        q_BTNH,
+        k_BSKH,
+        v_BSKH,
+        q_pos_BT,
+        start_B + lengths_B.astype(jnp.int32),
+        head_ids_N,
+        seq_ids_T,
+        group=group,
+        window=window,
+    )

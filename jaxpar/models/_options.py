@@ -47,7 +47,9 @@ class ExecutionOptions:
     Attributes:
         prefill_attention: the prefill attention core. "auto": the platform's fused kernel
             where one fits (GPU: cuDNN; TPU: splash) for half precision, XLA on CPU and in
-            float32; "xla", "cudnn", "pallas_tpu" by name.
+            float32; "xla", "cudnn", "pallas_tpu" by name. Prefill over cached context
+            (chunks, prefix hits) follows it: TPU's ragged paged-attention kernel for
+            "pallas_tpu", cuDNN for "cudnn" (see ``_context_attention``).
         decode_attention: the decode core over the contiguous cache. "auto": cuDNN on GPU
             for half precision, XLA otherwise; "xla", "cudnn", "pallas_gpu", "pallas_tpu".
         paged_attention: the decode core over the paged cache (the serving core). "auto":

@@ -32,11 +32,11 @@ Every implementation runs per shard inside :func:`jaxpar.spec.logical_shard_map`
 tables hold page ids local to their batch shard (see ``_paged``), which only the shard's
 own slice of the pool resolves.
 
-Follow-up, chunked prefill: mixed prefill + decode batches (several new tokens per row
-over its pages) are what JAX's ragged paged-attention kernel
-(``pallas.ops.tpu.ragged_paged_attention``) computes. It wants one combined pool
-``[pages, page_size, 2K, H]`` with K and V interleaved, another layout than this cache's
-(the writes and the kernels above would change with it); not implemented.
+Prefill over cached context (several new tokens per row: chunks, prefix hits) is
+:mod:`jaxpar.models._context_attention`; on TPU it runs JAX's ragged paged-attention kernel
+(``pallas.ops.tpu.ragged_paged_attention``), which wants one combined pool
+``[pages, page_size, 2K, H]`` with K and V interleaved, another layout than this cache's: it
+reads the rows' context laid out that way per call, not these pages in place.
 """
 
 from __future__ import annotations

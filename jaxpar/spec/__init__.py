@@ -6,6 +6,7 @@ Importable on its own (it needs JAX, not Flax) by people who bring their own mod
 from jaxpar.spec._config import ParallelConfig
 from jaxpar.spec._constrain import (
     active_degree,
+    active_mesh,
     active_mesh_axes,
     active_phase,
     active_platform,
@@ -68,6 +69,7 @@ __all__ = [
     "Status",
     "Violation",
     "active_degree",
+    "active_mesh",
     "active_mesh_axes",
     "active_phase",
     "active_platform",

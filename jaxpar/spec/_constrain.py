@@ -85,6 +85,12 @@ def active_phase() -> Phase | None:
     return None if active is None else active.phase
 
 
+def active_mesh() -> Mesh | AbstractMesh | None:
+    """The mesh of the enclosing :func:`sharding_context`, or None outside one."""
+    active = _ACTIVE.get()
+    return None if active is None else active.mesh
+
+
 def active_platform() -> str:
     """The platform the enclosing :func:`sharding_context` compiles for; outside one, the
     default backend (a single-device program runs there)."""
