@@ -379,8 +379,10 @@ def context_prefill_attention(
     ``start + 0..T-1`` of which ``lengths_B[b]`` are real. Each new query sees the cached
     keys and the new keys up to itself, as if the whole sequence were prefilled at once.
 
-    Always the exact XLA path: the fused kernels take queries at positions ``0..T-1`` over
-    keys of the same length (a prompt from its start), which a continuation is not.
+    The exact XLA path, which materialises the ``[T, C + T]`` scores of every head: the
+    model takes it where no kernel for a continuation applies (f32, sinks, a traced
+    window; :mod:`jaxpar.models._context_attention` chooses: JAX's ragged paged-attention
+    kernel on TPU, cuDNN on GPU).
 
     Returns:
         out_BTNH in q's dtype.
