@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from jaxpar.engine import WINDOW_STEPS
 from jaxpar.server._efficiency import PhaseReading, finite, readings
 from jaxpar.server._service import SUCCESS_REASONS, Histogram, Service
+from jaxpar.server._spec_metrics import SpecCollector
 from jaxpar.server._vllm_metrics import VllmCollector
 
 PREFIX = "jaxpar:"
@@ -269,4 +270,5 @@ def metrics_registry(service: Service) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceCollector(service))
     registry.register(VllmCollector(service))
+    registry.register(SpecCollector(service))
     return registry
