@@ -7,7 +7,8 @@ preemption under a small pool. The cost model is switched off there (``adaptive`
 false) so that every step with a draft verifies. Sampled: the rejection sampler's
 emitted tokens follow the target distribution (temperature, top-p and a token mask
 applied) for a draft distribution far from it, by a chi-square test. Bad configurations
-are refused by name before anything compiles.
+are refused by name before anything compiles. The verification step is a decode step
+(``sharding_specs/rules.toml``, rule ``verify-is-decode``): these tests are its check.
 """
 
 from __future__ import annotations
