@@ -26,7 +26,7 @@ from jaxpar import ConfigError, ParallelConfig
 from jaxpar.engine import ContinuousBatcher, RowSampling, Sampling
 from jaxpar.engine._kv_budget import KVBudget
 from jaxpar.engine._spec_verify import accept_or_resample, speculative_tokens, target_probs
-from jaxpar.engine._speculative import SpeculativeConfig, ngram_propose
+from jaxpar.engine._speculative import CostModel, SpeculativeConfig, ngram_propose
 from tests._tiers import sweep
 from tests.test_batching import CONFIG, PENALTIES, _engine, _offline_run
 
@@ -203,3 +203,34 @@ def test_engine_refuses_a_bad_config_before_compiling():
     config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
                                       "prompt_lookup_max": 3})  # fmt: skip
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)  # vLLM's rule
+
+
+def test_cost_model_turns_speculation_off_when_verifying_costs_more_than_it_saves():
+    """At saturation a verification of K + 1 positions per row costs about K + 1 plain
+    steps: with the measured times and acceptance it stops paying, and is retried only
+    every RETRY turns; light load (cheap verification) keeps it on."""
+    cost = CostModel(k=4, adaptive=True)
+    assert cost.pays(16, [4] * 16)  # unmeasured: measure it
+    cost.plain(16, 0.10)
+    cost.verified(16, 0.50, drafted=64, accepted=16)
+    for _ in range(20):
+        cost.verified(16, 0.50, drafted=64, accepted=16)  # acceptance -> 0.25
+    assert not cost.pays(16, [4] * 16)
+    turns = [cost.worth_drafting(16, 16) for _ in range(CostModel.RETRY)]
+    assert turns == [False] * (CostModel.RETRY - 1) + [True] and cost.exploring
+    cost.plain(1, 0.05)
+    cost.verified(1, 0.07, drafted=4, accepted=3)
+    assert cost.pays(1, [4]) and not cost.pays(1, [0])  # a row without drafts: plain
+    assert CostModel(k=4, adaptive=False).pays(16, [4] * 16)
+
+
+def test_cli_flag_is_checked_before_anything_loads():
+    from jaxpar.cli import _parser
+    from jaxpar.cli._common import speculative_config
+
+    for command in (["serve", "--hf", "x"], ["run", "--prompt", "1,2"]):
+        args = _parser().parse_args([*command, "--speculative-config", '{"method": "medusa"}'])
+        with pytest.raises(ConfigError, match="medusa"):
+            speculative_config(args)
+        args = _parser().parse_args(command)
+        assert speculative_config(args) is None

@@ -67,15 +67,7 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.method in NOT_BUILT:
-            raise ConfigError(
-                f"speculative config: method {self.method!r} is not built yet in jaxpar; "
-                f"the methods built are {list(METHODS)}"
-            )
-        if self.method not in METHODS:
-            raise ConfigError(
-                f"speculative config: unknown method {self.method!r}; legal: {list(METHODS)}"
-            )
+        _check_method(self.method)
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(
@@ -126,6 +118,7 @@ class SpeculativeConfig:
         method = fields.get("method")
         if method is None:
             raise ConfigError(f"speculative config: 'method' is required (one of {list(METHODS)})")
+        _check_method(method)
         if "model" in fields:
             if method == "ngram":
                 raise ConfigError(
@@ -136,6 +129,16 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in fields:
             raise ConfigError("speculative config: 'num_speculative_tokens' is required")
         return cls(**_lookup_bounds(fields))
+
+
+def _check_method(method: Any) -> None:
+    if method in NOT_BUILT:
+        raise ConfigError(
+            f"speculative config: method {method!r} is not built yet in jaxpar; the methods "
+            f"built are {list(METHODS)}"
+        )
+    if method not in METHODS:
+        raise ConfigError(f"speculative config: unknown method {method!r}; legal: {list(METHODS)}")
 
 
 def _lookup_bounds(fields: dict) -> dict:
