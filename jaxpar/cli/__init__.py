@@ -15,6 +15,7 @@ from jaxpar.cli._common import (
     add_kv_cache_arg,
     add_model_args,
     add_quantize_arg,
+    add_speculative_arg,
     join_option_values,
     setup_devices,
 )
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--system", default=None, help="with --chat: a system message first")
     run.add_argument("--max-new-tokens", type=int, default=32)
+    add_speculative_arg(run)
     run.add_argument("--max-seq-len", type=int, default=256)
     add_context_arg(run)
     run.add_argument(
@@ -220,6 +222,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--dtype", choices=DTYPES, default=None, help="(default: the model's own)")
     add_quantize_arg(serve)
     add_kv_cache_arg(serve)
+    add_speculative_arg(serve)
     add_degree_args(serve, "1; decode's strategy when --prefill is given")
     add_serve_args(serve)
 

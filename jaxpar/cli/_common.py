@@ -146,6 +146,26 @@ def add_kv_cache_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (prompt lookup; also prompt_lookup_min/max, '
+        "disable_by_batch_size, and jaxpar's adaptive: the cost model may switch it off "
+        "under load, default true). Greedy output is unchanged, sampled output keeps "
+        "its distribution",
+    )
+
+
+def speculative_config(args: argparse.Namespace):
+    """``--speculative-config`` checked (:class:`ConfigError` naming the key), or None."""
+    from jaxpar.engine._speculative import SpeculativeConfig
+
+    return SpeculativeConfig.parse(getattr(args, "speculative_config", None))
+
+
 def weights_note(params) -> str:
     """What the start line says about the weights: bytes per device, and their dtypes."""
     import jax

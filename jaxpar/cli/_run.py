@@ -18,6 +18,7 @@ from jaxpar.cli._common import (
     model_config,
     parallel_config,
     select_devices,
+    speculative_config,
     weights_note,
 )
 from jaxpar.cli._progress import stage, tensor_count
@@ -30,6 +31,7 @@ from jaxpar.engine import (
     chat_template,
     encode,
     engine_from_hf,
+    generate_speculative,
     generation_defaults,
     load_tokenizer,
     merge_sampling,
@@ -160,6 +162,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     # Refuses an illegal strategy before anything is read, initialised or compiled.
     validate(config, parallel, n_devices=parallel.size, batch=batch, max_seq_len=args.max_seq_len)
     check_context(args, config, args.max_seq_len)
+    speculative = speculative_config(args)  # a bad one refused before anything loads
     console.print(
         f"[bold]jaxpar run[/]: {args.hf or args.model or args.default_model} "
         f"({config.arch}, {config.dtype}{dtype_note(args)}) on {describe_devices()}, "
@@ -213,6 +216,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
             )
 
     console.print(f"[dim]{weights_note(engine.params)}[/]", soft_wrap=True)
+    if speculative is not None:
+        return _run_speculative(args, console, engine, prompts, sampling, stop_tokens, tokenizer)
     compiled = warm_up(
         engine, prompts, args.max_new_tokens, sampling=sampling, seed=args.seed, console=console
     )
@@ -233,6 +238,12 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
             stop_tokens=stop_tokens,
             callback=lambda step, tokens_B: progress.update(task, completed=step + 1),
         )
+    _show(console, prompts, result, stop_tokens, tokenizer)
+    console.print(report(compiled, result), soft_wrap=True, highlight=False)
+    return 0
+
+
+def _show(console: Console, prompts, result: Generation, stop_tokens, tokenizer) -> None:
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens, strict=True)):
         end = " [dim](stop token)[/]" if new and new[-1] in stop_tokens else ""
         if tokenizer is not None:
@@ -243,7 +254,26 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
         else:
             shown = f"{prompt} -> {new}"
         console.print(f"[bold]{i}[/] {escape(shown)}{end}", soft_wrap=True, highlight=False)
-    console.print(report(compiled, result), soft_wrap=True, highlight=False)
+
+
+def _run_speculative(args, console, engine, prompts, sampling, stop_tokens, tokenizer) -> int:
+    """``--speculative-config``: the prompts served by a continuous batcher that
+    speculates (:func:`~jaxpar.engine._spec_offline.generate_speculative`)."""
+    speculative = speculative_config(args)
+    result, spec = generate_speculative(
+        engine, prompts, args.max_new_tokens, speculative,
+        sampling=sampling, seed=args.seed, stop_tokens=stop_tokens,
+    )  # fmt: skip
+    _show(console, prompts, result, stop_tokens, tokenizer)
+    console.print(
+        f"speculative ({speculative.method}, K={speculative.num_speculative_tokens}): "
+        f"{result.new_tokens} tokens in {result.prefill_seconds + result.decode_seconds:.3f} s "
+        f"(compiles included); {spec.verify_steps} verification steps, "
+        f"{spec.num_accepted_tokens}/{spec.num_draft_tokens} drafted tokens accepted, "
+        f"mean acceptance length {spec.mean_acceptance_length:.2f}",
+        soft_wrap=True,
+        highlight=False,
+    )
     return 0
 
 

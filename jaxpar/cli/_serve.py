@@ -28,6 +28,7 @@ from jaxpar.cli._common import (
     dtype_note,
     model_config,
     parallel_config,
+    speculative_config,
     weights_note,
 )
 from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
@@ -284,6 +285,7 @@ def build_batcher(args: argparse.Namespace, console: Console, config=None) -> Co
     for parallel in (decode, prefill):
         if parallel is not None and parallel.pp > 1:
             raise ConfigError(_pipeline_refusal(config, parallel))
+    speculative = speculative_config(args)  # a bad one refused before anything loads
     for flag in ("max_num_seqs", "max_prefill_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -311,7 +313,7 @@ def build_batcher(args: argparse.Namespace, console: Console, config=None) -> Co
         )
     check_devices(groups)
     engine = _engine(args, config, groups[Phase.DECODE], slots, console, "decode")
-    scheduling = _scheduling(args, budget)
+    scheduling = {**_scheduling(args, budget), "speculative": speculative}
     if prefill is None:
         return ContinuousBatcher(engine, prefill_batch=args.prefill_batch, **scheduling)
     prefill_engine = _engine(args, config, groups[Phase.PREFILL], prefill_batch, console, "prefill")

@@ -45,6 +45,8 @@ from jaxpar.engine._requests import FINISH_REASONS, Request, RequestStream
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._serving_programs import SERVING_PROGRAMS, ServingPrograms, program_phase
 from jaxpar.engine._slots import FirstTokens, Inserted, Slots, SlotSteps
+from jaxpar.engine._spec_offline import generate_speculative
+from jaxpar.engine._speculative import SpecStats, SpeculativeConfig
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._text import (
     ChatTemplate,
@@ -86,6 +88,9 @@ __all__ = [
     "AbstractEngine",
     "BatcherStats",
     "ContinuousBatcher",
+    "SpecStats",
+    "SpeculativeConfig",
+    "generate_speculative",
     "Generation",
     "InferenceEngine",
     "prompt_bucket",

@@ -39,6 +39,8 @@ from jaxpar.engine._requests import RequestStream, new_request
 from jaxpar.engine._runner import BatcherStats, Runner
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._slots import FirstTokens
+from jaxpar.engine._spec_step import Speculation
+from jaxpar.engine._speculative import SpeculativeConfig
 from jaxpar.engine._warmup import Warmup, WarmupPlan
 from jaxpar.errors import ConfigError, QueueFullError
 
@@ -67,6 +69,8 @@ class ContinuousBatcher:
         kv_offload_gb: a host tier for the prefix cache of that many GiB of host memory
             (per process): pages the device pool evicts are kept there, and copied back
             for a later prefix hit (:mod:`._host_tier`). None: evicted pages are dropped.
+        speculative: speculative decoding (:class:`SpeculativeConfig`, or vLLM's JSON
+            keys); default the engine's ``speculative``, else none.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class ContinuousBatcher:
         prefix_caching: bool = True,
         max_prefill_tokens: int | None = None,
         kv_offload_gb: float | None = None,
+        speculative: SpeculativeConfig | str | dict | None = None,
     ):
         self.engine, self.prefill_engine = engine, prefill_engine or engine
         self.disaggregated = prefill_engine is not None
@@ -121,6 +126,10 @@ class ContinuousBatcher:
         args = (self.stats, self._cond)
         self.runner = Runner(self.executor, engine, eng, self.slot_steps, *args, self.step_log)
         self.core = ServingCore(self.scheduler, self.runner, self.cache, self.prefill_cache, *args)
+        #: Speculative decoding's configuration (None: off); its counters in :attr:`spec_stats`.
+        self.speculative = SpeculativeConfig.parse(speculative or engine.speculative)
+        if self.speculative is not None:
+            self.core.speculation = Speculation(self.speculative, self.core)
         self.programs = BatcherPrograms(
             engine, eng, self.slot_steps, self.prefill_slot_steps, self.first_tokens,
             self.executor, self.cache, self.prefill_cache, self.scheduler, self.max_prompt_len,
@@ -221,6 +230,12 @@ class ContinuousBatcher:
         """Process 0 of a multi-process job: what it sent the others (messages, the
         commands in them, bytes, seconds in the puts); None otherwise."""
         return self.group.stats()
+
+    @property
+    def spec_stats(self):
+        """Speculative decoding's counters (:class:`~._speculative.SpecStats`; None: off)."""
+        speculation = self.core.speculation
+        return None if speculation is None else speculation.stats
 
     @property
     def slots(self) -> int:

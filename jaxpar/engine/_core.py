@@ -63,6 +63,8 @@ class ServingCore:
         #: Requests taken for the prefill in flight, until they decode (or are ready):
         #: ended with the rest if the batcher fails meanwhile.
         self.prefilling: list[RequestStream] = []
+        #: Speculative decoding (:class:`~jaxpar.engine._spec_step.Speculation`), or None.
+        self.speculation = None
 
     # --- bookkeeping (lock held) ---------------------------------------------------------
 
@@ -203,6 +205,10 @@ class ServingCore:
         rewritten only after that extra step. When a shard is out of pages, or some
         running request has a grammar (its mask follows its last token), the step in
         flight is read first."""
+        if self.speculation is not None:  # a verification step instead, when it pays
+            ran, pending = self.speculation.decode(pending)
+            if ran:
+                return None
         sched, owners = self.scheduler, self.scheduler.owners
         with self.lock:
             short = sched.running > 0 and not sched.reserve()

@@ -22,6 +22,7 @@ from jaxpar.engine._offline import OfflineCore, decode_offline
 from jaxpar.engine._placement import logical_axes_of, place, put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._scoring import PromptScorer
+from jaxpar.engine._speculative import SpeculativeConfig
 from jaxpar.engine._text import GenerationDefaults, Tokenizer
 from jaxpar.engine._vocab import pad_vocab_params, true_vocab
 from jaxpar.errors import ConfigError, ShapeError
@@ -162,6 +163,9 @@ class InferenceEngine:
             float32 scale per token per kv head, quantized where K/V are written, read by
             the XLA attention paths and the Pallas GPU paged kernel; about half a bf16
             cache's bytes, so twice the tokens fit. Unpipelined strategies (``pp == 1``).
+        speculative: speculative decoding for the continuous batchers that serve this
+            engine (:class:`~jaxpar.engine._speculative.SpeculativeConfig`, or vLLM's
+            ``--speculative-config`` JSON keys); checked here, before anything compiles.
     """
 
     def __init__(
@@ -176,7 +180,10 @@ class InferenceEngine:
         options: ExecutionOptions | None = None,
         quantize: str | None = None,
         kv_cache_dtype: str | None = None,
+        speculative: SpeculativeConfig | str | dict | None = None,
     ):
+        #: Speculative decoding for the batchers serving this engine (None: off).
+        self.speculative = SpeculativeConfig.parse(speculative)
         config = parallel_config or ParallelConfig()
         options = (ModelRun.split(model_config, options)[1] or ExecutionOptions()).merged(
             quantize=quantize, kv_cache_dtype=kv_cache_dtype

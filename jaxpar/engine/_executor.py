@@ -33,6 +33,7 @@ from jaxpar.engine._penalties import History
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling
 from jaxpar.engine._slots import FirstTokens, Inserted, KVQuantizer, SlotSteps
+from jaxpar.engine._spec_verify import VerifySteps
 
 #: The two page pools a batcher's commands name: the decode rows' own, and the prefill
 #: group's (disaggregated; colocated, it is the decode pool).
@@ -144,6 +145,7 @@ class Executor:
         self._rows_bucket = 0
         #: The prefix cache's host tier's memory (:mod:`._host_pages`; None: no host tier).
         self.host_pages = None
+        self._verify = None  # speculative decoding's verification (built on first use)
 
     def _pool(self, side: str) -> str:
         return DECODE if self._shared else side
@@ -314,6 +316,34 @@ class Executor:
         return handle
 
     @command
+    def verify(
+        self,
+        release_B: np.ndarray,
+        tables_RN: np.ndarray,
+        pages_RN: np.ndarray,
+        drafts_BK: np.ndarray,
+        n_drafts_B: np.ndarray,
+        allowed_BW: np.ndarray | None = None,
+    ) -> int:
+        """Speculative decoding's verification step (:mod:`jaxpar.engine._spec_verify`):
+        each row feeds its next token and its first ``n_drafts_B`` drafts of ``drafts_BK``
+        over its block tables ``tables_RN`` (the same pages as global ids ``pages_RN``);
+        returns the handle :meth:`spec_tokens`
+        reads."""
+        steps = self._slot_steps[DECODE]
+        if self._verify is None:
+            self._verify = VerifySteps(steps)
+        slots, tokens_BT, logprobs, dropped = self._verify.verify(
+            self.engine.params, self._slots[DECODE], release_B, tables_RN, pages_RN, drafts_BK,
+            n_drafts_B, steps.masks(allowed_BW),
+        )  # fmt: skip
+        self._slots[DECODE] = slots
+        handle = self._handle()
+        if self.keeps_outputs:
+            self._outputs[handle] = StepOutputs(tokens_BT, logprobs, dropped)
+        return handle
+
+    @command
     def prime_step(self, rows: int, width: int) -> None:
         """Runs the decode step over ``rows`` rows and ``width`` block-table columns once,
         every row released first, and waits for it. Only while no row decodes: then it
@@ -353,6 +383,16 @@ class Executor:
         host_lp = out.logprobs.host() if logprobs and out.logprobs is not None else None
         dropped = int(out.dropped) if out.dropped is not None else 0
         return HostTokens(tokens, host_lp, dropped)
+
+    @read
+    def spec_tokens(self, handle: int, *, logprobs: bool):
+        """A :meth:`verify`'s tokens ``[B, K + 1]`` (``-1`` past each row's count), their
+        logprobs per position (None unless ``logprobs``) and dropped MoE assignments, on
+        the host; forgets them."""
+        out = self._outputs.pop(handle)
+        tokens = np.asarray(jax.device_get(out.tokens))
+        host_lp = [lp.host() for lp in out.logprobs] if logprobs else None
+        return tokens, host_lp, int(out.dropped) if out.dropped is not None else 0
 
     @read
     def dropped(self, handle: int) -> int:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.engine._abstract import run_form
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._speculative import SpeculativeConfig
 from jaxpar.engine._text import Tokenizer, generation_defaults, load_tokenizer
 from jaxpar.engine._vocab import unsplit_vocab
 from jaxpar.errors import CheckpointError
@@ -60,6 +61,7 @@ def engine_from_hf(
     quantize: str | None = None,
     kv_cache_dtype: str | None = None,
     options: ExecutionOptions | None = None,
+    speculative: Any = None,
 ) -> InferenceEngine:
     """Validates the strategy against the checkpoint's config, then loads every tensor
     directly into its sharding: each device reads only its own slice from the
@@ -76,10 +78,14 @@ def engine_from_hf(
     "fp8"): the KV cache's storage (the field of that name). The engine's
     ``model_config`` is the checkpoint's ``config.json``, whatever the options.
 
+    ``speculative``: speculative decoding for the batchers serving it (vLLM's
+    ``--speculative-config`` keys; :class:`InferenceEngine`).
+
     Raises:
         IllegalStrategyError: before any tensor is read.
         CheckpointError: unsupported, incomplete, mis-shaped or corrupt checkpoint.
     """
+    speculative = SpeculativeConfig.parse(speculative)  # a bad one before any tensor
     source = Path(path) / "config.json"
     try:
         hf = json.loads(source.read_text())
@@ -118,6 +124,7 @@ def engine_from_hf(
         max_batch=max_batch,
         max_seq_len=max_seq_len,
         mesh=mesh,
+        speculative=speculative,
     )
     # generate stops at the checkpoint's EOS ids and samples as it says, as the CLI does.
     engine.generation_defaults = generation_defaults(path)

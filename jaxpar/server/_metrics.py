@@ -31,6 +31,7 @@ from jaxpar.engine import WINDOW_STEPS
 from jaxpar.server._efficiency import PhaseReading, finite, readings
 from jaxpar.server._offload_metrics import HostTierCollector
 from jaxpar.server._service import SUCCESS_REASONS, Histogram, Service
+from jaxpar.server._spec_metrics import SpecCollector
 from jaxpar.server._vllm_metrics import VllmCollector
 
 PREFIX = "jaxpar:"
@@ -272,4 +273,5 @@ def metrics_registry(service: Service) -> CollectorRegistry:
     registry.register(ServiceCollector(service))
     registry.register(VllmCollector(service))
     registry.register(HostTierCollector(service))
+    registry.register(SpecCollector(service))
     return registry
