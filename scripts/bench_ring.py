@@ -51,8 +51,7 @@ def cpu_rows(tokens: list[int], layers: int, strategy: str, modes: list[str]) ->
     import numpy as np
 
     from jaxpar.engine import InferenceEngine
-    from jaxpar.models import ExecutionOptions, preset
-    from jaxpar.models._decoder import init_params
+    from jaxpar.models import ExecutionOptions, init_params, preset
     from jaxpar.spec import ParallelConfig, make_mesh
 
     config = dataclasses.replace(
