@@ -161,7 +161,7 @@ def add_speculative_arg(parser: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace):
     """``--speculative-config`` checked (:class:`ConfigError` naming the key), or None."""
-    from jaxpar.engine._speculative import SpeculativeConfig
+    from jaxpar.engine import SpeculativeConfig
 
     return SpeculativeConfig.parse(getattr(args, "speculative_config", None))
 
