@@ -116,11 +116,11 @@ def _served_engine(tp: int, kv: str | None = None, layer_loop: str = "unrolled")
     return _engine(ParallelConfig(tp=tp), layer_loop=layer_loop, max_seq_len=48, options=options)
 
 
-def _serve(engine, offload_gb, tokens=POOL_TOKENS, recorder=None):
+def _serve(engine, offload_gb, tokens=POOL_TOKENS, recorder=None, speculative=None):
     """Serves the workload one request at a time; returns the batcher and the tokens."""
     batcher = ContinuousBatcher(
         engine, prefill_batch=1, kv_budget=KVBudget(page_size=Z, tokens=tokens),
-        kv_offload_gb=offload_gb,
+        kv_offload_gb=offload_gb, speculative=speculative,
     )  # fmt: skip
     batcher.executor.recorder = recorder
     with batcher:
@@ -166,6 +166,20 @@ def test_requests_served_from_host_pages_equal_their_plain_runs(tp):
     assert held.keys() == replica.host_pages._host.keys()
     for slot, page in held.items():
         np.testing.assert_array_equal(np.asarray(page), np.asarray(replica.host_pages._host[slot]))
+
+
+def test_speculation_evicting_to_the_host_keeps_requests_exact():
+    """A verification takes pages for its drafts, which may evict cached pages to the host
+    tier: their copies go out before the verification writes them (n-gram drafts on
+    every step, the cost model off), and every request equals its plain run."""
+    engine = _served_engine(1)
+    _, plain = _serve(engine, None)
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 2, "adaptive": False}  # fmt: skip
+    batcher, got = _serve(engine, 0.01, speculative=speculative)
+    assert batcher.spec_stats.verify_steps > 0
+    assert batcher.host_tier.restored > 0 and batcher.host_tier.offloaded > 0
+    assert got == plain
 
 
 def test_a_quantized_pool_copies_values_and_scales_exactly():

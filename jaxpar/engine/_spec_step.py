@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from jaxpar.engine._executor import DECODE
 from jaxpar.engine._runner import _logprob, masks
 from jaxpar.engine._speculative import CostModel, SpecStats, SpeculativeConfig, ngram_propose
 
@@ -126,6 +127,9 @@ class Speculation:
         if any(s is not None and s.matcher is not None for s in holders):
             allowed = masks(holders, len(holders), runner.engine.program.run.vocab_size)
         ex = runner.executor
+        # Pages taken for the drafts may have evicted cached ones to the host tier: their
+        # copies go out before the verification writes them.
+        runner.move_pages(core.cache, DECODE)
         handle = ex.verify(released, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed)
         asked = any(s is not None and s.request.logprobs is not None for s in holders)
         tokens_BT, logprobs, dropped = ex.spec_tokens(handle, logprobs=asked)
