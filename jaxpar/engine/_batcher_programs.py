@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxpar.engine._cache import CacheManager
+from jaxpar.engine._decode_groups import DecodeGrouping, StepCost
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import Executor
 from jaxpar.engine._kv_budget import KVBudget, size_pool
@@ -203,9 +204,29 @@ def batcher_parts(
         bucket=eng.bucket,
         prefill_cache=prefill_cache if prefill is not None else None,
         prefill_rows=eng.max_batch,
+        grouping=decode_grouping(slot_steps, cache, platform),
     )
     return BatcherParts(
         pool, pages, slot_steps, cache, prefill_cache, prefill_steps, longest, scheduler
+    )
+
+
+def decode_grouping(
+    slot_steps: SlotSteps, cache: CacheManager, platform: str, cost: StepCost | None = None
+) -> DecodeGrouping | None:
+    """The policy splitting a decode step by block-table width
+    (:mod:`jaxpar.engine._decode_groups`): on CPU, with the cost model fitted there
+    (``cost``: another); None elsewhere (no model fitted: one dispatch per step)."""
+    if cost is None and platform != "cpu":
+        return None
+    pool = slot_steps.pool
+    return DecodeGrouping(
+        cost or StepCost(),
+        rows=pool.rows,
+        shards=pool.shards,
+        page_size=pool.page_size,
+        width=cache.width,
+        bucket=slot_steps.bucket,
     )
 
 

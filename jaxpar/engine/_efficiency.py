@@ -132,16 +132,20 @@ class StepLog:
         self._prefills: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         self._chunks = StepFacts()  # chunks dispatched without waiting, not yet recorded
 
-    def decode_dispatched(self, live_lengths: list[int], width_tokens: int, rows: int) -> None:
+    def decode_dispatched(
+        self, live_lengths: list[int], width_tokens: int | list[int], rows: int
+    ) -> None:
         """A decode step was dispatched over rows holding ``live_lengths`` tokens each,
-        with block tables ``width_tokens`` positions wide, computing ``rows`` rows (its
-        row bucket: the live ones and padding)."""
+        with block tables ``width_tokens`` positions wide (one width, or each row's when
+        the step was split by width), computing ``rows`` rows (its row buckets: the live
+        ones and padding)."""
         n = len(live_lengths)
+        widths = width_tokens if isinstance(width_tokens, list) else [width_tokens] * n
         facts = StepFacts(
             steps=1,
             rows=n,
             tokens=n,
-            kv_read=n * width_tokens,
+            kv_read=sum(widths),
             pairs=sum(live_lengths) + n,  # each new token attends to its row and itself
             computed=rows,
             kv_live=sum(live_lengths),

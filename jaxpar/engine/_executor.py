@@ -293,13 +293,24 @@ class Executor:
         release_B: np.ndarray,
         tables_RN: np.ndarray | None,
         allowed_BW: np.ndarray | None = None,
+        groups: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None,
     ) -> int:
         """One decode step over the rows: ``release_B`` frees rows first; ``tables_RN``:
         the block tables of the rows to compute (from :meth:`SlotSteps.tables`'s rows;
         None: the last ones again); ``allowed_BW``: the rows' token masks (structured
-        output; None: every token allowed, an array placed once). Returns the step's handle
-        for :meth:`tokens`."""
+        output; None: every token allowed, an array placed once); ``groups``: the step
+        split by block-table width instead, (rows, tables) per dispatch
+        (:meth:`SlotSteps.step_groups`). Returns the step's handle for :meth:`tokens`."""
         steps = self._slot_steps[DECODE]
+        if groups is not None:
+            slots, next_B, logprobs, dropped = steps.step_groups(
+                self.engine.params, self._slots[DECODE], release_B, groups, steps.masks(allowed_BW)
+            )
+            self._slots[DECODE] = slots
+            handle = self._handle()
+            if self.keeps_outputs:
+                self._outputs[handle] = StepOutputs(next_B, logprobs, dropped)
+            return handle
         if tables_RN is not None:
             self._tables = put_global(tables_RN, steps.tables_layout)
         slots, next_B, logprobs, dropped = steps.step(

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxpar.engine._cache import CacheManager
+from jaxpar.engine._decode_groups import group_rows, group_tables
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._executor import DECODE, Executor
@@ -296,6 +297,8 @@ class Runner:
         allowed = None
         if constrained(owners):
             allowed = masks(owners, len(owners), self.engine.program.run.vocab_size)
+        if plan.groups is not None:  # split by width (jaxpar.engine._decode_groups)
+            return self._step_groups(plan, cache, allowed)
         live = np.array(plan.live)
         width = cache.width(plan.longest)
         rows = self.slot_steps.rows_for(live)
@@ -307,6 +310,22 @@ class Runner:
         handle = self.executor.step(np.array(plan.released), tables, allowed)
         lengths = [n for n, b in zip(plan.lengths, plan.live, strict=True) if b]
         self.step_log.decode_dispatched(lengths, width * cache.page_size, rows)
+        return handle
+
+    def _step_groups(self, plan: DecodePlan, cache: CacheManager, allowed) -> int:
+        """Dispatches a decode step split into ``plan.groups``, each at its own width."""
+        shards, z = cache.pool.shards, cache.page_size
+        groups, widths, computed = [], [0] * len(plan.live), 0
+        for group in plan.groups:
+            rows_R = group_rows(group, len(plan.live), shards)
+            groups.append((rows_R, group_tables(cache.step_tables(group.width), rows_R)))
+            computed += group.computed * shards
+            for row in group.rows:
+                widths[row] = group.width * z
+        handle = self.executor.step(np.array(plan.released), None, allowed, groups=tuple(groups))
+        live = [i for i, b in enumerate(plan.live) if b]
+        lengths = [plan.lengths[i] for i in live]
+        self.step_log.decode_dispatched(lengths, [widths[i] for i in live], computed)
         return handle
 
     def loop_started(self) -> None:

@@ -17,7 +17,9 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
 * :meth:`~Scheduler.prefilled`: after the runner ran a plan: the pages written join the
   prefix cache, and the requests it completed start decoding in their rows.
 * :meth:`~Scheduler.reserve`, :meth:`~Scheduler.preempt_for_room` and
-  :meth:`~Scheduler.decode_plan`: every running row's page for its next token; when a
+  :meth:`~Scheduler.decode_plan`: every running row's page for its next token (and,
+  with a :class:`~jaxpar.engine._decode_groups.DecodeGrouping`, the step split by
+  block-table width when two dispatches cost less than one); when a
   shard runs out, the request admitted last in that shard is preempted (its pages are
   freed and it goes back to the front of the queue, to be prefilled again with the
   tokens it drew) until the others fit: the oldest always fits alone, so every admitted
@@ -41,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxpar.engine._cache import CacheManager, Hit
+from jaxpar.engine._decode_groups import DecodeGroup, DecodeGrouping
 from jaxpar.errors import ConfigError
 
 
@@ -178,11 +181,15 @@ class DecodePlan:
         live: per row, whether it computes a token for a running request.
         lengths: per row, tokens its pages hold before the step.
         released: per row, freed since the last step (its device state is reset).
+        groups: the step split by block-table width, one dispatch per group, short rows
+            first (:mod:`jaxpar.engine._decode_groups`); None: one dispatch over every row
+            at the longest row's width.
     """
 
     live: tuple[bool, ...]
     lengths: tuple[int, ...]
     released: tuple[bool, ...]
+    groups: tuple[DecodeGroup, ...] | None = None
 
     @property
     def longest(self) -> int:
@@ -218,6 +225,8 @@ class Scheduler:
         prefill_cache: a disaggregated prefill group's own pages (default: ``cache``,
             colocated: prefill writes the decode rows' pages).
         prefill_rows: rows of the prefill group's pages (disaggregated only).
+        grouping: splits a decode step by block-table width when that costs less
+            (None: never split).
     """
 
     def __init__(
@@ -228,8 +237,10 @@ class Scheduler:
         bucket: Callable[[int], int],
         prefill_cache: CacheManager | None = None,
         prefill_rows: int = 0,
+        grouping: DecodeGrouping | None = None,
     ):
         self.config = config
+        self.grouping = grouping
         self.cache = cache
         self.bucket = bucket
         self.disaggregated = prefill_cache is not None
@@ -524,7 +535,10 @@ class Scheduler:
     def decode_plan(self) -> DecodePlan:
         """The next decode step (call once rows are reserved): then counts its token."""
         live = tuple(s is not None for s in self.owners)
-        plan = DecodePlan(live, tuple(self.lengths), tuple(self.released))
+        groups = None
+        if self.grouping is not None and any(live):
+            groups = self.grouping.groups(live, self.lengths)
+        plan = DecodePlan(live, tuple(self.lengths), tuple(self.released), groups)
         self.lengths = [n + b for n, b in zip(self.lengths, live, strict=True)]
         self.released = [False] * len(self.owners)
         return plan

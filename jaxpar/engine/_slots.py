@@ -293,14 +293,37 @@ class SlotSteps:
 
         return take, put
 
-    def _step(self, params, slots: Slots, release_B, tables_RN, allowed_BW):
+    def _index_views(self, rows_R):
+        """:meth:`_row_views` for the rows ``rows_R`` (global ids, each shard's in its own
+        span of ``R / shards``; ``-1``: padding, read as zeros, never written)."""
+        shards, per = self.pool.shards, self.n_slots // self.pool.shards
+        local_SL = rows_R.reshape(shards, -1)
+        local_SL = jnp.where(local_SL < 0, per, local_SL - per * jnp.arange(shards)[:, None])
+
+        def take(x_B):
+            x_SP = x_B.reshape(shards, per, *x_B.shape[1:])
+            x_SL = jax.vmap(lambda x, i: x.at[i].get(mode="fill", fill_value=0))(x_SP, local_SL)
+            return x_SL.reshape(-1, *x_B.shape[1:])
+
+        def put(x_B, x_R):
+            x_SP = x_B.reshape(shards, per, *x_B.shape[1:])
+            x_SL = x_R.reshape(shards, -1, *x_R.shape[1:]).astype(x_B.dtype)
+            x_SP = jax.vmap(lambda x, i, y: x.at[i].set(y, mode="drop"))(x_SP, local_SL, x_SL)
+            return x_SP.reshape(x_B.shape)
+
+        return take, put
+
+    def _step(self, params, slots: Slots, release_B, tables_RN, allowed_BW, rows_R=None):
         """One decode step over the rows ``tables_RN`` covers (the first ``R / shards`` of
         each batch shard: every live row), each drawing among the tokens its mask
         ``allowed_BW`` allows; returns the tokens ``[B]`` (``-1`` for inactive rows), their
         logprobs (zeros unless some row asks; of the model's distribution, unmasked) and,
         for a capacity-limited MoE, the step's dropped expert assignments."""
         with self.steps.context(DECODE), count_dropped() as drops:
-            take, put = self._row_views(tables_RN.shape[-2])
+            if rows_R is None:
+                take, put = self._row_views(tables_RN.shape[-2])
+            else:  # one group of a split step (:mod:`jaxpar.engine._decode_groups`)
+                take, put = self._index_views(rows_R)
             # Released rows (finished requests) are freed wherever they lie.
             active_B = slots.active_B & ~release_B
             lengths_B = jnp.where(active_B, slots.lengths_B, 0)
@@ -475,22 +498,28 @@ class SlotSteps:
         pages = jax.ShapeDtypeStruct(shape, np.int32, sharding=rep)
         self._context_program(self.abstract(), pages, out_layout, length)
 
-    def _step_program(self, params, slots, release, tables, allowed, lower: bool = False):
+    def _step_program(
+        self, params, slots, release, tables, allowed, rows=None, lower: bool = False
+    ):
         lay = self.steps.layouts
+        ins = (
+            self.steps.params_in,
+            self.layout,
+            self.layout.active_B,
+            self.tables_layout,
+            self.mask_layout,
+        )
+        args = (params, slots, release, tables, allowed)
+        if rows is not None:  # one group of a split step: the rows it computes, by id
+            ins, args = (*ins, lay.replicated), (*args, rows)
         return self.steps.compile_or_lower(
             lower,
             "slot_step",
-            (tables.shape, self._pool_key),
+            (tables.shape, self._pool_key, rows is not None),
             self._step,
-            (
-                self.steps.params_in,
-                self.layout,
-                self.layout.active_B,
-                self.tables_layout,
-                self.mask_layout,
-            ),
+            ins,
             self.steps.with_drops((self.layout, *(lay.replicated,) * 2)),
-            (params, slots, release, tables, allowed),
+            args,
             donate_argnums=(1,),
         )
 
@@ -524,12 +553,18 @@ class SlotSteps:
         row (at least ``floor``, default :attr:`row_floor`; one, or at least
         :data:`ROWS_PAST_ONE`; at most the shard's rows): few step compiles, and a step's
         cost follows the live rows rather than ``max_batch``."""
-        floor = self.row_floor if floor is None else floor
         per = self.n_slots // self.pool.shards
         local = np.nonzero(live)[0] % per
-        need = max(int(local.max()) + 1 if local.size else 1, min(floor, per))
+        return self.bucket(int(local.max()) + 1 if local.size else 1, floor) * self.pool.shards
+
+    def bucket(self, need: int, floor: int | None = None) -> int:
+        """The rows per batch shard a step computes for ``need`` rows there
+        (:meth:`rows_for`'s buckets)."""
+        floor = self.row_floor if floor is None else floor
+        per = self.n_slots // self.pool.shards
+        need = max(need, min(floor, per))
         rows = 1 if need == 1 else max(1 << (need - 1).bit_length(), ROWS_PAST_ONE)
-        return min(rows, per) * self.pool.shards
+        return min(rows, per)
 
     def row_buckets(self, floor: int | None = None) -> list[int]:
         """Every row count :meth:`rows_for` gives."""
@@ -544,10 +579,13 @@ class SlotSteps:
         release_B: np.ndarray,
         tables: jax.Array,
         allowed: jax.Array | None = None,
+        rows_R: np.ndarray | None = None,
     ):
         """Donates ``slots``; ``release_B`` frees rows before the step (finished requests);
         ``tables``: the block tables of the rows to compute, from :meth:`tables`;
-        ``allowed``: the rows' token masks, from :meth:`masks` (default: no constraint).
+        ``allowed``: the rows' token masks, from :meth:`masks` (default: no constraint);
+        ``rows_R``: the rows ``tables`` are of, by id (default: the first ``R / shards``
+        of each batch shard; see :meth:`step_groups`).
 
         Returns the new slots, the tokens ``[B]``, their :class:`Logprobs` (zeros unless
         some row asks for them) and the step's dropped MoE assignments (an int32 scalar;
@@ -560,11 +598,51 @@ class SlotSteps:
             release = self._keep_all
         allowed = self.masks(None) if allowed is None else allowed
         args = (params, slots, release, tables, allowed)
+        if rows_R is not None:
+            args = (*args, put_global(np.asarray(rows_R, np.int32), self.steps.layouts.replicated))
         out = self._step_program(*args)(*args)
         return out if self.steps.counts_drops else (*out, None)
 
+    def step_groups(
+        self,
+        params,
+        slots: Slots,
+        release_B: np.ndarray,
+        groups: tuple[tuple[np.ndarray, np.ndarray], ...],
+        allowed: jax.Array | None = None,
+    ):
+        """:meth:`step` split into dispatches: ``groups`` holds each one's rows (global
+        ids, see :func:`~jaxpar.engine._decode_groups.group_rows`) and their block tables
+        on the host; ``release_B`` frees rows before the first. Returns what :meth:`step`
+        returns, each row's token and logprobs from the dispatch that computed it."""
+        next_B = logprobs = dropped = None
+        for i, (rows_R, tables_RN) in enumerate(groups):
+            release = release_B if i == 0 else np.zeros_like(release_B)
+            tables = put_global(np.asarray(tables_RN, np.int32), self.tables_layout)
+            slots, drawn_B, lp, drops = self.step(
+                params, slots, release, tables, allowed, rows_R=rows_R
+            )
+            if next_B is None:
+                next_B, logprobs, dropped = drawn_B, lp, drops
+                continue
+            mine_B = drawn_B >= 0
+            next_B = jnp.where(mine_B, drawn_B, next_B)
+            logprobs = jax.tree.map(
+                lambda a, b, m=mine_B: jnp.where(m.reshape(-1, *(1,) * (a.ndim - 1)), a, b),
+                lp,
+                logprobs,
+            )
+            dropped = None if drops is None else dropped + drops
+        return slots, next_B, logprobs, dropped
+
     def compile_step(
-        self, params, width: int, rows: int | None = None, *, lower: bool = False
+        self,
+        params,
+        width: int,
+        rows: int | None = None,
+        *,
+        lower: bool = False,
+        indexed: bool = False,
     ) -> Any:
         """Compiles ``step`` for block tables of ``width`` columns over ``rows`` rows
         (default all) ahead of its first call; returns the compiled program (``lower``:
@@ -576,7 +654,11 @@ class SlotSteps:
         allowed = jax.ShapeDtypeStruct(
             (self.n_slots, self.mask_words), np.int32, sharding=self.mask_layout
         )
-        return self._step_program(params, self.abstract(), release, tables, allowed, lower)
+        ids = None
+        if indexed:  # a group of a split step (:meth:`step_groups`)
+            rep = self.steps.layouts.replicated
+            ids = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
+        return self._step_program(params, self.abstract(), release, tables, allowed, ids, lower)
 
 
 class FirstTokens:
