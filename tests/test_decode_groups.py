@@ -163,8 +163,12 @@ def test_served_requests_of_very_different_lengths_equal_offline_generate(parall
         for r in requests
     ]
     budget = KVBudget(page_size=Z, tokens=4 * MAX_SEQ_LEN)
-    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget) as batcher:
+    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget) as default:
+        assert default.scheduler.grouping is None  # off unless asked for
+    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, split_decode=True) as batcher:
         sched = batcher.scheduler
+        assert sched.grouping is not None  # CPU: the fitted cost model
+        # A cost model where reading dominates, so the split is taken whenever it can be.
         sched.grouping = decode_grouping(batcher.slot_steps, sched.cache, "cpu", POSITIONS)
         split = []
         plan_of = sched.decode_plan

@@ -180,10 +180,12 @@ def batcher_parts(
     caching: bool,
     batch: int | None,
     max_prefill_tokens: int | None,
+    split_decode: bool = False,
 ) -> BatcherParts:
     """Sizes and builds the page pools of a batcher decoding on ``engine`` (prefilling on
     ``prefill`` when disaggregated), with prefix caching where prefill writes, and its
-    scheduler (:func:`scheduler_config`'s limits)."""
+    scheduler (:func:`scheduler_config`'s limits; ``split_decode``: decode steps split by
+    block-table width where :func:`decode_grouping` has a cost model)."""
     if prefill is not None:
         check_pair(engine, prefill)
     pool = decode_pool(engine, budget)
@@ -204,7 +206,7 @@ def batcher_parts(
         bucket=eng.bucket,
         prefill_cache=prefill_cache if prefill is not None else None,
         prefill_rows=eng.max_batch,
-        grouping=decode_grouping(slot_steps, cache, platform),
+        grouping=decode_grouping(slot_steps, cache, platform) if split_decode else None,
     )
     return BatcherParts(
         pool, pages, slot_steps, cache, prefill_cache, prefill_steps, longest, scheduler

@@ -71,6 +71,11 @@ class ContinuousBatcher:
             for a later prefix hit (:mod:`._host_tier`). None: evicted pages are dropped.
         speculative: speculative decoding (:class:`SpeculativeConfig`, or vLLM's JSON
             keys); default the engine's ``speculative``, else none.
+        split_decode: on CPU, a decode step whose rows' lengths differ widely runs as two
+            dispatches, short rows at their own block-table width
+            (:mod:`._decode_groups`), when its fitted cost model says that costs less.
+            Off by default: warm-up does not compile the split steps' programs, so the
+            first split of each shape compiles while the running streams wait.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class ContinuousBatcher:
         max_prefill_tokens: int | None = None,
         kv_offload_gb: float | None = None,
         speculative: SpeculativeConfig | str | dict | None = None,
+        split_decode: bool = False,
     ):
         self.engine, self.prefill_engine = engine, prefill_engine or engine
         self.disaggregated = prefill_engine is not None
@@ -92,7 +98,8 @@ class ContinuousBatcher:
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue, self.prefix_caching = max_queue, prefix_caching
-        p = batcher_parts(engine, prefill_engine, kv_budget or KVBudget(), prefix_caching, *limits)
+        budget = kv_budget or KVBudget()
+        p = batcher_parts(engine, prefill_engine, budget, prefix_caching, *limits, split_decode)
         self.pool, self.pages, self.slot_steps, self.cache = p.pool, p.pages, p.slot_steps, p.cache
         self.prefill_cache, self.prefill_slot_steps = p.prefill_cache, p.prefill_slot_steps
         #: The longest request (prompt + ``max_tokens`` - 1), and the longest prompt.
