@@ -12,12 +12,13 @@
 #                            marked server, sweep, accel, pod, slow or hf_live
 #                            (pyproject.toml): each layer (spec, models, engine on a few
 #                            strategies each, inspect, plan, the CLI and the server app in
-#                            process). Measured 2026-11-28 on this 2-core machine, idle:
-#                            983 tests, 4 min 47 s (540 s of file time over 2 workers).
+#                            process). Measured 2026-11-28 on this 2-core machine (load
+#                            ~2): 1,119 tests, 6 min 13 s (710 s of file time over 2
+#                            workers).
 #   scripts/test.sh          the full tier, what CI runs (.ci/run): every test, on two JAX
-#                            releases, below. Measured 2026-11-28, idle: 20 min 35 s in all
-#                            (3.11: 135 tests, 1 min 38 s; 3.12: 1,400 tests, 18 min 51 s,
-#                            of which test_pod_compile.py alone takes 5.7 min).
+#                            releases, below. Measured 2026-11-28, idle: 21 min 30 s in all
+#                            (3.11: 141 tests, 1 min 33 s; 3.12: 1,554 tests, 19 min 53 s,
+#                            of which test_pod_compile.py alone takes 4.6 min).
 # Test programs compile for CPU with LLVM at -O0 (tests/conftest.py): XLA's HLO passes run as
 # always, so every sharding, collective and memory figure is the one users get.
 # Nothing the fast tier leaves out is skipped: it is deselected by its marker, and the full
