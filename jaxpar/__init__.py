@@ -65,6 +65,7 @@ _LAZY = {
     "Sampling": "jaxpar.engine",
     "Constraint": "jaxpar.engine",
     "Grammars": "jaxpar.engine",
+    "SpeculativeConfig": "jaxpar.engine",
     "engine_from_hf": "jaxpar.engine",
     "initialize_distributed": "jaxpar.engine",
     "parse_collectives": "jaxpar.inspect",
