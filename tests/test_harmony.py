@@ -26,7 +26,6 @@ import lzma
 import os
 import random
 import threading
-import types
 
 import llguidance
 import openai
@@ -34,10 +33,11 @@ import pytest
 from fastapi.testclient import TestClient
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from jaxpar.engine import Admission, BatcherStats, Request, RequestStream, Sampling
+from jaxpar.engine import Sampling
 from jaxpar.errors import ConfigError
 from jaxpar.server import ServedModel, Service, create_app, tool_settings, uses_harmony
 from jaxpar.server._harmony import HarmonyTokenParser, encoding, render_chat
+from tests import test_tools_app as tools_app
 from tests._serve_util import ROOT
 
 VOCAB = ROOT / "tests" / "fixtures" / "harmony" / "o200k_base.tiktoken.xz"
@@ -246,37 +246,15 @@ def test_a_gpt_oss_checkpoint_with_harmony_s_tokenizer_is_served_through_harmony
 # --- through the app -------------------------------------------------------------------------
 
 
-class ScriptedBatcher:
+class ScriptedBatcher(tools_app.ScriptedBatcher):
     """Answers every request with :attr:`script`'s harmony tokens; keeps what it was
     asked (:attr:`requests`)."""
 
     def __init__(self):
-        vocab = types.SimpleNamespace(vocab_size=N_VOCAB)
-        self.engine = types.SimpleNamespace(max_seq_len=4096, steps=vocab)
-        self.max_prompt_len = self.max_seq_len = 4096
-        self.admission = Admission(vocab_size=N_VOCAB, max_seq_len=4096)
-        self.slots, self.active, self.queued = 1, 0, 0
-        self.stats = BatcherStats()
-        self.failure = None
-        self.requests: list[dict] = []
-        self.script = CALL
+        super().__init__(CALL, vocab_size=N_VOCAB, max_seq_len=4096)
 
-    def start(self):
-        return self
-
-    def close(self, *, drain=False, timeout=None):
-        pass
-
-    def lockstep_stats(self):
-        return None
-
-    def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=(), **kw):
-        self.requests.append(dict(prompt=list(prompt), **kw))
-        stream = RequestStream(len(self.requests), Request(prompt=tuple(prompt), max_tokens=999))
-        for token in _ids(self.script):
-            stream.emit(token)
-        stream.finish("stop")
-        return stream
+    def tokens(self) -> list[int]:
+        return _ids(self.script)
 
 
 @pytest.fixture(scope="module")

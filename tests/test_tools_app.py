@@ -50,17 +50,21 @@ class ScriptedBatcher:
     """Answers every request at once with :attr:`script` (then EOS); keeps what it was
     asked (:attr:`requests`)."""
 
-    def __init__(self):
+    def __init__(self, script: str = ANSWER, *, vocab_size: int = 256, max_seq_len: int = 1024):
         self.engine = types.SimpleNamespace(
-            max_seq_len=1024, steps=types.SimpleNamespace(vocab_size=256)
+            max_seq_len=max_seq_len, steps=types.SimpleNamespace(vocab_size=vocab_size)
         )
-        self.max_prompt_len = self.max_seq_len = 1024
-        self.admission = Admission(vocab_size=256, max_seq_len=1024)
+        self.max_prompt_len = self.max_seq_len = max_seq_len
+        self.admission = Admission(vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.slots, self.active, self.queued = 1, 0, 0
         self.stats = BatcherStats()
         self.failure = None
         self.requests: list[dict] = []
-        self.script = ANSWER
+        self.script = script
+
+    def tokens(self) -> list[int]:
+        """The answer's token ids: :attr:`script` in the fixture's tokenizer, then EOS."""
+        return TOKENIZER.encode(self.script, add_special_tokens=False).ids + [EOS[0]]
 
     def start(self):
         return self
@@ -74,7 +78,7 @@ class ScriptedBatcher:
     def submit(self, prompt, *, max_tokens, sampling=None, seed=0, stop_tokens=(), **kw):
         self.requests.append(dict(prompt=list(prompt), **kw))
         stream = RequestStream(len(self.requests), Request(prompt=tuple(prompt), max_tokens=999))
-        for token in TOKENIZER.encode(self.script, add_special_tokens=False).ids + [EOS[0]]:
+        for token in self.tokens():
             stream.emit(token)
         stream.finish("stop")
         return stream
