@@ -34,6 +34,7 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling
 from jaxpar.engine._slots import FirstTokens, Inserted, KVQuantizer, SlotSteps
 from jaxpar.engine._spec_verify import VerifySteps
+from jaxpar.models._hidden_taps import HiddenTaps
 
 #: The two page pools a batcher's commands name: the decode rows' own, and the prefill
 #: group's (disaggregated; colocated, it is the decode pool).
@@ -146,6 +147,7 @@ class Executor:
         #: The prefix cache's host tier's memory (:mod:`._host_pages`; None: no host tier).
         self.host_pages = None
         self._verify = None  # speculative decoding's verification (built on first use)
+        self._features: dict[int, Any] = {}  # a verification's tapped hidden states
 
     def _pool(self, side: str) -> str:
         return DECODE if self._shared else side
@@ -335,23 +337,26 @@ class Executor:
         drafts_BK: np.ndarray,
         n_drafts_B: np.ndarray,
         allowed_BW: np.ndarray | None = None,
+        taps: HiddenTaps | None = None,
     ) -> int:
         """Speculative decoding's verification step (:mod:`jaxpar.engine._spec_verify`):
         each row feeds its next token and its first ``n_drafts_B`` drafts of ``drafts_BK``
         over its block tables ``tables_RN`` (the same pages as global ids ``pages_RN``);
-        returns the handle :meth:`spec_tokens`
-        reads."""
+        returns the handle :meth:`spec_tokens` reads (and, with ``taps``, the hidden
+        states a speculative head reads: :meth:`spec_features`, read first)."""
         steps = self._slot_steps[DECODE]
         if self._verify is None:
             self._verify = VerifySteps(steps)
-        slots, tokens_BT, logprobs, dropped = self._verify.verify(
+        slots, tokens_BT, logprobs, dropped, features = self._verify.verify(
             self.engine.params, self._slots[DECODE], release_B, tables_RN, pages_RN, drafts_BK,
-            n_drafts_B, steps.masks(allowed_BW),
+            n_drafts_B, steps.masks(allowed_BW), taps,
         )  # fmt: skip
         self._slots[DECODE] = slots
         handle = self._handle()
         if self.keeps_outputs:
             self._outputs[handle] = StepOutputs(tokens_BT, logprobs, dropped)
+            if features is not None:
+                self._features[handle] = features
         return handle
 
     @command
@@ -404,6 +409,12 @@ class Executor:
         tokens = np.asarray(jax.device_get(out.tokens))
         host_lp = [lp.host() for lp in out.logprobs] if logprobs else None
         return tokens, host_lp, int(out.dropped) if out.dropped is not None else 0
+
+    @read
+    def spec_features(self, handle: int) -> np.ndarray:
+        """A :meth:`verify`'s tapped hidden states ``[B, K + 1, F]`` (float32) on the host;
+        forgets them."""
+        return np.asarray(jax.device_get(self._features.pop(handle)))
 
     @read
     def dropped(self, handle: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -86,6 +87,8 @@ def engine_from_hf(
         CheckpointError: unsupported, incomplete, mis-shaped or corrupt checkpoint.
     """
     speculative = SpeculativeConfig.parse(speculative)  # a bad one before any tensor
+    if speculative is not None and speculative.method == "mtp" and speculative.model is None:
+        speculative = dataclasses.replace(speculative, model=str(path))  # its own MTP layers
     source = Path(path) / "config.json"
     try:
         hf = json.loads(source.read_text())

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxpar.engine._executor import DECODE
 from jaxpar.engine._runner import _logprob, masks
+from jaxpar.engine._spec_heads import HEAD_METHODS, load_head
 from jaxpar.engine._speculative import CostModel, SpecStats, SpeculativeConfig, ngram_propose
 
 
@@ -39,21 +40,29 @@ class Speculation:
         self._plain_started: tuple[float, tuple[int, int], int] | None = None
         self._seen: set[tuple[int, int]] = set()  # (rows, width) verified once (compiled)
         self._plain_seen: set[tuple[int, int]] = set()  # (rows, width) stepped once
+        #: ``eagle3``/``mtp``: the head that drafts (:mod:`._spec_heads`); None: n-gram.
+        self.heads = None
+        if config.method in HEAD_METHODS:
+            self.heads = load_head(config, core.runner.engine)
 
     def _drafts(self, owners) -> dict[int, list[int]]:
         c, sched = self.config, self.core.scheduler
         max_seq = self.core.cache.pool.max_seq_len
-        out = {}
+        out, wanted = {}, {}
         for i, stream in enumerate(owners):
             if stream is None:
                 continue
+            out[i] = []
             if stream.matcher is not None or sched.lengths[i] + self.k + 1 > max_seq:
-                out[i] = []
                 continue
             left = stream.request.max_tokens - len(stream.tokens) - 1
             k = min(self.k, max(left, 0))
-            ctx = stream.context
-            out[i] = ngram_propose(ctx, k, c.prompt_lookup_min, c.prompt_lookup_max) if k else []
+            if k and self.heads is not None:
+                wanted[i] = k
+            elif k:
+                out[i] = ngram_propose(stream.context, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        if self.heads is not None:
+            out.update(self.heads.drafts(wanted, owners, sched.lengths))
         return out
 
     def decode(self, pending: tuple | None) -> tuple[bool, tuple | None]:
@@ -90,7 +99,12 @@ class Speculation:
         live = np.array([s is not None for s in owners])
         rows = self.core.runner.slot_steps.rows_for(live)
         counts = [len(d) for d in drafts.values()]
-        if not any(counts) or not (self.cost.exploring or self.cost.pays(rows, counts)):
+        # A head's rows without a tapped state verify their next token alone once (a
+        # "hungry" step), which taps it: drafting was judged to pay, or this ran not.
+        hungry = self.heads is not None and self.heads.hungry
+        if not any(counts) and not hungry:
+            return rows
+        if any(counts) and not (self.cost.exploring or self.cost.pays(rows, counts)):
             return rows
         if not all(cache.allocate(i, sched.lengths[i] + self.k + 1) for i in drafts):
             return rows  # the plain step reserves (and preempts) for one token
@@ -130,7 +144,9 @@ class Speculation:
         # Pages taken for the drafts may have evicted cached ones to the host tier: their
         # copies go out before the verification writes them.
         runner.move_pages(core.cache, DECODE)
-        handle = ex.verify(released, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed)
+        taps = None if self.heads is None else self.heads.taps
+        handle = ex.verify(released, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed, taps)
+        features = None if taps is None else ex.spec_features(handle)
         asked = any(s is not None and s.request.logprobs is not None for s in holders)
         tokens_BT, logprobs, dropped = ex.spec_tokens(handle, logprobs=asked)
         runner._count_dropped(dropped)
@@ -141,6 +157,8 @@ class Speculation:
             accepted += self._count(d, count - 1)
             with core.lock:
                 core.scheduler.lengths[i] = lengths[i] + count
+            if features is not None:
+                self.heads.observe(i, holders[i], lengths[i], tokens_BT[i, :count], features[i])
             self._emit(i, holders[i], tokens_BT[i, :count], logprobs)
         self.stats.verify_steps += 1
         self.stats.chosen_k = self.k

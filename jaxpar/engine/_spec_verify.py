@@ -23,6 +23,7 @@ tokens of greedy decoding.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -39,6 +40,7 @@ from jaxpar.engine._sampling import RowSampling
 from jaxpar.engine._vocab import VocabSplit, mask_padded
 from jaxpar.errors import ConfigError
 from jaxpar.models import PagedKVCache, count_dropped, read_pages, total_dropped
+from jaxpar.models._hidden_taps import HiddenTaps, prefill_with_taps
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE
@@ -193,10 +195,13 @@ class VerifySteps:
         self.drafts_layout = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
 
     def _verify(
-        self, params, slots, release_B, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed_BW
-    ):
+        self, params, slots, release_B, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed_BW,
+        taps: HiddenTaps | None = None,
+    ):  # fmt: skip
         """The forward pass and the draw (reads ``slots``, writes nothing): the new K/V,
-        where they go, the rows' next state and the tokens emitted. The pool is written
+        where they go, the rows' next state and the tokens emitted (with ``taps``, also the
+        target's hidden states a speculative head reads, ``[B, K + 1, F]``, replicated:
+        :mod:`jaxpar.models._hidden_taps`). The pool is written
         by :meth:`_commit`, a program of its own: a program that gathers the context from
         the pool and then scatters into it copies the pool (XLA cannot prove the gather
         done before the in-place update), ~20x the cost of the step on CPU."""
@@ -217,9 +222,15 @@ class VerifySteps:
             ctx_k, ctx_v = (read_pages(pool, pages_RN, dtype) for pool in (slots.k, slots.v))
             lengths_R = jnp.full_like(start_R, t)
             model = steps.model(params)
-            logits_RTV, k_new, v_new = model.prefill(
-                tokens_RT, lengths_R, all_logits=True, context=(ctx_k, ctx_v, start_R)
-            )
+            context = (ctx_k, ctx_v, start_R)
+            if taps is None:
+                logits_RTV, k_new, v_new = model.prefill(
+                    tokens_RT, lengths_R, all_logits=True, context=context
+                )
+            else:
+                logits_RTV, k_new, v_new, features_RTF = prefill_with_taps(
+                    model, tokens_RT, lengths_R, context, taps
+                )
             logits_RTV = mask_padded(logits_RTV, steps.vocab_size)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             step_R = take(slots.step_B)
@@ -248,6 +259,9 @@ class VerifySteps:
             drawn_BT = put(jnp.full((tokens_B.shape[0], t), -1, jnp.int32), out_RT)
             written = (k_new, v_new, jnp.where(active_R[:, None], tables_RN, 0), start_R)
             out = (written, rows, drawn_BT, tuple(logprobs))
+            if taps is not None:
+                zeros_BTF = jnp.zeros((tokens_B.shape[0], *features_RTF.shape[1:]), jnp.float32)
+                out = (*out, put(zeros_BTF, features_RTF))
             return (*out, total_dropped(drops)) if steps.counts_drops else out
 
     def _commit(self, slots, written, rows):
@@ -271,14 +285,15 @@ class VerifySteps:
         rows = (lay.lengths_B, lay.tokens_B, lay.active_B, lay.step_B, lay.seen)
         return written, rows
 
-    def _program(self, params, slots, release, tables, pages, drafts, n_drafts, allowed):
+    def _program(self, params, slots, release, tables, pages, drafts, n_drafts, allowed, taps):
         ss = self.ss
         rep = ss.steps.layouts.replicated
         written, rows = self._layouts()
+        outs = (written, rows, rep, rep) + ((rep,) if taps is not None else ())
         return ss.steps.compile(
             "spec_verify",
-            (pages.shape, drafts.shape, ss._pool_key),
-            self._verify,
+            (pages.shape, drafts.shape, ss._pool_key, taps),
+            functools.partial(self._verify, taps=taps),
             (
                 ss.steps.params_in,
                 ss.layout,
@@ -289,7 +304,7 @@ class VerifySteps:
                 ss.layout.active_B,
                 ss.mask_layout,
             ),
-            ss.steps.with_drops((written, rows, rep, rep)),
+            ss.steps.with_drops(outs),
             (params, slots, release, tables, pages, drafts, n_drafts, allowed),
         )
 
@@ -316,6 +331,7 @@ class VerifySteps:
         drafts_BK: np.ndarray,
         n_drafts_B: np.ndarray,
         allowed: jax.Array,
+        taps: HiddenTaps | None = None,
     ):
         """Donates ``slots``: one verification step over the rows ``tables_RN`` covers (the
         first ``R / shards`` of every batch shard, as :meth:`SlotSteps.table_rows` orders
@@ -324,7 +340,8 @@ class VerifySteps:
         holds none), each feeding its next
         token and its first ``n_drafts_B`` drafts of ``drafts_BK``. Returns the new slots,
         the tokens emitted ``[B, K + 1]`` (``-1`` past each row's count), their logprobs
-        (one :class:`Logprobs` per position) and the dropped MoE assignments (or None)."""
+        (one :class:`Logprobs` per position), the dropped MoE assignments (or None) and,
+        with ``taps``, the hidden states a speculative head reads (else None)."""
         ss = self.ss
         release = put_global(np.asarray(release_B, bool), ss.layout.active_B)
         tables = put_global(np.asarray(tables_RN, np.int32), ss.tables_layout)
@@ -332,6 +349,7 @@ class VerifySteps:
         drafts = put_global(np.asarray(drafts_BK, np.int32), self.drafts_layout)
         n_drafts = put_global(np.asarray(n_drafts_B, np.int32), ss.layout.active_B)
         args = (params, slots, release, tables, pages, drafts, n_drafts, allowed)
-        written, rows, drawn_BT, logprobs, *dropped = self._program(*args)(*args)
+        written, rows, drawn_BT, logprobs, *rest = self._program(*args, taps)(*args)
+        features = rest.pop(0) if taps is not None else None
         slots = self._commit_program(slots, written, rows)(slots, written, rows)
-        return slots, drawn_BT, logprobs, dropped[0] if dropped else None
+        return slots, drawn_BT, logprobs, rest[0] if rest else None, features

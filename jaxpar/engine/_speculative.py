@@ -5,8 +5,11 @@
 ``disable_by_batch_size``) and checks them before anything compiles. The method built
 is ``ngram``: prompt lookup (Saxena, 2023), which drafts the tokens that followed the
 latest earlier occurrence of the request's last ``n`` tokens in its own prompt and
-output (:func:`ngram_propose`), no extra weights. ``draft_model``, ``eagle3`` and
-``mtp`` are refused by name.
+output (:func:`ngram_propose`), no extra weights. ``eagle3`` (an EAGLE-3 head
+checkpoint, ``model``) and ``mtp`` (DeepSeek-V3's multi-token-prediction layers, in the
+checkpoint ``model`` names, the target's own by default) draft with a head over the
+target's hidden states (:mod:`jaxpar.engine._spec_heads`). ``draft_model`` is refused by
+name.
 
 :class:`CostModel` decides per step whether speculating pays: it keeps the measured
 wall time of a plain decode step and of a verification step per number of rows computed,
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +32,8 @@ import numpy as np
 from jaxpar.errors import ConfigError
 
 #: Methods built, and those named by the issue and vLLM that are not (refused by name).
-METHODS = ("ngram",)
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp")
+METHODS = ("ngram", "eagle3", "mtp")
+NOT_BUILT = ("draft_model", "eagle", "medusa", "mlp_speculator", "deepseek_mtp")
 #: The keys :meth:`SpeculativeConfig.parse` takes (vLLM's, plus jaxpar's ``adaptive``).
 KEYS = (
     "method",
@@ -51,12 +55,14 @@ class SpeculativeConfig:
     """How a batcher speculates.
 
     Attributes:
-        method: ``"ngram"`` (prompt lookup).
+        method: ``"ngram"`` (prompt lookup), ``"eagle3"`` or ``"mtp"`` (a head).
         num_speculative_tokens: tokens drafted per row per step (``K``).
         prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first.
         disable_by_batch_size: no speculation while at least this many requests run
             (vLLM's key; None: no such limit).
         adaptive: the cost model may turn speculation off for a step (:class:`CostModel`).
+        model: the head's checkpoint directory (``eagle3``: the head; ``mtp``: the
+            checkpoint with the MTP layers); None for ``ngram``.
     """
 
     method: str = "ngram"
@@ -65,6 +71,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_LOOKUP
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    model: str | None = None
 
     def __post_init__(self) -> None:
         _check_method(self.method)
@@ -90,6 +97,13 @@ class SpeculativeConfig:
             )
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative config: adaptive must be a bool, got {self.adaptive!r}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ConfigError(f"speculative config: model must be a path, got {self.model!r}")
+        if self.method == "eagle3" and self.model is None:
+            raise ConfigError(
+                "speculative config: method 'eagle3' needs 'model', the EAGLE-3 head's "
+                "checkpoint directory"
+            )
 
     @classmethod
     def parse(cls, spec: str | Mapping[str, Any] | SpeculativeConfig | None):
@@ -119,13 +133,11 @@ class SpeculativeConfig:
         if method is None:
             raise ConfigError(f"speculative config: 'method' is required (one of {list(METHODS)})")
         _check_method(method)
-        if "model" in fields:
-            if method == "ngram":
-                raise ConfigError(
-                    "speculative config: 'model' names a draft or head checkpoint; method "
-                    "'ngram' takes none"
-                )
-            fields.pop("model")
+        if "model" in fields and method == "ngram":
+            raise ConfigError(
+                "speculative config: 'model' names a draft or head checkpoint; method "
+                "'ngram' takes none"
+            )
         if "num_speculative_tokens" not in fields:
             raise ConfigError("speculative config: 'num_speculative_tokens' is required")
         return cls(**_lookup_bounds(fields))

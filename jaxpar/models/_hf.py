@@ -124,7 +124,9 @@ def load_hf_checkpoint(
         recipes = _recipes(heads, hf, ckpt.shapes, root)
         wanted = dict(nnx.to_flat_state(nnx.state(abstract_model(target))))
         scales = _scale_recipes(recipes, wanted, ckpt.shapes) if prequant else {}
-        _validate({**recipes, **scales}, ckpt, config.embed.tied, prequant is not None)
+        _validate(
+            {**recipes, **scales}, ckpt, config.embed.tied, prequant is not None, _mtp_layers(hf)
+        )
         flat = nnx.to_flat_state(nnx.state(abstract_model(float_config)))
         sharding_of = _sharding_lookup(shardings)
         loaded = []
@@ -333,12 +335,26 @@ def _moe_layout(names: Mapping[str, Any]) -> str:
     return "fused"  # transformers 5.x: mlp.experts.gate_up_proj, down_proj
 
 
+def _mtp_layers(hf: Mapping[str, Any]) -> tuple[str, ...]:
+    """The name prefixes of DeepSeek-V3's multi-token-prediction layers (after the decoder
+    layers): the model does not run them (speculative decoding's ``mtp`` reads them)."""
+    if hf.get("model_type") not in ("deepseek_v3", "deepseek_v2"):
+        return ()
+    n = hf.get("num_hidden_layers", 0)
+    return tuple(f"model.layers.{n + i}." for i in range(hf.get("num_nextn_predict_layers") or 0))
+
+
 def _validate(
-    recipes: Mapping[Any, Any], ckpt: _Checkpoint, tied: bool, prequantized: bool = False
+    recipes: Mapping[Any, Any],
+    ckpt: _Checkpoint,
+    tied: bool,
+    prequantized: bool = False,
+    skipped: tuple[str, ...] = (),
 ) -> None:
     """Names and shapes against the headers, before reading any data. A pre-quantized
     checkpoint may also hold activation and KV-cache scales jaxpar does not use
-    (:data:`~._hf_quant.UNUSED_SUFFIXES`)."""
+    (:data:`~._hf_quant.UNUSED_SUFFIXES`); tensors named with a ``skipped`` prefix are not
+    the model's (DeepSeek's MTP layers)."""
     expected: dict[str, tuple[int, ...]] = {}
     for recipe in recipes.values():
         expected.update(recipe.tensors())
@@ -355,6 +371,7 @@ def _validate(
     for name in ckpt.shapes:
         ignorable = _IGNORED.search(name) or (tied and name == "lm_head.weight")
         ignorable = ignorable or (prequantized and name.endswith(UNUSED_SUFFIXES))
+        ignorable = ignorable or name.startswith(skipped)
         if name not in expected and name.endswith(".weight_scale"):
             raise CheckpointError(
                 f"{name!r} in {ckpt.file_of[name]}: {name.removesuffix('_scale')} is stored "
