@@ -172,8 +172,8 @@ def test_ngram_proposes_what_followed_the_latest_match():
     [
         ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "lookahead"),
         ({"method": "draft_model", "num_speculative_tokens": 4, "model": "x"}, "draft_model"),
-        ({"method": "eagle3", "num_speculative_tokens": 4, "model": "x"}, "eagle3"),
-        ({"method": "mtp", "num_speculative_tokens": 1}, "mtp"),
+        ({"method": "eagle3", "num_speculative_tokens": 4}, "'model'"),
+        ({"method": "mtp", "num_speculative_tokens": 1, "model": 3}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2}, "method"),

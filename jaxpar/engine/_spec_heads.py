@@ -25,7 +25,10 @@ the recorded verification, which the other processes replay.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,11 @@ from jaxpar.models._hidden_taps import HiddenTaps
 HEAD_METHODS = ("eagle3", "mtp")
 #: Verified positions a row's head attends to.
 WINDOW = 32
+#: The fewest rows a drafting program computes.
+MIN_ROWS = 8
+#: Heads loaded per engine, by (method, checkpoint): batchers of one engine share a head
+#: (and its compiled drafting programs).
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -65,46 +73,48 @@ def _write(buffer_BC, new_BT, at_B):
     )
 
 
-class HeadProposer:
-    """Drafts for a batcher's rows with a head (see the module)."""
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _draft(head, k: int, params, tokens_BW, features_BWF, pos_BW, n_B):
+    """``k`` argmax tokens per row from ``head`` (see the module); one program per head,
+    ``k`` and batch bucket."""
+    e_BWD = head.embed(params, tokens_BW)
+    h_BWD, k_w, v_w = head.block(
+        params, e_BWD, head.feature(params, features_BWF), pos_BW, n_B, None
+    )
 
-    def __init__(self, head, k: int):
-        self.head, self.k = head, k
+    def pad(x):
+        return jnp.pad(x, [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2))
+
+    keys, values = pad(k_w), pad(v_w)
+    last_B1 = (n_B - 1)[:, None]
+    h_BD = jnp.take_along_axis(h_BWD, last_B1[:, :, None], axis=1)[:, 0]
+    pos_B = jnp.take_along_axis(pos_BW, last_B1, axis=1)[:, 0]
+    ones_B = jnp.ones_like(n_B)
+    out = []
+    for j in range(k):
+        token_B = head.draft(params, h_BD)
+        out.append(token_B)
+        if j == k - 1:
+            break
+        e_B1D = head.embed(params, token_B[:, None])
+        pos_B1 = (pos_B + 1 + j)[:, None]
+        ctx = Context(keys, values, n_B + j)
+        h_B1D, k_new, v_new = head.block(params, e_B1D, h_BD[:, None], pos_B1, ones_B, ctx)
+        keys, values = _write(keys, k_new, n_B + j), _write(values, v_new, n_B + j)
+        h_BD = h_B1D[:, 0]
+    return jnp.stack(out, axis=1)
+
+
+class HeadProposer:
+    """Drafts for a batcher's rows with a head (see the module); ``slots``: the batcher's
+    rows (the most a drafting program computes)."""
+
+    def __init__(self, head, k: int, slots: int):
+        self.head, self.k, self.slots = head, k, slots
         self.taps: HiddenTaps = head.taps
         self._rows: dict[int, _Row] = {}
-        self._program = jax.jit(self._draft)
         #: The last :meth:`drafts` left a row without a state for its latest position.
         self.hungry = False
-
-    def _draft(self, params, tokens_BW, features_BWF, pos_BW, n_B):
-        """``K`` argmax tokens per row (traced; see the module)."""
-        head, k = self.head, self.k
-        e_BWD = head.embed(params, tokens_BW)
-        h_BWD, k_w, v_w = head.block(
-            params, e_BWD, head.feature(params, features_BWF), pos_BW, n_B, None
-        )
-
-        def pad(x):
-            return jnp.pad(x, [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2))
-
-        keys, values = pad(k_w), pad(v_w)
-        last_B1 = (n_B - 1)[:, None]
-        h_BD = jnp.take_along_axis(h_BWD, last_B1[:, :, None], axis=1)[:, 0]
-        pos_B = jnp.take_along_axis(pos_BW, last_B1, axis=1)[:, 0]
-        ones_B = jnp.ones_like(n_B)
-        out = []
-        for j in range(k):
-            token_B = head.draft(params, h_BD)
-            out.append(token_B)
-            if j == k - 1:
-                break
-            e_B1D = head.embed(params, token_B[:, None])
-            pos_B1 = (pos_B + 1 + j)[:, None]
-            ctx = Context(keys, values, n_B + j)
-            h_B1D, k_new, v_new = head.block(params, e_B1D, h_BD[:, None], pos_B1, ones_B, ctx)
-            keys, values = _write(keys, k_new, n_B + j), _write(values, v_new, n_B + j)
-            h_BD = h_B1D[:, 0]
-        return jnp.stack(out, axis=1)
 
     def observe(self, row: int, stream, start: int, tokens, features_TF: np.ndarray) -> None:
         """A verification kept ``len(tokens)`` positions of ``row`` from ``start`` on and
@@ -130,7 +140,8 @@ class HeadProposer:
         out: dict[int, list[int]] = {r: [] for r in wanted}
         if not ready:
             return out
-        b = 1 << (len(ready) - 1).bit_length()  # a power of two: few programs
+        # A power of two, at least MIN_ROWS: few programs.
+        b = max(len(ready), min(self.slots, max(MIN_ROWS, 1 << (len(ready) - 1).bit_length())))
         width = self._rows[ready[0]].features[0].shape[-1]
         tokens_BW = np.zeros((b, WINDOW), np.int32)
         features_BWF = np.zeros((b, WINDOW, width), np.float32)
@@ -143,7 +154,7 @@ class HeadProposer:
             pos_BW[i, :n] = np.arange(s.start, s.end)
             n_B[i] = n
         drafted_BK = np.asarray(
-            self._program(self.head.params, tokens_BW, features_BWF, pos_BW, n_B)
+            _draft(self.head, self.k, self.head.params, tokens_BW, features_BWF, pos_BW, n_B)
         )
         for i, r in enumerate(ready):
             out[r] = drafted_BK[i, : wanted[r]].tolist()
@@ -172,11 +183,14 @@ def load_head(config, engine):
             f"speculative config: method {config.method!r} reads the target's hidden states, "
             "which a pipelined (pp > 1) verification does not return yet; use pp=1"
         )
-    if config.method == "mtp":
-        head = load_mtp(config.model, target)
-    else:
-        head = load_eagle3(config.model, target, lambda: _token_table(engine))
-    return HeadProposer(head, config.num_speculative_tokens)
+    loaded = _LOADED.setdefault(engine, {})
+    key = (config.method, str(Path(config.model).resolve()))
+    if key not in loaded:
+        if config.method == "mtp":
+            loaded[key] = load_mtp(config.model, target)
+        else:
+            loaded[key] = load_eagle3(config.model, target, lambda: _token_table(engine))
+    return HeadProposer(loaded[key], config.num_speculative_tokens, engine.max_batch)
 
 
 def _token_table(engine) -> np.ndarray:
