@@ -11,6 +11,10 @@ by ``scripts/make_smollm2.py`` and run in float32 on one CPU device, through a
   open-ended questions, greedy): output tokens/s plain and speculating with the cost
   model on (goal >= 0.97x), and how often it chose to verify.
 
+* batch 1 with ``eagle3`` and a random fixture head (``scripts/make_spec_heads.py``):
+  what drafting with a head and verifying every draft costs (its acceptance is
+  meaningless there).
+
 Each configuration runs its requests once untimed first (every program compiled), then
 timed.
 """
@@ -119,6 +123,7 @@ def spec_section(checkpoint: Path, quick: bool = False) -> dict:
     res["batch1"]["speedup"] = (
         res["batch1"]["ngram_tokens_per_s"] / res["batch1"]["plain_tokens_per_s"]
     )
+    res["eagle3_batch1"] = _eagle3_row(engine, grounded, new, plain)
     mixed = _prompts(checkpoint, (GROUNDED + OPEN) * (2 if quick else 8))
     sat_new = 32 if quick else 64
     plain = _serve(engine, mixed, sat_new, None, one_at_a_time=False)
@@ -135,6 +140,34 @@ def spec_section(checkpoint: Path, quick: bool = False) -> dict:
     sat = res["saturation"]
     sat["ratio"] = sat["ngram_tokens_per_s"] / sat["plain_tokens_per_s"]
     return res
+
+
+def _eagle3_row(engine, prompts, new: int, plain) -> dict:
+    """Batch 1 with a random EAGLE-3 head (``scripts/make_spec_heads.py``), every draft
+    verified (``adaptive`` off): its acceptance is meaningless, the row shows what drafting
+    with a head and verifying costs."""
+    import tempfile
+
+    from make_spec_heads import make_eagle3_head
+
+    from jaxpar.engine import SpeculativeConfig
+
+    c = engine.model_config
+    with tempfile.TemporaryDirectory() as tmp:
+        head = make_eagle3_head(
+            tmp, d_model=c.d_model, vocab=c.vocab_size, n_layers=c.n_layers, draft_vocab=8192
+        )
+        config = SpeculativeConfig.parse(
+            {"method": "eagle3", "num_speculative_tokens": SPEC["num_speculative_tokens"],
+             "model": str(head), "adaptive": False}
+        )  # fmt: skip
+        tokens, seconds, stats = _serve(engine, prompts, new, config, one_at_a_time=True)
+    return {
+        "tokens_per_s": sum(map(len, tokens)) / seconds,
+        "plain_tokens_per_s": sum(map(len, plain[0])) / plain[1],
+        "same_tokens": tokens == plain[0],
+        "mean_acceptance_length": stats.mean_acceptance_length,
+    }
 
 
 def markdown(res: dict) -> str:
@@ -154,4 +187,16 @@ def markdown(res: dict) -> str:
             f"{s['mean_acceptance_length']:.2f} ({s['verify_steps']} verifications, "
             f"{s['plain_steps']} plain steps) |",
         ]
+        + _eagle3_markdown(res.get("eagle3_batch1"))
     )
+
+
+def _eagle3_markdown(e: dict | None) -> list[str]:
+    if e is None:
+        return []
+    ratio = e["tokens_per_s"] / e["plain_tokens_per_s"]
+    return [
+        f"| batch 1, grounded, `eagle3` with a random fixture head (overhead; every draft "
+        f"verified) | {e['plain_tokens_per_s']:.1f} | {e['tokens_per_s']:.1f} | "
+        f"{ratio:.2f}x | - | {e['same_tokens']} | {e['mean_acceptance_length']:.2f} |"
+    ]
