@@ -154,8 +154,9 @@ def add_speculative_arg(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s keys: e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (prompt lookup; also prompt_lookup_min/max, '
         "disable_by_batch_size, and jaxpar's adaptive: the cost model may switch it off "
-        "under load, default true). Greedy output is unchanged, sampled output keeps "
-        "its distribution",
+        'under load, default true); "eagle3" with "model": an EAGLE-3 head\'s directory; '
+        "\"mtp\": DeepSeek-V3's MTP layers (in --hf's checkpoint). "
+        "Greedy output is unchanged, sampled output keeps its distribution",
     )
 
 
