@@ -40,9 +40,10 @@ class Speculation:
         self._plain_started: tuple[float, tuple[int, int], int] | None = None
         self._seen: set[tuple[int, int]] = set()  # (rows, width) verified once (compiled)
         self._plain_seen: set[tuple[int, int]] = set()  # (rows, width) stepped once
-        #: ``eagle3``/``mtp``: the head that drafts (:mod:`._spec_heads`); None: n-gram.
+        #: ``eagle3``/``mtp``: the head that drafts (:mod:`._spec_heads`); None: n-gram, or
+        #: a process that replays (the drafts come recorded with each verification).
         self.heads = None
-        if config.method in HEAD_METHODS:
+        if config.method in HEAD_METHODS and core.runner.executor.keeps_outputs:
             self.heads = load_head(config, core.runner.engine)
 
     def _drafts(self, owners) -> dict[int, list[int]]:
