@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -160,3 +161,45 @@ def test_heads_that_do_not_fit_are_refused_by_name(tmp_path):
         ContinuousBatcher(_expected(ParallelConfig())[0], speculative=_spec("eagle3", str(head)))
     with pytest.raises(ConfigError, match="'model'"):
         ContinuousBatcher(engine, speculative={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+def test_taps_are_the_layer_inputs_and_the_final_state():
+    """prefill_with_taps over cached context: the logits and K/V of the plain prefill
+    over context, and the taps: layer 0's input is the embedding, layer L's the last
+    output, ``final`` its normed form; stacked layers (scan) tap the same states."""
+    from flax import nnx
+
+    from jaxpar.models import (
+        ExecutionOptions,
+        ModelRun,
+        abstract_model,
+        init_params,
+        with_layer_loop,
+    )
+    from jaxpar.models._hidden_taps import HiddenTaps, prefill_with_taps
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 9)), jnp.int32)
+    taps = HiddenTaps((0, 2, CONFIG.n_layers), final=True)
+    features = {}
+    for loop in ("unrolled", "scan"):
+        run = ModelRun(CONFIG, ExecutionOptions(layer_loop=loop))
+        params = with_layer_loop(run, init_params(CONFIG), loop)  # the same weights
+        model = nnx.merge(nnx.split(abstract_model(run))[0], params)
+        _, k, v = model.prefill(tokens[:, :6], jnp.asarray([6, 6]))  # the cached context
+        context = (k, v, jnp.asarray([6, 4]))  # row 1 continues after 4 of them
+        new, lengths = tokens[:, 6:], jnp.asarray([3, 3])
+        want = model.prefill(new, lengths, all_logits=True, context=context)
+        got = prefill_with_taps(model, new, lengths, context, taps)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got[:3]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        pos = jnp.arange(3)[None, :] + context[2][:, None]
+        d = CONFIG.d_model
+        np.testing.assert_allclose(got[3][..., :d], model.embed(new, pos), atol=1e-6)
+        last, final = got[3][..., 2 * d : 3 * d], got[3][..., 3 * d :]
+        np.testing.assert_allclose(final, model.final_norm(last), atol=1e-5)
+        np.testing.assert_allclose(
+            model.logits(last), want[0], atol=1e-4
+        )  # layer L's tap is the last output
+        features[loop] = np.asarray(got[3])
+    np.testing.assert_allclose(features["scan"], features["unrolled"], atol=1e-5)
