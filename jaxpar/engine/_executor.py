@@ -34,7 +34,7 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling
 from jaxpar.engine._slots import FirstTokens, Inserted, KVQuantizer, SlotSteps
 from jaxpar.engine._spec_verify import VerifySteps
-from jaxpar.models._hidden_taps import HiddenTaps
+from jaxpar.models import HiddenTaps
 
 #: The two page pools a batcher's commands name: the decode rows' own, and the prefill
 #: group's (disaggregated; colocated, it is the decode pool).

@@ -36,8 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
-from jaxpar.models._attention import Context
-from jaxpar.models._hidden_taps import HiddenTaps
+from jaxpar.models import Context, HiddenTaps, load_eagle3, load_mtp
 
 #: Methods whose proposer is a head over the target's hidden states.
 HEAD_METHODS = ("eagle3", "mtp")
@@ -167,9 +166,6 @@ def load_head(config, engine):
     Raises:
         ConfigError: no head checkpoint named, or one that does not fit the target.
     """
-    from jaxpar.models._eagle3 import load_eagle3
-    from jaxpar.models._mtp import load_mtp
-
     target = engine.model_config
     if config.model is None:
         raise ConfigError(

@@ -39,8 +39,14 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling
 from jaxpar.engine._vocab import VocabSplit, mask_padded
 from jaxpar.errors import ConfigError
-from jaxpar.models import PagedKVCache, count_dropped, read_pages, total_dropped
-from jaxpar.models._hidden_taps import HiddenTaps, prefill_with_taps
+from jaxpar.models import (
+    HiddenTaps,
+    PagedKVCache,
+    count_dropped,
+    prefill_with_taps,
+    read_pages,
+    total_dropped,
+)
 from jaxpar.spec import Phase
 
 DECODE = Phase.DECODE

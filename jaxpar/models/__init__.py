@@ -4,7 +4,7 @@ Models name logical axes only (``constrain`` at module boundaries, ``out_shardin
 metadata on every parameter); the engine maps them to mesh axes.
 """
 
-from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES, Attention
+from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES, Attention, Context
 from jaxpar.models._attention_ops import interpret_kernels
 from jaxpar.models._cache import (
     PREFILL_KV_AXES,
@@ -44,8 +44,10 @@ from jaxpar.models._decoder import (
     quantize_params,
     with_layer_loop,
 )
+from jaxpar.models._eagle3 import Eagle3Head, load_eagle3
 from jaxpar.models._hf import load_hf_checkpoint
 from jaxpar.models._hf_config import SUPPORTED_ARCHITECTURES, config_from_hf, stored_quantization
+from jaxpar.models._hidden_taps import HiddenTaps, prefill_with_taps
 from jaxpar.models._kernel_choice import RING_MIN_TOKENS, sp_prefill_attention
 from jaxpar.models._kv_groups import KVGroups, kv_groups, kv_positions, kv_windows
 from jaxpar.models._kv_heads import repeat_kv_heads
@@ -72,6 +74,7 @@ from jaxpar.models._moe import (
 )
 from jaxpar.models._moe_route import capacity_rows, dropless_capacity
 from jaxpar.models._moe_stats import count_dropped, record_dropped, total_dropped
+from jaxpar.models._mtp import MtpHead, load_mtp
 from jaxpar.models._options import ExecutionOptions
 from jaxpar.models._paged import (
     PAGE_AXES,
@@ -193,4 +196,11 @@ __all__ = [
     "rope_inv_freq",
     "dynamic_inv_freq",
     "with_layer_loop",
+    "Context",
+    "Eagle3Head",
+    "HiddenTaps",
+    "MtpHead",
+    "load_eagle3",
+    "load_mtp",
+    "prefill_with_taps",
 ]
