@@ -1,9 +1,8 @@
 """Real model shapes compiled for real TPU slices (libtpu's compile-only topologies, no TPU).
 
-The cases of ``scripts/pod_compile.py`` but three (:data:`SCRIPT_ONLY`): Llama-3-8B on v6e-16
+The cases of ``scripts/pod_compile.py`` but four (:data:`SCRIPT_ONLY`): Llama-3-8B on v6e-16
 (dp2.tp8); Llama-3-70B on v5e-16 (the planner's pick for 64 x (1024 + 256)
-tokens) and v5e-64 (the planner's pick); Qwen3-30B-A3B on v5e-8 (ep8); DeepSeek-V3 on
-v5p-64 (ep8.tp8). Shapes come from the published ``config.json`` alone; real widths, heads,
+tokens) and v5e-64 (the planner's pick); DeepSeek-V3 on v5p-64 (ep8.tp8). Shapes come from the published ``config.json`` alone; real widths, heads,
 vocabularies and experts, cut to one layer per pipeline stage (DeepSeek-V3 to one dense
 layer and one MoE layer) so the whole module compiles within CI's budget: every
 figure asserted is per layer or per device and holds at any depth (the README's table is
@@ -73,8 +72,10 @@ EXPLAINED = {"moe-ragged-receive-buffer", "pp-bubble", "branch-predicate"}
 #: Cases of the script that CI leaves to it, each the same program class as a tested one:
 #: tp=8 and dp x tp on Llama-3-8B (8b-v6e16-dp2tp8 compiles dp=2,tp=8: each tp group over
 #: the 8 K/V heads, one per device, as 8b-v5e8-tp8), and Llama-3-70B at pp=2,tp=8
-#: (70b-v5e16-plan is the planner's pp=2,tp=8 with 8 microbatches).
-SCRIPT_ONLY = {"8b-v5e8-tp8", "8b-v5e8-dp2tp4", "70b-v5e16-pp2tp8"}
+#: (70b-v5e16-plan is the planner's pp=2,tp=8 with 8 microbatches), and Qwen3-30B-A3B at
+#: ep=8 on v5e-8 (dsv3-v5p64-ep8tp8 compiles the same ragged expert exchange over 8 expert
+#: groups, with tp beside it).
+SCRIPT_ONLY = {"8b-v5e8-tp8", "8b-v5e8-dp2tp4", "70b-v5e16-pp2tp8", "qwen3moe-v5e8-ep8"}
 TESTED = [c for c in pod.CASES if c.name not in SCRIPT_ONLY]
 
 

@@ -99,7 +99,7 @@ def test_prefix_hits_and_chunks_equal_offline(parallel, layer_loop):
 @pytest.mark.sweep
 def test_disaggregated_chunks_and_hits_on_the_prefill_group():
     """Prefill sp=2 on devices 0-1 with its own pages (prefix cache, chunks); decode tp=2
-    on devices 2-3 gets each finished prompt whole."""
+    on devices 2-3 gets each finished prompt whole: its K/V moves once per prefill batch."""
     prefill = _engine(ParallelConfig(sp=2), 0, max_batch=2)
     decode = _engine(ParallelConfig(tp=2), 2)
     batcher = ContinuousBatcher(
@@ -118,7 +118,10 @@ def test_disaggregated_chunks_and_hits_on_the_prefill_group():
         stats = batcher.stats
     assert streams[1].cached_tokens == 2 * PAGE
     assert stats.prefix_hits > 0 and stats.prefill_chunks >= 2
-    assert stats.transfers == stats.prefill_batches
+    assert stats.transfers == stats.prefill_batches > 0
+    # K and V of every layer for each moved prompt token at least (f32).
+    kv_token = 2 * CONFIG.n_layers * CONFIG.n_kv_heads * CONFIG.head_dim * 4
+    assert stats.transfer_bytes >= kv_token * sum(len(r["prompt"]) for r in requests[:1])
     _balanced(batcher)
     batcher.prefill_cache.pages.check()
     assert batcher.prefill_cache.pages.used_pages == 0  # the prefill group holds no row after
