@@ -87,8 +87,12 @@ def main() -> None:
     if sys.argv[1:] == ["paged"]:
         print(json.dumps({s: _paged_decode(s) for s in PAGED_STRATEGIES}))
         return
+    wanted = set(sys.argv[1:])  # case keys (preset|strategy|overrides); none: every case
     results = {}
     for name, strategy, overrides in CUDA_CASES:
+        key = f"{name}|{strategy}|{json.dumps(overrides, sort_keys=True)}"
+        if wanted and key not in wanted:
+            continue
         parallel = ParallelConfig.parse(strategy)
         engine = AbstractEngine.build(
             model_config(name, **overrides),
@@ -98,7 +102,6 @@ def main() -> None:
             mesh=make_mesh(parallel, devices=jax.devices()[: parallel.size]),
             platform="cuda",
         )
-        key = f"{name}|{strategy}|{json.dumps(overrides, sort_keys=True)}"
         results[key] = {
             "layers": engine.model_config.n_layers,
             "layer_loop": engine.options.layer_loop,
