@@ -17,7 +17,10 @@ The serving model (what :class:`jaxpar.engine.ContinuousBatcher` does, in steady
 
 A plan whose TTFT or TPOT exceeds ``--max-ttft-ms`` / ``--max-tpot-ms`` is not chosen; the
 prefill batch is the largest (up to the server's default, 4 per batch shard) that meets
-them. ``jaxpar serve`` runs unpipelined strategies only, so serving plans have ``pp = 1``.
+them. A pipelined plan (``pp > 1``; across hosts, stages pass each other only activations,
+where ``tp`` runs its all-reduces over the slower link and ``dp`` holds every weight on
+each side of it) serves with at least ``pp`` decode groups, and its decode step is costed
+in steady state, every stage busy (:func:`jaxpar.plan._cost.bubble`).
 """
 
 from __future__ import annotations
@@ -142,13 +145,15 @@ def serve_flags(pred: Prediction, source: str) -> str:
 
 
 def check_serving(model: ModelConfig, config: ParallelConfig, workload: Workload) -> Refused | None:
-    """None when ``config`` can serve ``workload`` (legal, unpipelined), else why not."""
+    """None when ``config`` can serve ``workload`` (legal; pipelined: at least ``pp``
+    decode groups, so that every stage has a group to advance each step), else why not."""
     why = check(model, config, workload)
-    if why is not None or config.pp == 1:
+    if why is not None or config.pp == 1 or config.decode_groups >= config.pp:
         return why
     return Refused(
         config,
-        "serve-unpipelined",
-        "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
-        "schedule): pp must be 1",
+        "serve-pipeline-groups",
+        f"a served pipeline splits its decode rows into at least pp={config.pp} groups, so "
+        f"every stage advances one each step; decode_groups={config.decode_groups} would "
+        "leave stages idle",
     )
