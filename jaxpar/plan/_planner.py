@@ -249,14 +249,14 @@ def largest_batch(
     platform: str | None = None,
 ) -> tuple[int, ParallelConfig] | None:
     """The largest batch below ``workload.batch`` that a strategy legal for the workload on
-    ``devices`` fits in ``budget`` bytes per device (serving: unpipelined, prefilling its
+    ``devices`` fits in ``budget`` bytes per device (serving: one a server runs, prefilling its
     smallest batch), with that strategy; None when not even the smallest batch fits.
     Memory grows with the batch, so each strategy's largest is found by bisection over the
     multiples of its smallest legal batch. On TPU, only strategies that lay out on the chips
     (``where``) count."""
     best: tuple[int, ParallelConfig] | None = None
     for config in legal_strategies(model, devices, workload, where)[0]:
-        if serving and config.pp > 1:
+        if serving and check_serving(model, config, workload) is not None:
             continue
         step = batch_multiple(model, config)
 
