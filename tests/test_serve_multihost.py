@@ -7,7 +7,7 @@ requests, greedy and seeded, streamed and not, must each equal the same request 
 device; so must issue 34's burst (16 at once, 6-token prompts, 12 tokens, twice in a
 row), greedy and seeded. Disaggregated across the processes (decode tp=4 on process 0, prefill sp=4 on process 1:
 each prefilled batch's K/V move once, device to device), requests mixing greedy, seeded,
-structured output, logprobs and penalties each equal the 1-process server's, and each
+logprobs and penalties each equal the 1-process server's, and each
 request moves as many bytes as its pages hold. Then the failures: SIGTERM to process 0
 drains and stops both processes (exit 0), colocated and disaggregated; SIGKILL to
 process 1 of the disaggregated pair (its prefill group) mid-stream gets every client (and
@@ -253,15 +253,16 @@ def test_16_concurrent_requests_twice_equal_one_process(servers, offline, sample
     print("lockstep:", leader.health()["lockstep"])
 
 
-#: Structured output, logprobs and penalties mixed with plain greedy and seeded requests.
+#: Logprobs and penalties mixed with plain greedy and seeded requests, streamed and not.
+#: (Structured output needs a byte-level tokenizer, which this checkpoint has not:
+#: tests/test_structured.py serves another.)
 MIXED = [
     {"prompt": [1, 40, 41, 42], "max_tokens": 10, "temperature": 0.0, "logprobs": 2},
     {"prompt": [1, 9, 8, 7, 6, 5], "max_tokens": 12, "temperature": 0.9, "seed": 7}
     | {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.7},
-    {"prompt": "mail: ", "max_tokens": 16, "temperature": 1.0, "seed": 3}
-    | {"guided_regex": r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)"},
-    {"prompt": "pick: ", "max_tokens": 6, "temperature": 0.0}
-    | {"guided_choice": ["red", "green", "blue"]},
+    {"prompt": [1, 77, 78], "max_tokens": 16, "temperature": 1.0, "seed": 3, "stream": True}
+    | {"frequency_penalty": 1.2, "logprobs": 1},
+    {"prompt": [1, 5, 6, 7, 8, 9, 10, 11, 12, 13], "max_tokens": 6, "temperature": 0.0},
     {"prompt": [1, 30, 31], "max_tokens": 14, "temperature": 0.0, "stream": True}
     | {"repetition_penalty": 1.3},
     {"prompt": [1] + list(range(50, 70)), "max_tokens": 8, "temperature": 0.7, "seed": 11}
@@ -269,14 +270,12 @@ MIXED = [
 ]
 
 
-GUIDED = ("guided_regex", "guided_choice")
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _mixed_bodies() -> list[dict]:
-    """:data:`MIXED` as requests; structured ones stop where their grammar ends."""
-    common = {"model": MODEL, "return_token_ids": True, "stream": False}
-    return [common | {"ignore_eos": not any(g in b for g in GUIDED)} | b for b in MIXED]
+    common = {"model": MODEL, "return_token_ids": True, "stream": False, "ignore_eos": True}
+    return [common | body for body in MIXED]
 
 
 async def _send_full(http: httpx.AsyncClient, body: dict) -> dict:
@@ -285,7 +284,7 @@ async def _send_full(http: httpx.AsyncClient, body: dict) -> dict:
         response = await http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]
-    ids, text = [], ""
+    ids, text, logprobs = [], "", []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
@@ -293,7 +292,8 @@ async def _send_full(http: httpx.AsyncClient, body: dict) -> dict:
                 choice = json.loads(line[6:])["choices"][0]
                 ids += choice.get("token_ids", [])
                 text += choice.get("text", "")
-    return {"token_ids": ids, "text": text}
+                logprobs += (choice.get("logprobs") or {}).get("token_logprobs", [])
+    return {"token_ids": ids, "text": text, "logprobs": {"token_logprobs": logprobs}}
 
 
 def _transferred(server: ServerProcess) -> tuple[int, int]:
@@ -302,22 +302,20 @@ def _transferred(server: ServerProcess) -> tuple[int, int]:
 
 
 def test_disaggregated_across_processes_equals_one_process(servers, offline, spare_split):
-    """Prefill on process 1, decode on process 0: greedy, seeded, structured output,
-    logprobs and penalties each equal the 1-process server's answer (greedy: and offline
+    """Prefill on process 1, decode on process 0: greedy, seeded, logprobs and
+    penalties, streamed and not, each equal the 1-process server's answer (greedy: and offline
     generate); each request's K/V crossed once, as many bytes as its pages hold."""
     split, single = servers["split"].leader.wait_ready(), servers["single"].wait_ready()
     bodies = _mixed_bodies()
     across, alone = asyncio.run(_both(split.url, single.url, bodies))
     for body, got, want in zip(bodies, across, alone, strict=True):
         assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"], body
-        plain = not any(k in body for k in (*GUIDED, *PENALTIES))
+        plain = not any(k in body for k in PENALTIES)
         if plain and body["temperature"] == 0.0:
             assert got["token_ids"] == offline.greedy(body["prompt"], body["max_tokens"], eos=False)
         if "logprobs" in body:
             got_lp, want_lp = got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"]
             assert got_lp == pytest.approx(want_lp, abs=1e-5), body
-        if "guided_choice" in body:
-            assert got["text"] in body["guided_choice"], got
     # Bytes per request, against the pages' size: one request at a time, each prefilled
     # alone (1 row) in the bucket of its prompt.
     before = _transferred(split)
@@ -350,7 +348,9 @@ def _page_bytes(prompt_len: int) -> int:
     from jaxpar.models import config_from_hf
     from jaxpar.spec import ParallelConfig
 
-    config = config_from_hf(json.loads((CHECKPOINT / "config.json").read_text()))
+    config = config_from_hf(
+        json.loads((CHECKPOINT / "config.json").read_text()), source=str(CHECKPOINT)
+    )
     groups = device_groups(ParallelConfig(tp=4), "sp=4")
     bucket = prompt_bucket(prompt_len, 4, MAX_SEQ_LEN)
     return handoff(config, groups, batch=1, prompt_len=bucket)["transfer"]["bytes_per_batch"]
@@ -378,20 +378,23 @@ def test_sigterm_to_process_0_drains_and_stops_both(servers, which, request):
 
 
 def test_killing_process_1_gets_503_naming_it_and_process_0_exits(servers):
-    """On the disaggregated pair: process 1 holds the prefill group."""
+    """On the disaggregated pair, where process 1 holds the prefill group: requests already
+    decoding (on process 0's devices) may still finish, but those sent after the kill need
+    a prefill there and get 503 naming it."""
     pair = servers["split"]
     leader = pair.leader.wait_ready()
     bodies = [
         {"model": MODEL, "prompt": [1, 5 + i], "max_tokens": 30, "ignore_eos": True}
         | {"stream": i % 2 == 0, "return_token_ids": True, "temperature": 0.0}
-        for i in range(4)
+        for i in range(6)
     ]
 
     async def kill_mid_stream() -> list:
         async with httpx.AsyncClient(base_url=leader.url, timeout=120) as http:
-            tasks = [asyncio.create_task(_send(http, b)) for b in bodies]
+            tasks = [asyncio.create_task(_send(http, b)) for b in bodies[:4]]
             await asyncio.sleep(0.5)
             pair.procs[1].proc.kill()
+            tasks += [asyncio.create_task(_send(http, b)) for b in bodies[4:]]
             return await asyncio.gather(*tasks)
 
     started = time.monotonic()
@@ -399,7 +402,7 @@ def test_killing_process_1_gets_503_naming_it_and_process_0_exits(servers):
     killed_at = started + 0.5
     answered_s = time.monotonic() - killed_at
     late = [r for r in results if r[0] == 503]
-    assert late, results  # requests still running when process 1 died were not answered 200
+    assert late, results  # requests that needed process 1 after it died were not answered 200
     for status, _, error in results:
         if status != 200:
             assert status == 503 and "process 1 of 2" in error, (status, error)
