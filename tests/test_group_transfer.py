@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.engine import check_groups, crosses_processes
+from jaxpar.engine import check_groups, moves_globally
 from jaxpar.engine._group_transfer import _send_program, move_tree, put_tree, union_mesh
 from jaxpar.errors import ConfigError
 
@@ -96,7 +96,7 @@ def test_the_move_is_one_send_per_array_from_each_source_device_to_its_destinati
 
 def test_groups_that_cannot_pair_their_devices_are_refused(meshes):
     prefill, decode = meshes
-    assert not crosses_processes(prefill, decode)  # one process: device_put moves them
+    assert not moves_globally()  # one process: jax.device_put moves them
     devices = jax.devices()
     with pytest.raises(ConfigError, match=r"prefill group \(2 devices\).*decode group \(4"):
         check_groups(Mesh(np.array(devices[4:6]), ("tp",)), decode)

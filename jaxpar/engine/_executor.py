@@ -28,9 +28,9 @@ import numpy as np
 
 from jaxpar.engine._engine import InferenceEngine
 from jaxpar.engine._group_transfer import (
-    crosses_processes,
     device_put_all,
     move_tree,
+    moves_globally,
     put_tree,
 )
 from jaxpar.engine._kv_regroup import regroup_kv
@@ -277,9 +277,8 @@ class Executor:
             new = self.kv_quantizer(new)
         have = self.prefill_engine.run.kv_head_replicas
         want = self.engine.run.kv_head_replicas
-        # Groups on other processes: one program over both moves device to device.
-        source = self.prefill_engine.layouts.replicated.mesh
-        move = move_tree if crosses_processes(source, lay.replicated.mesh) else device_put_all
+        # Several processes: one program over both groups moves device to device.
+        move = move_tree if moves_globally() else device_put_all
         rows = (new.lengths_P, new.first_P), (lay.lengths_prefill_B, lay.replicated)
         if have == want:  # one move for K, V and the rows
             kv_rows = (new.k, new.v, *rows[0])

@@ -2,8 +2,9 @@
 
 A disaggregated server whose prefill group sits on other processes than its decode group
 must move each prefilled batch's K/V across hosts. ``jax.device_put`` cannot: across
-processes it reshards only within one set of devices (and crosses hosts only where the
-runtime has a transfer service, which the CPU and GPU clients lack unless configured).
+processes it reshards only within one set of devices, and crosses hosts only where the
+runtime has a cross-host transfer service (``jax_cross_host_transfer_socket_address``;
+XLA:CPU has none: "Cross-host transfers are not supported by this backend").
 So the move is one SPMD program over both groups, the *global mesh* of
 :func:`union_mesh`: axis ``group`` of size 2 (index 0 the destination devices, index 1
 the source devices, in the destination mesh's shape) before the destination's axes.
@@ -39,16 +40,18 @@ Mover = Callable[[list[jax.Array], list[NamedSharding]], list[jax.Array]]
 GROUP_AXIS = "group"
 
 
-def crosses_processes(source: Mesh, target: Mesh) -> bool:
-    """Whether moving from ``source``'s devices to ``target``'s needs :func:`move_tree`
-    (``jax.device_put`` does it when both lie on the same processes)."""
-    processes = lambda mesh: {d.process_index for d in mesh.devices.flat}  # noqa: E731
-    return jax.process_count() > 1 and processes(source) != processes(target)
+def moves_globally() -> bool:
+    """Whether moving between two groups takes :func:`move_tree` rather than
+    ``jax.device_put``: in a multi-process job, where every process runs each move (the
+    others replay process 0's), also a process with no device in either group, and
+    ``jax.device_put`` refuses to move an array it has no shard of to other devices."""
+    return jax.process_count() > 1
 
 
 def check_groups(source: Mesh, target: Mesh) -> None:
-    """Raises unless arrays can move from ``source``'s devices to ``target``'s: disjoint
-    groups of as many devices each (one destination device per source device).
+    """Raises unless arrays can move from ``source``'s devices to ``target``'s by
+    :func:`move_tree`: disjoint groups of as many devices each (one destination device
+    per source device).
 
     Raises:
         ConfigError: the groups share devices or differ in size.
@@ -56,12 +59,12 @@ def check_groups(source: Mesh, target: Mesh) -> None:
     src, dst = list(source.devices.flat), list(target.devices.flat)
     if set(src) & set(dst):
         raise ConfigError(
-            "prefill and decode groups on other processes must not share devices; they "
+            "prefill and decode groups must not share devices; they "
             f"share {sorted(d.id for d in set(src) & set(dst))}"
         )
     if len(src) != len(dst):
         raise ConfigError(
-            f"across processes the prefill group ({len(src)} devices) and the decode group "
+            f"in a multi-process job the prefill group ({len(src)} devices) and the decode group "
             f"({len(dst)} devices) must have as many devices: the prefilled K/V move one "
             "device to one device; give --prefill a strategy over "
             f"{len(dst)} devices (e.g. 'tp={len(dst)}' or 'sp={len(dst)}')"
@@ -154,7 +157,7 @@ def move_tree(xs: list[jax.Array], targets: list[NamedSharding]) -> list[jax.Arr
 
 
 def device_put_all(xs: list[jax.Array], targets: list[NamedSharding]) -> list[jax.Array]:
-    """``jax.device_put`` of each of ``xs`` to its target (groups on the same processes)."""
+    """``jax.device_put`` of each of ``xs`` to its target (one process)."""
     return list(jax.device_put(list(xs), list(targets)))
 
 
