@@ -69,8 +69,12 @@ def test_throughput_prefills_a_few_prompts_not_the_whole_batch(model, hw, throug
         assert best.tokens_per_s == pytest.approx(w.batch / best.tpot_s)
     whole = predict(model, best.config, Workload(batch=w.batch, prompt_len=512, gen_len=256), hw)
     assert best.ttft_s < whole.prefill.seconds / 4  # the old plan's wait for a whole-batch prefill
-    # A served pipeline keeps every stage busy: at least pp decode groups.
-    assert all(p.config.decode_groups >= p.config.pp for p in throughput.ranked)
+    # A served pipeline keeps every stage busy: pp decode groups, pp prefill microbatches.
+    assert all(
+        p.config.decode_groups == p.config.microbatches == p.config.pp
+        for p in throughput.ranked
+        if p.config.pp > 1
+    )
     assert any(r.rule == "serve-pipeline-groups" for r in throughput.refused)
 
 
@@ -302,7 +306,7 @@ def test_throughput_pipelines_across_hosts_only_over_a_slow_inter_host_link(
         assert (config.pp, config.tp) == (2, 2), best.label
         assert hw.link(("pp",), config).name == "inter-host"  # the stages span the hosts
         assert hw.link(("tp",), config).name == "NVLink"  # tp stays inside each
-        assert config.decode_groups >= config.pp  # every stage busy each step
+        assert config.decode_groups == config.pp  # every stage busy each step
         assert "--pp 2 --tp 2" in serve_flags(best, "--hf DIR")
     else:
         assert config.pp == 1, best.label

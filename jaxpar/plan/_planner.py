@@ -13,8 +13,8 @@ prefill step plus ``gen_len`` decode steps):
 Serving (``throughput``, or latency bounds given): the batch is the server's decode slots and
 prompts are prefilled a few at a time between decode steps (:mod:`jaxpar.plan._serving`),
 not all at once; plans whose time to first token or per output token exceed the bounds are
-not chosen, and pipelined strategies are planned with at least ``pp`` decode groups (the
-served pipeline's; its decode has no bubble in steady state). Across hosts (``--hosts``, or
+not chosen, and pipelined strategies are planned with ``pp`` decode groups and prefill
+microbatches (the served pipeline's; its decode has no bubble in steady state). Across hosts (``--hosts``, or
 TPU slices) the hardware file's ``slow_link`` is the link between them: where it is slow,
 ``pp`` across hosts with ``tp`` inside wins over ``tp`` or ``dp`` spanning it.
 """
@@ -94,8 +94,8 @@ def _colocated(model, config, workload, hardware, budget, bounds, serving, grow)
 
 
 def _legal(model, count, workload, serving, where=None):
-    """(legal, refused) strategies; serving refuses pipelines with fewer decode groups
-    than stages;
+    """(legal, refused) strategies; serving refuses pipelines with other than ``pp``
+    decode groups and microbatches;
     on TPU, those ``make_mesh`` cannot lay out on the chips (``where``) are refused."""
     legal, refused = legal_strategies(model, count, workload, where)
     if not serving:
