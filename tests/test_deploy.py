@@ -299,10 +299,18 @@ def test_plan_deploy_serves_the_plan_s_strategy(capsys):
     assert lws["size"] == 4  # v5e 4x4: 4 VMs of 4 chips
     args = lws["leaderTemplate"]["spec"]["containers"][0]["args"]
     served = " ".join(args[args.index("serve") :])
-    # Across hosts serve runs colocated: the best plan without disaggregated prefill.
-    chosen = next(p for p in data["plans"] if not p["disaggregated"])
+
+    # The best plan serve runs across hosts: unpipelined, and disaggregated only into
+    # groups of as many devices.
+    def serves(p: dict) -> bool:
+        decode = math.prod(p["degrees"].values())
+        equal = not p["disaggregated"] or p["devices"] == 2 * decode
+        return p["degrees"]["pp"] == 1 and "pp=" not in p["prefill_strategy"] and equal
+
+    chosen = next(p for p in data["plans"] if serves(p))
     for axis, degree in chosen["degrees"].items():
         assert (f"--{axis} {degree}" in served) == (degree > 1)
+    assert ("--prefill" in served) == chosen["disaggregated"]
     assert f"--max-num-seqs {chosen['batch']}" in served
     assert f"--prefill-batch {chosen['prefill_batch']}" in served
 

@@ -69,8 +69,13 @@ def test_throughput_prefills_a_few_prompts_not_the_whole_batch(model, hw, throug
         assert best.tokens_per_s == pytest.approx(w.batch / best.tpot_s)
     whole = predict(model, best.config, Workload(batch=w.batch, prompt_len=512, gen_len=256), hw)
     assert best.ttft_s < whole.prefill.seconds / 4  # the old plan's wait for a whole-batch prefill
-    assert all(p.config.pp == 1 for p in throughput.ranked)  # jaxpar serve runs pp=1
-    assert any(r.rule == "serve-unpipelined" for r in throughput.refused)
+    # A served pipeline keeps every stage busy: pp decode groups, pp prefill microbatches.
+    assert all(
+        p.config.decode_groups == p.config.microbatches == p.config.pp
+        for p in throughput.ranked
+        if p.config.pp > 1
+    )
+    assert any(r.rule == "serve-pipeline-groups" for r in throughput.refused)
 
 
 def test_latency_bounds_exclude_plans_and_bind(model, hw, throughput):
@@ -267,3 +272,41 @@ def test_picture_title_shows_the_chosen_batch(tmp_path, capsys):
     assert best["batch"] != 32
     text = picture.read_text()
     assert f"batch {best['batch']} (asked 32), prefill batch {best['prefill_batch']}" in text
+
+
+LLAMA_70B = Path(__file__).parent / "fixtures" / "configs" / "llama-3-70b"
+#: Decode-heavy chat: short prompts, long answers.
+LONG_ANSWERS = Workload(batch=32, prompt_len=128, gen_len=1024)
+
+
+@pytest.mark.parametrize(
+    "inter_host_gbps, pipelined",
+    [(25.0, True), (450.0, False)],
+    ids=["slow-inter-host-link", "fast-inter-host-link"],
+)
+def test_throughput_pipelines_across_hosts_only_over_a_slow_inter_host_link(
+    tmp_path, inter_host_gbps, pipelined
+):
+    """Llama-3-70B on 2 hosts of 2 H100s (it does not fit twice: no dp across hosts).
+    The hardware file states the inter-host bandwidth (its slow link): at 25 GB/s per GPU
+    (a 200 Gb/s NIC) the best plan is pp across the hosts with tp inside each (the stages
+    pass each other activations once per step where tp=4 would all-reduce across hosts twice
+    a layer); at NVLink's 450 GB/s (hosts of one NVLink domain) the best is not
+    pipelined."""
+    text = (Path(__file__).parents[1] / "jaxpar/plan/hardware/h100.toml").read_text()
+    link = f'slow_link = {{ name = "inter-host", gbps = {inter_host_gbps}, latency_us = 5.0 }}'
+    hardware = tmp_path / "two-hosts.toml"
+    hardware.write_text(re.sub(r"^slow_link = .*$", link, text, count=1, flags=re.MULTILINE))
+    model = config_from_hf(json.loads((LLAMA_70B / "config.json").read_text()), source="70b")
+    hw = load_hardware(str(hardware)).with_hosts(4, 2)
+    assert hw.slow_link.gbps == inter_host_gbps
+    best = plan(model, hw, 4, LONG_ANSWERS, objective="throughput").best
+    config = best.config
+    if pipelined:
+        assert (config.pp, config.tp) == (2, 2), best.label
+        assert hw.link(("pp",), config).name == "inter-host"  # the stages span the hosts
+        assert hw.link(("tp",), config).name == "NVLink"  # tp stays inside each
+        assert config.decode_groups == config.pp  # every stage busy each step
+        assert "--pp 2 --tp 2" in serve_flags(best, "--hf DIR")
+    else:
+        assert config.pp == 1, best.label

@@ -175,17 +175,18 @@ def deployment(
     Raises:
         ConfigError: no model, a strategy that does not use exactly the slice's devices
             (the legal ones named), one ``jaxpar serve`` would refuse (pipelined, or
-            disaggregated across hosts), a bad name, count or ``--kv-events-config``.
+            disaggregated across hosts into groups of unequal size), a bad name, count or ``--kv-events-config``.
         IllegalStrategyError: the strategy breaks a rule for the model (``--hf`` here).
     """
     if args.hf is None and args.hf_id is None:
         raise ConfigError("jaxpar deploy needs a model: --hf DIR or --hf-id ORG/NAME")
     model = _model_here(args)
     prefill = _prefill(serve_args)
-    if slice_.hosts > 1 and prefill is not None:
+    if slice_.hosts > 1 and prefill is not None and prefill.size != parallel.size:
         raise ConfigError(
-            f"--prefill {prefill}: jaxpar serve runs disaggregated prefill in one process; "
-            f"this slice is {slice_.hosts} hosts (serve colocated: drop --prefill)"
+            f"--prefill {prefill}: across hosts the prefill and decode groups must have as "
+            f"many devices (the K/V move one device to one device); decode {parallel} has "
+            f"{parallel.size}, prefill {prefill.size} (or serve colocated: drop --prefill)"
         )
     _check_strategy(parallel, slice_, model, prefill)
     _check_counts(args)
@@ -407,14 +408,20 @@ def _planned_slice(planning) -> Slice:
 
 
 def _deployable(planning, slice_: Slice):
-    """The best plan ``jaxpar serve`` runs on ``slice_``: across hosts, the best
-    colocated one (disaggregated prefill runs in one process)."""
-    if slice_.hosts == 1 or not planning.best.disaggregated:
-        return planning.best
+    """The best plan ``jaxpar serve`` runs on ``slice_``: unpipelined, and across hosts
+    disaggregated only with groups of as many devices (the K/V move device to device)."""
+
+    def serves(pred) -> bool:
+        if pred.config.pp > 1 or (pred.prefill_config or pred.config).pp > 1:
+            return False
+        split = pred.prefill_config is not None and slice_.hosts > 1
+        return not split or pred.prefill_config.size == pred.config.size
+
     for pred in planning.ranked:
-        if not pred.disaggregated:
+        if serves(pred):
             return pred
     raise ConfigError(
-        f"every plan that fits disaggregates prefill, which jaxpar serve runs in one process; "
-        f"the slice ({slice_.describe()}) is {slice_.hosts} hosts"
+        f"no plan that fits is one jaxpar serve runs on this slice ({slice_.describe()}, "
+        f"{slice_.hosts} hosts): unpipelined, and disaggregated only into groups of as many "
+        "devices"
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jaxpar.engine import AbstractEngine
+from jaxpar.engine import AbstractEngine, check_groups, moves_globally
 from jaxpar.errors import ConfigError
 from jaxpar.models import PREFILL_KV_AXES, ModelConfig, ModelRun
 from jaxpar.spec import Module, ParallelConfig, Phase, make_mesh, partition_spec, slice_order
@@ -75,6 +75,15 @@ def check_devices(groups: dict[Phase, DeviceGroup]) -> None:
             f"{split} needs {needed} devices but {available} are available; lower the "
             f"degrees, or on the CPU simulate more with --cpu-devices {needed}"
         )
+
+
+def check_across(groups: dict[Phase, DeviceGroup]) -> None:
+    """Raises unless disaggregated groups of a multi-process job can move K/V between
+    them (:func:`jaxpar.engine.check_groups`: as many devices each). Each group's devices
+    follow the processes' order: with 4 devices a process, decode ``tp=4`` runs on
+    process 0 and ``--prefill tp=4`` on process 1."""
+    if moves_globally():
+        check_groups(*(groups[p].mesh() for p in (Phase.PREFILL, Phase.DECODE)))
 
 
 def describe_groups(groups: dict[Phase, DeviceGroup]) -> str:

@@ -360,7 +360,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
             if any(r.rule == "topology" for r in planning.refused)
             else ""
         )
-        + (" or as pipelined: jaxpar serve runs pp=1" if planning.serving else "")
+        + (" or as pipelines with other than pp groups" if planning.serving else "")
         + "), "
         f"{_disaggregated(planning)} disaggregated prefill | decode splits",
         highlight=False,

@@ -31,7 +31,7 @@ from jaxpar.cli._common import (
     speculative_config,
     weights_note,
 )
-from jaxpar.cli._groups import DeviceGroup, check_devices, device_groups
+from jaxpar.cli._groups import DeviceGroup, check_across, check_devices, device_groups
 from jaxpar.cli._progress import stage, tensor_count
 from jaxpar.engine import (
     CPU_KV_TOKENS,
@@ -276,12 +276,6 @@ def build_batcher(args: argparse.Namespace, console: Console, config=None) -> Co
     groups = device_groups(parallel_config(args), args.prefill)
     decode = groups[Phase.DECODE].parallel
     prefill = groups[Phase.PREFILL].parallel if args.prefill else None
-    if args.prefill and jax.process_count() > 1:
-        raise ConfigError(
-            "jaxpar serve --prefill (disaggregated) runs in one process for now; across "
-            "processes, serve colocated: drop --prefill (prefill then runs between decode "
-            "steps, in chunks, on all devices)"
-        )
     for parallel in (decode, prefill):
         if parallel is not None and parallel.pp > 1:
             raise ConfigError(_pipeline_refusal(config, parallel))
@@ -312,6 +306,8 @@ def build_batcher(args: argparse.Namespace, console: Console, config=None) -> Co
             max_seq_len=max_seq_len,
         )
     check_devices(groups)
+    if prefill is not None:
+        check_across(groups)
     engine = _engine(args, config, groups[Phase.DECODE], slots, console, "decode")
     scheduling = {**_scheduling(args, budget), "speculative": speculative}
     if prefill is None:

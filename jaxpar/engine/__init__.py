@@ -21,6 +21,7 @@ from jaxpar.engine._engine import Generation, InferenceEngine, prompt_bucket
 from jaxpar.engine._filters import CANDIDATES as SAMPLING_CANDIDATES
 from jaxpar.engine._filters import RADIX_ROUNDS as SAMPLING_RADIX_ROUNDS
 from jaxpar.engine._grammar import Constraint, Grammar, Grammars, Matcher, allow_only
+from jaxpar.engine._group_transfer import check_groups, moves_globally
 from jaxpar.engine._kv_budget import (
     CPU_KV_TOKENS,
     GroupPages,
@@ -62,6 +63,8 @@ from jaxpar.engine._vocab import mask_padded
 
 __all__ = [
     "Admission",
+    "check_groups",
+    "moves_globally",
     "CPU_KV_TOKENS",
     "DEFAULT_STALL_S",
     "PEER_LOST_EXIT_STATUS",

@@ -302,7 +302,10 @@ class ContinuousBatcher:
         """``bucket``'s compile; a decode step's then waits for the decode loop to run it
         once while idle (:meth:`_prime_idle`)."""
         compile_ = self.programs.compiler(bucket)
-        if bucket.kind != "decode":
+        if bucket.kind != "decode" or self.group.leader is not None:
+            # Several processes: a step primed here would wait in its collectives for the
+            # others, which replay only once their own warm-up is done (on a loaded host,
+            # past the CPU collective and gloo set-up timeouts).
             return compile_
 
         def run() -> None:

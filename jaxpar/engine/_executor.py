@@ -27,6 +27,12 @@ import jax
 import numpy as np
 
 from jaxpar.engine._engine import InferenceEngine
+from jaxpar.engine._group_transfer import (
+    device_put_all,
+    move_tree,
+    moves_globally,
+    put_tree,
+)
 from jaxpar.engine._kv_regroup import regroup_kv
 from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._penalties import History
@@ -148,6 +154,12 @@ class Executor:
         self.host_pages = None
         self._verify = None  # speculative decoding's verification (built on first use)
         self._features: dict[int, Any] = {}  # a verification's tapped hidden states
+        #: The prefill group holds none of process 0's devices (disaggregated across
+        #: processes): what process 0 reads of a prefill (first tokens, logprobs) moves to
+        #: the decode devices first, on every process.
+        self._remote_prefill = jax.process_count() > 1 and all(
+            d.process_index != 0 for d in prefill_engine.layouts.replicated.mesh.devices.flat
+        )
 
     def _pool(self, side: str) -> str:
         return DECODE if self._shared else side
@@ -209,9 +221,21 @@ class Executor:
             logprobs = None
         handle = self._handle()
         self._batches[handle] = Inserted(k=k, v=v, lengths_P=lengths, first_P=first_P)
-        if self.keeps_outputs and (final or dropped is not None):
-            self._outputs[handle] = StepOutputs(first_P, logprobs, dropped)
+        if final or dropped is not None:
+            outputs = self._readable(StepOutputs(first_P, logprobs, dropped))
+            if self.keeps_outputs:
+                self._outputs[handle] = outputs
         return handle
+
+    def _readable(self, outputs: StepOutputs) -> StepOutputs:
+        """A prefill's ``outputs`` where process 0 can read them: as they are, or moved
+        to the decode devices (replicated) when the prefill group is on other processes
+        (every process moves them: the move is one program over both groups)."""
+        if not self._remote_prefill:
+            return outputs
+        leaves, treedef = jax.tree.flatten((outputs.tokens, outputs.logprobs, outputs.dropped))
+        targets = [self.engine.layouts.replicated] * len(leaves)
+        return StepOutputs(*jax.tree.unflatten(treedef, move_tree(leaves, targets)))
 
     @command
     def insert(
@@ -255,22 +279,23 @@ class Executor:
             new = self.kv_quantizer(new)
         have = self.prefill_engine.run.kv_head_replicas
         want = self.engine.run.kv_head_replicas
-        if have == want:
-            k, v = (jax.device_put(x, lay.kv_prefill) for x in (new.k, new.v))
-            kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((k, v)))
+        # Several processes: one program over both groups moves device to device.
+        move = move_tree if moves_globally() else device_put_all
+        rows = (new.lengths_P, new.first_P), (lay.lengths_prefill_B, lay.replicated)
+        if have == want:  # one move for K, V and the rows
+            kv_rows = (new.k, new.v, *rows[0])
+            (k, v, *moved_rows), moved_bytes = put_tree(
+                kv_rows, (lay.kv_prefill, lay.kv_prefill, *rows[1]), move
+            )
         else:  # another KV-head replica count on each side: the checkpoint's heads cross
             (k, k_bytes), (v, v_bytes) = (
-                regroup_kv(x, lay.kv_prefill, have, want) for x in (new.k, new.v)
+                regroup_kv(x, lay.kv_prefill, have, want, move) for x in (new.k, new.v)
             )
-            kv_bytes = k_bytes + v_bytes
-        moved = Inserted(
-            k=k,
-            v=v,
-            lengths_P=jax.device_put(new.lengths_P, lay.lengths_prefill_B),
-            first_P=jax.device_put(new.first_P, lay.replicated),
-        )
-        self._batches[handle] = moved
-        return kv_bytes + moved.lengths_P.nbytes + moved.first_P.nbytes
+            moved_rows, row_bytes = put_tree(list(rows[0]), list(rows[1]), move)
+            moved_bytes = k_bytes + v_bytes + row_bytes
+        lengths_P, first_P = moved_rows
+        self._batches[handle] = Inserted(k=k, v=v, lengths_P=lengths_P, first_P=first_P)
+        return moved_bytes
 
     @command
     def offload(self, pages: tuple[int, ...], slots: tuple[int, ...], *, side: str) -> None:
@@ -379,9 +404,10 @@ class Executor:
         """Scores padded prompts (each position's next-token logprob, on the prefill
         engine); returns the handle :meth:`scores` reads."""
         logprobs = self.prefill_engine.scorer.dispatch(tokens_BT, lengths_B)
+        outputs = self._readable(StepOutputs(None, logprobs, None))
         handle = self._handle()
         if self.keeps_outputs:
-            self._outputs[handle] = StepOutputs(None, logprobs, None)
+            self._outputs[handle] = outputs
         return handle
 
     # --- reads (the scheduling process only) ---------------------------------------------

@@ -138,6 +138,10 @@ def page_bytes_per_device(
     return local_heads * page_size * per_head * kv_positions(dims) // dims.n_layers
 
 
+#: What :func:`free_device_bytes` agrees on for a process with none of the devices.
+NO_DEVICES = 2**62
+
+
 def free_device_bytes(devices) -> int | None:
     """The least free memory over ``devices`` (None where a device does not report it).
 
@@ -153,10 +157,11 @@ def free_device_bytes(devices) -> int | None:
             free = [-1]  # not reported: the other processes must learn it too
             break
         free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    least = min(free) if free else -1
+    # A process with none of ``devices`` (a group on other processes) bounds nothing.
+    least = min(free) if free else NO_DEVICES
     if jax.process_count() > 1:
         least = agree_min("free_device_bytes", least)
-    return None if least < 0 else least
+    return None if least < 0 or least == NO_DEVICES else least
 
 
 def size_pool(

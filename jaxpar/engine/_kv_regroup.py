@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.engine._group_transfer import Mover, device_put_all
+
 #: The kv-head dimension of prefill K/V (``[P, T, K, H]``, stacked ``[L, P, T, K, H]``) and
 #: of their scales when quantized (``[..., K, 1]``).
 HEAD_AXIS = -2
@@ -27,33 +29,29 @@ def _heads_whole(sharding: NamedSharding, ndim: int) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
-def _regroup_one(x: jax.Array, sharding: NamedSharding, have: int, want: int) -> jax.Array:
-    heads = x[..., ::have, :] if have > 1 else x
-    moved = jax.device_put(heads, _heads_whole(sharding, x.ndim))
+def _repeat(x: jax.Array, sharding: NamedSharding, want: int) -> jax.Array:
     if want == 1:
-        return jax.device_put(moved, sharding)
+        return jax.device_put(x, sharding)
     repeat = jax.jit(lambda a: jnp.repeat(a, want, axis=HEAD_AXIS), out_shardings=sharding)
-    return repeat(moved)
+    return repeat(x)
 
 
-def regroup_kv(kv: Any, shardings: Any, have: int, want: int) -> tuple[Any, int]:
+def regroup_kv(
+    kv: Any, shardings: Any, have: int, want: int, move: Mover = device_put_all
+) -> tuple[Any, int]:
     """``kv`` (a prefill K or V tree with ``have`` copies of each head, on the prefill
     devices) with ``want`` copies of each, placed in ``shardings`` (the decode group's
-    prefill layout, a prefix of ``kv``); and the bytes that crossed."""
-    crossed = 0
-
-    def place(sharding: NamedSharding, sub: Any) -> Any:
-        nonlocal crossed
-
-        def one(x: jax.Array) -> jax.Array:
-            nonlocal crossed
-            crossed += x.size * x.dtype.itemsize // have
-            return _regroup_one(x, sharding, have, want)
-
-        return jax.tree.map(one, sub)
-
-    out = jax.tree.map(place, shardings, kv)
-    return out, crossed
+    prefill layout, a prefix of ``kv``); and the bytes that crossed. ``move`` carries the
+    checkpoint's heads across (:func:`jaxpar.engine._group_transfer.move_tree` when the
+    groups lie on other processes)."""
+    leaves, treedef = jax.tree.flatten(kv)
+    targets = jax.tree.leaves(jax.tree.broadcast(shardings, kv))
+    heads = [x[..., ::have, :] if have > 1 else x for x in leaves]
+    whole = [_heads_whole(s, x.ndim) for s, x in zip(targets, heads, strict=True)]
+    moved = move(heads, whole)
+    out = [_repeat(x, s, want) for x, s in zip(moved, targets, strict=True)]
+    crossed = sum(x.size * x.dtype.itemsize for x in heads)
+    return jax.tree.unflatten(treedef, out), crossed
 
 
 def regrouped_shapes(kv: Any, have: int, want: int) -> Any:

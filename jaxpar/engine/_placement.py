@@ -77,7 +77,11 @@ def put_global(value: np.ndarray, target: NamedSharding) -> jax.Array:
     still be queued.
     """
     value = np.array(value, copy=True)
-    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
+    # dtype: a process with no device in ``target`` (a group on other processes) makes
+    # no shard to read it from.
+    return jax.make_array_from_callback(
+        value.shape, target, lambda index: value[index], dtype=value.dtype
+    )
 
 
 def place(value: Any, target: NamedSharding) -> jax.Array:

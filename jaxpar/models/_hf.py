@@ -179,6 +179,7 @@ def _read(recipe, shape, dtype, axes, ckpt: _Checkpoint, sharding_of, path) -> j
         tuple(shape),
         sharding_of(path, tuple(axes)),
         _memo(functools.partial(recipe.read, reader=reader)),
+        dtype=dtype,  # a process with no device in the sharding reads no shard
     )
 
 

@@ -107,16 +107,19 @@ def groups_of(config: ParallelConfig, phase: Phase) -> int:
     return config.microbatches if phase is Phase.PREFILL else config.decode_groups
 
 
-def bubble(config: ParallelConfig, phase: Phase) -> float:
-    """Iterations per group of the SPMD pipeline: ``(G + pp - 1) / G``."""
+def bubble(config: ParallelConfig, phase: Phase, steady: bool = False) -> float:
+    """Iterations per group of the SPMD pipeline: ``(G + pp - 1) / G``; ``steady``: 1, a
+    served pipeline in steady state (continuous batching keeps every stage busy: the
+    schedule fills as rows join and leave, so no step pays the fill and drain)."""
     g = groups_of(config, phase)
-    return (g + config.pp - 1) / g if config.pp > 1 else 1.0
+    return (g + config.pp - 1) / g if config.pp > 1 and not steady else 1.0
 
 
-def executions(item: Expected, config: ParallelConfig, phase: Phase) -> int:
+def executions(item: Expected, config: ParallelConfig, phase: Phase, steady: bool = False) -> int:
     """Executions per step of ``item``: everything but the embedding runs inside the
-    pipeline loop, once per iteration (``G + pp - 1`` of them, not ``G``)."""
-    if config.pp == 1 or item.module == "embedding":
+    pipeline loop, once per iteration (``G + pp - 1`` of them, not ``G``; ``steady``:
+    ``G``, see :func:`bubble`)."""
+    if config.pp == 1 or item.module == "embedding" or steady:
         return item.count
     g = groups_of(config, phase)
     return item.count // g * (g + config.pp - 1)
@@ -178,15 +181,17 @@ def comm_costs(
     *,
     batch: int,
     prompt_len: int,
+    steady: bool = False,
 ) -> tuple[CommCost, ...]:
-    """Every collective of a step of ``phase``, with bytes and time."""
+    """Every collective of a step of ``phase``, with bytes and time (``steady``: see
+    :func:`bubble`)."""
     analytic = communication_model(model, config, phase, batch=batch, prompt_len=prompt_len)
     extra = known_excess(model, analytic)
     out = []
     for item in (*analytic.items, *extra):
         n = math.prod(config.degree(a) for a in item.axes)
         link = hardware.link(item.axes, config)
-        runs = executions(item, config, phase)
+        runs = executions(item, config, phase, steady)
         each, algorithm = collective_seconds(item.kind, item.bytes_each, n, link)
         if item.step == "padded dispatch blocks" and ragged_moe(model, hardware):
             # The program's receive buffer has the padded size (what the bytes count), but
@@ -257,9 +262,11 @@ def phase_cost(
     max_seq_len: int,
     params_bytes: int,
     cache_bytes: int,
+    steady: bool = False,
 ) -> PhaseCost:
-    """Predicted cost of one step of ``phase`` on one device of ``config``."""
-    iters = bubble(config, phase)
+    """Predicted cost of one step of ``phase`` on one device of ``config``; ``steady``: a
+    served pipeline's decode in steady state, no fill or drain (:func:`bubble`)."""
+    iters = bubble(config, phase, steady)
     total = step_flops(model, phase, batch=batch, prompt_len=prompt_len, context=max_seq_len)
     flops = total / config.size * iters
     # The weights are read once per pipeline iteration; decode reads the whole cache.
@@ -272,5 +279,7 @@ def phase_cost(
         hbm_bytes=hbm,
         compute_s=flops / hardware.peak_flops(dtype),
         memory_s=hbm / (hardware.hbm_gbps * 1e9),
-        comm=comm_costs(model, config, phase, hardware, batch=batch, prompt_len=prompt_len),
+        comm=comm_costs(
+            model, config, phase, hardware, batch=batch, prompt_len=prompt_len, steady=steady
+        ),
     )

@@ -13,7 +13,10 @@ prefill step plus ``gen_len`` decode steps):
 Serving (``throughput``, or latency bounds given): the batch is the server's decode slots and
 prompts are prefilled a few at a time between decode steps (:mod:`jaxpar.plan._serving`),
 not all at once; plans whose time to first token or per output token exceed the bounds are
-not chosen, and only unpipelined strategies (what ``jaxpar serve`` runs) are planned.
+not chosen, and pipelined strategies are planned with ``pp`` decode groups and prefill
+microbatches (the served pipeline's; its decode has no bubble in steady state). Across hosts (``--hosts``, or
+TPU slices) the hardware file's ``slow_link`` is the link between them: where it is slow,
+``pp`` across hosts with ``tp`` inside wins over ``tp`` or ``dp`` spanning it.
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def _colocated(model, config, workload, hardware, budget, bounds, serving, grow)
 
 
 def _legal(model, count, workload, serving, where=None):
-    """(legal, refused) strategies; serving refuses pipelined ones (``jaxpar serve`` does);
+    """(legal, refused) strategies; serving refuses pipelines with other than ``pp``
+    decode groups and microbatches;
     on TPU, those ``make_mesh`` cannot lay out on the chips (``where``) are refused."""
     legal, refused = legal_strategies(model, count, workload, where)
     if not serving:
@@ -245,14 +249,14 @@ def largest_batch(
     platform: str | None = None,
 ) -> tuple[int, ParallelConfig] | None:
     """The largest batch below ``workload.batch`` that a strategy legal for the workload on
-    ``devices`` fits in ``budget`` bytes per device (serving: unpipelined, prefilling its
+    ``devices`` fits in ``budget`` bytes per device (serving: one a server runs, prefilling its
     smallest batch), with that strategy; None when not even the smallest batch fits.
     Memory grows with the batch, so each strategy's largest is found by bisection over the
     multiples of its smallest legal batch. On TPU, only strategies that lay out on the chips
     (``where``) count."""
     best: tuple[int, ParallelConfig] | None = None
     for config in legal_strategies(model, devices, workload, where)[0]:
-        if serving and config.pp > 1:
+        if serving and check_serving(model, config, workload) is not None:
             continue
         step = batch_multiple(model, config)
 

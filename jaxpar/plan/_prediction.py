@@ -184,7 +184,16 @@ def predict(
         config,
         workload,
         phase_cost(model, config, Phase.PREFILL, hardware, batch=workload.prefill_rows, **kw),
-        phase_cost(model, config, Phase.DECODE, hardware, batch=workload.batch, **kw),
+        # A server's pipeline (continuous batching over decode groups) runs full.
+        phase_cost(
+            model,
+            config,
+            Phase.DECODE,
+            hardware,
+            batch=workload.batch,
+            steady=workload.serving,
+            **kw,
+        ),
         mem,
         hardware.hbm_bytes if budget is None else budget,
         kv_tokens=kv_cache_tokens_for(model, workload.batch, workload.max_seq_len, KV_PAGE_SIZE),

@@ -17,7 +17,11 @@ The serving model (what :class:`jaxpar.engine.ContinuousBatcher` does, in steady
 
 A plan whose TTFT or TPOT exceeds ``--max-ttft-ms`` / ``--max-tpot-ms`` is not chosen; the
 prefill batch is the largest (up to the server's default, 4 per batch shard) that meets
-them. ``jaxpar serve`` runs unpipelined strategies only, so serving plans have ``pp = 1``.
+them. A pipelined plan (``pp > 1``; across hosts, stages pass each other only activations,
+where ``tp`` runs its all-reduces over the slower link and ``dp`` holds every weight on
+each side of it) serves with ``pp`` decode groups and ``pp`` prefill microbatches (the
+one schedule planned, which keeps the search as small as the unpipelined one's), and its
+decode step is costed in steady state, every stage busy (:func:`jaxpar.plan._cost.bubble`).
 """
 
 from __future__ import annotations
@@ -142,13 +146,18 @@ def serve_flags(pred: Prediction, source: str) -> str:
 
 
 def check_serving(model: ModelConfig, config: ParallelConfig, workload: Workload) -> Refused | None:
-    """None when ``config`` can serve ``workload`` (legal, unpipelined), else why not."""
+    """None when ``config`` can serve ``workload`` (legal; pipelined: ``pp`` decode groups
+    and ``pp`` prefill microbatches, one per stage, so that every stage has work each
+    step), else why not."""
     why = check(model, config, workload)
     if why is not None or config.pp == 1:
         return why
+    if config.decode_groups == config.microbatches == config.pp:
+        return None
     return Refused(
         config,
-        "serve-unpipelined",
-        "jaxpar serve runs unpipelined strategies (continuous batching has no pipeline "
-        "schedule): pp must be 1",
+        "serve-pipeline-groups",
+        f"a served pipeline splits its decode rows into pp={config.pp} groups and its "
+        f"prefill into pp microbatches, one per stage, so every stage has work each step; "
+        f"not decode_groups={config.decode_groups}, microbatches={config.microbatches}",
     )
