@@ -80,11 +80,16 @@ class Logprobs:
         split: VocabSplit | None = None,
     ) -> Logprobs:
         """:meth:`of` where some row ``wants_B`` them, else zeros (traced)."""
-        return jax.lax.cond(
-            jnp.any(wants_B),
-            lambda: cls.of(logits_BV, chosen_B, split),
-            lambda: cls.zeros(chosen_B.shape, logits_BV.shape[-1]),
-        )
+
+        def none() -> Logprobs:
+            zeros = cls.zeros(chosen_B.shape, logits_BV.shape[-1])
+            # Typed as the logits vary (inside a pipeline stage: over ``pp``), as ``of``'s are.
+            varying = tuple(sorted(jax.typeof(logits_BV).manual_axis_type.varying))
+            if not varying:
+                return zeros
+            return jax.tree.map(lambda z: jax.lax.pcast(z, varying, to="varying"), zeros)
+
+        return jax.lax.cond(jnp.any(wants_B), lambda: cls.of(logits_BV, chosen_B, split), none)
 
     def host(self) -> Logprobs:
         """The same as NumPy arrays (one device-to-host read)."""
