@@ -306,11 +306,6 @@ class Steps:
 
     def _prefill_context_program(self, args, lower: bool = False):
         lay = self.layouts
-        if self.config.pp > 1:
-            raise ConfigError(
-                f"prefill with context (chunked prefill, prefix caching) runs unpipelined "
-                f"strategies; {self.config} has pp={self.config.pp}"
-            )
         tokens, ctx_k = args[1], args[4]
         return self.compile_or_lower(
             lower,

@@ -4,7 +4,7 @@ Models name logical axes only (``constrain`` at module boundaries, ``out_shardin
 metadata on every parameter); the engine maps them to mesh axes.
 """
 
-from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES, Attention
+from jaxpar.models._attention import KV_SCORE_AXES, Q_AXES, Attention, Context
 from jaxpar.models._attention_ops import interpret_kernels
 from jaxpar.models._cache import (
     PREFILL_KV_AXES,
@@ -100,6 +100,7 @@ from jaxpar.models._rope import (
 from jaxpar.models._run import ModelRun
 
 __all__ = [
+    "Context",
     "sp_prefill_attention",
     "DOWN_AXES",
     "EXPERT_ROWS_SCOPE",
