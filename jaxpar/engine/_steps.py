@@ -33,7 +33,6 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
 from jaxpar.engine._vocab import VocabSplit
-from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, count_dropped, total_dropped
 from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
 
