@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.engine._pipeline import BTD, run_schedule, stage_slot
@@ -203,6 +204,17 @@ class SlotPipeline:
     def bubble(self, rows: int) -> float:
         """The idle share of stage-iterations of a step over ``rows`` rows."""
         return bubble_fraction(self.stages.count, self.groups_for(rows))
+
+    def stage_iterations(self, live_B: np.ndarray, rows: int) -> tuple[int, int]:
+        """A step's stage-iterations over ``rows`` rows (the first ``rows / shards`` of
+        each batch shard) and how many of them idle: the fill and drain, and a busy slot
+        whose group has no live row (``live_B``: the live rows, all ``B``)."""
+        p, g = self.stages.count, self.groups_for(rows)
+        live_SL = np.asarray(live_B, bool).reshape(self.shards, -1)[:, : rows // self.shards]
+        live_groups = np.zeros(g, bool)
+        np.logical_or.at(live_groups, np.arange(rows) % g, live_SL.reshape(-1))
+        total = p * (g + p - 1)
+        return total, total - p * int(live_groups.sum())
 
     def step(self, model: Decoder, cache: PagedKVCache, tokens_R: jax.Array, draw, rows):
         """One decode step of ``cache``'s rows (traced): ``draw(logits, *rows)`` picks each
