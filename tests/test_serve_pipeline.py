@@ -27,7 +27,8 @@ MAX_SEQ_LEN = 32
 REQUESTS = 16
 #: 8 rows, pages of 4 tokens, 40 tokens of pool per batch shard (10 pages, one the scratch
 #: page): far less than 8 rows of up to 32 tokens, so rows are preempted. Prefill at most 8
-#: tokens between steps: longer prompts prefill in chunks that continue their context.
+#: tokens between steps: longer prompts prefill in chunks that continue their context. One
+#: prompt per batch shard per prefill: few programs to warm up.
 COMMON = [
     "--hf",
     "tests/fixtures/llama_chat",
@@ -41,8 +42,11 @@ COMMON = [
     "8",
 ]
 STRATEGIES = {
-    "pp2-tp2": (4, ["--pp", "2", "--tp", "2", "--kv-cache-tokens", "40"]),
-    "pp2-dp2-tp2": (8, ["--pp", "2", "--dp", "2", "--tp", "2", "--kv-cache-tokens", "80"]),
+    "pp2-tp2": (4, ["--pp", "2", "--tp", "2", "--kv-cache-tokens", "40", "--prefill-batch", "1"]),
+    "pp2-dp2-tp2": (
+        8,
+        ["--pp", "2", "--dp", "2", "--tp", "2", "--kv-cache-tokens", "80", "--prefill-batch", "2"],
+    ),
 }
 
 
