@@ -134,7 +134,14 @@ def test_64_concurrent_mixed_requests_each_equal_their_offline_run(ready, offlin
     [
         (["--tp", "4", "--prefill", "sp=8"], "needs 12 devices but 8 are available"),
         (
-            ["--pp", "2", "--tp", "2", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+            [
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ],
             "speculative decoding does not compose with pipeline stages",
         ),
         (["--pp", "2", "--tp", "2", "--prefill", "tp=4"], "runs unpipelined groups"),
