@@ -9,7 +9,7 @@ over them: at iteration ``i`` stage ``s`` runs group ``i - s`` through its layer
 the group's new token into its own pages (:class:`~jaxpar.models.PagedKVCache` over the
 stage's ``[Lp, ...]`` block), and hands its activations to the next stage with one
 collective-permute. The last stage turns each finished group into logits and draws its
-tokens there (:func:`draw_group`), so logits never leave it; only the sampled tokens and
+tokens there (the ``draw`` of :meth:`SlotPipeline.step`), so logits never leave it; only the sampled tokens and
 their logprobs leave, and the next step embeds them on stage 0.
 
 A stage in a bubble (the fill and the drain, ``P - 1`` of the ``G + P - 1`` iterations)
@@ -43,12 +43,6 @@ ATTENTION, EMBEDDING, LM_HEAD = Module.ATTENTION, Module.EMBEDDING, Module.LM_HE
 #: ``G = 4 P`` groups a step idles ``(P - 1) / (5 P - 1)`` of its stage-iterations
 #: (pp=2: 11%), and each group still has rows enough to batch.
 GROUPS_PER_STAGE = 4
-
-
-def step_groups(rows_per_shard: int, groups: int) -> int:
-    """The decode groups of a step computing ``rows_per_shard`` rows per batch shard: at
-    most ``groups``, and no more than the rows (a lone row is one group)."""
-    return max(1, min(groups, rows_per_shard))
 
 
 def bubble_fraction(stages: int, groups: int) -> float:
@@ -200,10 +194,6 @@ class SlotPipeline:
         divide each batch shard's rows."""
         per = rows // self.shards
         return max(g for g in range(1, min(self.groups, per) + 1) if per % g == 0)
-
-    def bubble(self, rows: int) -> float:
-        """The idle share of stage-iterations of a step over ``rows`` rows."""
-        return bubble_fraction(self.stages.count, self.groups_for(rows))
 
     def stage_iterations(self, live_B: np.ndarray, rows: int) -> tuple[int, int]:
         """A step's stage-iterations over ``rows`` rows (the first ``rows / shards`` of
