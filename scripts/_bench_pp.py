@@ -2,7 +2,7 @@
 
 The bench model (``bench_serving.MODEL``, 4 layers) served in process by a
 :class:`~jaxpar.engine.ContinuousBatcher` on the same 4 of the 8 simulated CPU devices,
-four ways: pp2·tp2 with 4 decode groups, pp2·tp2 with the default groups (``4 P = 8``),
+four ways: pp2·tp2 with the default decode groups (``2 P = 4``), pp2·tp2 with 8,
 tp4 and dp2·tp2. Each gets the same saturating burst: every request submitted at once,
 more than the rows hold, greedy, fixed prompt and output lengths. Reported per system:
 output tokens/s over the run (prefill included), the mean decode step, and for the
@@ -34,8 +34,8 @@ def _systems():
     from jaxpar.spec import ParallelConfig
 
     return [
-        ("pp2.tp2, 4 groups", ParallelConfig(pp=2, tp=2, decode_groups=4)),
-        ("pp2.tp2, 8 groups (default)", ParallelConfig(pp=2, tp=2)),
+        ("pp2.tp2, 4 groups (default)", ParallelConfig(pp=2, tp=2)),
+        ("pp2.tp2, 8 groups", ParallelConfig(pp=2, tp=2, decode_groups=8)),
         ("tp4", ParallelConfig(tp=4)),
         ("dp2.tp2", ParallelConfig(dp=2, tp=2)),
     ]

@@ -47,8 +47,8 @@ Sections (``--sections``, default all):
   ``scripts/make_smollm2.py``; f32, one device): batch 1 on input-grounded
   prompts (goal >= 1.8x plain's output tokens/s, the same tokens) and 64 mixed requests
   over 16 rows (goal >= 0.97x plain).
-* ``pp`` (``_bench_pp.py``): pipelined continuous batching, pp2·tp2 (4 groups, and the
-  default 8) against tp4 and dp2·tp2 on the same 4 simulated devices, a saturating burst:
+* ``pp`` (``_bench_pp.py``): pipelined continuous batching, pp2·tp2 (the default 4 groups,
+  and 8) against tp4 and dp2·tp2 on the same 4 simulated devices, a saturating burst:
   output tokens/s, decode step, the bubble fraction paid (goal <= 15% with 4 groups).
 * ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
   server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with

@@ -152,5 +152,6 @@ def test_concurrent_requests_equal_one_device_with_preemption(servers, offline, 
     iterations = _metric(metrics, "pipeline_stage_iterations")
     idle = _metric(metrics, "pipeline_idle_stage_iterations")
     assert iterations > 0 and bubble == pytest.approx(idle / iterations)
-    # At least the fill and drain of every step: (P - 1) / (G + P - 1) with G <= 8 groups.
-    assert 1 / 9 <= bubble < 1
+    # At least the fill and drain of every step: (P - 1) / (G + P - 1) with at most the
+    # default G = 2 P = 4 groups.
+    assert 1 / 5 <= bubble < 1
