@@ -48,6 +48,9 @@ Sections (``--sections``, default all):
   prompts (goal >= 1.8x plain's output tokens/s, the same tokens) and 64 mixed requests
   over 16 rows (goal >= 0.97x plain); and batch 1 with ``eagle3`` and a random fixture
   head (``scripts/make_spec_heads.py``): the overhead of drafting with a head.
+* ``pp`` (``_bench_pp.py``): pipelined continuous batching, pp2·tp2 (the default 4 groups,
+  and 8) against tp4 and dp2·tp2 on the same 4 simulated devices, a saturating burst:
+  output tokens/s, decode step, the bubble fraction paid (goal <= 15% with 4 groups).
 * ``vs-vllm``: the same workloads against jaxpar and then against the OpenAI-compatible
   server at ``--vllm-url`` (serving the same checkpoint as ``bench``), side by side with
   ratios. Runs only when ``--vllm-url`` is given.
@@ -923,6 +926,22 @@ def _spec_markdown(res: dict) -> str:
     return spec.markdown(res)
 
 
+def pp_section(quick: bool) -> dict:
+    """``pp``: pp2.tp2 against tp4 and dp2.tp2 on the bench model (``_bench_pp.py``)."""
+    import _bench_pp
+
+    from jaxpar.models import ExecutionOptions, ModelRun, init_params
+
+    config = ModelRun(bench_model(max_positions=256), ExecutionOptions(layer_loop="scan"))
+    return _bench_pp.pp_section(config, init_params(config), quick)
+
+
+def _pp_markdown(res: dict) -> str:
+    import _bench_pp
+
+    return _bench_pp.markdown(res)
+
+
 #: Each section: what it measures, and its Markdown.
 SECTIONS = {
     "static": ("continuous vs static batching", markdown),
@@ -940,6 +959,7 @@ SECTIONS = {
         _offload_markdown,
     ),
     "spec": ("speculative decoding (n-gram) on SmolLM2-135M-Instruct", _spec_markdown),
+    "pp": ("pipelined continuous batching: pp2.tp2 vs tp4 vs dp2.tp2, saturated", _pp_markdown),
 }
 
 
@@ -966,6 +986,8 @@ def run_section(
         res = _bench_offload.offload_section(quick)
     elif name == "spec":
         res = spec_section(quick)
+    elif name == "pp":
+        res = pp_section(quick)
     else:
         res = served_section(name, quick)
     res["seconds"] = time.perf_counter() - start

@@ -118,7 +118,8 @@ def strategy_for(case: PodCase, config: Any) -> str:
 
 def programs_for(parallel: Any) -> tuple[str, ...]:
     """The steps compiled: the offline prefill and decode, and the paged decode step with
-    its sampler that ``jaxpar serve`` runs (pipelines serve no paged step yet)."""
+    its sampler that ``jaxpar serve`` runs (unpipelined; the pipelined one's copies and
+    HBM are checked in ``tests/test_pipeline_serving_tpu.py``, not against the planner)."""
     return ("prefill", "decode") if parallel.pp > 1 else ("prefill", "decode", "serve_decode")
 
 

@@ -231,10 +231,13 @@ def test_close_ends_running_requests_and_drain_finishes_them():
     assert not batcher.running
 
 
-def test_pipelined_strategies_are_refused_with_a_clear_error():
+def test_what_pipelined_serving_does_not_compose_with_is_refused_with_a_clear_error():
     engine = _engine(ParallelConfig(pp=2))
-    with pytest.raises(ConfigError, match="pp=2: serve with pp=1"):
-        ContinuousBatcher(engine)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="speculative decoding does not compose"):
+        ContinuousBatcher(engine, speculative=ngram)
+    with pytest.raises(ConfigError, match="split_decode runs unpipelined steps"):
+        ContinuousBatcher(engine, split_decode=True)
 
 
 def test_insert_writes_only_the_new_pages():

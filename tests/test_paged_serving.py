@@ -50,19 +50,29 @@ def test_page_sizes_that_do_and_do_not_divide_the_prompts(page_size):
 
 @pytest.mark.parametrize(
     "parallel,shard_tokens",
-    sweep([(ParallelConfig(), 40), (ParallelConfig(dp=2, tp=2), 28)], lambda p: p[0].size == 1),
-    ids=["single", "dp2-tp2"],
+    sweep(
+        [
+            (ParallelConfig(), 40),
+            (ParallelConfig(dp=2, tp=2), 28),
+            (ParallelConfig(pp=2, tp=2), 28),
+        ],
+        lambda p: p[0].size == 1,
+    ),
+    ids=["single", "dp2-tp2", "pp2-tp2"],
 )
 def test_a_tiny_pool_preempts_and_every_request_still_equals_offline(parallel, shard_tokens):
     """A few dozen tokens per batch shard for its rows' requests of up to 25 tokens each:
-    rows run out of pages mid-decode, the latest admitted is preempted and recomputed."""
+    rows run out of pages mid-decode, the latest admitted is preempted and recomputed.
+    Pipelined (pp2-tp2): decode groups through the stages, drawn on the last one."""
     shards = parallel.dp  # one prompt per shard at a time: few prefill programs to warm up
     budget = KVBudget(page_size=4, tokens=shard_tokens * shards)
     engine, batcher = _serve(parallel, budget, prefill_rows=1)
     assert batcher.pool.pages_per_shard == shard_tokens // 4 + 1  # + the scratch page
+    # Offline pipelined generate has no logprobs or penalties: one device is the reference.
+    reference = engine if parallel.pp == 1 else _engine(ParallelConfig())
     with batcher:
         batcher.warmup(range(1, 33))
-        _check_served(batcher, engine)
+        _check_served(batcher, reference)
         assert batcher.stats.preemptions > 0
     _balanced(batcher)
 

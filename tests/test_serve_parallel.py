@@ -133,7 +133,18 @@ def test_64_concurrent_mixed_requests_each_equal_their_offline_run(ready, offlin
     "flags, message",
     [
         (["--tp", "4", "--prefill", "sp=8"], "needs 12 devices but 8 are available"),
-        (["--pp", "2", "--tp", "2"], "legal here: tp=4 or dp=2,tp=2 or sp=2,tp=2"),
+        (
+            [
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ],
+            "speculative decoding does not compose with pipeline stages",
+        ),
+        (["--pp", "2", "--tp", "2", "--prefill", "tp=4"], "runs unpipelined groups"),
     ],
 )
 def test_serve_refuses_a_bad_layout_before_loading(flags, message):

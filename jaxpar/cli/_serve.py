@@ -276,10 +276,8 @@ def build_batcher(args: argparse.Namespace, console: Console, config=None) -> Co
     groups = device_groups(parallel_config(args), args.prefill)
     decode = groups[Phase.DECODE].parallel
     prefill = groups[Phase.PREFILL].parallel if args.prefill else None
-    for parallel in (decode, prefill):
-        if parallel is not None and parallel.pp > 1:
-            raise ConfigError(_pipeline_refusal(config, parallel))
     speculative = speculative_config(args)  # a bad one refused before anything loads
+    check_pipeline(config, decode, prefill, speculative)
     for flag in ("max_num_seqs", "max_prefill_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -316,30 +314,31 @@ def build_batcher(args: argparse.Namespace, console: Console, config=None) -> Co
     return ContinuousBatcher(engine, prefill_engine=prefill_engine, **scheduling)
 
 
-def _pipeline_refusal(config, parallel) -> str:
-    """Why ``jaxpar serve`` refuses ``pp > 1``, and the legal strategies on the same
-    devices that fold the pipeline's degree into another axis."""
-    import dataclasses
+def check_pipeline(config, decode, prefill, speculative) -> None:
+    """Refuses, before anything loads, what pipelined serving (``pp > 1``) does not run
+    yet: speculative decoding, a pipelined or pipeline-fed disaggregated prefill, and
+    models with KV groups (sliding-window layers mixed with full ones)."""
+    from jaxpar.models import kv_groups
 
-    from jaxpar.errors import IllegalStrategyError
-
-    plain = dataclasses.replace(parallel, microbatches=1, decode_groups=1)
-    legal = []
-    for axis in ("tp", "dp", "sp", "ep"):
-        folded = dataclasses.replace(plain, pp=1, **{axis: getattr(plain, axis) * plain.pp})
-        try:
-            validate(config, folded, n_devices=folded.size)
-        except (IllegalStrategyError, ConfigError):
-            continue
-        legal.append(str(folded))
-    instead = f"; legal here: {' or '.join(legal)}" if legal else ""
-    return (
-        f"jaxpar serve runs unpipelined strategies; {parallel} has pp={parallel.pp}. "
-        "Continuous batching dispatches each step over every layer in one program (the "
-        "paged decode step, prefill with context, insert into the page pool); a pipeline "
-        "needs its stages scheduled across slot groups and microbatches, which only "
-        f"offline generation (jaxpar run) has. Fold the pipeline into another axis{instead}"
-    )
+    if decode.pp == 1 and (prefill is None or prefill.pp == 1):
+        return
+    if prefill is not None:
+        raise ConfigError(
+            f"jaxpar serve --prefill (disaggregated) runs unpipelined groups; decode "
+            f"{decode} and prefill {prefill} (pp > 1 on one): serve the pipeline colocated "
+            "(drop --prefill) or fold pp into tp or dp"
+        )
+    if speculative is not None:
+        raise ConfigError(
+            f"speculative decoding does not compose with pipeline stages yet ({decode} has "
+            f"pp={decode.pp}): drop --speculative-config, or serve with pp=1"
+        )
+    if kv_groups(config) is not None:
+        raise ConfigError(
+            f"serving with pp={decode.pp} runs models whose layers share one block table; "
+            f"{getattr(config, 'name', 'this model')} mixes sliding-window and full layers "
+            "(KV groups): serve it with pp=1 (fold pp into tp or dp)"
+        )
 
 
 def _scheduling(args: argparse.Namespace, budget: KVBudget) -> dict[str, Any]:

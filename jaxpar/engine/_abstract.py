@@ -195,11 +195,6 @@ class AbstractEngine:
     def serving(self) -> ServingPrograms:
         """The serving programs (:mod:`jaxpar.engine._serving_programs`): what ``jaxpar
         serve`` compiles, over a page pool of ``max_batch x max_seq_len`` tokens."""
-        if self.parallel_config.pp > 1:
-            raise ConfigError(
-                f"serving runs unpipelined strategies; {self.parallel_config} has "
-                f"pp={self.parallel_config.pp}: its serving programs do not exist"
-            )
         return ServingPrograms(self.steps, self.params, self.max_batch)
 
     def lower(

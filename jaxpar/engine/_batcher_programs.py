@@ -67,10 +67,12 @@ def default_max_prefill_tokens(platform: str, page_size: int) -> int:
 def prefill_rows(engine: InferenceEngine) -> int:
     """The prefill's batch shards: the product of the mesh axes that carry batch in prefill
     (dp, and ep for a MoE: the tables make ep split every module's batch), so the smallest
-    prefill batch that divides over them."""
+    prefill batch that divides over them; pipelined, times the prefill's microbatches
+    (each takes its share of every shard's rows)."""
     pc = engine.parallel_config
     axes = mesh_axes(Module.ATTENTION, Phase.PREFILL, pc, dims=engine.model_config)["batch"]
-    return math.prod(pc.degree(a) for a in axes)
+    microbatches = pc.microbatches if pc.pp > 1 else 1
+    return math.prod(pc.degree(a) for a in axes) * microbatches
 
 
 def size_prefill_batch(engine: InferenceEngine, wanted: int | None, separate) -> int:
@@ -85,7 +87,8 @@ def size_prefill_batch(engine: InferenceEngine, wanted: int | None, separate) ->
         raise ConfigError(
             f"prefill_batch={pb} must be a multiple of the prefill strategy's batch shards "
             f"({shards}: the degrees of the axes carrying batch in prefill, dp and ep for a "
-            f"MoE) and at most its max_batch={engine.max_batch}"
+            f"MoE, times the microbatches of a pipeline) and at most its "
+            f"max_batch={engine.max_batch}"
         )
     return pb
 

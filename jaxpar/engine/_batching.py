@@ -135,6 +135,17 @@ class ContinuousBatcher:
         self.core = ServingCore(self.scheduler, self.runner, self.cache, self.prefill_cache, *args)
         #: Speculative decoding's configuration (None: off); its counters in :attr:`spec_stats`.
         self.speculative = SpeculativeConfig.parse(speculative or engine.speculative)
+        if split_decode and engine.parallel_config.pp > 1:
+            raise ConfigError(
+                f"split_decode runs unpipelined steps; {engine.parallel_config} has "
+                f"pp={engine.parallel_config.pp}: leave split_decode off"
+            )
+        if self.speculative is not None and engine.parallel_config.pp > 1:
+            raise ConfigError(
+                f"speculative decoding does not compose with pipeline stages yet "
+                f"({engine.parallel_config} has pp={engine.parallel_config.pp}): serve "
+                "without it, or with pp=1"
+            )
         if self.speculative is not None:
             self.core.speculation = Speculation(self.speculative, self.core)
         self.programs = BatcherPrograms(

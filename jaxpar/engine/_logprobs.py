@@ -54,7 +54,11 @@ class Logprobs:
         tokens are then each shard's own first, merged (an exchange of ``[B, shards, K]``,
         not of the vocabulary); the log-sum-exp is a per-row reduction."""
         lp_xV = jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(lp_xV, chosen_x[..., None], axis=-1)[..., 0]
+        # A one-hot select, not take_along_axis: that gather makes XLA's SPMD partitioner
+        # abort (a CHECK) inside a pipeline stage's pp-manual shard_map with dp and tp > 1.
+        # Exact: every other entry adds 0.
+        at_V = jnp.arange(lp_xV.shape[-1]) == chosen_x[..., None]
+        chosen = jnp.sum(jnp.where(at_V, lp_xV, 0.0), axis=-1)
         k = min(MAX_TOP_LOGPROBS, lp_xV.shape[-1])
         if split is not None and lp_xV.ndim == 2:
             top, top_ids = split.top_k(lp_xV, k)
@@ -80,11 +84,16 @@ class Logprobs:
         split: VocabSplit | None = None,
     ) -> Logprobs:
         """:meth:`of` where some row ``wants_B`` them, else zeros (traced)."""
-        return jax.lax.cond(
-            jnp.any(wants_B),
-            lambda: cls.of(logits_BV, chosen_B, split),
-            lambda: cls.zeros(chosen_B.shape, logits_BV.shape[-1]),
-        )
+
+        def none() -> Logprobs:
+            zeros = cls.zeros(chosen_B.shape, logits_BV.shape[-1])
+            # Typed as the logits vary (inside a pipeline stage: over ``pp``), as ``of``'s are.
+            varying = tuple(sorted(jax.typeof(logits_BV).manual_axis_type.varying))
+            if not varying:
+                return zeros
+            return jax.tree.map(lambda z: jax.lax.pcast(z, varying, to="varying"), zeros)
+
+        return jax.lax.cond(jnp.any(wants_B), lambda: cls.of(logits_BV, chosen_B, split), none)
 
     def host(self) -> Logprobs:
         """The same as NumPy arrays (one device-to-host read)."""

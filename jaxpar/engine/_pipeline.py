@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxpar.engine._pipeline_cache import GroupCacheView
 from jaxpar.engine._pipeline_stages import Blocks, Stages, stage_layer
-from jaxpar.models import Decoder, KVCache
+from jaxpar.models import Context, Decoder, KVCache
 from jaxpar.spec import Module, Phase
 
 PREFILL, DECODE = Phase.PREFILL, Phase.DECODE
@@ -103,35 +103,58 @@ def last_position(x_BTD: jax.Array, lengths_B: jax.Array) -> jax.Array:
 # --- prefill: stage-local steps ----------------------------------------------------------
 
 
-def prefill_layer(j, carry, *, graphdef, state_Lp, pos_BmT, lengths_Bm, write, first=0):
+def prefill_layer(
+    j, carry, *, graphdef, state_Lp, pos_BmT, lengths_Bm, write, first=0, context=None
+):
     """Layer ``j`` of a stage on one microbatch; its K/V go to slot ``write``. ``first``:
-    the stage's first model-wide layer index (layers may differ: Gemma's windows)."""
+    the stage's first model-wide layer index (layers may differ: Gemma's windows).
+    ``context``: the microbatch's cached ``(k [Lp, Bm, C, K, H], v, start_Bm)`` it
+    continues (chunked prefill, prefix hits), or None."""
     x_BmTD, k_buf, v_buf = carry
     layer = nnx.merge(graphdef, stage_layer(state_Lp, j))
-    x_BmTD, k_BmTKH, v_BmTKH = layer.prefill(x_BmTD, pos_BmT, lengths_Bm, None, first + j)
+    ctx = None
+    if context is not None:
+        ctx_k, ctx_v, start_Bm = context
+        ctx = Context(ctx_k[j], ctx_v[j], start_Bm)
+    x_BmTD, k_BmTKH, v_BmTKH = layer.prefill(x_BmTD, pos_BmT, lengths_Bm, ctx, first + j)
     k_buf = k_buf.at[j, :, write].set(k_BmTKH, mode="drop")
     v_buf = v_buf.at[j, :, write].set(v_BmTKH, mode="drop")
     return x_BmTD, k_buf, v_buf
 
 
 def prefill_stage(
-    s, state_Lp, x_BmTD, x_emb_BmMTD, k_buf, v_buf, *, i, graphdef, lengths_BmM, pos_BmT, lp
+    s, state_Lp, x_BmTD, x_emb_BmMTD, k_buf, v_buf, *, i, graphdef, lengths_BmM, pos_BmMT, lp
 ):
     """Stage ``s`` at iteration ``i``: its ``lp`` layers on its microbatch (stage 0 takes
-    the next one from the embedding)."""
+    the next one from the embedding). With context, ``k_buf`` and ``v_buf`` come as
+    ``(buffer, cached [Lp, B, C, K, H], start_BmM)`` (the cache a stage's own block) and
+    go back alike, the cache wrapped in :class:`Blocks` again."""
     m_count = lengths_BmM.shape[1]
     read, write = stage_slot(i, s, m_count)
     x_BmTD = jnp.where(s == 0, x_emb_BmMTD[:, jnp.minimum(i, m_count - 1)], x_BmTD)
+    context = None
+    if isinstance(k_buf, tuple):  # new tokens continuing cached ones
+        (k_buf, ctx_k, start_BmM), (v_buf, ctx_v, _) = k_buf, v_buf
+
+        def rows(x_LpBCKH):  # the microbatch's rows: b % M == read
+            lp_, b = x_LpBCKH.shape[:2]
+            return x_LpBCKH.reshape(lp_, b // m_count, m_count, *x_LpBCKH.shape[2:])[:, :, read]
+
+        context = (rows(ctx_k), rows(ctx_v), start_BmM[:, read])
     layer = functools.partial(
         prefill_layer,
         graphdef=graphdef,
         state_Lp=state_Lp,
-        pos_BmT=pos_BmT,
+        pos_BmT=pos_BmMT[:, read],
         lengths_Bm=lengths_BmM[:, read],
         write=write,
         first=s * lp,
+        context=context,
     )
-    return jax.lax.fori_loop(0, lp, layer, (x_BmTD, k_buf, v_buf))
+    x_BmTD, k_buf, v_buf = jax.lax.fori_loop(0, lp, layer, (x_BmTD, k_buf, v_buf))
+    if context is None:
+        return x_BmTD, k_buf, v_buf
+    return x_BmTD, (k_buf, Blocks(ctx_k), start_BmM), (v_buf, Blocks(ctx_v), start_BmM)
 
 
 def prefill_head(s, x_BmTD, logits_buf, *, i, model: Decoder, lengths_BmM, all_logits: bool):
@@ -150,10 +173,15 @@ def prefill(
     *,
     microbatches: int,
     all_logits: bool = False,
+    context: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """GPipe prefill: ``M`` microbatches through ``P`` stages in ``M + P - 1`` iterations.
 
     At iteration ``i`` stage ``s`` runs microbatch ``i - s`` (fill, steady state, drain).
+    ``context``: ``(k, v, start_B)``, every layer's cached keys and values ``[L, B, C,
+    K, H]`` (layers over ``pp``, as the stacked pool's pages read back) that the tokens
+    continue from positions ``start_B`` on (see ``Decoder.prefill``); each stage reads
+    its own layers' block.
 
     Returns:
         (logits ``[P, B, V]`` (``[P, B, T, V]`` if ``all_logits``), meaningful at stage
@@ -164,7 +192,10 @@ def prefill(
     bm, lp = b // m_count, cfg.n_layers // p
     lengths_BmM = lengths_B.astype(jnp.int32).reshape(bm, m_count)
     pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    pos_BmT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bm, t))
+    if context is not None:
+        start_B = context[2].astype(jnp.int32)
+        pos_BT = pos_BT + start_B[:, None]
+    pos_BmMT = pos_BT.reshape(bm, m_count, t)
     graphdef, state_P = stages.split_layers(model)
 
     # The embedding runs once per stage, like its weights replicated over pp, inside the
@@ -180,10 +211,16 @@ def prefill(
     kv_zeros = stages.constrain(jnp.zeros(kv_shape, cfg.dtype), STAGE_KV_AXES, ATTENTION, PREFILL)
     logits_axes = ("batch", None, "seq", "vocab") if all_logits else ("batch", None, "vocab")
     logits_shape = (p, bm, m_count, *((t,) if all_logits else ()), cfg.vocab_size)
+    k_init = v_init = kv_zeros
+    if context is not None:  # the cached K/V ride along, each stage's block untouched
+        start_PBmM = jnp.broadcast_to(start_B.reshape(bm, m_count), (p, bm, m_count))
+        start_PBmM = stages.constrain(start_PBmM, ("batch", None), ATTENTION, PREFILL)
+        k_init = (kv_zeros, Blocks(context[0]), start_PBmM)
+        v_init = (kv_zeros, Blocks(context[1]), start_PBmM)
     init = (
         stages.constrain(jnp.zeros((p, bm, t, cfg.d_model), cfg.dtype), BTD, ATTENTION, PREFILL),
-        kv_zeros,
-        kv_zeros,
+        k_init,
+        v_init,
         stages.constrain(jnp.zeros(logits_shape, jnp.float32), logits_axes, LM_HEAD, PREFILL),
     )
     _, k_buf, v_buf, logits_buf = run_schedule(
@@ -193,12 +230,14 @@ def prefill(
         state_P=state_P,
         x_emb=stages.map(embed)(tokens_PBT),
         stage_step=functools.partial(
-            prefill_stage, graphdef=graphdef, lengths_BmM=lengths_BmM, pos_BmT=pos_BmT, lp=lp
+            prefill_stage, graphdef=graphdef, lengths_BmM=lengths_BmM, pos_BmMT=pos_BmMT, lp=lp
         ),
         head=functools.partial(
             prefill_head, model=model, lengths_BmM=lengths_BmM, all_logits=all_logits
         ),
     )
+    if context is not None:
+        k_buf, v_buf = k_buf[0], v_buf[0]
     # [P, Lp] -> L and [B/M, M] -> B are both local: the sharded dim stays the major one.
     kv_LBTKH = (cfg.n_layers, b, t, cfg.n_kv_heads, cfg.head_dim)
     logits = logits_buf.reshape(p, b, *logits_shape[3:])

@@ -64,6 +64,15 @@ class BatcherStats:
     prefix_hits: int = 0  # of those, tokens found cached (not computed)
     prompt_tokens_cached: int = 0  # requests' prompt tokens served from the cache
     prefill_chunks: int = 0  # chunks of long prompts prefilled (the last one included)
+    # Pipelined decode (pp > 1): stage-iterations dispatched, and those a stage idled
+    # (pipeline fill and drain, or a group with no live row).
+    stage_iterations: int = 0
+    idle_stage_iterations: int = 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of pipelined decode's stage-iterations spent idle (0 unpipelined)."""
+        return self.idle_stage_iterations / self.stage_iterations if self.stage_iterations else 0.0
 
 
 @dataclasses.dataclass
@@ -308,6 +317,11 @@ class Runner:
             self._tables = key
             tables = self.slot_steps.table_rows(cache.step_tables(width), rows)
         handle = self.executor.step(np.array(plan.released), tables, allowed)
+        pipeline = self.slot_steps.pipeline
+        if pipeline is not None:
+            total, idle = pipeline.stage_iterations(live, rows)
+            self.stats.stage_iterations += total
+            self.stats.idle_stage_iterations += idle
         lengths = [n for n, b in zip(plan.lengths, plan.live, strict=True) if b]
         self.step_log.decode_dispatched(lengths, width * cache.page_size, rows)
         return handle

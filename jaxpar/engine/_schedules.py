@@ -101,7 +101,7 @@ class Pipelined:
     microbatches: int
     groups: int
 
-    def prefill(self, model: Decoder, tokens_BT, lengths_B, all_logits: bool):
+    def prefill(self, model: Decoder, tokens_BT, lengths_B, all_logits: bool, context=None):
         return pipeline.prefill(
             model,
             tokens_BT,
@@ -109,6 +109,7 @@ class Pipelined:
             self.stages,
             microbatches=self.microbatches,
             all_logits=all_logits,
+            context=context,
         )
 
     def first_tokens(self, logits_PBV: jax.Array, pick: Pick) -> jax.Array:

@@ -25,7 +25,6 @@ from jaxpar.engine._logprobs import Logprobs, TokenLogprob
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._steps import Steps
 from jaxpar.engine._vocab import mask_padded
-from jaxpar.errors import ConfigError
 from jaxpar.models import count_dropped
 from jaxpar.spec import Phase
 
@@ -43,19 +42,18 @@ class PromptScorer:
 
     def __init__(self, steps: Steps, params: Any, bucket: Callable[[int], int]):
         parallel = steps.config
-        if parallel.pp > 1:
-            raise ConfigError(
-                f"prompt logprobs run unpipelined strategies; {parallel} has pp={parallel.pp}"
-            )
         self.steps, self.params, self.bucket = steps, params, bucket
-        self.rows = parallel.dp  # one prompt per batch shard of the prefill
+        # One prompt per batch shard of the prefill (and per microbatch when pipelined).
+        self.rows = parallel.dp * (parallel.microbatches if parallel.pp > 1 else 1)
         self._lock = threading.Lock()
 
     def _score(self, params, tokens_BT, lengths_B):
         steps = self.steps
         with steps.context(Phase.PREFILL), count_dropped():
             model = steps.model(params)
-            logits_BTV = model.prefill(tokens_BT, lengths_B, all_logits=True)[0]
+            logits_BTV = steps.schedule.prefill(model, tokens_BT, lengths_B, True)[0]
+            if steps.config.pp > 1:  # stage-major: the last stage's logits are the real ones
+                logits_BTV = logits_BTV[-1]
             logits_BTV = mask_padded(logits_BTV, steps.vocab_size)
             # Position t predicts token t + 1; the last position predicts nothing here.
             next_BT = jax.numpy.roll(tokens_BT, -1, axis=1)

@@ -54,8 +54,9 @@ class ServingPrograms:
     """Lowers an abstract engine's serving programs (nothing is allocated).
 
     Args:
-        steps: the engine's steps (unpipelined: the server refuses ``pp > 1``); their
-            mesh, strategy, run and ``max_seq_len`` are the engine's.
+        steps: the engine's steps (pipelined too: the decode step through the stages,
+            :mod:`jaxpar.engine._pipeline_slots`); their mesh, strategy, run and
+            ``max_seq_len`` are the engine's.
         params: the parameters the programs take by default (the abstract ones).
         max_batch: rows of a program by default; the pool holds ``max_batch x
             max_seq_len`` tokens.

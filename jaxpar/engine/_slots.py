@@ -43,6 +43,7 @@ from jaxpar.engine._grammar import all_allowed, mask_words
 from jaxpar.engine._logprobs import Logprobs
 from jaxpar.engine._pages import PagePool
 from jaxpar.engine._penalties import History, Seen
+from jaxpar.engine._pipeline_slots import SlotPipeline
 from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import RowSampling, Sampling, select_rows
 from jaxpar.engine._steps import Steps
@@ -157,12 +158,9 @@ class SlotSteps:
     """
 
     def __init__(self, steps: Steps, model_config: ModelConfig, pool: PagePool):
-        if steps.config.pp > 1:
-            raise ConfigError(
-                f"continuous batching runs unpipelined strategies; {steps.config} has "
-                f"pp={steps.config.pp}: serve with pp=1 (use dp, sp, ep or tp instead)"
-            )
         self.steps = steps
+        #: The decode step through pipeline stages (None: unpipelined).
+        self.pipeline = SlotPipeline.of(steps, model_config, pool)
         self.model_config = model_config
         self.pool = pool
         #: The KV groups of the pool (None: one block table, every layer a position).
@@ -340,18 +338,28 @@ class SlotSteps:
                 lengths_B=jnp.where(active_R, take(lengths_B), 0),
                 groups=self.groups,
             )
-            logits_RV, cache = self.steps.model(params).decode(take(tokens_B), cache)
-            logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
             step_R = take(slots.step_B)
             sampling_R = jax.tree.map(take, slots.sampling).live(active_R)
             seen_R = jax.tree.map(take, slots.seen)
             split = self.steps.vocab_split(DECODE)
             allowed_RW = take(allowed_BW)
-            next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, allowed_RW, split)
-            logprobs_R = Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B, split)
-            logprobs_B = jax.tree.map(
-                put, Logprobs.zeros(tokens_B.shape, logits_RV.shape[-1]), logprobs_R
-            )
+
+            def draw(logits_RV, sampling_R, step_R, seen_R, allowed_RW):
+                logits_RV = mask_padded(logits_RV, self.steps.vocab_size)
+                next_R = select_rows(logits_RV, sampling_R, step_R, seen_R, allowed_RW, split)
+                return next_R, Logprobs.for_rows(logits_RV, next_R, sampling_R.logprobs_B, split)
+
+            rows = (sampling_R, step_R, seen_R, allowed_RW)
+            model = self.steps.model(params)
+            if self.pipeline is None:
+                logits_RV, cache = model.decode(take(tokens_B), cache)
+                next_R, logprobs_R = draw(logits_RV, *rows)
+            else:  # through the stages, drawn on the last (jaxpar.engine._pipeline_slots)
+                next_R, logprobs_R, cache = self.pipeline.step(
+                    model, cache, take(tokens_B), draw, rows
+                )
+            top = logprobs_R.top.shape[-1]  # min(MAX_TOP_LOGPROBS, padded vocabulary)
+            logprobs_B = jax.tree.map(put, Logprobs.zeros(tokens_B.shape, top), logprobs_R)
             seen_R = seen_R.add(next_R, active_R)
             slots = Slots(
                 k=cache.k,
@@ -677,6 +685,8 @@ class FirstTokens:
 
     def _draw(self, logits_PV, sampling_P, step_P, history, allowed_PW):
         with self.steps.context(Phase.PREFILL):
+            if logits_PV.ndim == 3:  # pipelined: stage-major, the last stage's row is real
+                logits_PV = logits_PV[-1]
             logits_PV = mask_padded(logits_PV, self.steps.vocab_size)
             seen_P = history.seen(logits_PV.shape[-1])
             split = self.steps.vocab_split(Phase.PREFILL)
@@ -710,7 +720,7 @@ class FirstTokens:
         masks, ``int32 [P, ceil(V / 32)]`` over the logits' (padded) vocabulary V (default:
         every token allowed)."""
         rep = self.steps.layouts.replicated
-        rows = logits_PV.shape[0]
+        rows = logits_PV.shape[-2]  # [(P,) rows, V]
         sampling_P = jax.tree.map(lambda x: put_global(x, rep), sampling_P)
         if step_P is None:
             step_P = np.zeros(rows, np.int32)
@@ -728,7 +738,7 @@ class FirstTokens:
         """Compiles the draw for ``logits_PV``'s shape ahead of its first call (``lower``:
         returns the ``jax.stages.Lowered`` program instead, compiling nothing)."""
         rep = self.steps.layouts.replicated
-        rows = logits_PV.shape[0]
+        rows = logits_PV.shape[-2]  # [(P,) rows, V]
         host = RowSampling.rows([Sampling()] * rows, [0] * rows)
         logits = jax.ShapeDtypeStruct(
             logits_PV.shape, logits_PV.dtype, sharding=self.steps.layouts.logits_prefill

@@ -33,7 +33,6 @@ from jaxpar.engine._placement import put_global
 from jaxpar.engine._sampling import Sampling
 from jaxpar.engine._schedules import Pick, Pipelined, Unpipelined
 from jaxpar.engine._vocab import VocabSplit
-from jaxpar.errors import ConfigError
 from jaxpar.models import KVCache, count_dropped, total_dropped
 from jaxpar.spec import ModelDims, ParallelConfig, Phase, sharding_context
 
@@ -306,11 +305,6 @@ class Steps:
 
     def _prefill_context_program(self, args, lower: bool = False):
         lay = self.layouts
-        if self.config.pp > 1:
-            raise ConfigError(
-                f"prefill with context (chunked prefill, prefix caching) runs unpipelined "
-                f"strategies; {self.config} has pp={self.config.pp}"
-            )
         tokens, ctx_k = args[1], args[4]
         return self.compile_or_lower(
             lower,

@@ -103,6 +103,7 @@ from jaxpar.models._rope import (
 from jaxpar.models._run import ModelRun
 
 __all__ = [
+    "Context",
     "sp_prefill_attention",
     "DOWN_AXES",
     "EXPERT_ROWS_SCOPE",

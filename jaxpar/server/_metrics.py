@@ -112,8 +112,35 @@ class ServiceCollector(Collector):
             name,
         )
         yield from _latency(stats, name)
+        yield from _pipeline(batcher, gauge, counter)
         if self.service.efficiency is not None:
             yield from _efficiency(self.service, name)
+
+
+def _pipeline(batcher, gauge, counter) -> Iterator[Metric]:
+    """Pipelined decode's bubble (``pp > 1`` only): the share of stage-iterations the
+    decode steps dispatched so far spent idle (fill and drain, or a group with no live
+    row), and the two counts it divides."""
+    slot_steps = getattr(batcher, "slot_steps", None)
+    if getattr(slot_steps, "pipeline", None) is None:
+        return
+    stats = batcher.stats
+    yield gauge(
+        "pipeline_bubble_fraction",
+        "Share of pipelined decode's stage-iterations spent idle since start (pipeline "
+        "fill and drain, or a decode group with no live row); 0 before the first step.",
+        stats.bubble_fraction,
+    )
+    yield counter(
+        "pipeline_stage_iterations",
+        "Stage-iterations pipelined decode steps dispatched (stages x iterations).",
+        stats.stage_iterations,
+    )
+    yield counter(
+        "pipeline_idle_stage_iterations",
+        "Of those, the stage-iterations a stage spent idle.",
+        stats.idle_stage_iterations,
+    )
 
 
 def _latency(stats, name: str) -> Iterator[Metric]:

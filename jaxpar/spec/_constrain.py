@@ -199,21 +199,31 @@ def logical_shard_map(
     if active is None:
         return fn
 
+    mesh = active.mesh
+    already = frozenset(mesh.manual_axes)
+
+    def local(entry):
+        # An axis manual already (a pipeline stage's ``pp``) is split outside: the array
+        # here is its local block, whole along that axis.
+        names = tuple(n for n in (entry if isinstance(entry, tuple) else (entry,)) if n)
+        kept = tuple(n for n in names if n not in already)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
     def spec(axes: Sequence[str | None] | None) -> PartitionSpec:
         if axes is None:
             return PartitionSpec()
-        return partition_spec(axes, module, active.phase, active.config, dims=active.dims)
+        full = partition_spec(axes, module, active.phase, active.config, dims=active.dims)
+        return PartitionSpec(*(local(e) for e in full)) if already else full
 
     in_specs = tuple(spec(axes) for axes in in_axes)
     out_spec = tuple(spec(a) for a in out_axes) if multiple_outputs else spec(out_axes)
-    mesh = active.mesh
     manual = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     if not manual or mesh.size == 1:
         return fn  # nothing to partition
     _check_nesting_order(mesh, manual)
     # check_vma=False: Pallas and cuDNN calls carry no replication rules; the specs above
     # say exactly how each output varies.
-    return jax.shard_map(
+    mapped = jax.shard_map(
         fn,
         mesh=mesh,
         in_specs=in_specs,
@@ -221,6 +231,22 @@ def logical_shard_map(
         axis_names=manual,
         check_vma=False,
     )
+    if not already:
+        return mapped
+
+    def run(*args):
+        # Outputs vary over the outer manual axes as the inputs do (a stage's results
+        # differ per stage); the unchecked map above types them as not varying.
+        varying = set()
+        for x in jax.tree.leaves(args):
+            varying |= set(jax.typeof(x).manual_axis_type.varying) & already
+        out = mapped(*args)
+        if not varying:
+            return out
+        names = tuple(sorted(varying))
+        return jax.tree.map(lambda y: jax.lax.pcast(y, names, to="varying"), out)
+
+    return run
 
 
 # From this release on, XLA requires a sharding's manual axes sorted by mesh index and
