@@ -264,21 +264,13 @@ def test_bad_topology_and_strategy_are_refused_naming_the_legal_ones(capsys):
             == 0
         )
         capsys.readouterr()
-    # Pipelined: jaxpar serve would refuse it.
-    text = _refusal(
-        capsys,
-        "--hf",
-        CHECKPOINT,
-        "--hardware",
-        "tpu-v6e",
-        "--topology",
-        "2x4",
-        "--pp",
-        "2",
-        "--tp",
-        "4",
-    )
-    assert "pp=1" in text and "--dp 4 --tp 2" in text
+    # Pipelined: served (a stage on each 4 chips), but not disaggregated as well.
+    pipelined = ["--hf", CHECKPOINT, "--hardware", "tpu-v6e", "--topology", "2x4"]
+    pipelined += ["--pp", "2", "--tp", "4"]
+    assert main(["deploy", *pipelined]) == 0
+    assert "- --pp - '2' - --tp - '4'" in " ".join(capsys.readouterr().out.split())
+    text = _refusal(capsys, *pipelined, "--serve-args", "--prefill tp=4")
+    assert "pp=1 in both" in text and "--dp 4 --tp 2" in text
     # Without the model here, the strategies named are the dense ones of the slice's size.
     text = _refusal(capsys, "--hf-id", "org/m", "--hardware", "h100", "--hosts", "3", "--tp", "16")
     assert "legal --hosts: 2" in text
@@ -300,12 +292,14 @@ def test_plan_deploy_serves_the_plan_s_strategy(capsys):
     args = lws["leaderTemplate"]["spec"]["containers"][0]["args"]
     served = " ".join(args[args.index("serve") :])
 
-    # The best plan serve runs across hosts: unpipelined, and disaggregated only into
-    # groups of as many devices.
+    # The best plan serve runs across hosts: disaggregated only unpipelined, into groups
+    # of as many devices.
     def serves(p: dict) -> bool:
+        if not p["disaggregated"]:
+            return True
         decode = math.prod(p["degrees"].values())
-        equal = not p["disaggregated"] or p["devices"] == 2 * decode
-        return p["degrees"]["pp"] == 1 and "pp=" not in p["prefill_strategy"] and equal
+        unpipelined = p["degrees"]["pp"] == 1 and "pp=" not in p["prefill_strategy"]
+        return unpipelined and p["devices"] == 2 * decode
 
     chosen = next(p for p in data["plans"] if serves(p))
     for axis, degree in chosen["degrees"].items():

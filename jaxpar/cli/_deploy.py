@@ -174,8 +174,8 @@ def deployment(
 
     Raises:
         ConfigError: no model, a strategy that does not use exactly the slice's devices
-            (the legal ones named), one ``jaxpar serve`` would refuse (pipelined, or
-            disaggregated across hosts into groups of unequal size), a bad name, count or ``--kv-events-config``.
+            (the legal ones named), one ``jaxpar serve`` would refuse (disaggregated and
+            pipelined, or disaggregated across hosts into groups of unequal size), a bad name, count or ``--kv-events-config``.
         IllegalStrategyError: the strategy breaks a rule for the model (``--hf`` here).
     """
     if args.hf is None and args.hf_id is None:
@@ -226,9 +226,10 @@ def _model_here(args: argparse.Namespace):
 def _check_strategy(parallel: ParallelConfig, slice_: Slice, model, prefill) -> None:
     """``parallel`` (and a disaggregated ``prefill`` strategy, on the devices after
     decode's) must use exactly the slice's devices."""
-    if parallel.pp > 1:
+    if prefill is not None and (parallel.pp > 1 or prefill.pp > 1):
         raise ConfigError(
-            f"{parallel}: jaxpar serve runs unpipelined strategies (pp=1); "
+            f"{parallel} with prefill {prefill}: jaxpar serve runs disaggregated groups "
+            "unpipelined (pp=1 in both); serve pipelined without --prefill, or "
             + _legal_text(slice_, model)
         )
     used = parallel.size + (prefill.size if prefill is not None else 0)
@@ -408,20 +409,21 @@ def _planned_slice(planning) -> Slice:
 
 
 def _deployable(planning, slice_: Slice):
-    """The best plan ``jaxpar serve`` runs on ``slice_``: unpipelined, and across hosts
-    disaggregated only with groups of as many devices (the K/V move device to device)."""
+    """The best plan ``jaxpar serve`` runs on ``slice_``: disaggregated only unpipelined,
+    and across hosts only with groups of as many devices (the K/V move device to device)."""
 
     def serves(pred) -> bool:
-        if pred.config.pp > 1 or (pred.prefill_config or pred.config).pp > 1:
+        if pred.prefill_config is None:
+            return True
+        if pred.config.pp > 1 or pred.prefill_config.pp > 1:
             return False
-        split = pred.prefill_config is not None and slice_.hosts > 1
-        return not split or pred.prefill_config.size == pred.config.size
+        return slice_.hosts == 1 or pred.prefill_config.size == pred.config.size
 
     for pred in planning.ranked:
         if serves(pred):
             return pred
     raise ConfigError(
         f"no plan that fits is one jaxpar serve runs on this slice ({slice_.describe()}, "
-        f"{slice_.hosts} hosts): unpipelined, and disaggregated only into groups of as many "
+        f"{slice_.hosts} hosts): disaggregated only unpipelined, into groups of as many "
         "devices"
     )

@@ -489,7 +489,9 @@ def _serving(args, config, groups, engines) -> tuple[dict[str, Any], list]:
     if groups[Phase.PREFILL] != decode:
         return {"note": "disaggregated: serving programs are reported per group by serve"}, []
     if decode.parallel.pp > 1:
-        return {"note": f"pp={decode.parallel.pp}: serving runs unpipelined strategies"}, []
+        return {
+            "note": f"pp={decode.parallel.pp}: pipelined serving programs are not reported here"
+        }, []
     engine = engines.get(decode) if decode in engines else decode.abstract_engine(config, args)
     if engine is None:
         models = {
