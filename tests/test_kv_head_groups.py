@@ -339,7 +339,8 @@ def test_explain_70b_tp16_splits_kv_kernel_over_tp(llama70b):
 def test_plan_counts_kv_heads_per_group_for_70b(llama70b, capsys):
     """The planner's bytes per device at tp=16: one K/V head of the cache and of the K/V
     kernels per device (as at tp=8), not all 8; and ``plan`` serves 64 x (1024 + 256)
-    tokens of the 70B on v5e-16 at tp=16."""
+    tokens of the 70B on v5e-16 at tp=16 (among its top plans: pipelined serving, pp=2
+    with tp=8 inside, ranks first for throughput)."""
     from jaxpar.cli import main
     from jaxpar.plan._memory import cache_bytes, param_bytes
 
@@ -356,6 +357,6 @@ def test_plan_counts_kv_heads_per_group_for_70b(llama70b, capsys):
     assert param_bytes(model, tp16) - kv_kernel_tp16 <= rest // 16 + 8192 * 4 * 161
     args = ["plan", "--hf", str(llama70b), "--devices", "16", "--hardware", "tpu-v5e"]
     args += ["--batch", "64", "--prompt-len", "1024", "--gen-len", "256"]
-    assert main([*args, "--objective", "throughput", "--top", "1", "--json"]) == 0
-    best = json.loads(capsys.readouterr().out)["plans"][0]
-    assert best["degrees"]["tp"] == 16
+    assert main([*args, "--objective", "throughput", "--top", "4", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert any(p["degrees"]["tp"] == 16 and p["fits"] for p in plans), plans
