@@ -101,6 +101,11 @@ def load_draft(model: str | Path, target):
     raise AssertionError("unreachable")
 
 
+#: Context tokens a row catches up on per pass (a pass is a program of this many
+#: positions per row, or of one once every row has caught up: two compiles per shape).
+CATCH_UP = 16
+
+
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -195,17 +200,8 @@ class DraftModelProposer:
         asks = [a for a in asks if a.k > 0]
         if not asks:
             return Proposal({})
-        r = _bucket(len(asks))
-        k = max(a.k for a in asks)
-        held = []
-        for a in asks:
-            admission, n = self.held.get(a.row, (None, 0))
-            held.append(n if admission == a.admission else 0)
-        width = cache.width(max(a.length for a in asks) + k + 1)
-        pages_RN = np.full((r, width), self.pages, np.int32)
-        for i, a in enumerate(asks):
-            n = min(cache.pool.pages_for(a.length + k + 1), width)
-            pages_RN[i, :n] = cache.global_ids(a.row, n)
+        r, k = _bucket(len(asks)), max(a.k for a in asks)
+        pages_RN = self._pages(asks, k, r, cache)
         samplings = [a.stream.request.sampling for a in asks]
         pad = r - len(asks)
         rows = RowSampling.rows(
@@ -216,73 +212,56 @@ class DraftModelProposer:
             None if a.stream.matcher is None else GrammarWalk(a.stream.matcher, self.vocab)
             for a in asks
         ]
-        drafts: list[list[int]] = [[] for _ in asks]
-        q: list[list[np.ndarray]] = [[] for _ in asks]
+        run = _Run(asks, [self._held(a) for a in asks])
         compiled = False  # some program ran for the first time (compiled)
-        ran = [0] * len(asks)  # positions fed per row past the catch-up, plus one
         try:
-            for j in range(k):
-                # Position j: catch-up (the context not yet seen, its last token the one
-                # the row feeds next) at j = 0, then the draft before.
-                feeds = []
-                for i, a in enumerate(asks):
-                    if j == 0:
-                        feeds.append((held[i], a.context[held[i] : a.length + 1]))
-                    else:
-                        feeds.append((a.length + j, drafts[i][-1:] or [0]))
-                t = _bucket(max(len(f) for _, f in feeds))
-                tokens_RT = np.zeros((r, t), np.int32)
-                start_R = np.zeros(r, np.int32)
-                n_R = np.ones(r, np.int32)
-                live = [i for i, a in enumerate(asks) if j < a.k and len(drafts[i]) == j]
-                for i in live:
-                    at, fed = feeds[i]
-                    tokens_RT[i, : len(fed)] = fed
-                    start_R[i], n_R[i] = at, len(fed)
+            while True:
+                tokens_RT, start_R, n_R, live = run.feeds(r)
+                if not live:
+                    break
                 pages_j = pages_RN.copy()
                 pages_j[[i for i in range(r) if i not in live]] = self.pages  # no writes
-                step_R = np.array([len(a.stream.tokens) + j for a in asks] + [0] * pad, np.int32)
-                seen = self._seen(asks, drafts, r) if penalized else None
-                allowed = None
-                if any(w is not None for w in walks):
-                    allowed = np.full((r, -(-self.vocab // 32)), -1, np.int32)
-                    for i in live:
-                        if walks[i] is not None:
-                            allowed[i] = walks[i].mask()
-                shape = (r, t, width, seen is None, allowed is None)
+                step_R = np.zeros(r, np.int32)
+                step_R[: len(asks)] = [
+                    len(a.stream.tokens) + len(d) for a, d in zip(asks, run.drafts, strict=True)
+                ]
+                seen = self._seen(asks, run.drafts, r) if penalized else None
+                allowed = _masks(walks, live, r, self.vocab)
+                shape = (r, tokens_RT.shape[1], pages_RN.shape[1], seen is None, allowed is None)
                 compiled = compiled or shape not in self._shapes
                 self._shapes.add(shape)
                 self.pool_k, self.pool_v, token_R, q_RV = self._step(
                     self.engine.params, self.pool_k, self.pool_v, pages_j, tokens_RT, start_R,
                     n_R, rows, step_R, seen, allowed,
                 )  # fmt: skip
-                token_R, q_RV = np.asarray(token_R), np.asarray(q_RV)
-                for i in live:
-                    ran[i] += 1
-                    w = walks[i]
-                    if w is not None and w.stopped:
-                        continue  # the request ends at its last draft
-                    token = int(token_R[i])
-                    if w is not None:
-                        if not GrammarWalk.allows(allowed[i], token):
-                            continue
-                        w.advance(token)
-                    drafts[i].append(token)
-                    q[i].append(q_RV[i])
+                run.take(live, n_R, np.asarray(token_R), np.asarray(q_RV), allowed, walks)
         finally:
             for w in walks:
                 if w is not None:
                     w.close()
         out_q = {}
         for i, a in enumerate(asks):
-            # Fed: the context through position ``length``, then one draft per later step.
-            self.held[a.row] = (a.admission, a.length + ran[i])
-            if drafts[i]:
-                q_KV = np.zeros((len(drafts[i]), self.target_vocab), np.float32)
-                q_KV[:, : self.vocab] = np.stack(q[i])
+            self.held[a.row] = (a.admission, run.next[i])
+            if run.drafts[i]:
+                q_KV = np.zeros((len(run.drafts[i]), self.target_vocab), np.float32)
+                q_KV[:, : self.vocab] = np.stack(run.q[i])
                 out_q[a.row] = q_KV
         self.last = None if compiled else (time.perf_counter() - start, k)
-        return Proposal({a.row: drafts[i] for i, a in enumerate(asks)}, out_q)
+        return Proposal({a.row: run.drafts[i] for i, a in enumerate(asks)}, out_q)
+
+    def _held(self, ask: Ask) -> int:
+        """Positions of the row's pages that hold the draft's K/V for its context."""
+        admission, n = self.held.get(ask.row, (None, 0))
+        return min(n, ask.length) if admission == ask.admission else 0
+
+    def _pages(self, asks: list[Ask], k: int, r: int, cache) -> np.ndarray:
+        """Each row's global page ids for ``length + k + 1`` tokens (``>= A`` past them)."""
+        width = cache.width(max(a.length for a in asks) + k + 1)
+        pages_RN = np.full((r, width), self.pages, np.int32)
+        for i, a in enumerate(asks):
+            n = min(cache.pool.pages_for(a.length + k + 1), width)
+            pages_RN[i, :n] = cache.global_ids(a.row, n)
+        return pages_RN
 
     def _seen(self, asks: list[Ask], drafts: list[list[int]], r: int) -> Seen:
         """Each row's penalty counts: its output and the drafts so far; its prompt."""
@@ -293,3 +272,67 @@ class DraftModelProposer:
             np.add.at(counts[i], np.asarray(out, np.int64), 1)
             prompt[i, np.asarray(a.stream.request.prompt, np.int64)] = True
         return Seen(counts, prompt)
+
+
+def _masks(walks: list[GrammarWalk | None], live: list[int], r: int, vocab: int):
+    """The grammar masks of the rows feeding now (None: no row has a grammar)."""
+    if all(w is None for w in walks):
+        return None
+    allowed_RW = np.full((r, -(-vocab // 32)), -1, np.int32)
+    for i in live:
+        if walks[i] is not None and not walks[i].stopped:
+            allowed_RW[i] = walks[i].mask()
+    return allowed_RW
+
+
+class _Run:
+    """One :meth:`DraftModelProposer.propose`'s rows: what each feeds in each pass, and
+    what each drafted. A row first catches up (the context the draft has not seen, ending
+    with the token the row feeds next, :data:`CATCH_UP` tokens a pass), then feeds back
+    each draft; a pass feeds every row that has something to feed."""
+
+    def __init__(self, asks: list[Ask], held: list[int]):
+        self.asks = asks
+        self.next = list(held)  # per row: the next position to feed (= positions held)
+        self.drafts: list[list[int]] = [[] for _ in asks]
+        self.q: list[list[np.ndarray]] = [[] for _ in asks]
+        self.stopped = [False] * len(asks)  # a grammar refused or ended the drafts
+
+    def _feed(self, i: int) -> list[int]:
+        a, at = self.asks[i], self.next[i]
+        if at <= a.length:
+            return a.context[at : min(at + CATCH_UP, a.length + 1)]
+        if self.stopped[i] or len(self.drafts[i]) >= a.k:
+            return []
+        return self.drafts[i][-1:]
+
+    def feeds(self, r: int):
+        """The next pass's inputs (tokens, start, count per row; ``T``: 1, or
+        :data:`CATCH_UP` while some row catches up) and the rows it feeds (none: done)."""
+        feeds = [self._feed(i) for i in range(len(self.asks))]
+        live = [i for i, f in enumerate(feeds) if f]
+        t = 1 if all(len(f) <= 1 for f in feeds) else CATCH_UP
+        tokens_RT = np.zeros((r, t), np.int32)
+        start_R = np.zeros(r, np.int32)
+        n_R = np.ones(r, np.int32)
+        for i in live:
+            tokens_RT[i, : len(feeds[i])] = feeds[i]
+            start_R[i], n_R[i] = self.next[i], len(feeds[i])
+        return tokens_RT, start_R, n_R, live
+
+    def take(self, live, n_R, token_R, q_RV, allowed_RW, walks) -> None:
+        """A pass's draws: a row that fed its context's last token or a draft drafts the
+        token drawn, past its grammar (one it refuses, or after its end, stops it)."""
+        for i in live:
+            self.next[i] += int(n_R[i])
+            if self.next[i] <= self.asks[i].length:
+                continue  # still catching up
+            w = walks[i]
+            token = int(token_R[i])
+            if w is not None and (w.stopped or not GrammarWalk.allows(allowed_RW[i], token)):
+                self.stopped[i] = True
+                continue
+            if w is not None:
+                w.advance(token)
+            self.drafts[i].append(token)
+            self.q[i].append(q_RV[i])
