@@ -134,7 +134,8 @@ def test_a_draft_equal_to_the_target_is_accepted_in_full():
 def test_a_grammar_constrains_every_drafted_position():
     """A constrained greedy request (JSON schema) drafted for by the target itself: each
     drafted token was drawn under the grammar's mask at its position, so all are accepted,
-    and the output is constrained greedy decoding's (an oracle of full prefills)."""
+    and the output is constrained greedy decoding's (an oracle of full prefills); n-gram
+    drafts under the grammar give the same output."""
     parallel = ParallelConfig()
     engine = engine_from_hf(BYTES, parallel, max_batch=4, max_seq_len=64,
                             mesh=make_mesh(parallel, jax.devices()[:1]))  # fmt: skip
@@ -148,10 +149,18 @@ def test_a_grammar_constrains_every_drafted_position():
     prompt = tokenizer.encode("data: ").ids
     with ContinuousBatcher(engine, speculative=spec) as batcher:
         tokens = batcher.submit(prompt, max_tokens=40, stop_tokens=eos, grammar=grammar).result(300)
-    assert tokens == _oracle(engine, grammar, prompt, 40, eos)
+    want = _oracle(engine, grammar, prompt, 40, eos)
+    assert tokens == want
     assert _valid(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)))
     stats = batcher.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    # n-gram drafts under the same grammar: cut where it does not allow them.
+    ngram = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 2, "adaptive": False}  # fmt: skip
+    with ContinuousBatcher(engine, speculative=ngram) as batcher:
+        tokens = batcher.submit(prompt, max_tokens=40, stop_tokens=eos, grammar=grammar).result(300)
+    assert tokens == want
+    assert batcher.spec_stats.num_draft_tokens > 0
 
 
 def test_a_draft_of_another_vocabulary_is_refused_before_compiling():
