@@ -39,6 +39,7 @@ from jaxpar.engine import (
 from jaxpar.engine._speculative import CostModel
 from jaxpar.spec import make_mesh
 from tests._serve_util import ROOT
+from tests._tiers import sweep
 from tests.test_batching import PENALTIES
 from tests.test_speculative import _check, _serve
 from tests.test_structured import CHECKPOINT as BYTES
@@ -86,7 +87,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", sweep(list(CASES), lambda c: CASES[c][2].size == 1))
 def test_greedy_with_a_draft_model_equals_plain_greedy(case):
     """On one device the pool is small (8 pages for four rows of up to 25 tokens):
     rows are preempted (their draft pages recomputed on return) and prefill is chunked.
