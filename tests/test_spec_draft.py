@@ -175,13 +175,15 @@ def test_a_draft_of_another_vocabulary_is_refused_before_compiling():
 def test_cost_model_chooses_an_intermediate_k():
     """Verification costs a plain step plus a fixed time per drafted position; at an
     acceptance of 0.6 the expected tokens per second peak below the full K, so the model
-    chooses it; a request whose drafts are rarely kept drafts fewer."""
+    chooses it (having measured a verification of the full K and then a plain step); a
+    request whose drafts are rarely kept drafts fewer."""
     cost = CostModel(k=8, adaptive=True)
     assert cost.choices == (0, 1, 2, 4, 8)
     assert cost.best(4, [8] * 4) == 8  # unmeasured: the full K, to measure it
-    cost.plain(4, 0.10)
     for _ in range(30):
         cost.verified(4, 0.10 + 8 * 0.03, drafted=32, accepted=19, k=8)  # acceptance -> 0.6
+    assert cost.best(4, [8] * 4) == 0  # then a plain step, to measure that
+    cost.plain(4, 0.10)
     rates = {k: cost.expected_tokens([k] * 4) / cost.verify_time(4, k) for k in cost.choices[1:]}
     best = cost.best(4, [8] * 4)
     assert 0 < best < 8 and rates[best] == max(rates.values())

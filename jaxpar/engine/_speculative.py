@@ -345,13 +345,19 @@ class CostModel:
 
     def best(self, rows: int, caps: Sequence[int], rates: Sequence[float] | None = None) -> int:
         """The choice of :attr:`choices` with the most expected tokens per second for live
-        rows that may draft ``caps`` tokens each (0: a plain step; unmeasured: the full
-        ``K``, to measure it; the cost model off: the full ``K``)."""
+        rows that may draft ``caps`` tokens each (0: a plain step; the cost model off: the
+        full ``K``). Unmeasured, whichever is not measured yet: a verification of the full
+        ``K`` first, then a plain step (a proposer that always drafts would otherwise
+        never let one run)."""
         if not any(caps):
             return 0
-        plain = self.plain_s.get(rows)
-        if not self.adaptive or plain is None or self.verify_time(rows, self.k) is None:
+        if not self.adaptive:
             return self.k
+        plain = self.plain_s.get(rows)
+        if not any(r == rows for r, _ in self.verify_s):
+            return self.k
+        if plain is None:  # verification measured, a plain step not: measure one
+            return 0
         best, best_rate = 0, len(caps) / plain
         for k in self.choices[1:]:
             drafts = [min(k, c) for c in caps]
