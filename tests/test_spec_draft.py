@@ -5,9 +5,9 @@ The target and draft checkpoints are the tiny random fixtures of ``tests/fixture
 vocabulary (random weights: its drafts are almost never accepted, which is what
 losslessness must survive), a Mixtral (MoE) target drafted for by a Mistral. Greedy: a
 batcher that verifies the draft's tokens emits, token for token, what plain greedy
-decoding emits, on one device (int8 KV cache, a pool small enough that rows are
-preempted, chunked prefill) and under ep2.tp2, with prefix hits, penalties and logprobs in
-the mix (tp2: the full-acceptance test below, target and draft both tp2). A draft that *is* the target is accepted in full (acceptance length
+decoding emits, on one device (a pool small enough that rows are preempted, chunked
+prefill) and under ep2.tp2 (an int8 KV cache; the draft tp2), with prefix hits, penalties
+and logprobs in the mix. A draft that *is* the target is accepted in full (acceptance length
 ``K + 1``), greedy and sampled (``n`` = 2 choices of one prompt, with temperature, top-p
 and penalties: the draft's ``q`` goes through the target's filters, so ``p / q`` is 1), and
 under a grammar (every drafted position masked by the grammar advanced along the drafts).
@@ -82,8 +82,8 @@ def _plain(engine, r: dict):
 
 
 CASES = {
-    "single-int8kv-small-pool": ("llama", "qwen2", ParallelConfig(), "int8"),
-    "ep2-tp2-moe": ("mixtral_fused", "mistral", ParallelConfig(ep=2, tp=2), None),
+    "single-small-pool": ("llama", "qwen2", ParallelConfig(), None),
+    "ep2-tp2-moe-int8kv": ("mixtral_fused", "mistral", ParallelConfig(ep=2, tp=2), "int8"),
 }
 
 
@@ -116,7 +116,7 @@ def test_a_draft_equal_to_the_target_is_accepted_in_full():
     """Greedy rows and two sampled choices of one prompt (seeds 7 and 8, as ``n`` = 2
     asks): every drafted token is accepted, every full draft gives ``K + 1`` tokens; the
     greedy rows are plain greedy's tokens, the two choices differ."""
-    engine = _target("llama", ParallelConfig(tp=2))
+    engine = _target("llama", ParallelConfig())
     requests = _requests(engine.model_config.vocab_size)[:2]
     sampled = Sampling(temperature=0.8, top_p=0.9, **PENALTIES)
     prompt = requests[0]["prompt"]
@@ -165,7 +165,7 @@ def test_a_grammar_constrains_every_drafted_position():
 
 
 def test_a_draft_of_another_vocabulary_is_refused_before_compiling():
-    engine = _target("llama", ParallelConfig(tp=2))
+    engine = _target("llama", ParallelConfig())
     before = engine.steps.compiled_count
     with pytest.raises(ConfigError, match="vocabulary of 128 tokens, the target 256"):
         ContinuousBatcher(engine, speculative=_spec("mistral"))
