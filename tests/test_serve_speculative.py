@@ -64,3 +64,9 @@ def test_streamed_and_whole_completions_equal_offline_greedy(server, offline):
     assert 0 <= accepted <= drafted and drafted > 0
     per_pos = _metric(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
     assert per_pos == accepted
+    # The cost model is off: every verification drafted the configured K.
+    by_k = re.findall(r'^jaxpar:spec_decode_steps_by_k_total\{[^}]*k="(\d+)"[^}]*\} (\S+)$',
+                      metrics, re.M)  # fmt: skip
+    steps = {int(k): float(v) for k, v in by_k}
+    assert steps[SPEC["num_speculative_tokens"]] > 0
+    assert sum(v for k, v in steps.items() if 0 < k < SPEC["num_speculative_tokens"]) == 0

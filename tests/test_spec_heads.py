@@ -93,7 +93,7 @@ def test_a_head_proposing_the_target_tokens_is_accepted_in_full(eagle_dir):
     assert request["max_tokens"] == 2 + 3 * (K + 1) == len(want)
     small = _small(ParallelConfig(), 56)  # the programs of the test above
     batcher = ContinuousBatcher(engine, speculative=_spec("eagle3", eagle_dir), **small)
-    heads = batcher.core.speculation.heads
+    heads = batcher.core.speculation.proposer
     head_drafts = heads.drafts
 
     def right_drafts(wanted, owners, lengths):

@@ -65,13 +65,13 @@ def _serve(batcher: ContinuousBatcher, requests: list[dict]):
         return streams, [s.result(timeout=300) for s in streams]
 
 
-def _check(streams, got, runs) -> None:
+def _check(streams, got, runs, atol: float = 1e-4) -> None:
     assert got == [run.tokens[0] for run in runs]
     for stream, run in zip(streams, runs, strict=True):
         want = [] if run.logprobs is None else run.logprobs[0]
         assert [e.token for e in stream.logprobs] == [e.token for e in want]
         np.testing.assert_allclose(
-            [e.logprob for e in stream.logprobs], [e.logprob for e in want], atol=1e-4
+            [e.logprob for e in stream.logprobs], [e.logprob for e in want], atol=atol
         )
 
 
@@ -171,8 +171,11 @@ def test_ngram_proposes_what_followed_the_latest_match():
     "spec,named",
     [
         ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "lookahead"),
-        ({"method": "draft_model", "num_speculative_tokens": 4, "model": "x"}, "draft_model"),
-        ({"method": "eagle3", "num_speculative_tokens": 4}, "'model'"),
+        ({"method": "draft_model", "num_speculative_tokens": 4, "model": "x"}, "checkpoint"),
+        ({"method": "draft_model", "num_speculative_tokens": 4}, "needs 'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "model": "x"}, "takes none"),
+        ({"method": "eagle3", "num_speculative_tokens": 4}, "needs 'model'"),
+        ({"method": "eagle3", "num_speculative_tokens": 4, "model": "x"}, "checkpoint"),
         ({"method": "mtp", "num_speculative_tokens": 1, "model": 3}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram"}, "num_speculative_tokens"),

@@ -153,10 +153,12 @@ def add_speculative_arg(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, vLLM\'s keys: e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (prompt lookup; also prompt_lookup_min/max, '
-        "disable_by_batch_size, and jaxpar's adaptive: the cost model may switch it off "
-        'under load, default true); "eagle3" with "model": an EAGLE-3 head\'s directory; '
-        "\"mtp\": DeepSeek-V3's MTP layers (in --hf's checkpoint). "
-        "Greedy output is unchanged, sampled output keeps its distribution",
+        "disable_by_batch_size, and jaxpar's adaptive: the cost model chooses each "
+        "step's K, 0 under load, default true), or "
+        '\'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}\' '
+        '(a smaller checkpoint with the same tokenizer); "eagle3" with "model": an '
+        "EAGLE-3 head's directory; \"mtp\": DeepSeek-V3's MTP layers (in --hf's "
+        "checkpoint). Greedy output is unchanged, sampled output keeps its distribution",
     )
 
 

@@ -362,19 +362,24 @@ class Executor:
         drafts_BK: np.ndarray,
         n_drafts_B: np.ndarray,
         allowed_BW: np.ndarray | None = None,
+        q_BKV: np.ndarray | None = None,
         taps: HiddenTaps | None = None,
     ) -> int:
         """Speculative decoding's verification step (:mod:`jaxpar.engine._spec_verify`):
         each row feeds its next token and its first ``n_drafts_B`` drafts of ``drafts_BK``
-        over its block tables ``tables_RN`` (the same pages as global ids ``pages_RN``);
+        over its block tables ``tables_RN`` (the same pages as global ids ``pages_RN``),
+        under the token masks ``allowed_BW`` (``[B, W]``, or per position
+        ``[B, K + 1, W]``) and, from a draft model, the drafts' distributions ``q_BKV``;
         returns the handle :meth:`spec_tokens` reads (and, with ``taps``, the hidden
         states a speculative head reads: :meth:`spec_features`, read first)."""
         steps = self._slot_steps[DECODE]
         if self._verify is None:
             self._verify = VerifySteps(steps)
+        per_position = allowed_BW is not None and np.ndim(allowed_BW) == 3
+        allowed = allowed_BW if per_position else steps.masks(allowed_BW)
         slots, tokens_BT, logprobs, dropped, features = self._verify.verify(
             self.engine.params, self._slots[DECODE], release_B, tables_RN, pages_RN, drafts_BK,
-            n_drafts_B, steps.masks(allowed_BW), taps,
+            n_drafts_B, allowed, q_BKV, taps,
         )  # fmt: skip
         self._slots[DECODE] = slots
         handle = self._handle()

@@ -233,6 +233,10 @@ class Matcher:
         """Advances past ``token``; False if the grammar does not allow it."""
         return self._m.consume_token(int(token))
 
+    def rollback(self, n: int) -> None:
+        """Undoes the last ``n`` :meth:`consume` (speculative drafts walked through)."""
+        self._m.rollback(int(n))
+
     @property
     def done(self) -> bool:
         """The grammar takes no more tokens (it matched, or it failed: see :attr:`error`)."""

@@ -27,14 +27,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.engine._spec_propose import Ask, Proposal
 from jaxpar.errors import ConfigError
 from jaxpar.models import Context, HiddenTaps, load_eagle3, load_mtp
 
@@ -106,7 +108,10 @@ def _draft(head, k: int, params, tokens_BW, features_BWF, pos_BW, n_B):
 
 class HeadProposer:
     """Drafts for a batcher's rows with a head (see the module); ``slots``: the batcher's
-    rows (the most a drafting program computes)."""
+    rows (the most a drafting program computes). A
+    :class:`~jaxpar.engine._spec_propose.Proposer`: its drafts are argmax tokens (point
+    masses, no ``q``); the speculative step also hands it each verification's tapped
+    states (:meth:`observe`)."""
 
     def __init__(self, head, k: int, slots: int):
         self.head, self.k, self.slots = head, k, slots
@@ -128,11 +133,25 @@ class HeadProposer:
             del state.tokens[:drop], state.features[:drop]
             state.start += drop
 
-    def drafts(self, wanted: dict[int, int], owners: Sequence, lengths: Sequence[int]):
+    def propose(self, asks: list[Ask], cache) -> Proposal:
+        """Drafts for ``asks`` (each row's ``k`` at most; :meth:`drafts`)."""
+        owners = {a.row: a.stream for a in asks}
+        lengths = {a.row: a.length for a in asks}
+        wanted = {a.row: a.k for a in asks if a.k}
+        return Proposal({a.row: [] for a in asks} | self.drafts(wanted, owners, lengths))
+
+    def verified(self, row: int, length: int) -> None:
+        """Nothing: a row's states come with :meth:`observe` (a state that no longer ends
+        at the row's length is not drafted from)."""
+
+    def reset(self) -> None:
+        self._rows.clear()
+
+    def drafts(self, wanted: dict[int, int], owners: Mapping[int, Any], lengths: Mapping[int, int]):
         """Drafts for the rows of ``wanted`` (row -> most tokens wanted, >= 1) whose state
         is current (it ends at the row's cached length); sets :attr:`hungry` when some
         row's is not. Returns row -> tokens (every row of ``wanted``; ``[]``: none)."""
-        for row in [r for r, s in self._rows.items() if owners[r] is not s.stream]:
+        for row in [r for r, s in self._rows.items() if owners.get(r) is not s.stream]:
             del self._rows[row]  # the request ended or was preempted
         ready = [r for r in wanted if (s := self._rows.get(r)) is not None and s.end == lengths[r]]
         self.hungry = len(ready) < len(wanted)

@@ -10,13 +10,14 @@ step is classified as decode in ``sharding_specs/rules.toml``). It writes the K/
 rejected draft is rolled back by the row's length alone (nothing is copied; a later
 step overwrites its slots).
 
-Each position's target distribution goes through the same penalties, grammar mask (the
-first position only: a constrained row is never drafted for), temperature, top-k and
-top-p as a plain decode step's (:func:`target_probs`); then :func:`accept_or_resample`
+Each position's target distribution goes through the same penalties, grammar mask (per
+position: the request's grammar advanced along the drafts before it), temperature, top-k
+and top-p as a plain decode step's (:func:`target_probs`); then :func:`accept_or_resample`
 accepts draft ``d`` with probability ``min(1, p(d) / q(d))`` and otherwise draws from the
 normalised residual ``max(p - q, 0)``: the emitted tokens are distributed as the target's
-(Leviathan et al., 2023). For a proposer without a distribution (n-gram lookup) ``q`` is
-a point mass on ``d``. Greedy rows have a one-hot ``p``: a draft is accepted exactly when
+(Leviathan et al., 2023). ``q`` is the draft's distribution where the proposer samples
+(a draft model: ``q_BKV``, an input of the step); for a proposer without one (n-gram
+lookup) it is a point mass on ``d``. Greedy rows have a one-hot ``p``: a draft is accepted exactly when
 it is the argmax, and a rejection emits the argmax, so greedy speculation emits the
 tokens of greedy decoding.
 """
@@ -139,9 +140,9 @@ def speculative_tokens(
 
     ``logits_BTV``: the target's logits at the ``T = K + 1`` fed positions; row b's first
     ``n_drafts_B[b]`` drafts count (the rest are padding, never accepted). Position j
-    samples at step ``step_B + j``, its penalties counting the drafts before it, and the
-    grammar mask ``allowed_BW`` applies at position 0 (rows with a grammar draft
-    nothing). Returns (tokens ``[B, T]``: the accepted drafts then one token drawn from the
+    samples at step ``step_B + j``, its penalties counting the drafts before it, under the
+    grammar mask ``allowed_BW`` (``[B, W]``: position 0's; or ``[B, T, W]``: each
+    position's). Returns (tokens ``[B, T]``: the accepted drafts then one token drawn from the
     target (the residual after a rejection, or a bonus token when every draft was
     accepted), ``-1`` after it; the count emitted ``[B]``, 1 to ``n_drafts + 1``; the
     penalties' counts after the emitted tokens)."""
@@ -150,7 +151,11 @@ def speculative_tokens(
     out, count_B = [], jnp.zeros(b, jnp.int32)
     seen_j = seen
     for j in range(t):
-        p_BV = target_probs(logits_BTV[:, j], rows, seen_j, allowed_BW if j == 0 else None, split)
+        if allowed_BW is not None and allowed_BW.ndim == 3:
+            allowed_j = allowed_BW[:, j]
+        else:
+            allowed_j = allowed_BW if j == 0 else None
+        p_BV = target_probs(logits_BTV[:, j], rows, seen_j, allowed_j, split)
         keys_B = position_keys(rows, step_B + j)
         if j < t - 1:
             q = None if q_BKV is None else q_BKV[:, j]
@@ -199,9 +204,12 @@ class VerifySteps:
         self.ss = slot_steps
         row = slot_steps.steps.layouts.tokens_B
         self.drafts_layout = NamedSharding(row.mesh, PartitionSpec(*row.spec, None))
+        #: Per-position masks ``[B, T, W]`` and draft distributions ``[B, K, V]``.
+        self.row3_layout = NamedSharding(row.mesh, PartitionSpec(*row.spec, None, None))
 
     def _verify(
         self, params, slots, release_B, tables_RN, pages_RN, drafts_BK, n_drafts_B, allowed_BW,
+        q_BKV=None,
         taps: HiddenTaps | None = None,
     ):  # fmt: skip
         """The forward pass and the draw (reads ``slots``, writes nothing): the new K/V,
@@ -244,7 +252,7 @@ class VerifySteps:
             split = steps.vocab_split(DECODE)
             out_RT, count_R, seen_R = speculative_tokens(
                 logits_RTV, drafts_RK, n_drafts_R, sampling_R, step_R, seen_R,
-                take(allowed_BW), split,
+                take(allowed_BW), split, None if q_BKV is None else take(q_BKV),
             )  # fmt: skip
             count_R = jnp.where(active_R, count_R, 0)
             out_RT = jnp.where(active_R[:, None], out_RT, -1)
@@ -291,14 +299,18 @@ class VerifySteps:
         rows = (lay.lengths_B, lay.tokens_B, lay.active_B, lay.step_B, lay.seen)
         return written, rows
 
-    def _program(self, params, slots, release, tables, pages, drafts, n_drafts, allowed, taps):
+    def _program(
+        self, params, slots, release, tables, pages, drafts, n_drafts, allowed, q=None, taps=None
+    ):  # fmt: skip
         ss = self.ss
         rep = ss.steps.layouts.replicated
         written, rows = self._layouts()
+        mask = ss.mask_layout if allowed.ndim == 2 else self.row3_layout
+        extra = () if q is None else (self.row3_layout,)
         outs = (written, rows, rep, rep) + ((rep,) if taps is not None else ())
         return ss.steps.compile(
             "spec_verify",
-            (pages.shape, drafts.shape, ss._pool_key, taps),
+            (pages.shape, drafts.shape, ss._pool_key, allowed.ndim, q is None, taps),
             functools.partial(self._verify, taps=taps),
             (
                 ss.steps.params_in,
@@ -308,10 +320,12 @@ class VerifySteps:
                 rep,
                 self.drafts_layout,
                 ss.layout.active_B,
-                ss.mask_layout,
+                mask,
+                *extra,
             ),
             ss.steps.with_drops(outs),
-            (params, slots, release, tables, pages, drafts, n_drafts, allowed),
+            (params, slots, release, tables, pages, drafts, n_drafts, allowed)
+            + (() if q is None else (q,)),
         )
 
     def _commit_program(self, slots, written, rows):
@@ -336,7 +350,8 @@ class VerifySteps:
         pages_RN: np.ndarray,
         drafts_BK: np.ndarray,
         n_drafts_B: np.ndarray,
-        allowed: jax.Array,
+        allowed: jax.Array | np.ndarray,
+        q_BKV: np.ndarray | None = None,
         taps: HiddenTaps | None = None,
     ):
         """Donates ``slots``: one verification step over the rows ``tables_RN`` covers (the
@@ -344,7 +359,9 @@ class VerifySteps:
         them: the decode step's block tables, written through), whose cached context is
         read through ``pages_RN`` (the same pages as *global* ids, ``>= A`` where a row
         holds none), each feeding its next
-        token and its first ``n_drafts_B`` drafts of ``drafts_BK``. Returns the new slots,
+        token and its first ``n_drafts_B`` drafts of ``drafts_BK``, under the token masks
+        ``allowed`` (placed ``[B, W]``, or per position ``[B, K + 1, W]`` on the host) and,
+        for a sampling proposer, its draft distributions ``q_BKV``. Returns the new slots,
         the tokens emitted ``[B, K + 1]`` (``-1`` past each row's count), their logprobs
         (one :class:`Logprobs` per position), the dropped MoE assignments (or None) and,
         with ``taps``, the hidden states a speculative head reads (else None)."""
@@ -354,8 +371,14 @@ class VerifySteps:
         pages = put_global(np.asarray(pages_RN, np.int32), ss.steps.layouts.replicated)
         drafts = put_global(np.asarray(drafts_BK, np.int32), self.drafts_layout)
         n_drafts = put_global(np.asarray(n_drafts_B, np.int32), ss.layout.active_B)
+        if isinstance(allowed, np.ndarray):  # per-position masks [B, T, W]
+            allowed = put_global(np.asarray(allowed, np.int32), self.row3_layout)
         args = (params, slots, release, tables, pages, drafts, n_drafts, allowed)
-        written, rows, drawn_BT, logprobs, *rest = self._program(*args, taps)(*args)
+        if q_BKV is not None:
+            args += (put_global(np.asarray(q_BKV, np.float32), self.row3_layout),)
+        q = args[8] if q_BKV is not None else None
+        program = self._program(*args[:8], q, taps)
+        written, rows, drawn_BT, logprobs, *rest = program(*args)
         features = rest.pop(0) if taps is not None else None
         slots = self._commit_program(slots, written, rows)(slots, written, rows)
         return slots, drawn_BT, logprobs, rest[0] if rest else None, features

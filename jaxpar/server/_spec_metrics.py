@@ -8,8 +8,10 @@ there was accepted (``vllm:spec_decode_num_accepted_tokens_per_pos``, label
 ``position``); its mean acceptance length is ``1 + accepted / drafts``. jaxpar exports
 the same counters, and as gauges the mean acceptance length and the number of drafted
 tokens the cost model chose for the last step (``jaxpar:spec_decode_chosen_k``: 0 when
-speculation was off), plus the verification and plain steps since start. Nothing is
-exported when the batcher does not speculate.
+speculation was off) and the mean of the rows' own caps in the last verification
+(``jaxpar:spec_decode_row_k_mean``), plus the verification and plain steps since start and
+the steps per ``K`` chosen (``jaxpar:spec_decode_steps_by_k``, label ``k``; ``0``: plain
+steps while speculation was on). Nothing is exported when the batcher does not speculate.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class SpecCollector(Collector):
             ("spec_decode_chosen_k",
              "Drafted tokens per row the cost model chose for the last step (0: off).",
              spec.chosen_k),
+            ("spec_decode_row_k_mean",
+             "Drafted tokens per drafting row in the last verification (mean).",
+             spec.row_k_mean),
         ]:  # fmt: skip
             gauge = GaugeMetricFamily(f"jaxpar:{metric}", doc, labels=["model_name"])
             gauge.add_metric([name], value)
@@ -71,3 +76,11 @@ class SpecCollector(Collector):
             family = CounterMetricFamily(f"jaxpar:{metric}", doc, labels=["model_name"])
             family.add_metric([name], value)
             yield family
+        by_k = CounterMetricFamily(
+            "jaxpar:spec_decode_steps_by_k",
+            "Decode steps per drafted tokens per row the cost model chose (0: plain).",
+            labels=["model_name", "k"],
+        )
+        for k, value in enumerate(spec.steps_by_k):
+            by_k.add_metric([name, str(k)], value)
+        yield by_k
