@@ -73,9 +73,10 @@ class ContinuousBatcher:
             keys); default the engine's ``speculative``, else none.
         split_decode: on CPU, a decode step whose rows' lengths differ widely runs as two
             dispatches, short rows at their own block-table width
-            (:mod:`._decode_groups`), when its fitted cost model says that costs less.
-            Off by default: warm-up does not compile the split steps' programs, so the
-            first split of each shape compiles while the running streams wait.
+            (:mod:`._decode_groups`), when its fitted cost model says that costs less and
+            both dispatches' programs are ready: compiled by the warm-up (those a split
+            can run) and run once by the idle loop. A split never compiles, nor runs a
+            program for the first time, while the streams wait. On by default.
     """
 
     def __init__(
@@ -90,7 +91,7 @@ class ContinuousBatcher:
         max_prefill_tokens: int | None = None,
         kv_offload_gb: float | None = None,
         speculative: SpeculativeConfig | str | dict | None = None,
-        split_decode: bool = False,
+        split_decode: bool = True,
     ):
         self.engine, self.prefill_engine = engine, prefill_engine or engine
         self.disaggregated = prefill_engine is not None
@@ -115,10 +116,14 @@ class ContinuousBatcher:
         #: Each step's shape facts and time, for efficiency metrics.
         self.step_log = StepLog(colocated=not self.disaggregated)
         self._cond = threading.Condition()
-        #: Decode steps compiled by a warm-up and not run yet: (rows, block-table columns),
-        #: run once each while the loop is idle (:meth:`_prime_idle`); and those it ran.
-        self._unprimed: collections.deque[tuple[int, int]] = collections.deque()
+        #: Decode steps compiled by a warm-up and not run yet: (rows, block-table columns,
+        #: a split step's group), run once each while the loop is idle
+        #: (:meth:`_prime_idle`); and those it ran (groups in :attr:`primed_groups`).
+        self._unprimed: collections.deque[tuple[int, int, bool]] = collections.deque()
         self.primed: list[tuple[int, int]] = []
+        self.primed_groups: list[tuple[int, int]] = []
+        if self.scheduler.grouping is not None:  # splits run only primed group programs
+            self.scheduler.grouping.ready = self._group_primed
         self._next_id, self._closing, self._stopping, self._closed = 0, False, False, False
         self._close_lock = threading.Lock()
         self.group = ProcessGroup()
@@ -302,16 +307,22 @@ class ContinuousBatcher:
         """``bucket``'s compile; a decode step's then waits for the decode loop to run it
         once while idle (:meth:`_prime_idle`)."""
         compile_ = self.programs.compiler(bucket)
-        if bucket.kind != "decode":
+        if bucket.kind not in ("decode", "split"):
             return compile_
+        width = bucket.tokens // self.pool.page_size
 
         def run() -> None:
             compile_()
             with self._cond:
-                self._unprimed.append((bucket.rows, bucket.tokens // self.pool.page_size))
+                self._unprimed.append((bucket.rows, width, bucket.kind == "split"))
                 self._cond.notify_all()
 
         return run
+
+    def _group_primed(self, computed: int, width: int) -> bool:
+        """A split step's group over ``computed`` rows per shard at ``width`` columns has
+        a compiled program that already ran once (:meth:`_prime_idle`)."""
+        return (computed * self.pool.shards, width) in self.primed_groups
 
     def _prime_idle(self) -> bool:
         """With nothing queued, running or in flight: runs one compiled decode step that
@@ -321,9 +332,9 @@ class ContinuousBatcher:
             busy = self.scheduler.waiting or self.scheduler.running or self.core.ready
             if busy or not self._unprimed or self._stopping:
                 return False
-            rows, width = self._unprimed.popleft()
-        self.executor.prime_step(rows, width)
-        self.primed.append((rows, width))
+            rows, width, group = self._unprimed.popleft()
+        self.executor.prime_step(rows, width, indexed=group)
+        (self.primed_groups if group else self.primed).append((rows, width))
         return True
 
     # --- life cycle ----------------------------------------------------------------------

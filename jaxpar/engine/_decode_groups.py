@@ -12,6 +12,11 @@ one per row computed and one per KV position read, fitted from measured step tim
 A split step is a :class:`DecodeGroup` per dispatch: the rows it computes, in row order
 per batch shard (each shard's rows are its own: nothing crosses shards), and its width.
 :func:`group_rows` and :func:`group_tables` turn one into the step's inputs.
+
+A group's program (a step over rows chosen by id, per row bucket and width) is not the
+unsplit step's. :meth:`DecodeGrouping.programs` lists those a split the policy can choose
+would run (the warm-up compiles them), and with ``ready`` set the policy splits only when
+both groups' programs are compiled: a split never compiles while the streams wait.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class DecodeGrouping:
             (the cache's, a power of two).
         bucket: the rows a program computes per shard for ``need`` rows there (the
             step's row buckets).
+        ready: ``ready(computed, width)``: a group's program over ``computed`` rows per
+            shard at ``width`` columns is compiled (None: take any split).
     """
 
     def __init__(
@@ -89,12 +96,13 @@ class DecodeGrouping:
         page_size: int,
         width: Callable[[int], int],
         bucket: Callable[[int], int],
+        ready: Callable[[int, int], bool] | None = None,
     ):
         if shards < 1 or rows % shards:
             raise ConfigError(f"{rows} decode rows do not split into {shards} batch shards")
         self.cost = cost
         self.per, self.shards, self.page_size = rows // shards, shards, page_size
-        self.width, self.bucket = width, bucket
+        self.width, self.bucket, self.ready = width, bucket, ready
 
     def _computed(self, rows: Sequence[int]) -> int:
         counts = np.bincount(np.asarray(rows, int) // self.per, minlength=self.shards)
@@ -127,10 +135,32 @@ class DecodeGrouping:
             long = [i for i in idx if widths[i] > w]
             a, b = self._computed(short), self._computed(long)
             ms = self._ms(a, w) + self._ms(b, top)
+            if self.ready is not None and not (self.ready(a, w) and self.ready(b, top)):
+                continue  # its programs would compile while the streams wait
             if ms < best:
                 best = ms
                 plan = (DecodeGroup(tuple(short), w, a), DecodeGroup(tuple(long), top, b))
         return plan
+
+    def programs(self, widths: Sequence[int]) -> list[tuple[int, int]]:
+        """(rows computed per shard, width) of every group program a split this policy
+        chooses can run, for steps at block-table ``widths`` (the cache's): a short group
+        at ``w`` and a long one at ``top > w`` are listed when, for some count of short
+        and long rows in a shard, two dispatches cost less than one over those rows held
+        contiguously (rows are taken lowest first; a split that pays only because freed
+        rows left holes may find its programs not compiled, and then the step runs
+        whole). Ascending."""
+        widths = sorted(set(widths))
+        out: set[tuple[int, int]] = set()
+        for j, top in enumerate(widths):
+            for w in widths[:j]:
+                for n_short in range(1, self.per):
+                    for n_long in range(1, self.per - n_short + 1):
+                        a, b = self.bucket(n_short), self.bucket(n_long)
+                        single = self._ms(self.bucket(n_short + n_long), top)
+                        if self._ms(a, w) + self._ms(b, top) < single:
+                            out |= {(a, w), (b, top)}
+        return sorted(out)
 
 
 def group_rows(group: DecodeGroup, rows: int, shards: int) -> np.ndarray:

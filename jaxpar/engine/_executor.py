@@ -355,17 +355,21 @@ class Executor:
         return handle
 
     @command
-    def prime_step(self, rows: int, width: int) -> None:
+    def prime_step(self, rows: int, width: int, *, indexed: bool = False) -> None:
         """Runs the decode step over ``rows`` rows and ``width`` block-table columns once,
         every row released first, and waits for it. Only while no row decodes: then it
         changes nothing but the scratch pages. A compiled program's first run costs more
         than the next (on CPU ~160 ms more for a decode step of SmolLM2-135M shapes:
-        208 ms, then 47), which a request's step then never pays."""
+        208 ms, then 47), which a request's step then never pays. ``indexed``: the
+        program of one group of a split step (its rows by id; here all padding)."""
         steps = self._slot_steps[DECODE]
         shape = (rows, width) if steps.groups is None else (steps.groups.n_groups, rows, width)
         tables = put_global(np.zeros(shape, np.int32), steps.tables_layout)
         release_B = np.ones(steps.n_slots, bool)
-        slots, next_B, *_ = steps.step(self.engine.params, self._slots[DECODE], release_B, tables)
+        rows_R = np.full(rows, -1, np.int32) if indexed else None
+        slots, next_B, *_ = steps.step(
+            self.engine.params, self._slots[DECODE], release_B, tables, rows_R=rows_R
+        )
         self._slots[DECODE] = slots
         jax.block_until_ready(next_B)
 
