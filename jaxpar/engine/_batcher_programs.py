@@ -357,7 +357,11 @@ class BatcherPrograms:
         buckets = self.scheduler.config.row_buckets
         rows = buckets if caching else buckets[:1]
         lengths = self.scheduler.context_lengths()
-        return [(r, t, n) for r in rows for t in lengths for n in sorted(n_pages)]
+        out = [(r, t, n) for r in rows for t in lengths for n in sorted(n_pages)]
+        if longest > self.scheduler.config.chunk_tokens:  # a long prompt's smaller pieces
+            pieces = set(self.scheduler.context_lengths(alone=True)) - set(lengths)
+            out += [(buckets[0], t, n) for t in sorted(pieces) for n in sorted(n_pages)]
+        return out
 
     def compiler(self, bucket: Bucket) -> Callable[[], object]:
         """Compiles one bucket's programs when called."""

@@ -26,6 +26,7 @@ from jaxpar.engine._batcher_programs import (
     batcher_parts,
 )
 from jaxpar.engine._cache import KVEventSink
+from jaxpar.engine._chunk_cost import ChunkCost
 from jaxpar.engine._core import ServingCore
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
@@ -122,6 +123,12 @@ class ContinuousBatcher:
         self._unprimed: collections.deque[tuple[int, int, bool]] = collections.deque()
         self.primed: list[tuple[int, int]] = []
         self.primed_groups: list[tuple[int, int]] = []
+        #: Prefills a warm-up compiled for a long prompt's pieces, to time while idle
+        #: (rows, new tokens, cached pages), and their times: the scheduler's
+        #: :class:`~._chunk_cost.ChunkCost` once all are measured (one process only).
+        self._unmeasured: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.prefill_samples: list[tuple[int, int, int, float]] = []
+        self._to_measure, self._compiled_prefills = 0, []
         if self.scheduler.grouping is not None:  # splits run only primed group programs
             self.scheduler.grouping.ready = self._group_primed
         self._next_id, self._closing, self._stopping, self._closed = 0, False, False, False
@@ -308,7 +315,21 @@ class ContinuousBatcher:
         once while idle (:meth:`_prime_idle`)."""
         compile_ = self.programs.compiler(bucket)
         if bucket.kind not in ("decode", "split"):
-            return compile_
+            alone = bucket.rows == self.scheduler.config.row_buckets[0]
+            if not alone or self.group.leader is not None:
+                return compile_  # a long prompt's pieces are prefilled alone
+            self._to_measure += 1
+
+            def measure() -> None:
+                compile_()
+                with self._cond:  # timed once all are compiled (fewer compiles beside)
+                    n_pages = bucket.context // self.pool.page_size
+                    self._compiled_prefills.append((bucket.rows, bucket.tokens, n_pages))
+                    if len(self._compiled_prefills) == self._to_measure:
+                        self._unmeasured.extend(self._compiled_prefills)
+                        self._cond.notify_all()
+
+            return measure
         width = bucket.tokens // self.pool.page_size
 
         def run() -> None:
@@ -327,15 +348,34 @@ class ContinuousBatcher:
     def _prime_idle(self) -> bool:
         """With nothing queued, running or in flight: runs one compiled decode step that
         never ran (:meth:`Executor.prime_step <jaxpar.engine._executor.Executor.prime_step>`),
-        so its first, slower run stalls no request. True if it ran one."""
+        so its first, slower run stalls no request; then times one compiled prefill
+        (:meth:`_measure`). True if it ran either."""
         with self._cond:
             busy = self.scheduler.waiting or self.scheduler.running or self.core.ready
-            if busy or not self._unprimed or self._stopping:
+            if busy or self._stopping or not (self._unprimed or self._unmeasured):
                 return False
-            rows, width, group = self._unprimed.popleft()
+            if not self._unprimed:
+                shape = self._unmeasured.popleft()
+            else:
+                rows, width, group = self._unprimed.popleft()
+                shape = None
+        if shape is not None:
+            self._measure(*shape)
+            return True
         self.executor.prime_step(rows, width, indexed=group)
         (self.primed_groups if group else self.primed).append((rows, width))
         return True
+
+    def _measure(self, rows: int, length: int, n_pages: int) -> None:
+        """Times a compiled prefill (its second run: the first is slower); once every one
+        the warm-up compiled for a single row is timed, the scheduler sizes a long prompt's
+        pieces by their costs (:class:`~._chunk_cost.ChunkCost`)."""
+        self.executor.time_prefill(rows, length, n_pages)
+        ms = 1e3 * self.executor.time_prefill(rows, length, n_pages)
+        self.prefill_samples.append((rows, length, n_pages * self.pool.page_size, ms))
+        if len(self.prefill_samples) == self._to_measure:
+            with self._cond:
+                self.scheduler.chunk_cost = ChunkCost.of(self.prefill_samples)
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -473,7 +513,9 @@ class ContinuousBatcher:
             self.executor.flush()  # the other processes dispatch what this one did
         with self._cond:
             if not busy:
-                waiting = lambda: self.scheduler.waiting or self.core.ready or self._unprimed  # noqa: E731
+                waiting = lambda: (  # noqa: E731
+                    self.scheduler.waiting or self.core.ready or self._unprimed or self._unmeasured
+                )
                 with self.pulse.waiting():
                     self._cond.wait_for(lambda: self._stopping or waiting())
                 self.runner.loop_started()

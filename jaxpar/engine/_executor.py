@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -372,6 +373,27 @@ class Executor:
         )
         self._slots[DECODE] = slots
         jax.block_until_ready(next_B)
+
+    def time_prefill(self, rows: int, length: int, n_pages: int = 0) -> float:
+        """Seconds of one prefill of ``[rows, length]`` new tokens (after ``n_pages``
+        cached pages of the prefill side, read as scratch: nothing is written), dispatched
+        and waited for. Only while idle, in one process: it is not a recorded command. The
+        prefill's cost by shape (:class:`~jaxpar.engine._chunk_cost.ChunkCost`)."""
+        eng, steps = self.prefill_engine, self._slot_steps[PREFILL]
+        lay = eng.layouts
+        start = time.perf_counter()
+        tokens = put_global(np.zeros((rows, length), np.int32), lay.tokens_BT)
+        lengths = put_global(np.full(rows, length, np.int32), lay.lengths_prefill_B)
+        if n_pages:
+            pages_PN = np.zeros((rows, *steps.pool.ids_shape(n_pages)), np.int32)
+            ctx_k, ctx_v = steps.context(self._slots[self._pool(PREFILL)], pages_PN, lay.kv_prefill)
+            starts = put_global(np.full(rows, n_pages * steps.pool.page_size, np.int32),
+                                lay.lengths_prefill_B)  # fmt: skip
+            out = eng.steps.prefill_context(eng.params, tokens, lengths, starts, ctx_k, ctx_v)
+        else:
+            out = eng.steps.prefill(eng.params, tokens, lengths)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
 
     @command
     def score(self, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> int:

@@ -12,8 +12,11 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
   goes), and each fits one chunk. A request is
   placed in the batch shard holding the longest cached run of its prefix (then the one
   with the most free pages) and prefills only the rest. A prompt longer than a chunk is
-  prefilled alone, one piece of ``long_chunk_tokens`` (whole pages) per plan, each
-  continuing the ones before.
+  prefilled alone, one piece (whole pages) per plan, each continuing the ones before:
+  of ``long_chunk_tokens``, or, once a :class:`~jaxpar.engine._chunk_cost.ChunkCost` is
+  measured, the most new tokens whose prefill after the context cached so far costs no
+  more than the budget's own (``max_prefill_tokens`` new tokens without context): the
+  budget counts the attention over the context, so late pieces are smaller.
 * :meth:`~Scheduler.prefilled`: after the runner ran a plan: the pages written join the
   prefix cache, and the requests it completed start decoding in their rows.
 * :meth:`~Scheduler.reserve`, :meth:`~Scheduler.preempt_for_room` and
@@ -43,6 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxpar.engine._cache import CacheManager, Hit
+from jaxpar.engine._chunk_cost import ChunkCost
 from jaxpar.engine._decode_groups import DecodeGroup, DecodeGrouping
 from jaxpar.errors import ConfigError
 
@@ -258,6 +262,8 @@ class Scheduler:
         self._admissions = 0
         #: A long prompt between two of its chunks.
         self.chunking: _Work | None = None
+        #: Measured prefill costs: a long prompt's pieces sized by time (None: by tokens).
+        self.chunk_cost: ChunkCost | None = None
         self._works: dict[int, _Work] = {}  # by id(request): admitted, not decoding yet
 
     # --- queue ---------------------------------------------------------------------------
@@ -295,20 +301,31 @@ class Scheduler:
 
     # --- prefill -------------------------------------------------------------------------
 
-    def context_lengths(self) -> list[int]:
+    def context_lengths(self, alone: bool = False) -> list[int]:
         """New-token buckets of a prefill with context: a chunk's bucket, a quarter of it
         (a short suffix after a prefix hit pads to that: few compiles), and a long
-        prompt's piece's."""
+        prompt's piece's; ``alone`` (one request, the smallest row bucket: a long
+        prompt's pieces) also :meth:`piece_lengths`."""
         top = self.bucket(self.config.chunk_tokens)
         piece = self.bucket(self.config.long_piece)
-        return sorted({top, max(8, top // 4), piece} if top >= 8 else {top})
+        lengths = {top, max(8, top // 4), piece} if top >= 8 else {top}
+        return sorted(lengths | set(self.piece_lengths()) if alone else lengths)
+
+    def piece_lengths(self) -> list[int]:
+        """The smaller pieces a long prompt's prefill may take after a long context (a
+        half and a quarter of ``long_chunk_tokens``, in whole pages), when the measured
+        :attr:`chunk_cost` says a piece of ``long_chunk_tokens`` costs more than the
+        budget there."""
+        z, piece = self.prefill_cache.page_size, self.config.long_piece
+        return sorted({p for p in (piece // 2, piece // 4) if p >= z and p % z == 0})
 
     def _length(self, takes: Sequence[int], with_context: bool) -> int:
         """The new-token bucket of a prefill whose chunks take ``takes`` new tokens
         (``with_context``: after cached tokens, padded to :meth:`context_lengths`)."""
         length = self.bucket(max(takes))
         if with_context:  # pads to the fewer buckets of a prefill with context
-            length = next((t for t in self.context_lengths() if t >= length), length)
+            lengths = self.context_lengths(alone=len(takes) == 1)
+            length = next((t for t in lengths if t >= length), length)
         return length
 
     def _cost(self, works: Sequence[_Work]) -> int:
@@ -320,10 +337,32 @@ class Scheduler:
 
     def _take(self, work: _Work) -> int:
         """New tokens ``work`` prefills next: all it has left when that fits a chunk and it
-        is not long, else its next piece of a long prompt."""
+        is not long, else its next piece of a long prompt (:meth:`_piece`)."""
         if work is self.chunking or work.remaining > self.config.chunk_tokens:
-            return min(work.remaining, self.config.long_piece)
+            return min(work.remaining, self._piece(work))
         return work.remaining
+
+    def _piece(self, work: _Work) -> int:
+        """A long prompt's next piece: ``long_chunk_tokens``; with a measured
+        :attr:`chunk_cost`, the longest piece (whole pages, at most a chunk) whose prefill
+        after the context its pages hold costs at most the budget's time, a prefill of
+        ``max_prefill_tokens`` new tokens without context (none fits: the shortest)."""
+        config, cost = self.config, self.chunk_cost
+        if cost is None:
+            return config.long_piece
+        cache, rows = self.prefill_cache, config.row_buckets[0]
+        z = cache.page_size
+        context = cache.context_width(-(-work.done // z)) * z if work.done else 0
+        budget_ms = cost.ms(rows, self.bucket(config.max_prefill_tokens), 0)
+        sizes = [config.chunk_tokens, *self.context_lengths(alone=True)]
+        sizes = sorted({t for t in sizes if t % z == 0 and t <= config.chunk_tokens})
+        fits = [
+            t
+            for t in sizes
+            if cost.ms(rows, self._length([min(t, work.remaining)], bool(work.done)), context)
+            <= budget_ms
+        ]
+        return max(fits) if fits else sizes[0]
 
     def schedule_prefill(self, budget: int | None, spent: int = 0) -> PrefillPlan:
         """The next prefill: the next chunk of a long prompt, or queued requests placed in
