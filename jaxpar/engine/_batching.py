@@ -315,9 +315,13 @@ class ContinuousBatcher:
         once while idle (:meth:`_prime_idle`)."""
         compile_ = self.programs.compiler(bucket)
         if bucket.kind not in ("decode", "split"):
-            alone = bucket.rows == self.scheduler.config.row_buckets[0]
-            if not alone or self.group.leader is not None:
-                return compile_  # a long prompt's pieces are prefilled alone
+            config = self.scheduler.config
+            alone = bucket.rows == config.row_buckets[0]  # a long prompt's pieces go alone
+            # After cached tokens, pieces of at most long_chunk_tokens are timed: a longer
+            # one there costs what the fit says (seconds each at long contexts on CPU).
+            small = bucket.kind == "prefill" or bucket.tokens <= config.long_piece
+            if not (alone and small) or self.group.leader is not None:
+                return compile_
             self._to_measure += 1
 
             def measure() -> None:
