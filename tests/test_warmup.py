@@ -42,8 +42,9 @@ def _served(max_seq_len: int) -> ContinuousBatcher:
     # longer context (Llama-3.2-1B in the README). Before: 171 for 16384; 68 with 64 rows
     # and decode steps of at least 8 rows (on CPU now 16 rows, in steps of 1, 4, 8 or 16);
     # 72 since CPU prefills take 256 tokens at a time (two prefill buckets more); 107 (44)
-    # since decode steps split by width by default (the groups' programs: 35, and 8).
-    [(256, 44), (16384, 107)],
+    # since decode steps split by width by default (the groups' programs: 35, and 8); 119
+    # with a long prompt's smaller pieces after cached tokens (16 and 32, one row: 12).
+    [(256, 44), (16384, 119)],
 )
 def test_default_serve_program_count(max_seq_len, count):
     batcher = _served(max_seq_len)

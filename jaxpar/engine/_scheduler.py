@@ -319,20 +319,27 @@ class Scheduler:
         z, piece = self.prefill_cache.page_size, self.config.long_piece
         return sorted({p for p in (piece // 2, piece // 4) if p >= z and p % z == 0})
 
-    def _length(self, takes: Sequence[int], with_context: bool) -> int:
+    def _length(self, takes: Sequence[int], with_context: bool, piece: bool = False) -> int:
         """The new-token bucket of a prefill whose chunks take ``takes`` new tokens
-        (``with_context``: after cached tokens, padded to :meth:`context_lengths`)."""
+        (``with_context``: after cached tokens, padded to :meth:`context_lengths`; of a
+        long prompt's ``piece``: its smaller pieces' too)."""
         length = self.bucket(max(takes))
         if with_context:  # pads to the fewer buckets of a prefill with context
-            lengths = self.context_lengths(alone=len(takes) == 1)
+            lengths = self.context_lengths(alone=piece)
             length = next((t for t in lengths if t >= length), length)
         return length
+
+    def _long(self, works: Sequence[_Work]) -> bool:
+        """``works`` is a long prompt's piece (prefilled alone)."""
+        return len(works) == 1 and (
+            works[0] is self.chunking or works[0].remaining > self.config.chunk_tokens
+        )
 
     def _cost(self, works: Sequence[_Work]) -> int:
         """Padded tokens of a prefill of ``works``: its rows times its new-token bucket. A
         prefix hit costs only its suffix (its cached tokens are not computed again)."""
         takes = [self._take(w) for w in works]
-        length = self._length(takes, any(w.done for w in works))
+        length = self._length(takes, any(w.done for w in works), self._long(works))
         return self.config.rows(len(works)) * length
 
     def _take(self, work: _Work) -> int:
@@ -359,7 +366,7 @@ class Scheduler:
         fits = [
             t
             for t in sizes
-            if cost.ms(rows, self._length([min(t, work.remaining)], bool(work.done)), context)
+            if cost.ms(rows, self._length([min(t, work.remaining)], bool(work.done), True), context)
             <= budget_ms
         ]
         return max(fits) if fits else sizes[0]
@@ -405,7 +412,7 @@ class Scheduler:
         if not works:
             return PrefillPlan(cancelled=cancelled)
         takes = [self._take(w) for w in works]
-        length = self._length(takes, any(w.done for w in works))
+        length = self._length(takes, any(w.done for w in works), self._long(works))
         chunks = []
         for work, take in zip(works, takes, strict=True):
             self._works[id(work.request)] = work

@@ -63,7 +63,7 @@ class WarmupPlan:
         return len(self.buckets)
 
     def describe(self) -> str:
-        """``107 programs (prefill: rows {1,4} x tokens {8,16,32,64,128,256} (12); ...``."""
+        """``119 programs (prefill: rows {1,4} x tokens {8,16,32,64,128,256} (12); ...``."""
         parts = []
         for kind, what in (("prefill", "prefill"), ("context", "prefill after cached")):
             got = [b for b in self.buckets if b.kind == kind]
