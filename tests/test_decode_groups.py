@@ -41,8 +41,13 @@ def _width(tokens: int) -> int:
     return 1 << (-(-tokens // Z) - 1).bit_length()
 
 
-def _grouping(cost: StepCost, rows: int = 8, shards: int = 1) -> DecodeGrouping:
-    return DecodeGrouping(cost, rows=rows, shards=shards, page_size=Z, width=_width, bucket=_bucket)
+def _grouping(
+    cost: StepCost, rows: int = 8, shards: int = 1, min_saving: float | None = None
+) -> DecodeGrouping:
+    return DecodeGrouping(
+        cost, rows=rows, shards=shards, page_size=Z, width=_width, bucket=_bucket,
+        min_saving=min_saving,
+    )  # fmt: skip
 
 
 POSITIONS = StepCost(dispatch_ms=1.0, row_ms=0.0, position_us=1000.0)  # reading dominates
@@ -70,12 +75,16 @@ def test_no_split_when_rows_share_a_width_or_a_dispatch_costs_more_than_it_saves
     # One dispatch reads 8 rows x 32 pages; the split 8 (7 rows' bucket) x 2 and 1 x 32.
     saved_ms = 1e-3 * POSITIONS.position_us * (8 * 32 - 8 * 2 - 1 * 32) * Z
     dear = StepCost(dispatch_ms=saved_ms + 1, row_ms=0.0, position_us=POSITIONS.position_us)
-    assert _grouping(dear).groups([True] * 8, lengths) is None
+    assert _grouping(dear, min_saving=0.0).groups([True] * 8, lengths) is None
     cheap = StepCost(dispatch_ms=saved_ms - 1, row_ms=0.0, position_us=POSITIONS.position_us)
-    assert _grouping(cheap).groups([True] * 8, lengths) is not None
+    assert _grouping(cheap, min_saving=0.0).groups([True] * 8, lengths) is not None
+    # By default a split must save a fifth of the step: this one saves less than 1 ms.
+    assert _grouping(cheap).groups([True] * 8, lengths) is None
+    with pytest.raises(ConfigError, match="min_saving"):
+        _grouping(cheap, min_saving=1.0)
     # Rows the split would compute again (their bucket padding) count too.
     rows_dear = StepCost(dispatch_ms=0.0, row_ms=1e6, position_us=POSITIONS.position_us)
-    assert _grouping(rows_dear).groups([True] * 8, lengths) is None
+    assert _grouping(rows_dear, min_saving=0.0).groups([True] * 8, lengths) is None
     with pytest.raises(ConfigError, match="position_us"):
         StepCost(position_us=-1)
 

@@ -28,6 +28,9 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 
+#: The share of a decode step's modelled time a split must save to be taken.
+MIN_SAVING = 0.2
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
@@ -85,6 +88,10 @@ class DecodeGrouping:
             step's row buckets).
         ready: ``ready(computed, width)``: a group's program over ``computed`` rows per
             shard at ``width`` columns is compiled (None: take any split).
+        min_saving: the share of the unsplit step's modelled time a split must save
+            (default :data:`MIN_SAVING`): the second dispatch's host time and the model's
+            error are not in the model, and a split that barely pays is not worth its
+            programs (with 256-token rows, none is listed).
     """
 
     def __init__(
@@ -97,12 +104,16 @@ class DecodeGrouping:
         width: Callable[[int], int],
         bucket: Callable[[int], int],
         ready: Callable[[int, int], bool] | None = None,
+        min_saving: float | None = None,
     ):
         if shards < 1 or rows % shards:
             raise ConfigError(f"{rows} decode rows do not split into {shards} batch shards")
         self.cost = cost
         self.per, self.shards, self.page_size = rows // shards, shards, page_size
         self.width, self.bucket, self.ready = width, bucket, ready
+        self.keep = 1.0 - (MIN_SAVING if min_saving is None else min_saving)
+        if not 0.0 < self.keep <= 1.0:
+            raise ConfigError(f"min_saving must be in [0, 1), got {min_saving}")
 
     def _computed(self, rows: Sequence[int]) -> int:
         counts = np.bincount(np.asarray(rows, int) // self.per, minlength=self.shards)
@@ -122,14 +133,14 @@ class DecodeGrouping:
     def groups(
         self, live: Sequence[bool], lengths: Sequence[int]
     ) -> tuple[DecodeGroup, ...] | None:
-        """The step's dispatches when two cost less than one (short rows first), else
-        None. ``lengths[i]``: tokens row ``i`` holds before the step."""
+        """The step's dispatches when two cost less than one by ``min_saving`` (short rows
+        first), else None. ``lengths[i]``: tokens row ``i`` holds before the step."""
         idx = [i for i, b in enumerate(live) if b]
         if len(idx) < 2:
             return None
         widths = {i: self.width(lengths[i] + 1) for i in idx}
         top = max(widths.values())
-        best, plan = self._ms(*self.single(live, lengths)), None
+        best, plan = self.keep * self._ms(*self.single(live, lengths)), None
         for w in sorted(set(widths.values()) - {top}):
             short = [i for i in idx if widths[i] <= w]
             long = [i for i in idx if widths[i] > w]
@@ -146,7 +157,7 @@ class DecodeGrouping:
         """(rows computed per shard, width) of every group program a split this policy
         chooses can run, for steps at block-table ``widths`` (the cache's): a short group
         at ``w`` and a long one at ``top > w`` are listed when, for some count of short
-        and long rows in a shard, two dispatches cost less than one over those rows held
+        and long rows in a shard, two dispatches save ``min_saving`` of one over those rows held
         contiguously (rows are taken lowest first; a split that pays only because freed
         rows left holes may find its programs not compiled, and then the step runs
         whole). Ascending."""
@@ -157,7 +168,7 @@ class DecodeGrouping:
                 for n_short in range(1, self.per):
                     for n_long in range(1, self.per - n_short + 1):
                         a, b = self.bucket(n_short), self.bucket(n_long)
-                        single = self._ms(self.bucket(n_short + n_long), top)
+                        single = self.keep * self._ms(self.bucket(n_short + n_long), top)
                         if self._ms(a, w) + self._ms(b, top) < single:
                             out |= {(a, w), (b, top)}
         return sorted(out)
