@@ -16,7 +16,8 @@ per batch shard (each shard's rows are its own: nothing crosses shards), and its
 A group's program (a step over rows chosen by id, per row bucket and width) is not the
 unsplit step's. :meth:`DecodeGrouping.programs` lists those a split the policy can choose
 would run (the warm-up compiles them), and with ``ready`` set the policy splits only when
-both groups' programs are compiled: a split never compiles while the streams wait.
+both groups' programs are ready (the batcher's: compiled, and run once while idle): a
+split never compiles, nor pays a program's slower first run, while the streams wait.
 """
 
 from __future__ import annotations
