@@ -246,8 +246,9 @@ def _pieces(sched: Scheduler, prompt: int) -> list:
 def test_a_long_prompts_pieces_are_sized_by_the_measured_cost_of_their_context():
     """The budget counts the attention over the context: with a measured ChunkCost, each
     piece is the longest (whole pages) whose prefill after the context its pages hold
-    costs at most the budget's own time (32 new tokens, no context), so the first pieces
-    grow past ``long_chunk_tokens`` and the late ones shrink below it."""
+    costs at most the budget's own time (32 new tokens, no context), so the first piece
+    (no context) is a whole chunk, past ``long_chunk_tokens``, and the late ones shrink
+    below it."""
 
     def make_long() -> Scheduler:
         pool = PagePool(Z, 80, 1, 2, 256)
@@ -275,10 +276,11 @@ def test_a_long_prompts_pieces_are_sized_by_the_measured_cost_of_their_context()
         ms = cost.ms(1, plan.length, context)
         assert ms <= budget_ms or len(chunk.tokens) == 4  # within it, or the smallest piece
     assert all(a >= b for a, b in zip(takes[:-1], takes[1:-1], strict=False))  # shrinking
-    # Attention that costs nothing: every piece a whole chunk.
+    # Attention that costs nothing: a whole chunk, then pieces of long_chunk_tokens (the
+    # longest after context whose cost is measured).
     free = make_long()
     free.chunk_cost = _linear_cost(1.0, 1.0, 0.0)
-    assert [len(p.chunks[0].tokens) for p in _pieces(free, 200)] == [32] * 6 + [8]
+    assert [len(p.chunks[0].tokens) for p in _pieces(free, 200)] == [32] + [16] * 10 + [8]
 
 
 def test_chunk_cost_takes_what_was_measured_and_fits_the_rest():

@@ -351,9 +351,11 @@ class Scheduler:
 
     def _piece(self, work: _Work) -> int:
         """A long prompt's next piece: ``long_chunk_tokens``; with a measured
-        :attr:`chunk_cost`, the longest piece (whole pages, at most a chunk) whose prefill
-        after the context its pages hold costs at most the budget's time, a prefill of
-        ``max_prefill_tokens`` new tokens without context (none fits: the shortest)."""
+        :attr:`chunk_cost`, the longest piece (whole pages) whose prefill after the
+        context its pages hold costs at most the budget's time, a prefill of
+        ``max_prefill_tokens`` new tokens without context (none fits: the shortest). The
+        first piece (no context) may be a whole chunk; later ones at most
+        ``long_chunk_tokens`` (the shapes whose costs are measured, not fitted)."""
         config, cost = self.config, self.chunk_cost
         if cost is None:
             return config.long_piece
@@ -361,8 +363,9 @@ class Scheduler:
         z = cache.page_size
         context = cache.context_width(-(-work.done // z)) * z if work.done else 0
         budget_ms = cost.ms(rows, self.bucket(config.max_prefill_tokens), 0)
-        sizes = [config.chunk_tokens, *self.context_lengths(alone=True)]
-        sizes = sorted({t for t in sizes if t % z == 0 and t <= config.chunk_tokens})
+        top = config.long_piece if work.done else config.chunk_tokens
+        sizes = [top, *self.context_lengths(alone=True)]
+        sizes = sorted({t for t in sizes if t % z == 0 and t <= top})
         fits = [
             t
             for t in sizes
