@@ -247,18 +247,24 @@ def test_a_long_prompts_pieces_are_sized_by_the_measured_cost_of_their_context()
     """The budget counts the attention over the context: with a measured ChunkCost, each
     piece is the longest (whole pages) whose prefill after the context its pages hold
     costs at most the budget's own time (32 new tokens, no context), so the first piece
-    (no context) is a whole chunk, past ``long_chunk_tokens``, and the late ones shrink
-    below it."""
+    (no context) is a whole chunk, past ``long_chunk_tokens``; with ``min_piece_tokens``
+    the late ones shrink below it (by default they do not: TTFT)."""
 
-    def make_long() -> Scheduler:
+    def make_long(min_piece: int | None = 4) -> Scheduler:
         pool = PagePool(Z, 80, 1, 2, 256)
         cache = CacheManager(PageTable(pool), b"test", caching=False)
-        config = SchedulerConfig(2, (1, 2), 32, 32, long_chunk_tokens=16)
+        config = SchedulerConfig(2, (1, 2), 32, 32, 16, min_piece)
         return Scheduler(config, cache, bucket=lambda n: max(4, 1 << (n - 1).bit_length()))
 
     by_tokens = make_long()
     assert by_tokens.piece_lengths() == [4, 8]  # a quarter and a half of a 16-token piece
     assert {len(p.chunks[0].tokens) for p in _pieces(by_tokens, 200)[:-1]} == {16}
+    default = make_long(None)
+    assert default.piece_lengths() == []  # nothing shorter compiled
+    default.chunk_cost = _linear_cost(1.0, 1.0, 0.05)
+    assert [len(p.chunks[0].tokens) for p in _pieces(default, 200)] == [32] + [16] * 10 + [8]
+    with pytest.raises(ConfigError, match="min_piece_tokens must be in 1..long_chunk_tokens=16"):
+        SchedulerConfig(2, (1, 2), 32, 32, 16, 17)
 
     sched = make_long()
     cost = sched.chunk_cost = _linear_cost(1.0, 1.0, 0.05)

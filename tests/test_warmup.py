@@ -43,9 +43,8 @@ def _served(max_seq_len: int) -> ContinuousBatcher:
     # and decode steps of at least 8 rows (on CPU now 16 rows, in steps of 1, 4, 8 or 16);
     # 72 since CPU prefills take 256 tokens at a time (two prefill buckets more); 107
     # since decode steps split by width by default (the groups' programs: 35; none at 256,
-    # where no split saves a fifth of a step); 119 with a long prompt's smaller pieces
-    # after cached tokens (16 and 32, one row: 12).
-    [(256, 36), (16384, 119)],
+    # where no split saves a fifth of a step).
+    [(256, 36), (16384, 107)],
 )
 def test_default_serve_program_count(max_seq_len, count):
     batcher = _served(max_seq_len)

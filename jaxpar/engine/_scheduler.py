@@ -75,6 +75,12 @@ class SchedulerConfig:
             most ``chunk_tokens``; None: ``chunk_tokens``). Smaller than a chunk, it keeps
             the streams running while a long prompt prefills from stalling for a whole
             chunk at a time (vLLM's ``long_prefill_token_threshold``).
+        min_piece_tokens: the shortest piece a long prompt's prefill takes after cached
+            tokens when a measured cost says a longer one exceeds the budget there (None:
+            ``long_chunk_tokens``, never shorter). Shorter pieces stall the running
+            streams less, but each adds a round trip between decode steps: on CPU they
+            cut the streams' longest gap about 2x and lengthened the long prompt's TTFT
+            1.4-1.6x (``scripts/bench_serving.py --sections chunked``).
         max_prefill_tokens: padded prefill tokens between two decode steps (vLLM's
             ``max_num_batched_tokens``), whether or not requests decode: a queue is
             admitted over several steps, each within it, so the first requests decode
@@ -86,6 +92,7 @@ class SchedulerConfig:
     chunk_tokens: int
     max_prefill_tokens: int
     long_chunk_tokens: int | None = None
+    min_piece_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.row_buckets or self.row_buckets[-1] != self.prefill_batch:
@@ -97,6 +104,11 @@ class SchedulerConfig:
         for name in ("chunk_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.piece_floor <= self.long_piece:
+            raise ConfigError(
+                f"min_piece_tokens must be in 1..long_chunk_tokens={self.long_piece}, "
+                f"got {self.min_piece_tokens}"
+            )
         if not 1 <= self.long_piece <= self.chunk_tokens:
             raise ConfigError(
                 f"long_chunk_tokens must be in 1..chunk_tokens={self.chunk_tokens}, "
@@ -107,6 +119,11 @@ class SchedulerConfig:
     def long_piece(self) -> int:
         """New tokens of each piece of a long prompt."""
         return self.chunk_tokens if self.long_chunk_tokens is None else self.long_chunk_tokens
+
+    @property
+    def piece_floor(self) -> int:
+        """The shortest piece after cached tokens (:attr:`min_piece_tokens`)."""
+        return self.long_piece if self.min_piece_tokens is None else self.min_piece_tokens
 
     def rows(self, n: int) -> int:
         """The row bucket of a prefill of ``n`` requests."""
@@ -313,11 +330,12 @@ class Scheduler:
 
     def piece_lengths(self) -> list[int]:
         """The smaller pieces a long prompt's prefill may take after a long context (a
-        half and a quarter of ``long_chunk_tokens``, in whole pages), when the measured
-        :attr:`chunk_cost` says a piece of ``long_chunk_tokens`` costs more than the
-        budget there."""
+        half and a quarter of ``long_chunk_tokens``, in whole pages, down to
+        ``min_piece_tokens``), when the measured :attr:`chunk_cost` says a piece of
+        ``long_chunk_tokens`` costs more than the budget there. None by default."""
         z, piece = self.prefill_cache.page_size, self.config.long_piece
-        return sorted({p for p in (piece // 2, piece // 4) if p >= z and p % z == 0})
+        floor = max(self.config.piece_floor, z)
+        return sorted({p for p in (piece // 2, piece // 4) if p >= floor and p % z == 0})
 
     def _length(self, takes: Sequence[int], with_context: bool, piece: bool = False) -> int:
         """The new-token bucket of a prefill whose chunks take ``takes`` new tokens
@@ -354,8 +372,9 @@ class Scheduler:
         :attr:`chunk_cost`, the longest piece (whole pages) whose prefill after the
         context its pages hold costs at most the budget's time, a prefill of
         ``max_prefill_tokens`` new tokens without context (none fits: the shortest). The
-        first piece (no context) may be a whole chunk; later ones at most
-        ``long_chunk_tokens`` (the shapes whose costs are measured, not fitted)."""
+        first piece (no context) may be a whole chunk, from ``long_chunk_tokens`` up;
+        later ones ``long_chunk_tokens``, or down to ``min_piece_tokens`` (the shapes
+        whose costs are measured, not fitted)."""
         config, cost = self.config, self.chunk_cost
         if cost is None:
             return config.long_piece
@@ -364,8 +383,9 @@ class Scheduler:
         context = cache.context_width(-(-work.done // z)) * z if work.done else 0
         budget_ms = cost.ms(rows, self.bucket(config.max_prefill_tokens), 0)
         top = config.long_piece if work.done else config.chunk_tokens
+        floor = config.piece_floor if work.done else config.long_piece
         sizes = [top, *self.context_lengths(alone=True)]
-        sizes = sorted({t for t in sizes if t % z == 0 and t <= top})
+        sizes = sorted({t for t in sizes if t % z == 0 and floor <= t <= top})
         fits = [
             t
             for t in sizes
