@@ -14,9 +14,10 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
   with the most free pages) and prefills only the rest. A prompt longer than a chunk is
   prefilled alone, one piece (whole pages) per plan, each continuing the ones before:
   of ``long_chunk_tokens``, or, once a :class:`~jaxpar.engine._chunk_cost.ChunkCost` is
-  measured, the most new tokens whose prefill after the context cached so far costs no
-  more than the budget's own (``max_prefill_tokens`` new tokens without context): the
-  budget counts the attention over the context, so late pieces are smaller.
+  measured, the most new tokens (from ``min_piece_tokens`` to a chunk) whose prefill
+  after the context cached so far costs no more than the budget's own
+  (``max_prefill_tokens`` new tokens without context): the budget counts the attention
+  over the context.
 * :meth:`~Scheduler.prefilled`: after the runner ran a plan: the pages written join the
   prefix cache, and the requests it completed start decoding in their rows.
 * :meth:`~Scheduler.reserve`, :meth:`~Scheduler.preempt_for_room` and
