@@ -112,6 +112,7 @@ class DecodeGrouping:
         self.cost = cost
         self.per, self.shards, self.page_size = rows // shards, shards, page_size
         self.width, self.bucket, self.ready = width, bucket, ready
+        #: The share of the unsplit step's time a split may cost (1 - ``min_saving``).
         self.keep = 1.0 - (MIN_SAVING if min_saving is None else min_saving)
         if not 0.0 < self.keep <= 1.0:
             raise ConfigError(f"min_saving must be in [0, 1), got {min_saving}")
@@ -158,20 +159,26 @@ class DecodeGrouping:
         """(rows computed per shard, width) of every group program a split this policy
         chooses can run, for steps at block-table ``widths`` (the cache's): a short group
         at ``w`` and a long one at ``top > w`` are listed when, for some count of short
-        and long rows in a shard, two dispatches save ``min_saving`` of one over those rows held
-        contiguously (rows are taken lowest first; a split that pays only because freed
-        rows left holes may find its programs not compiled, and then the step runs
+        and long rows in a shard (or, with several batch shards, each kind's most in
+        shards of their own), two dispatches save ``min_saving`` of one over those rows
+        held contiguously (rows are taken lowest first; a split that pays only because
+        freed rows left holes may find its programs not compiled, and then the step runs
         whole). Ascending."""
         widths = sorted(set(widths))
+        per = self.per
+        # (short rows, long rows, rows the unsplit step computes) in the fullest shards:
+        # both kinds in one shard, or (several shards) each kind's most in another.
+        counts = [(s, n, s + n) for s in range(1, per) for n in range(1, per - s + 1)]
+        if self.shards > 1:
+            counts += [(s, n, max(s, n)) for s in range(1, per + 1) for n in range(1, per + 1)]
         out: set[tuple[int, int]] = set()
         for j, top in enumerate(widths):
             for w in widths[:j]:
-                for n_short in range(1, self.per):
-                    for n_long in range(1, self.per - n_short + 1):
-                        a, b = self.bucket(n_short), self.bucket(n_long)
-                        single = self.keep * self._ms(self.bucket(n_short + n_long), top)
-                        if self._ms(a, w) + self._ms(b, top) < single:
-                            out |= {(a, w), (b, top)}
+                for n_short, n_long, n_single in counts:
+                    a, b = self.bucket(n_short), self.bucket(n_long)
+                    single = self.keep * self._ms(self.bucket(n_single), top)
+                    if self._ms(a, w) + self._ms(b, top) < single:
+                        out |= {(a, w), (b, top)}
         return sorted(out)
 
 
