@@ -80,8 +80,9 @@ class SchedulerConfig:
             tokens when a measured cost says a longer one exceeds the budget there (None:
             ``long_chunk_tokens``, never shorter). Shorter pieces stall the running
             streams less, but each adds a round trip between decode steps: on CPU they
-            cut the streams' longest gap about 2x and lengthened the long prompt's TTFT
-            1.4-1.6x (``scripts/bench_serving.py --sections chunked``).
+            cut the streams' longest gap about 2x in two runs of three and lengthened the
+            long prompt's TTFT 1.4-1.6x in two (``scripts/bench_serving.py --sections
+            chunked``, a loaded machine).
         max_prefill_tokens: padded prefill tokens between two decode steps (vLLM's
             ``max_num_batched_tokens``), whether or not requests decode: a queue is
             admitted over several steps, each within it, so the first requests decode
