@@ -294,13 +294,19 @@ class ContinuousBatcher:
         *,
         lazy: bool = False,
         threads: int | None = None,
+        kinds: Iterable[str] | None = None,
     ) -> list[tuple[int, int]]:
         """Compiles the programs of :meth:`warmup_plan` on ``threads`` threads (default:
         one per core, up to 8), calling ``progress(done, total, what)`` after each. Nothing
         runs. ``lazy``: return once the smallest prefill and decode step are compiled; the
         rest compile in the background (:attr:`warming`) while requests are served, or on
-        first use. Returns the (rows, length) prefill buckets compiled (or compiling)."""
+        first use. ``kinds``: only buckets of these kinds (e.g. ``("split",)``: a split
+        decode step's groups; default all). Returns the (rows, length) prefill buckets
+        compiled (or compiling)."""
         plan = self.warmup_plan(prompt_lens)
+        if kinds is not None:
+            wanted = set(kinds)
+            plan = WarmupPlan(tuple(b for b in plan.buckets if b.kind in wanted), 0)
         jobs = [(b.describe(), self._then_prime(b)) for b in plan.buckets]
         # Lazy: the background compiles yield to requests (queued or running).
         hold = (lambda: self.stats.finished < self.stats.submitted) if lazy else None
