@@ -136,14 +136,23 @@ def _free_port() -> int:
 
 class Server:
     """``jaxpar --cpu-devices 1 serve --hf CHECKPOINT ARGS`` in a subprocess of this
-    checkout, its log in ``log_dir``; ready once ``/health`` answers 200."""
+    checkout (``root``: of another, e.g. the code before a change), its log in
+    ``log_dir``; ready once ``/health`` answers 200."""
 
-    def __init__(self, checkpoint: Path, args: Sequence[str], log_dir: Path, cache_dir: Path):
+    def __init__(
+        self,
+        checkpoint: Path,
+        args: Sequence[str],
+        log_dir: Path,
+        cache_dir: Path,
+        root: Path = ROOT,
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        checkpoint, cache_dir = checkpoint.resolve(), cache_dir.resolve()  # cwd is root
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"serve-{self.port}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
         env.pop("XLA_FLAGS", None)  # --cpu-devices sets the device count
         self.command = [
             sys.executable, "-m", "jaxpar.cli", "--cpu-devices", "1",
@@ -153,7 +162,7 @@ class Server:
         ]  # fmt: skip
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                self.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                self.command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT
             )
         self.start_s = float("nan")
 
@@ -655,11 +664,17 @@ def _long_prompt_among_streams(
 
 
 def chunked_section(
-    checkpoint: Path, vocab: int, work_dir: Path, quick: bool = False
+    checkpoint: Path,
+    vocab: int,
+    work_dir: Path,
+    quick: bool = False,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     """Two servers, one after the other: the default ``--max-prefill-tokens`` (chunked
-    prefill), then one larger than the long prompt (prefilled whole). Each runs the
-    scenario twice: the first compiles what it needs, the second is measured."""
+    prefill), then one larger than the long prompt (prefilled whole); with ``baseline``
+    (another checkout, e.g. the code before a change) first its server at its defaults.
+    Each runs the scenario twice: the first compiles what it needs, the second is
+    measured."""
     setup = CHUNKED_QUICK if quick else CHUNKED
     common = [
         "--max-seq-len", str(setup.max_seq_len), "--max-num-seqs", "16",
@@ -668,11 +683,15 @@ def chunked_section(
     ]  # fmt: skip
     whole = 4 * setup.long_prompt  # past a chunk and the budget of any row bucket
     systems: dict[str, Any] = {}
-    for name, flags in (
-        ("chunked prefill (default)", []),
-        (f"whole prefill (--max-prefill-tokens {whole})", ["--max-prefill-tokens", str(whole)]),
-    ):
-        with Server(checkpoint, [*common, *flags], work_dir / "logs", work_dir / "xla") as srv:
+    runs = [
+        ("chunked prefill (default)", [], ROOT),
+        (f"whole prefill (--max-prefill-tokens {whole})", ["--max-prefill-tokens", str(whole)], ROOT),
+    ]  # fmt: skip
+    if baseline is not None:
+        runs.insert(0, (f"before: {baseline.name} (default)", [], baseline))
+    for name, flags, root in runs:
+        args = [*common, *flags]
+        with Server(checkpoint, args, work_dir / "logs", work_dir / "xla", root) as srv:
             srv.wait_ready()
             _long_prompt_among_streams(srv, setup, vocab, seed=20)  # warm-up: compiles
             srv.wait_idle()

@@ -863,15 +863,20 @@ SERVED_DIR = Path("bench_out/served")
 SERVED_POSITIONS = 8192
 
 
-def served_section(name: str, quick: bool = False) -> dict:
+def served_section(name: str, quick: bool = False, baseline: Path | None = None) -> dict:
     """``prefix`` or ``chunked``: two ``jaxpar serve`` processes (with and without the
-    feature), one after the other, on :data:`MODEL` written as a checkpoint."""
+    feature), one after the other, on :data:`MODEL` written as a checkpoint; ``chunked``
+    with ``baseline`` (another checkout) first serves from there too."""
     import _bench_served as served
 
     config = bench_model(max_positions=SERVED_POSITIONS)
     checkpoint = served.write_checkpoint(SERVED_DIR, config)
-    section = served.prefix_section if name == "prefix" else served.chunked_section
-    res = section(checkpoint, config.vocab_size, SERVED_DIR, quick=quick)
+    if name == "prefix":
+        res = served.prefix_section(checkpoint, config.vocab_size, SERVED_DIR, quick=quick)
+    else:
+        res = served.chunked_section(
+            checkpoint, config.vocab_size, SERVED_DIR, quick=quick, baseline=baseline
+        )
     res["setup"]["model"] = MODEL
     return res
 
@@ -973,6 +978,7 @@ def run_section(
     strategy: str = "",
     workload_model: str = "smollm2",
     vllm_url: str | None = None,
+    baseline: Path | None = None,
 ) -> dict:
     """One section's results (``seconds``: how long it took, compiles included)."""
     start, load = time.perf_counter(), os.getloadavg()[0]
@@ -993,7 +999,7 @@ def run_section(
     elif name == "pp":
         res = pp_section(quick)
     else:
-        res = served_section(name, quick)
+        res = served_section(name, quick, baseline)
     res["seconds"] = time.perf_counter() - start
     res["load_average"] = [load, os.getloadavg()[0]]  # 1-minute, before and after
     return res
@@ -1017,6 +1023,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("smollm2", "tiny"),
         help="workloads, vs-vllm: SmolLM2-135M's shape (default) or the small bench model",
     )
+    parser.add_argument(
+        "--baseline-root",
+        type=Path,
+        default=None,
+        help="chunked: also serve from this checkout (e.g. the code before a change) in the run",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench_out/serving.json"))
     args = parser.parse_args(argv)
     if args.sections is None:
@@ -1033,7 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in sections:
         results[name] = run_section(
-            name, args.quick, args.strategy, args.workload_model, args.vllm_url
+            name, args.quick, args.strategy, args.workload_model, args.vllm_url, args.baseline_root
         )
         title, render = SECTIONS[name]
         print(f"\n### {title}\n\n{render(results[name])}", flush=True)

@@ -2,13 +2,16 @@
 
 The policy, without devices: a step splits into a short and a long dispatch exactly when
 the cost model says two cost less than one, and each row lands in the group whose width
-holds it. Then served requests of very different lengths, their steps split, equal
-their own offline ``generate`` token for token (one device and dp2.tp2).
+holds it; a split waits until both its programs are ready, and the warm-up lists them.
+Then served requests of very different lengths, their steps split by default once the
+warm-up compiled and the idle loop ran the groups' programs, equal their own offline
+``generate`` token for token (one device and dp2.tp2).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import numpy as np
@@ -16,7 +19,6 @@ import pytest
 
 from jaxpar import InferenceEngine, ParallelConfig
 from jaxpar.engine import ContinuousBatcher, Sampling
-from jaxpar.engine._batcher_programs import decode_grouping
 from jaxpar.engine._cache import CacheManager
 from jaxpar.engine._decode_groups import DecodeGrouping, StepCost, group_rows, group_tables
 from jaxpar.engine._kv_budget import KVBudget
@@ -39,8 +41,13 @@ def _width(tokens: int) -> int:
     return 1 << (-(-tokens // Z) - 1).bit_length()
 
 
-def _grouping(cost: StepCost, rows: int = 8, shards: int = 1) -> DecodeGrouping:
-    return DecodeGrouping(cost, rows=rows, shards=shards, page_size=Z, width=_width, bucket=_bucket)
+def _grouping(
+    cost: StepCost, rows: int = 8, shards: int = 1, min_saving: float | None = None
+) -> DecodeGrouping:
+    return DecodeGrouping(
+        cost, rows=rows, shards=shards, page_size=Z, width=_width, bucket=_bucket,
+        min_saving=min_saving,
+    )  # fmt: skip
 
 
 POSITIONS = StepCost(dispatch_ms=1.0, row_ms=0.0, position_us=1000.0)  # reading dominates
@@ -68,14 +75,39 @@ def test_no_split_when_rows_share_a_width_or_a_dispatch_costs_more_than_it_saves
     # One dispatch reads 8 rows x 32 pages; the split 8 (7 rows' bucket) x 2 and 1 x 32.
     saved_ms = 1e-3 * POSITIONS.position_us * (8 * 32 - 8 * 2 - 1 * 32) * Z
     dear = StepCost(dispatch_ms=saved_ms + 1, row_ms=0.0, position_us=POSITIONS.position_us)
-    assert _grouping(dear).groups([True] * 8, lengths) is None
+    assert _grouping(dear, min_saving=0.0).groups([True] * 8, lengths) is None
     cheap = StepCost(dispatch_ms=saved_ms - 1, row_ms=0.0, position_us=POSITIONS.position_us)
-    assert _grouping(cheap).groups([True] * 8, lengths) is not None
+    assert _grouping(cheap, min_saving=0.0).groups([True] * 8, lengths) is not None
+    # By default a split must save a fifth of the step: this one saves less than 1 ms.
+    assert _grouping(cheap).groups([True] * 8, lengths) is None
+    with pytest.raises(ConfigError, match="min_saving"):
+        _grouping(cheap, min_saving=1.0)
     # Rows the split would compute again (their bucket padding) count too.
     rows_dear = StepCost(dispatch_ms=0.0, row_ms=1e6, position_us=POSITIONS.position_us)
-    assert _grouping(rows_dear).groups([True] * 8, lengths) is None
+    assert _grouping(rows_dear, min_saving=0.0).groups([True] * 8, lengths) is None
     with pytest.raises(ConfigError, match="position_us"):
         StepCost(position_us=-1)
+
+
+def test_a_split_waits_for_both_group_programs_and_warm_up_lists_them():
+    lengths = [5, 6, 3, 120, 7, 2, 4, 6]
+    ready: set[tuple[int, int]] = set()
+    grouping = DecodeGrouping(
+        POSITIONS, rows=8, shards=1, page_size=Z, width=_width, bucket=_bucket,
+        ready=lambda rows, width: (rows, width) in ready,
+    )  # fmt: skip
+    assert grouping.groups([True] * 8, lengths) is None  # nothing compiled: one dispatch
+    listed = grouping.programs([_width(n) for n in range(1, 129, Z)])
+    short, long = _grouping(POSITIONS).groups([True] * 8, lengths)
+    wanted = {(short.computed, short.width), (long.computed, long.width)}
+    assert wanted <= set(listed)  # the warm-up compiles what this split runs
+    ready |= {(long.computed, long.width)}
+    assert grouping.groups([True] * 8, lengths) is None  # one of two is not enough
+    ready |= wanted
+    assert grouping.groups([True] * 8, lengths) == (short, long)
+    # None if a dispatch costs more than any split saves.
+    dear = StepCost(dispatch_ms=1e9, row_ms=0.0, position_us=1.0)
+    assert _grouping(dear).programs([1, 2, 4, 8, 16, 32]) == []
 
 
 def test_groups_keep_each_shards_rows_in_its_own_span():
@@ -163,13 +195,19 @@ def test_served_requests_of_very_different_lengths_equal_offline_generate(parall
         for r in requests
     ]
     budget = KVBudget(page_size=Z, tokens=4 * MAX_SEQ_LEN)
-    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget) as default:
-        assert default.scheduler.grouping is None  # off unless asked for
-    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget, split_decode=True) as batcher:
+    with ContinuousBatcher(engine, prefill_batch=2, kv_budget=budget) as batcher:
         sched = batcher.scheduler
-        assert sched.grouping is not None  # CPU: the fitted cost model
-        # A cost model where reading dominates, so the split is taken whenever it can be.
-        sched.grouping = decode_grouping(batcher.slot_steps, sched.cache, "cpu", POSITIONS)
+        assert sched.grouping is not None  # on by default (CPU: the fitted cost model)
+        # A cost model where reading dominates, and any saving taken (with dp2, 2 rows a
+        # shard: few splits save a fifth), so the split is taken whenever it can be.
+        sched.grouping.cost, sched.grouping.keep = POSITIONS, 1.0
+        groups = [b for b in batcher.warmup_plan().buckets if b.kind == "split"]
+        assert groups  # the warm-up compiles the split steps' programs
+        batcher.warmup(kinds=("split",))  # (the rest compiles on first use: a lean test)
+        deadline = time.monotonic() + 120
+        while len(batcher.primed_groups) < len(groups) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(batcher.primed_groups) == sorted((b.rows, b.tokens // Z) for b in groups)
         split = []
         plan_of = sched.decode_plan
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxpar.engine._cache import CacheManager
+from jaxpar.engine._chunk_cost import ChunkCost
 from jaxpar.engine._pages import SCRATCH_PAGE, PagePool, PageTable
 from jaxpar.engine._scheduler import PrefillPlan, Scheduler, SchedulerConfig
 from jaxpar.errors import ConfigError
@@ -223,6 +224,81 @@ def test_a_prompt_within_a_chunk_goes_whole_a_longer_one_in_long_pieces():
     assert sched.context_lengths() == [8, 16]  # the piece's bucket (8) among them
     with pytest.raises(ConfigError, match="long_chunk_tokens must be in 1..chunk_tokens=16"):
         SchedulerConfig(2, (1, 2), 16, 16, long_chunk_tokens=32)
+
+
+def _linear_cost(a: float, b: float, c: float) -> ChunkCost:
+    """A ChunkCost measured on shapes whose times follow ``a + b r t + c r t (C + t)``."""
+    shapes = [(1, t, ctx) for t in (4, 8, 16, 32) for ctx in (0, 16, 64, 256)]
+    return ChunkCost.of(
+        [(r, t, ctx, a + b * r * t + c * r * t * (ctx + t)) for r, t, ctx in shapes]
+    )
+
+
+def _pieces(sched: Scheduler, prompt: int) -> list:
+    long = Req(list(range(1, prompt + 1)), 2)
+    sched.add(long)
+    plans = []
+    while long.context == long.prompt:
+        plans.append(prefill(sched, 32))
+    return plans
+
+
+def test_a_long_prompts_pieces_are_sized_by_the_measured_cost_of_their_context():
+    """The budget counts the attention over the context: with a measured ChunkCost, each
+    piece is the longest (whole pages) whose prefill after the context its pages hold
+    costs at most the budget's own time (32 new tokens, no context), so the first piece
+    (no context) is a whole chunk, past ``long_chunk_tokens``; with ``min_piece_tokens``
+    the late ones shrink below it (by default they do not: TTFT)."""
+
+    def make_long(min_piece: int | None = 4) -> Scheduler:
+        pool = PagePool(Z, 80, 1, 2, 256)
+        cache = CacheManager(PageTable(pool), b"test", caching=False)
+        config = SchedulerConfig(2, (1, 2), 32, 32, 16, min_piece)
+        return Scheduler(config, cache, bucket=lambda n: max(4, 1 << (n - 1).bit_length()))
+
+    by_tokens = make_long()
+    assert by_tokens.piece_lengths() == [4, 8]  # a quarter and a half of a 16-token piece
+    assert {len(p.chunks[0].tokens) for p in _pieces(by_tokens, 200)[:-1]} == {16}
+    default = make_long(None)
+    assert default.piece_lengths() == []  # nothing shorter compiled
+    default.chunk_cost = _linear_cost(1.0, 1.0, 0.05)
+    assert [len(p.chunks[0].tokens) for p in _pieces(default, 200)] == [32] + [16] * 10 + [8]
+    with pytest.raises(ConfigError, match="min_piece_tokens must be in 1..long_chunk_tokens=16"):
+        SchedulerConfig(2, (1, 2), 32, 32, 16, 17)
+
+    sched = make_long()
+    cost = sched.chunk_cost = _linear_cost(1.0, 1.0, 0.05)
+    assert cost.coefficients == pytest.approx((1.0, 1.0, 0.05))
+    budget_ms = cost.ms(1, 32, 0)
+    plans = _pieces(sched, 200)
+    takes = [len(p.chunks[0].tokens) for p in plans]
+    starts = [p.chunks[0].start for p in plans]
+    assert sum(takes) == 200 and starts == [sum(takes[:i]) for i in range(len(takes))]
+    assert all(s % Z == 0 for s in starts)  # each piece continues on a whole page
+    assert takes[0] == 32 > 16 > takes[-2]  # no context: a whole chunk; late: small
+    for plan in plans:
+        chunk = plan.chunks[0]
+        context = sched.prefill_cache.context_width(chunk.start // Z) * Z if chunk.start else 0
+        ms = cost.ms(1, plan.length, context)
+        assert ms <= budget_ms or len(chunk.tokens) == 4  # within it, or the smallest piece
+    assert all(a >= b for a, b in zip(takes[:-1], takes[1:-1], strict=False))  # shrinking
+    # Attention that costs nothing: a whole chunk, then pieces of long_chunk_tokens (the
+    # longest after context whose cost is measured).
+    free = make_long()
+    free.chunk_cost = _linear_cost(1.0, 1.0, 0.0)
+    assert [len(p.chunks[0].tokens) for p in _pieces(free, 200)] == [32] + [16] * 10 + [8]
+
+
+def test_chunk_cost_takes_what_was_measured_and_fits_the_rest():
+    cost = ChunkCost.of([(1, 8, 0, 3.0), (1, 8, 0, 5.0), (1, 8, 0, 4.0), (1, 16, 64, 9.0)])
+    assert cost.ms(1, 8, 0) == 4.0  # the median of one shape's samples
+    assert cost.ms(1, 16, 64) == 9.0
+    a, b, c = cost.coefficients
+    assert min(a, b, c) >= 0  # a time never falls as a shape grows
+    with pytest.raises(ConfigError, match="at least one measured prefill shape"):
+        ChunkCost(())
+    with pytest.raises(ConfigError, match=r"got \(1, 0, 0, 1.0\)"):
+        ChunkCost(((1, 0, 0, 1.0),))
 
 
 def test_requests_share_a_prefill_within_the_budget():
@@ -535,6 +611,9 @@ def _reached(module: str) -> set[str]:
 def test_policy_modules_import_no_jax(module):
     reached = _reached(module)
     assert "jaxpar.engine._pages" in reached or module.endswith("_pages")
+    assert {"jaxpar.engine._chunk_cost", "jaxpar.engine._decode_groups"} <= _reached(
+        "jaxpar.engine._scheduler"
+    )  # the cost models are policy too
     heavy = sorted(n for n in reached if n.split(".")[0] in {"jax", "jaxlib", "flax", "optax"})
     assert heavy == [], f"{module} reaches {heavy}"
     engine_heavy = {"jaxpar.engine._engine", "jaxpar.engine._executor", "jaxpar.models"}

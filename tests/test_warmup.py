@@ -41,8 +41,10 @@ def _served(max_seq_len: int) -> ContinuousBatcher:
     # 256: the fixture's context; 16384: what the default CPU KV cache gives a model with a
     # longer context (Llama-3.2-1B in the README). Before: 171 for 16384; 68 with 64 rows
     # and decode steps of at least 8 rows (on CPU now 16 rows, in steps of 1, 4, 8 or 16);
-    # 72 since CPU prefills take 256 tokens at a time (two prefill buckets more).
-    [(256, 36), (16384, 72)],
+    # 72 since CPU prefills take 256 tokens at a time (two prefill buckets more); 107
+    # since decode steps split by width by default (the groups' programs: 35; none at 256,
+    # where no split saves a fifth of a step).
+    [(256, 36), (16384, 107)],
 )
 def test_default_serve_program_count(max_seq_len, count):
     batcher = _served(max_seq_len)
@@ -57,6 +59,9 @@ def test_default_serve_program_count(max_seq_len, count):
     assert kinds.count("decode") == len(batcher.slot_steps.row_buckets()) * len(
         batcher.table_widths()
     )
+    groups = batcher.scheduler.grouping.programs(batcher.table_widths())
+    assert kinds.count("split") == len(groups) == (35 if max_seq_len > 256 else 0)
+    assert kinds[len(kinds) - len(groups) :] == ["split"] * len(groups)  # compiled last
     # Lazy warm-up serves after the first two: the smallest prefill and decode step.
     assert plan.first == 2 and [b.kind for b in plan.buckets[:2]] == ["prefill", "decode"]
     assert plan.buckets[0].rows == 1 and plan.buckets[0].tokens == 8

@@ -183,7 +183,7 @@ def batcher_parts(
     caching: bool,
     batch: int | None,
     max_prefill_tokens: int | None,
-    split_decode: bool = False,
+    split_decode: bool = True,
 ) -> BatcherParts:
     """Sizes and builds the page pools of a batcher decoding on ``engine`` (prefilling on
     ``prefill`` when disaggregated), with prefix caching where prefill writes, and its
@@ -217,11 +217,16 @@ def batcher_parts(
 
 
 def decode_grouping(
-    slot_steps: SlotSteps, cache: CacheManager, platform: str, cost: StepCost | None = None
+    slot_steps: SlotSteps,
+    cache: CacheManager,
+    platform: str,
+    cost: StepCost | None = None,
+    ready: Callable[[int, int], bool] | None = None,
 ) -> DecodeGrouping | None:
     """The policy splitting a decode step by block-table width
     (:mod:`jaxpar.engine._decode_groups`): on CPU, with the cost model fitted there
-    (``cost``: another); None elsewhere (no model fitted: one dispatch per step)."""
+    (``cost``: another); None elsewhere (no model fitted: one dispatch per step).
+    ``ready(computed, width)``: a group program may run now (None: any may)."""
     if cost is None and platform != "cpu":
         return None
     pool = slot_steps.pool
@@ -232,6 +237,7 @@ def decode_grouping(
         page_size=pool.page_size,
         width=cache.width,
         bucket=slot_steps.bucket,
+        ready=ready,
     )
 
 
@@ -314,7 +320,9 @@ class BatcherPrograms:
         """What a warm-up compiles, smallest first: prefill and insert for each (rows,
         prompt-length bucket) (colocated, prompt lengths stop at a chunk's bucket: a longer
         prompt is prefilled in chunks), prefill with context for each (rows, new tokens,
-        cached pages), then the decode step for each (rows, block-table width)."""
+        cached pages), the decode step for each (rows, block-table width), and with decode
+        steps split by width, each group program a split can run (its rows by id:
+        :meth:`DecodeGrouping.programs <jaxpar.engine._decode_groups.DecodeGrouping.programs>`)."""
         lens = list(prompt_lens or range(1, self.max_prompt_len + 1))
         eng, chunk = self.prefill_engine, self.scheduler.config.chunk_tokens
         if self.disaggregated:  # whole prompts move to the decode group: every length
@@ -330,6 +338,13 @@ class BatcherPrograms:
             for r in self.slot_steps.row_buckets()
             for width in self.table_widths()
         ]
+        grouping = self.scheduler.grouping
+        if grouping is not None:
+            shards = self.slot_steps.pool.shards
+            buckets += [
+                Bucket("split", rows * shards, width * z)
+                for rows, width in grouping.programs(self.table_widths())
+            ]
         return ordered(buckets)
 
     def _context_buckets(self, longest: int) -> list[tuple[int, int, int]]:
@@ -345,14 +360,20 @@ class BatcherPrograms:
         buckets = self.scheduler.config.row_buckets
         rows = buckets if caching else buckets[:1]
         lengths = self.scheduler.context_lengths()
-        return [(r, t, n) for r in rows for t in lengths for n in sorted(n_pages)]
+        out = [(r, t, n) for r in rows for t in lengths for n in sorted(n_pages)]
+        if longest > self.scheduler.config.chunk_tokens:  # a long prompt's smaller pieces
+            pieces = set(self.scheduler.context_lengths(alone=True)) - set(lengths)
+            out += [(buckets[0], t, n) for t in sorted(pieces) for n in sorted(n_pages)]
+        return out
 
     def compiler(self, bucket: Bucket) -> Callable[[], object]:
         """Compiles one bucket's programs when called."""
         z = self.cache.page_size
-        if bucket.kind == "decode":
-            width = bucket.tokens // z
-            return lambda: self.slot_steps.compile_step(self.engine.params, width, bucket.rows)
+        if bucket.kind in ("decode", "split"):
+            width, indexed = bucket.tokens // z, bucket.kind == "split"
+            return lambda: self.slot_steps.compile_step(
+                self.engine.params, width, bucket.rows, indexed=indexed
+            )
         n_pages = bucket.context // z
         return lambda: self.compile_prefill(bucket.rows, bucket.tokens, n_pages)
 

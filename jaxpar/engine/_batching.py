@@ -26,6 +26,7 @@ from jaxpar.engine._batcher_programs import (
     batcher_parts,
 )
 from jaxpar.engine._cache import KVEventSink
+from jaxpar.engine._chunk_cost import ChunkCost
 from jaxpar.engine._core import ServingCore
 from jaxpar.engine._efficiency import StepLog
 from jaxpar.engine._engine import InferenceEngine
@@ -73,9 +74,11 @@ class ContinuousBatcher:
             keys); default the engine's ``speculative``, else none.
         split_decode: on CPU, a decode step whose rows' lengths differ widely runs as two
             dispatches, short rows at their own block-table width
-            (:mod:`._decode_groups`), when its fitted cost model says that costs less.
-            Off by default: warm-up does not compile the split steps' programs, so the
-            first split of each shape compiles while the running streams wait.
+            (:mod:`._decode_groups`), when its fitted cost model says that costs less and
+            both dispatches' programs are ready: compiled by the warm-up (those a split
+            can run) and run once by the idle loop. A split never compiles, nor runs a
+            program for the first time, while the streams wait. Default (None): on,
+            except for pipelined engines (pp > 1), whose steps do not split.
     """
 
     def __init__(
@@ -90,7 +93,7 @@ class ContinuousBatcher:
         max_prefill_tokens: int | None = None,
         kv_offload_gb: float | None = None,
         speculative: SpeculativeConfig | str | dict | None = None,
-        split_decode: bool = False,
+        split_decode: bool | None = None,
     ):
         self.engine, self.prefill_engine = engine, prefill_engine or engine
         self.disaggregated = prefill_engine is not None
@@ -99,6 +102,8 @@ class ContinuousBatcher:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue, self.prefix_caching = max_queue, prefix_caching
         budget = kv_budget or KVBudget()
+        if split_decode is None:
+            split_decode = engine.parallel_config.pp == 1
         p = batcher_parts(engine, prefill_engine, budget, prefix_caching, *limits, split_decode)
         self.pool, self.pages, self.slot_steps, self.cache = p.pool, p.pages, p.slot_steps, p.cache
         self.prefill_cache, self.prefill_slot_steps = p.prefill_cache, p.prefill_slot_steps
@@ -115,10 +120,20 @@ class ContinuousBatcher:
         #: Each step's shape facts and time, for efficiency metrics.
         self.step_log = StepLog(colocated=not self.disaggregated)
         self._cond = threading.Condition()
-        #: Decode steps compiled by a warm-up and not run yet: (rows, block-table columns),
-        #: run once each while the loop is idle (:meth:`_prime_idle`); and those it ran.
-        self._unprimed: collections.deque[tuple[int, int]] = collections.deque()
+        #: Decode steps compiled by a warm-up and not run yet: (rows, block-table columns,
+        #: a split step's group), run once each while the loop is idle
+        #: (:meth:`_prime_idle`); and those it ran (groups in :attr:`primed_groups`).
+        self._unprimed: collections.deque[tuple[int, int, bool]] = collections.deque()
         self.primed: list[tuple[int, int]] = []
+        self.primed_groups: list[tuple[int, int]] = []
+        #: Prefills a warm-up compiled for a long prompt's pieces, to time while idle
+        #: (rows, new tokens, cached pages), and their times: the scheduler's
+        #: :class:`~._chunk_cost.ChunkCost` once all are measured (one process only).
+        self._unmeasured: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.prefill_samples: list[tuple[int, int, int, float]] = []
+        self._to_measure, self._compiled_prefills = 0, []
+        if self.scheduler.grouping is not None:  # splits run only primed group programs
+            self.scheduler.grouping.ready = self._group_primed
         self._next_id, self._closing, self._stopping, self._closed = 0, False, False, False
         self._close_lock = threading.Lock()
         self.group = ProcessGroup()
@@ -138,7 +153,7 @@ class ContinuousBatcher:
         if split_decode and engine.parallel_config.pp > 1:
             raise ConfigError(
                 f"split_decode runs unpipelined steps; {engine.parallel_config} has "
-                f"pp={engine.parallel_config.pp}: leave split_decode off"
+                f"pp={engine.parallel_config.pp}: leave split_decode at its default (off here)"
             )
         if self.speculative is not None and engine.parallel_config.pp > 1:
             raise ConfigError(
@@ -293,13 +308,19 @@ class ContinuousBatcher:
         *,
         lazy: bool = False,
         threads: int | None = None,
+        kinds: Iterable[str] | None = None,
     ) -> list[tuple[int, int]]:
         """Compiles the programs of :meth:`warmup_plan` on ``threads`` threads (default:
         one per core, up to 8), calling ``progress(done, total, what)`` after each. Nothing
         runs. ``lazy``: return once the smallest prefill and decode step are compiled; the
         rest compile in the background (:attr:`warming`) while requests are served, or on
-        first use. Returns the (rows, length) prefill buckets compiled (or compiling)."""
+        first use. ``kinds``: only buckets of these kinds (e.g. ``("split",)``: a split
+        decode step's groups; default all). Returns the (rows, length) prefill buckets
+        compiled (or compiling)."""
         plan = self.warmup_plan(prompt_lens)
+        if kinds is not None:
+            wanted = set(kinds)
+            plan = WarmupPlan(tuple(b for b in plan.buckets if b.kind in wanted), 0)
         jobs = [(b.describe(), self._then_prime(b)) for b in plan.buckets]
         # Lazy: the background compiles yield to requests (queued or running).
         hold = (lambda: self.stats.finished < self.stats.submitted) if lazy else None
@@ -313,32 +334,77 @@ class ContinuousBatcher:
         """``bucket``'s compile; a decode step's then waits for the decode loop to run it
         once while idle (:meth:`_prime_idle`)."""
         compile_ = self.programs.compiler(bucket)
-        if bucket.kind != "decode" or self.group.leader is not None:
+        if bucket.kind not in ("decode", "split"):
+            config = self.scheduler.config
+            alone = bucket.rows == config.row_buckets[0]  # a long prompt's pieces go alone
+            # After cached tokens, pieces of at most long_chunk_tokens are timed: a longer
+            # one there costs what the fit says (seconds each at long contexts on CPU).
+            small = bucket.kind == "prefill" or bucket.tokens <= config.long_piece
+            if not (alone and small) or self.group.leader is not None:
+                return compile_
+            self._to_measure += 1
+
+            def measure() -> None:
+                compile_()
+                with self._cond:  # timed once all are compiled (fewer compiles beside)
+                    n_pages = bucket.context // self.pool.page_size
+                    self._compiled_prefills.append((bucket.rows, bucket.tokens, n_pages))
+                    if len(self._compiled_prefills) == self._to_measure:
+                        self._unmeasured.extend(self._compiled_prefills)
+                        self._cond.notify_all()
+
+            return measure
+        if self.group.leader is not None:
             # Several processes: a step primed here would wait in its collectives for the
             # others, which replay only once their own warm-up is done (on a loaded host,
             # past the CPU collective and gloo set-up timeouts).
             return compile_
+        width = bucket.tokens // self.pool.page_size
 
         def run() -> None:
             compile_()
             with self._cond:
-                self._unprimed.append((bucket.rows, bucket.tokens // self.pool.page_size))
+                self._unprimed.append((bucket.rows, width, bucket.kind == "split"))
                 self._cond.notify_all()
 
         return run
 
+    def _group_primed(self, computed: int, width: int) -> bool:
+        """A split step's group over ``computed`` rows per shard at ``width`` columns has
+        a compiled program that already ran once (:meth:`_prime_idle`)."""
+        return (computed * self.pool.shards, width) in self.primed_groups
+
     def _prime_idle(self) -> bool:
         """With nothing queued, running or in flight: runs one compiled decode step that
         never ran (:meth:`Executor.prime_step <jaxpar.engine._executor.Executor.prime_step>`),
-        so its first, slower run stalls no request. True if it ran one."""
+        so its first, slower run stalls no request; then times one compiled prefill
+        (:meth:`_measure`). True if it ran either."""
         with self._cond:
             busy = self.scheduler.waiting or self.scheduler.running or self.core.ready
-            if busy or not self._unprimed or self._stopping:
+            if busy or self._stopping or not (self._unprimed or self._unmeasured):
                 return False
-            rows, width = self._unprimed.popleft()
-        self.executor.prime_step(rows, width)
-        self.primed.append((rows, width))
+            if not self._unprimed:
+                shape = self._unmeasured.popleft()
+            else:
+                rows, width, group = self._unprimed.popleft()
+                shape = None
+        if shape is not None:
+            self._measure(*shape)
+            return True
+        self.executor.prime_step(rows, width, indexed=group)
+        (self.primed_groups if group else self.primed).append((rows, width))
         return True
+
+    def _measure(self, rows: int, length: int, n_pages: int) -> None:
+        """Times a compiled prefill (its second run: the first is slower); once every one
+        the warm-up compiled for a single row is timed, the scheduler sizes a long prompt's
+        pieces by their costs (:class:`~._chunk_cost.ChunkCost`)."""
+        self.executor.time_prefill(rows, length, n_pages)
+        ms = 1e3 * self.executor.time_prefill(rows, length, n_pages)
+        self.prefill_samples.append((rows, length, n_pages * self.pool.page_size, ms))
+        if len(self.prefill_samples) == self._to_measure:
+            with self._cond:
+                self.scheduler.chunk_cost = ChunkCost.of(self.prefill_samples)
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -476,7 +542,9 @@ class ContinuousBatcher:
             self.executor.flush()  # the other processes dispatch what this one did
         with self._cond:
             if not busy:
-                waiting = lambda: self.scheduler.waiting or self.core.ready or self._unprimed  # noqa: E731
+                waiting = lambda: (  # noqa: E731
+                    self.scheduler.waiting or self.core.ready or self._unprimed or self._unmeasured
+                )
                 with self.pulse.waiting():
                     self._cond.wait_for(lambda: self._stopping or waiting())
                 self.runner.loop_started()

@@ -12,6 +12,12 @@ one per row computed and one per KV position read, fitted from measured step tim
 A split step is a :class:`DecodeGroup` per dispatch: the rows it computes, in row order
 per batch shard (each shard's rows are its own: nothing crosses shards), and its width.
 :func:`group_rows` and :func:`group_tables` turn one into the step's inputs.
+
+A group's program (a step over rows chosen by id, per row bucket and width) is not the
+unsplit step's. :meth:`DecodeGrouping.programs` lists those a split the policy can choose
+would run (the warm-up compiles them), and with ``ready`` set the policy splits only when
+both groups' programs are ready (the batcher's: compiled, and run once while idle): a
+split never compiles, nor pays a program's slower first run, while the streams wait.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxpar.errors import ConfigError
+
+#: The share of a decode step's modelled time a split must save to be taken.
+MIN_SAVING = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +87,12 @@ class DecodeGrouping:
             (the cache's, a power of two).
         bucket: the rows a program computes per shard for ``need`` rows there (the
             step's row buckets).
+        ready: ``ready(computed, width)``: a group's program over ``computed`` rows per
+            shard at ``width`` columns is compiled (None: take any split).
+        min_saving: the share of the unsplit step's modelled time a split must save
+            (default :data:`MIN_SAVING`): the second dispatch's host time and the model's
+            error are not in the model, and a split that barely pays is not worth its
+            programs (with 256-token rows, none is listed).
     """
 
     def __init__(
@@ -89,12 +104,18 @@ class DecodeGrouping:
         page_size: int,
         width: Callable[[int], int],
         bucket: Callable[[int], int],
+        ready: Callable[[int, int], bool] | None = None,
+        min_saving: float | None = None,
     ):
         if shards < 1 or rows % shards:
             raise ConfigError(f"{rows} decode rows do not split into {shards} batch shards")
         self.cost = cost
         self.per, self.shards, self.page_size = rows // shards, shards, page_size
-        self.width, self.bucket = width, bucket
+        self.width, self.bucket, self.ready = width, bucket, ready
+        #: The share of the unsplit step's time a split may cost (1 - ``min_saving``).
+        self.keep = 1.0 - (MIN_SAVING if min_saving is None else min_saving)
+        if not 0.0 < self.keep <= 1.0:
+            raise ConfigError(f"min_saving must be in [0, 1), got {min_saving}")
 
     def _computed(self, rows: Sequence[int]) -> int:
         counts = np.bincount(np.asarray(rows, int) // self.per, minlength=self.shards)
@@ -114,23 +135,51 @@ class DecodeGrouping:
     def groups(
         self, live: Sequence[bool], lengths: Sequence[int]
     ) -> tuple[DecodeGroup, ...] | None:
-        """The step's dispatches when two cost less than one (short rows first), else
-        None. ``lengths[i]``: tokens row ``i`` holds before the step."""
+        """The step's dispatches when two cost less than one by ``min_saving`` (short rows
+        first), else None. ``lengths[i]``: tokens row ``i`` holds before the step."""
         idx = [i for i, b in enumerate(live) if b]
         if len(idx) < 2:
             return None
         widths = {i: self.width(lengths[i] + 1) for i in idx}
         top = max(widths.values())
-        best, plan = self._ms(*self.single(live, lengths)), None
+        best, plan = self.keep * self._ms(*self.single(live, lengths)), None
         for w in sorted(set(widths.values()) - {top}):
             short = [i for i in idx if widths[i] <= w]
             long = [i for i in idx if widths[i] > w]
             a, b = self._computed(short), self._computed(long)
             ms = self._ms(a, w) + self._ms(b, top)
+            if self.ready is not None and not (self.ready(a, w) and self.ready(b, top)):
+                continue  # its programs would compile while the streams wait
             if ms < best:
                 best = ms
                 plan = (DecodeGroup(tuple(short), w, a), DecodeGroup(tuple(long), top, b))
         return plan
+
+    def programs(self, widths: Sequence[int]) -> list[tuple[int, int]]:
+        """(rows computed per shard, width) of every group program a split this policy
+        chooses can run, for steps at block-table ``widths`` (the cache's): a short group
+        at ``w`` and a long one at ``top > w`` are listed when, for some count of short
+        and long rows in a shard (or, with several batch shards, each kind's most in
+        shards of their own), two dispatches save ``min_saving`` of one over those rows
+        held contiguously (rows are taken lowest first; a split that pays only because
+        freed rows left holes may find its programs not compiled, and then the step runs
+        whole). Ascending."""
+        widths = sorted(set(widths))
+        per = self.per
+        # (short rows, long rows, rows the unsplit step computes) in the fullest shards:
+        # both kinds in one shard, or (several shards) each kind's most in another.
+        counts = [(s, n, s + n) for s in range(1, per) for n in range(1, per - s + 1)]
+        if self.shards > 1:
+            counts += [(s, n, max(s, n)) for s in range(1, per + 1) for n in range(1, per + 1)]
+        out: set[tuple[int, int]] = set()
+        for j, top in enumerate(widths):
+            for w in widths[:j]:
+                for n_short, n_long, n_single in counts:
+                    a, b = self.bucket(n_short), self.bucket(n_long)
+                    single = self.keep * self._ms(self.bucket(n_single), top)
+                    if self._ms(a, w) + self._ms(b, top) < single:
+                        out |= {(a, w), (b, top)}
+        return sorted(out)
 
 
 def group_rows(group: DecodeGroup, rows: int, shards: int) -> np.ndarray:

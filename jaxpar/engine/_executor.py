@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -390,19 +391,44 @@ class Executor:
         return handle
 
     @command
-    def prime_step(self, rows: int, width: int) -> None:
+    def prime_step(self, rows: int, width: int, *, indexed: bool = False) -> None:
         """Runs the decode step over ``rows`` rows and ``width`` block-table columns once,
         every row released first, and waits for it. Only while no row decodes: then it
         changes nothing but the scratch pages. A compiled program's first run costs more
         than the next (on CPU ~160 ms more for a decode step of SmolLM2-135M shapes:
-        208 ms, then 47), which a request's step then never pays."""
+        208 ms, then 47), which a request's step then never pays. ``indexed``: the
+        program of one group of a split step (its rows by id; here all padding)."""
         steps = self._slot_steps[DECODE]
         shape = (rows, width) if steps.groups is None else (steps.groups.n_groups, rows, width)
         tables = put_global(np.zeros(shape, np.int32), steps.tables_layout)
         release_B = np.ones(steps.n_slots, bool)
-        slots, next_B, *_ = steps.step(self.engine.params, self._slots[DECODE], release_B, tables)
+        rows_R = np.full(rows, -1, np.int32) if indexed else None
+        slots, next_B, *_ = steps.step(
+            self.engine.params, self._slots[DECODE], release_B, tables, rows_R=rows_R
+        )
         self._slots[DECODE] = slots
         jax.block_until_ready(next_B)
+
+    def time_prefill(self, rows: int, length: int, n_pages: int = 0) -> float:
+        """Seconds of one prefill of ``[rows, length]`` new tokens (after ``n_pages``
+        cached pages of the prefill side, read as scratch: nothing is written), dispatched
+        and waited for. Only while idle, in one process: it is not a recorded command. The
+        prefill's cost by shape (:class:`~jaxpar.engine._chunk_cost.ChunkCost`)."""
+        eng, steps = self.prefill_engine, self._slot_steps[PREFILL]
+        lay = eng.layouts
+        start = time.perf_counter()
+        tokens = put_global(np.zeros((rows, length), np.int32), lay.tokens_BT)
+        lengths = put_global(np.full(rows, length, np.int32), lay.lengths_prefill_B)
+        if n_pages:
+            pages_PN = np.zeros((rows, *steps.pool.ids_shape(n_pages)), np.int32)
+            ctx_k, ctx_v = steps.context(self._slots[self._pool(PREFILL)], pages_PN, lay.kv_prefill)
+            starts = put_global(np.full(rows, n_pages * steps.pool.page_size, np.int32),
+                                lay.lengths_prefill_B)  # fmt: skip
+            out = eng.steps.prefill_context(eng.params, tokens, lengths, starts, ctx_k, ctx_v)
+        else:
+            out = eng.steps.prefill(eng.params, tokens, lengths)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
 
     @command
     def score(self, tokens_BT: np.ndarray, lengths_B: np.ndarray) -> int:

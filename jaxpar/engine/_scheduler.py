@@ -12,8 +12,12 @@ step plans, frozen dataclasses that the runner (:mod:`jaxpar.engine._runner`) ex
   goes), and each fits one chunk. A request is
   placed in the batch shard holding the longest cached run of its prefix (then the one
   with the most free pages) and prefills only the rest. A prompt longer than a chunk is
-  prefilled alone, one piece of ``long_chunk_tokens`` (whole pages) per plan, each
-  continuing the ones before.
+  prefilled alone, one piece (whole pages) per plan, each continuing the ones before:
+  of ``long_chunk_tokens``, or, once a :class:`~jaxpar.engine._chunk_cost.ChunkCost` is
+  measured, the most new tokens (from ``min_piece_tokens`` to a chunk) whose prefill
+  after the context cached so far costs no more than the budget's own
+  (``max_prefill_tokens`` new tokens without context): the budget counts the attention
+  over the context.
 * :meth:`~Scheduler.prefilled`: after the runner ran a plan: the pages written join the
   prefix cache, and the requests it completed start decoding in their rows.
 * :meth:`~Scheduler.reserve`, :meth:`~Scheduler.preempt_for_room` and
@@ -43,6 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxpar.engine._cache import CacheManager, Hit
+from jaxpar.engine._chunk_cost import ChunkCost
 from jaxpar.engine._decode_groups import DecodeGroup, DecodeGrouping
 from jaxpar.errors import ConfigError
 
@@ -71,6 +76,13 @@ class SchedulerConfig:
             most ``chunk_tokens``; None: ``chunk_tokens``). Smaller than a chunk, it keeps
             the streams running while a long prompt prefills from stalling for a whole
             chunk at a time (vLLM's ``long_prefill_token_threshold``).
+        min_piece_tokens: the shortest piece a long prompt's prefill takes after cached
+            tokens when a measured cost says a longer one exceeds the budget there (None:
+            ``long_chunk_tokens``, never shorter). Shorter pieces stall the running
+            streams less, but each adds a round trip between decode steps: on CPU they
+            cut the streams' longest gap about 2x in two runs of three and lengthened the
+            long prompt's TTFT 1.4-1.6x in two (``scripts/bench_serving.py --sections
+            chunked``, a loaded machine).
         max_prefill_tokens: padded prefill tokens between two decode steps (vLLM's
             ``max_num_batched_tokens``), whether or not requests decode: a queue is
             admitted over several steps, each within it, so the first requests decode
@@ -82,6 +94,7 @@ class SchedulerConfig:
     chunk_tokens: int
     max_prefill_tokens: int
     long_chunk_tokens: int | None = None
+    min_piece_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.row_buckets or self.row_buckets[-1] != self.prefill_batch:
@@ -93,6 +106,11 @@ class SchedulerConfig:
         for name in ("chunk_tokens", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.piece_floor <= self.long_piece:
+            raise ConfigError(
+                f"min_piece_tokens must be in 1..long_chunk_tokens={self.long_piece}, "
+                f"got {self.min_piece_tokens}"
+            )
         if not 1 <= self.long_piece <= self.chunk_tokens:
             raise ConfigError(
                 f"long_chunk_tokens must be in 1..chunk_tokens={self.chunk_tokens}, "
@@ -103,6 +121,11 @@ class SchedulerConfig:
     def long_piece(self) -> int:
         """New tokens of each piece of a long prompt."""
         return self.chunk_tokens if self.long_chunk_tokens is None else self.long_chunk_tokens
+
+    @property
+    def piece_floor(self) -> int:
+        """The shortest piece after cached tokens (:attr:`min_piece_tokens`)."""
+        return self.long_piece if self.min_piece_tokens is None else self.min_piece_tokens
 
     def rows(self, n: int) -> int:
         """The row bucket of a prefill of ``n`` requests."""
@@ -258,6 +281,8 @@ class Scheduler:
         self._admissions = 0
         #: A long prompt between two of its chunks.
         self.chunking: _Work | None = None
+        #: Measured prefill costs: a long prompt's pieces sized by time (None: by tokens).
+        self.chunk_cost: ChunkCost | None = None
         self._works: dict[int, _Work] = {}  # by id(request): admitted, not decoding yet
 
     # --- queue ---------------------------------------------------------------------------
@@ -295,35 +320,81 @@ class Scheduler:
 
     # --- prefill -------------------------------------------------------------------------
 
-    def context_lengths(self) -> list[int]:
+    def context_lengths(self, alone: bool = False) -> list[int]:
         """New-token buckets of a prefill with context: a chunk's bucket, a quarter of it
         (a short suffix after a prefix hit pads to that: few compiles), and a long
-        prompt's piece's."""
+        prompt's piece's; ``alone`` (one request, the smallest row bucket: a long
+        prompt's pieces) also :meth:`piece_lengths`."""
         top = self.bucket(self.config.chunk_tokens)
         piece = self.bucket(self.config.long_piece)
-        return sorted({top, max(8, top // 4), piece} if top >= 8 else {top})
+        lengths = {top, max(8, top // 4), piece} if top >= 8 else {top}
+        return sorted(lengths | set(self.piece_lengths()) if alone else lengths)
 
-    def _length(self, takes: Sequence[int], with_context: bool) -> int:
+    def piece_lengths(self) -> list[int]:
+        """The smaller pieces a long prompt's prefill may take after a long context (a
+        half and a quarter of ``long_chunk_tokens``, in whole pages, down to
+        ``min_piece_tokens``), when the measured :attr:`chunk_cost` says a piece of
+        ``long_chunk_tokens`` costs more than the budget there. None by default."""
+        z, piece = self.prefill_cache.page_size, self.config.long_piece
+        floor = max(self.config.piece_floor, z)
+        return sorted({p for p in (piece // 2, piece // 4) if p >= floor and p % z == 0})
+
+    def _length(self, takes: Sequence[int], with_context: bool, piece: bool = False) -> int:
         """The new-token bucket of a prefill whose chunks take ``takes`` new tokens
-        (``with_context``: after cached tokens, padded to :meth:`context_lengths`)."""
+        (``with_context``: after cached tokens, padded to :meth:`context_lengths`; of a
+        long prompt's ``piece``: its smaller pieces' too)."""
         length = self.bucket(max(takes))
         if with_context:  # pads to the fewer buckets of a prefill with context
-            length = next((t for t in self.context_lengths() if t >= length), length)
+            lengths = self.context_lengths(alone=piece)
+            length = next((t for t in lengths if t >= length), length)
         return length
+
+    def _long(self, works: Sequence[_Work]) -> bool:
+        """``works`` is a long prompt's piece (prefilled alone)."""
+        return len(works) == 1 and (
+            works[0] is self.chunking or works[0].remaining > self.config.chunk_tokens
+        )
 
     def _cost(self, works: Sequence[_Work]) -> int:
         """Padded tokens of a prefill of ``works``: its rows times its new-token bucket. A
         prefix hit costs only its suffix (its cached tokens are not computed again)."""
         takes = [self._take(w) for w in works]
-        length = self._length(takes, any(w.done for w in works))
+        length = self._length(takes, any(w.done for w in works), self._long(works))
         return self.config.rows(len(works)) * length
 
     def _take(self, work: _Work) -> int:
         """New tokens ``work`` prefills next: all it has left when that fits a chunk and it
-        is not long, else its next piece of a long prompt."""
+        is not long, else its next piece of a long prompt (:meth:`_piece`)."""
         if work is self.chunking or work.remaining > self.config.chunk_tokens:
-            return min(work.remaining, self.config.long_piece)
+            return min(work.remaining, self._piece(work))
         return work.remaining
+
+    def _piece(self, work: _Work) -> int:
+        """A long prompt's next piece: ``long_chunk_tokens``; with a measured
+        :attr:`chunk_cost`, the longest piece (whole pages) whose prefill after the
+        context its pages hold costs at most the budget's time, a prefill of
+        ``max_prefill_tokens`` new tokens without context (none fits: the shortest). The
+        first piece (no context) may be a whole chunk, from ``long_chunk_tokens`` up;
+        later ones ``long_chunk_tokens``, or down to ``min_piece_tokens`` (the shapes
+        whose costs are measured, not fitted)."""
+        config, cost = self.config, self.chunk_cost
+        if cost is None:
+            return config.long_piece
+        cache, rows = self.prefill_cache, config.row_buckets[0]
+        z = cache.page_size
+        context = cache.context_width(-(-work.done // z)) * z if work.done else 0
+        budget_ms = cost.ms(rows, self.bucket(config.max_prefill_tokens), 0)
+        top = config.long_piece if work.done else config.chunk_tokens
+        floor = config.piece_floor if work.done else config.long_piece
+        sizes = [top, *self.context_lengths(alone=True)]
+        sizes = sorted({t for t in sizes if t % z == 0 and floor <= t <= top})
+        fits = [
+            t
+            for t in sizes
+            if cost.ms(rows, self._length([min(t, work.remaining)], bool(work.done), True), context)
+            <= budget_ms
+        ]
+        return max(fits) if fits else sizes[0]
 
     def schedule_prefill(self, budget: int | None, spent: int = 0) -> PrefillPlan:
         """The next prefill: the next chunk of a long prompt, or queued requests placed in
@@ -366,7 +437,7 @@ class Scheduler:
         if not works:
             return PrefillPlan(cancelled=cancelled)
         takes = [self._take(w) for w in works]
-        length = self._length(takes, any(w.done for w in works))
+        length = self._length(takes, any(w.done for w in works), self._long(works))
         chunks = []
         for work, take in zip(works, takes, strict=True):
             self._works[id(work.request)] = work

@@ -29,7 +29,8 @@ HOLD_POLL_S = 0.05
 class Bucket:
     """One compiled shape. ``kind``: ``"prefill"`` (``rows x tokens`` new tokens, with the
     first-token draw and the insert into pages), ``"context"`` (the same after ``context``
-    cached tokens) or ``"decode"`` (a step of ``rows`` rows over ``tokens`` positions)."""
+    cached tokens), ``"decode"`` (a step of ``rows`` rows over ``tokens`` positions) or
+    ``"split"`` (one group of a decode step split by width: ``rows`` rows chosen by id)."""
 
     kind: str
     rows: int
@@ -39,6 +40,8 @@ class Bucket:
     def describe(self) -> str:
         if self.kind == "decode":
             return f"decode step of {self.rows} rows x {self.tokens} tokens"
+        if self.kind == "split":
+            return f"decode group of {self.rows} rows x {self.tokens} tokens"
         if self.kind == "context":
             return f"prefill of {self.rows} x {self.tokens} tokens after {self.context} cached"
         return f"prefill and insert of {self.rows} x {self.tokens} tokens"
@@ -60,7 +63,7 @@ class WarmupPlan:
         return len(self.buckets)
 
     def describe(self) -> str:
-        """``72 programs (prefill: rows {1,4} x tokens {8,16,32,64,128,256} (12); ...``."""
+        """``119 programs (prefill: rows {1,4} x tokens {8,16,32,64,128,256} (12); ...``."""
         parts = []
         for kind, what in (("prefill", "prefill"), ("context", "prefill after cached")):
             got = [b for b in self.buckets if b.kind == kind]
@@ -72,20 +75,23 @@ class WarmupPlan:
                     f"{what}: rows {_values([b.rows for b in got])} x tokens "
                     f"{_values([b.tokens for b in got])}{extra} ({len(got)})"
                 )
-        steps = [b for b in self.buckets if b.kind == "decode"]
-        if steps:
-            parts.append(
-                f"decode: rows {_values([b.rows for b in steps])} x tokens "
-                f"{_values([b.tokens for b in steps])} ({len(steps)})"
-            )
+        for kind, what in (("decode", "decode"), ("split", "decode groups")):
+            steps = [b for b in self.buckets if b.kind == kind]
+            if steps:
+                parts.append(
+                    f"{what}: rows {_values([b.rows for b in steps])} x tokens "
+                    f"{_values([b.tokens for b in steps])} ({len(steps)})"
+                )
         return f"{len(self.buckets)} programs ({'; '.join(parts)})"
 
 
 def ordered(buckets: Sequence[Bucket]) -> WarmupPlan:
     """A plan of ``buckets``, smallest first: the smallest plain prefill and decode step
-    (what a lazy warm-up waits for), then by rows, then by size."""
-    order = {"prefill": 0, "decode": 1, "context": 2}
-    rest = sorted(buckets, key=lambda b: (b.rows, order[b.kind], b.tokens, b.context))
+    (what a lazy warm-up waits for), then by rows, then by size; decode groups of split
+    steps last (until they are compiled, a step runs whole)."""
+    order = {"prefill": 0, "decode": 1, "context": 2, "split": 3}
+    key = lambda b: (b.kind == "split", b.rows, order[b.kind], b.tokens, b.context)  # noqa: E731
+    rest = sorted(buckets, key=key)
     first = []
     for kind in ("prefill", "decode"):
         of_kind = [b for b in rest if b.kind == kind]
