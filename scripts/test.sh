@@ -16,9 +16,10 @@
 #                            ~2): 1,119 tests, 6 min 13 s (710 s of file time over 2
 #                            workers).
 #   scripts/test.sh          the full tier, what CI runs (.ci/run): every test, on two JAX
-#                            releases, below. Measured 2026-11-28, idle: 21 min 30 s in all
-#                            (3.11: 141 tests, 1 min 33 s; 3.12: 1,554 tests, 19 min 53 s,
-#                            of which test_pod_compile.py alone takes 4.6 min).
+#                            releases, below. Measured 2026-11-28 (load 2-4): 23 min 36 s in
+#                            all, over the 20-minute goal (3.11: 137 tests, 1 min 44 s; 3.12:
+#                            1,594 tests, 21 min 45 s, of which test_pod_compile.py takes
+#                            3.1 min; both cores busy throughout: 193% CPU).
 # Test programs compile for CPU with LLVM at -O0 (tests/conftest.py): XLA's HLO passes run as
 # always, so every sharding, collective and memory figure is the one users get.
 # Nothing the fast tier leaves out is skipped: it is deselected by its marker, and the full
