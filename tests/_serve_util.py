@@ -7,6 +7,7 @@ to say 200, and ends the process when the test is done: SIGTERM, then SIGKILL.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -158,6 +159,21 @@ class Offline:
     def _greedy_run(self, prompt: tuple[int, ...]) -> list[int]:
         return self.engine.generate([list(prompt)], REFERENCE_TOKENS, stop_tokens=()).tokens[0]
 
+    def expected(self, body: dict) -> list[int]:
+        """What one device answers a completions ``body`` (greedy, or seeded sampling with
+        its temperature and top-k), token for token, ignoring EOS."""
+        if body["temperature"] == 0.0:
+            return self.greedy(body["prompt"], body["max_tokens"], eos=False)
+        sampling = Sampling(temperature=body["temperature"], top_k=body["top_k"])
+        out = self.engine.generate(
+            [body["prompt"]],
+            body["max_tokens"],
+            sampling=sampling,
+            seed=body["seed"],
+            stop_tokens=(),
+        )
+        return out.tokens[0]
+
     def greedy(self, prompt: list[int], n: int, *, eos: bool = True) -> list[int]:
         """The first ``n`` greedy tokens (ending at the first EOS when ``eos``)."""
         assert n <= REFERENCE_TOKENS
@@ -180,3 +196,23 @@ class Offline:
 
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([t for t in tokens if t not in self.eos])
+
+
+async def send_all(url: str, bodies: list[dict], send) -> list:
+    """``send(http, body)`` for every body at once, one connection each."""
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+        return await asyncio.gather(*(send(http, body) for body in bodies))
+
+
+def sigterm_in_flight(url: str, proc: subprocess.Popen, body: dict) -> httpx.Response:
+    """Posts a completion, SIGTERMs ``proc`` while it runs, and returns its response."""
+
+    async def in_flight() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            task = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            return await task
+
+    return asyncio.run(in_flight())

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import signal
 import time
 
 import httpx
@@ -33,6 +32,8 @@ from tests._serve_util import (
     Offline,
     ServerProcess,
     process_pair,
+    send_all,
+    sigterm_in_flight,
 )
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -144,35 +145,17 @@ async def _send(http: httpx.AsyncClient, body: dict) -> tuple[int, list[int], st
     return (503 if "process_lost" in error else 200), tokens, error
 
 
-async def _send_all(url: str, bodies: list[dict]) -> list:
-    limits = httpx.Limits(max_connections=len(bodies))
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        return await asyncio.gather(*(_send(http, body) for body in bodies))
-
-
-def _expected(offline: Offline, body: dict) -> list[int]:
-    if body["temperature"] == 0.0:
-        return offline.greedy(body["prompt"], body["max_tokens"], eos=False)
-    from jaxpar.engine import Sampling
-
-    sampling = Sampling(temperature=body["temperature"], top_k=body["top_k"])
-    out = offline.engine.generate(
-        [body["prompt"]], body["max_tokens"], sampling=sampling, seed=body["seed"], stop_tokens=()
-    )
-    return out.tokens[0]
-
-
 def test_32_requests_across_two_processes_equal_one_process_and_offline(servers, offline):
     pair, single = servers["pair"], servers["single"]
     leader = pair.leader.wait_ready()
     single.wait_ready()
     bodies = _requests(32)
-    across = asyncio.run(_send_all(leader.url, bodies))
-    alone = asyncio.run(_send_all(single.url, bodies))
+    across = asyncio.run(send_all(leader.url, bodies, _send))
+    alone = asyncio.run(send_all(single.url, bodies, _send))
     for body, (status, tokens, error), (_, reference, _) in zip(bodies, across, alone, strict=True):
         assert status == 200, error
         assert tokens == reference, body  # 2 processes x 4 devices = 1 process x 8
-        assert tokens == _expected(offline, body), body  # = offline, one device
+        assert tokens == offline.expected(body), body  # = offline, one device
     # Prompt log-likelihoods (echo, max_tokens 0: lm-eval's loglikelihood) score on every
     # process too.
     echo = {"model": MODEL, "prompt": [1, 40, 41, 42], "max_tokens": 0, "echo": True}
@@ -223,10 +206,10 @@ def test_16_concurrent_requests_twice_equal_one_process(servers, offline, sample
     leader = pair.leader.wait_ready()
     single.wait_ready()
     bodies = _burst(sampled=sampled)
-    alone = asyncio.run(_send_all(single.url, bodies))
+    alone = asyncio.run(send_all(single.url, bodies, _send))
     for attempt in range(2):
         start = time.monotonic()
-        across = asyncio.run(_send_all(leader.url, bodies))
+        across = asyncio.run(send_all(leader.url, bodies, _send))
         print(
             f"burst {attempt} ({'seeded' if sampled else 'greedy'}): {time.monotonic() - start:.1f} s"
         )
@@ -348,14 +331,7 @@ def test_sigterm_to_process_0_drains_and_stops_both(servers):
     leader = pair.leader.wait_ready()
     body = {"model": MODEL, "prompt": [1, 20, 30], "max_tokens": 20, "ignore_eos": True}
 
-    async def in_flight() -> httpx.Response:
-        async with httpx.AsyncClient(base_url=leader.url, timeout=120) as http:
-            task = asyncio.create_task(http.post("/v1/completions", json=body))
-            await asyncio.sleep(0.3)
-            leader.proc.send_signal(signal.SIGTERM)
-            return await task
-
-    response = asyncio.run(in_flight())
+    response = sigterm_in_flight(leader.url, leader.proc, body)
     assert response.status_code == 200, response.text  # drained: it finished
     assert len(response.json()["choices"][0]["text"]) > 0
     for proc in pair.procs:

@@ -18,8 +18,7 @@ import re
 import httpx
 import pytest
 
-from jaxpar.engine import Sampling
-from tests._serve_util import MODEL, REFERENCE_TOKENS, Offline, ServerProcess
+from tests._serve_util import MODEL, REFERENCE_TOKENS, Offline, ServerProcess, send_all
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -115,22 +114,6 @@ async def _send(http: httpx.AsyncClient, body: dict) -> tuple[int, list[int], st
     return 200, tokens, ""
 
 
-async def _send_all(url: str, bodies: list[dict]) -> list:
-    limits = httpx.Limits(max_connections=len(bodies))
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        return await asyncio.gather(*(_send(http, body) for body in bodies))
-
-
-def _expected(offline: Offline, body: dict) -> list[int]:
-    if body["temperature"] == 0.0:
-        return offline.greedy(body["prompt"], body["max_tokens"], eos=False)
-    sampling = Sampling(temperature=body["temperature"], top_k=body["top_k"])
-    out = offline.engine.generate(
-        [body["prompt"]], body["max_tokens"], sampling=sampling, seed=body["seed"], stop_tokens=()
-    )
-    return out.tokens[0]
-
-
 def _metric(text: str, name: str) -> float:
     match = re.search(rf"^jaxpar:{name}(?:_total)?{{[^}}]*}} (\S+)$", text, flags=re.M)
     assert match, f"no jaxpar:{name} in /metrics"
@@ -141,10 +124,10 @@ def _metric(text: str, name: str) -> float:
 def test_concurrent_requests_equal_one_device_with_preemption(servers, offline, strategy):
     server = servers[strategy].wait_ready()
     bodies = _requests()
-    answers = asyncio.run(_send_all(server.url, bodies))
+    answers = asyncio.run(send_all(server.url, bodies, _send))
     for body, (status, tokens, error) in zip(bodies, answers, strict=True):
         assert status == 200, error
-        assert tokens == _expected(offline, body), body
+        assert tokens == offline.expected(body), body
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert _metric(metrics, "num_preemptions") > 0  # the tiny pool took rows back
     assert _metric(metrics, "prefix_cache_hits") > 0  # the shared prefix's pages

@@ -12,13 +12,12 @@ executor's, whatever the strategy (``tests/test_serve_multihost.py``).
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import httpx
 import pytest
 
-from tests._serve_util import MODEL, Offline, process_pair
-from tests.test_serve_pipeline import COMMON, _expected, _metric, _requests, _send_all
+from tests._serve_util import MODEL, Offline, process_pair, send_all, sigterm_in_flight
+from tests.test_serve_pipeline import COMMON, _metric, _requests, _send
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -47,10 +46,10 @@ def offline():
 def test_one_stage_per_process_answers_equal_one_device(pair, offline):
     leader = pair[0].wait_ready()
     bodies = _requests()
-    answers = asyncio.run(_send_all(leader.url, bodies))
+    answers = asyncio.run(send_all(leader.url, bodies, _send))
     for body, (status, tokens, error) in zip(bodies, answers, strict=True):
         assert status == 200, error
-        assert tokens == _expected(offline, body), body
+        assert tokens == offline.expected(body), body
     metrics = httpx.get(f"{leader.url}/metrics", timeout=10).text
     assert 0 < _metric(metrics, "pipeline_bubble_fraction") < 1
     assert leader.health()["lockstep"]["processes"] == 2
@@ -60,14 +59,7 @@ def test_sigterm_to_process_0_drains_and_stops_both(pair):
     leader = pair[0].wait_ready()
     body = {"model": MODEL, "prompt": [1, 20, 30], "max_tokens": 20, "ignore_eos": True}
 
-    async def in_flight() -> httpx.Response:
-        async with httpx.AsyncClient(base_url=leader.url, timeout=120) as http:
-            task = asyncio.create_task(http.post("/v1/completions", json=body))
-            await asyncio.sleep(0.3)
-            leader.proc.send_signal(signal.SIGTERM)
-            return await task
-
-    response = asyncio.run(in_flight())
+    response = sigterm_in_flight(leader.url, leader.proc, body)
     assert response.status_code == 200, response.text  # drained: it finished
     for proc in pair:
         assert proc.proc.wait(EXIT_LIMIT_S) == 0, proc.log()
