@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import signal
 import socket
@@ -198,11 +199,34 @@ class Offline:
         return self.tokenizer.decode([t for t in tokens if t not in self.eos])
 
 
-async def send_all(url: str, bodies: list[dict], send) -> list:
-    """``send(http, body)`` for every body at once, one connection each."""
+async def send_completion(http: httpx.AsyncClient, body: dict) -> tuple[int, list[int], str]:
+    """(status, token ids, error text) of one completions request, streamed or not; a
+    stream's error event counts as 503 when it names a lost process, else 500."""
+    if not body["stream"]:
+        response = await http.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            return response.status_code, [], response.text
+        return 200, response.json()["choices"][0]["token_ids"], ""
+    tokens, error = [], ""
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, [], (await response.aread()).decode()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = json.dumps(event)
+                    continue
+                tokens += event["choices"][0].get("token_ids", [])
+    status = 200 if not error else 503 if "process_lost" in error else 500
+    return status, tokens, error
+
+
+async def send_all(url: str, bodies: list[dict]) -> list:
+    """:func:`send_completion` of every body at once, one connection each."""
     limits = httpx.Limits(max_connections=len(bodies))
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        return await asyncio.gather(*(send(http, body) for body in bodies))
+        return await asyncio.gather(*(send_completion(http, body) for body in bodies))
 
 
 def sigterm_in_flight(url: str, proc: subprocess.Popen, body: dict) -> httpx.Response:

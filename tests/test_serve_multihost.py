@@ -33,6 +33,7 @@ from tests._serve_util import (
     ServerProcess,
     process_pair,
     send_all,
+    send_completion,
     sigterm_in_flight,
 )
 
@@ -124,34 +125,13 @@ def _requests(n: int) -> list[dict]:
     return out
 
 
-async def _send(http: httpx.AsyncClient, body: dict) -> tuple[int, list[int], str]:
-    """(status, token ids, error text) of one request."""
-    if not body["stream"]:
-        response = await http.post("/v1/completions", json=body)
-        if response.status_code != 200:
-            return response.status_code, [], response.text
-        return 200, response.json()["choices"][0]["token_ids"], ""
-    tokens, error = [], ""
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return response.status_code, [], (await response.aread()).decode()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = json.dumps(event)
-                    continue
-                tokens += event["choices"][0].get("token_ids", [])
-    return (503 if "process_lost" in error else 200), tokens, error
-
-
 def test_32_requests_across_two_processes_equal_one_process_and_offline(servers, offline):
     pair, single = servers["pair"], servers["single"]
     leader = pair.leader.wait_ready()
     single.wait_ready()
     bodies = _requests(32)
-    across = asyncio.run(send_all(leader.url, bodies, _send))
-    alone = asyncio.run(send_all(single.url, bodies, _send))
+    across = asyncio.run(send_all(leader.url, bodies))
+    alone = asyncio.run(send_all(single.url, bodies))
     for body, (status, tokens, error), (_, reference, _) in zip(bodies, across, alone, strict=True):
         assert status == 200, error
         assert tokens == reference, body  # 2 processes x 4 devices = 1 process x 8
@@ -206,10 +186,10 @@ def test_16_concurrent_requests_twice_equal_one_process(servers, offline, sample
     leader = pair.leader.wait_ready()
     single.wait_ready()
     bodies = _burst(sampled=sampled)
-    alone = asyncio.run(send_all(single.url, bodies, _send))
+    alone = asyncio.run(send_all(single.url, bodies))
     for attempt in range(2):
         start = time.monotonic()
-        across = asyncio.run(send_all(leader.url, bodies, _send))
+        across = asyncio.run(send_all(leader.url, bodies))
         print(
             f"burst {attempt} ({'seeded' if sampled else 'greedy'}): {time.monotonic() - start:.1f} s"
         )
@@ -353,10 +333,10 @@ def test_killing_process_1_gets_503_naming_it_and_process_0_exits(servers):
 
     async def kill_mid_stream() -> list:
         async with httpx.AsyncClient(base_url=leader.url, timeout=120) as http:
-            tasks = [asyncio.create_task(_send(http, b)) for b in bodies[:4]]
+            tasks = [asyncio.create_task(send_completion(http, b)) for b in bodies[:4]]
             await asyncio.sleep(0.5)
             pair.procs[1].proc.kill()
-            tasks += [asyncio.create_task(_send(http, b)) for b in bodies[4:]]
+            tasks += [asyncio.create_task(send_completion(http, b)) for b in bodies[4:]]
             return await asyncio.gather(*tasks)
 
     started = time.monotonic()

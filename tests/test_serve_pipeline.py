@@ -11,7 +11,6 @@ bubble fraction the pipelined steps paid, and the preemptions.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 
@@ -94,26 +93,6 @@ def _requests() -> list[dict]:
     return out
 
 
-async def _send(http: httpx.AsyncClient, body: dict) -> tuple[int, list[int], str]:
-    """(status, token ids, error text) of one request, streamed or not."""
-    if not body["stream"]:
-        response = await http.post("/v1/completions", json=body)
-        if response.status_code != 200:
-            return response.status_code, [], response.text
-        return 200, response.json()["choices"][0]["token_ids"], ""
-    tokens = []
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return response.status_code, [], (await response.aread()).decode()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return 500, tokens, json.dumps(event)
-                tokens += event["choices"][0].get("token_ids", [])
-    return 200, tokens, ""
-
-
 def _metric(text: str, name: str) -> float:
     match = re.search(rf"^jaxpar:{name}(?:_total)?{{[^}}]*}} (\S+)$", text, flags=re.M)
     assert match, f"no jaxpar:{name} in /metrics"
@@ -124,7 +103,7 @@ def _metric(text: str, name: str) -> float:
 def test_concurrent_requests_equal_one_device_with_preemption(servers, offline, strategy):
     server = servers[strategy].wait_ready()
     bodies = _requests()
-    answers = asyncio.run(send_all(server.url, bodies, _send))
+    answers = asyncio.run(send_all(server.url, bodies))
     for body, (status, tokens, error) in zip(bodies, answers, strict=True):
         assert status == 200, error
         assert tokens == offline.expected(body), body

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests._serve_util import MODEL, Offline, process_pair, send_all, sigterm_in_flight
-from tests.test_serve_pipeline import COMMON, _metric, _requests, _send
+from tests.test_serve_pipeline import COMMON, _metric, _requests
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def offline():
 def test_one_stage_per_process_answers_equal_one_device(pair, offline):
     leader = pair[0].wait_ready()
     bodies = _requests()
-    answers = asyncio.run(send_all(leader.url, bodies, _send))
+    answers = asyncio.run(send_all(leader.url, bodies))
     for body, (status, tokens, error) in zip(bodies, answers, strict=True):
         assert status == 200, error
         assert tokens == offline.expected(body), body
