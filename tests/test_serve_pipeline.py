@@ -99,14 +99,19 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_concurrent_requests_equal_one_device_with_preemption(servers, offline, strategy):
-    server = servers[strategy].wait_ready()
+def check_answers(url: str, offline: Offline) -> None:
+    """:func:`_requests` sent at once: each answer equals one device's."""
     bodies = _requests()
-    answers = asyncio.run(send_all(server.url, bodies))
+    answers = asyncio.run(send_all(url, bodies))
     for body, (status, tokens, error) in zip(bodies, answers, strict=True):
         assert status == 200, error
         assert tokens == offline.expected(body), body
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_concurrent_requests_equal_one_device_with_preemption(servers, offline, strategy):
+    server = servers[strategy].wait_ready()
+    check_answers(server.url, offline)
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert _metric(metrics, "num_preemptions") > 0  # the tiny pool took rows back
     assert _metric(metrics, "prefix_cache_hits") > 0  # the shared prefix's pages

@@ -11,13 +11,11 @@ executor's, whatever the strategy (``tests/test_serve_multihost.py``).
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
-from tests._serve_util import MODEL, Offline, process_pair, send_all, sigterm_in_flight
-from tests.test_serve_pipeline import COMMON, _metric, _requests
+from tests._serve_util import MODEL, Offline, process_pair, sigterm_in_flight
+from tests.test_serve_pipeline import COMMON, _metric, check_answers
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -45,11 +43,7 @@ def offline():
 
 def test_one_stage_per_process_answers_equal_one_device(pair, offline):
     leader = pair[0].wait_ready()
-    bodies = _requests()
-    answers = asyncio.run(send_all(leader.url, bodies))
-    for body, (status, tokens, error) in zip(bodies, answers, strict=True):
-        assert status == 200, error
-        assert tokens == offline.expected(body), body
+    check_answers(leader.url, offline)
     metrics = httpx.get(f"{leader.url}/metrics", timeout=10).text
     assert 0 < _metric(metrics, "pipeline_bubble_fraction") < 1
     assert leader.health()["lockstep"]["processes"] == 2

@@ -20,6 +20,8 @@ import collections
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
+import jax
+
 from jaxpar.engine._admission import Admission
 from jaxpar.engine._batcher_programs import (
     BatcherPrograms,
@@ -78,7 +80,8 @@ class ContinuousBatcher:
             both dispatches' programs are ready: compiled by the warm-up (those a split
             can run) and run once by the idle loop. A split never compiles, nor runs a
             program for the first time, while the streams wait. Default (None): on,
-            except for pipelined engines (pp > 1), whose steps do not split.
+            except for pipelined engines (pp > 1), whose steps do not split, and in a
+            multi-process job, where no group program is primed (none would ever run).
     """
 
     def __init__(
@@ -102,8 +105,9 @@ class ContinuousBatcher:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue, self.prefix_caching = max_queue, prefix_caching
         budget = kv_budget or KVBudget()
-        if split_decode is None:
-            split_decode = engine.parallel_config.pp == 1
+        if split_decode is None:  # a split runs only programs primed while idle, which
+            # several processes do not do (their steps would wait in collectives)
+            split_decode = engine.parallel_config.pp == 1 and jax.process_count() == 1
         p = batcher_parts(engine, prefill_engine, budget, prefix_caching, *limits, split_decode)
         self.pool, self.pages, self.slot_steps, self.cache = p.pool, p.pages, p.slot_steps, p.cache
         self.prefill_cache, self.prefill_slot_steps = p.prefill_cache, p.prefill_slot_steps
